@@ -1,0 +1,82 @@
+"""AttentionBackend ABC and the metadata every backend reads.
+
+Layout contract (all backends):
+- The batch is flattened: tokens of request i occupy rows
+  query_start_loc[i] : query_start_loc[i + 1] of q/k/v (num_tokens rows in all, maybe
+  followed by padding rows when a CUDA graph runs at a padded size).
+- One KV cache tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+  (index 0 = K, 1 = V). Token t of request i lives in block
+  block_tables[i, t // block_size] at offset t % block_size.
+- slot_mapping[j] = block_id * block_size + offset for query row j; -1 marks a padding
+  row whose K/V must not be written.
+- Request i has seq_lens[i] tokens of context after this step; its query rows are the
+  last query_lens[i] of them (context_lens[i] = seq_lens[i] - query_lens[i] tokens are
+  already in the cache: earlier chunks, earlier decodes or prefix-cache hits).
+- Attention is causal: query row for position p attends to positions 0..p.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], on device
+    seq_lens: torch.Tensor  # int32 [num_reqs], on device
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], on device
+    slot_mapping: torch.Tensor  # int64 [num_tokens (padded)], on device; -1 = padding
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for backends that loop or size launches on the host.
+    query_start_loc_cpu: Optional[torch.Tensor] = None
+    seq_lens_cpu: Optional[torch.Tensor] = None
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """A way to run paged attention. One instance serves every layer of a model."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Writes k/v into kv_cache at slot_mapping, then attends q to the whole context."""
+
+    # CUDA graph hooks. A backend that supports capture keeps its metadata tensors at
+    # fixed addresses; capture/replay copy fresh values into them.
+    def supports_cuda_graphs(self) -> bool:
+        return False
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int, device) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def metadata_for_capture(self, batch_size: int) -> AttentionMetadata:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")

@@ -1,0 +1,98 @@
+"""Contracts between scheduler, worker and engine (no torch).
+
+The scheduler sends diffs: a request's full data once (NewRequestData), then only
+what changed (CachedRequestData). Workers keep persistent per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no state for: first schedule, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (empty on first schedule); the worker needs
+    # them for penalties and to recompute their KV.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed since the last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended (sampled) since the last time it was scheduled
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> number of tokens to compute this step (draft tokens included).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft token ids scheduled for verification this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the worker must forget: finished or aborted since the last step, or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the sampled (or prompt) token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the first token in the full distribution
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request (same order as req_ids): tokens sampled this step. Empty for a
+    # prefill chunk that does not reach the end of the prompt.
+    sampled_token_ids: list[list[int]]
+    # Per request: logprobs of each sampled token, when the request asked for them.
+    logprobs: list[Optional[list[TokenLogprobs]]] = field(default_factory=list)
+    # req_id -> prompt logprobs computed this step (one entry per prompt position, the
+    # first position has none and is omitted; chunked prefill appends across steps).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for the next step (speculative decoding).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> error message, for a request whose step failed (bad logits, ...).
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the scheduler hands the output processor for one request after a step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[TokenLogprobs]] = None
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

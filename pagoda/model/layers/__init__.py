@@ -1,0 +1,1 @@
+"""pagoda.model.layers"""

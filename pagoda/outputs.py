@@ -1,0 +1,44 @@
+"""User-facing outputs, shaped like vLLM's so users can switch without rewriting code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per generated (or prompt) position: token id -> Logprob.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: Optional[object] = None  # the stop string or stop token id that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
