@@ -1,1 +1,1 @@
-"""pagoda.worker"""
+"""Workers: the model runner, its persistent per-request state, KV cache tensors."""

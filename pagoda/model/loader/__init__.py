@@ -1,1 +1,105 @@
-"""pagoda.model.loader"""
+"""Model loading: pick the weight format, build the model on meta, materialise, fill.
+
+``load_model(model_path_or_preset, load_format, dtype, device, seed) -> (model, arch)``
+
+Formats:
+- "gguf": a .gguf file, or a directory holding exactly one.
+- "safetensors": a Hugging Face directory (config.json + *.safetensors, sharded or not).
+- "dummy": a preset name (see pagoda.model.presets) or a directory with config.json;
+  weights are seeded random values.
+- "auto": the first of the above that the path fits; a preset name needs "dummy"
+  explicitly (a benchmark shape must never be mistaken for a real model).
+
+dtype "auto" means the checkpoint's torch_dtype: config.json's for HF directories, the
+preset's for dummy weights, float32 for GGUF (its weights are dequantized to float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import nn
+
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.presets import PRESET_NAMES, is_preset
+from pagoda.model.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "half": torch.float16,
+           "bf16": torch.bfloat16, "float": torch.float32}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], arch: ArchConfig) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype; a name or torch.dtype -> that floating dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+        return dtype
+    if dtype == "auto":
+        return _DTYPES[arch.torch_dtype]
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def find_gguf_file(path: Path) -> Path | None:
+    """The .gguf file at path (a file, or a directory holding exactly one), else None."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in files)}); "
+                             f"pass the file itself")
+        return files[0] if files else None
+    return None
+
+
+def is_safetensors_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def detect_load_format(model: str) -> str:
+    """The format "auto" resolves to for this path or preset name."""
+    path = Path(model)
+    if find_gguf_file(path) is not None:
+        return "gguf"
+    if is_safetensors_dir(path):
+        return "safetensors"
+    if is_preset(model):
+        raise ValueError(f"{model!r} is a preset (a shape without weights): pass "
+                         f"load_format='dummy' to run it with random weights")
+    raise ValueError(f"cannot load {model!r}: looked for a .gguf file (or a directory holding "
+                     f"one), a directory with config.json and *.safetensors, or a preset name "
+                     f"({', '.join(PRESET_NAMES)}) with load_format='dummy'")
+
+
+def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device]) -> nn.Module:
+    """The model for arch with uninitialised weights of dtype on device (built on meta,
+    so nothing is allocated or initialised twice)."""
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"):
+        model = cls(arch)
+    model.materialize(device, dtype)
+    return model.eval()
+
+
+def load_model(model_path_or_preset: str, load_format: str = "auto",
+               dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
+               seed: int = 0) -> tuple[nn.Module, ArchConfig]:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load_format {load_format!r}; supported: "
+                         f"{', '.join(LOAD_FORMATS)}")
+    name = str(model_path_or_preset)
+    fmt = detect_load_format(name) if load_format == "auto" else load_format
+    if fmt == "gguf":
+        from pagoda.model.loader.gguf import load_gguf_model
+        return load_gguf_model(Path(name), dtype, device)
+    if fmt == "safetensors":
+        from pagoda.model.loader.safetensors import load_safetensors_model
+        return load_safetensors_model(Path(name), dtype, device)
+    from pagoda.model.loader.dummy import load_dummy_model
+    return load_dummy_model(name, dtype, device, seed)

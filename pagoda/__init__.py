@@ -1,0 +1,20 @@
+"""Pagoda: an LLM inference and serving engine.
+
+    from pagoda import LLM, SamplingParams
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; import it on first use so `pagoda.sampling_params` stays light.
+    if name == "LLM":
+        from pagoda.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

@@ -1,0 +1,68 @@
+"""Builds AttentionMetadata from per-request query and context lengths.
+
+Used by the model runner every step and by tests that drive a model or a kernel
+directly. Host-side arrays are built with plain Python / torch CPU ops, then copied to
+the device once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from pagoda.attention.backend import AttentionMetadata
+
+
+def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],
+                         block_tables: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """Slot (block_id * block_size + offset) of every query token, request after request."""
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        for pos in range(slen - qlen, slen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+    pad_to: Optional[int] = None,
+    max_blocks_per_req: Optional[int] = None,
+) -> AttentionMetadata:
+    """Metadata for a flattened batch. pad_to adds padding rows (slot -1) at the end."""
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        if not 0 < qlen <= slen:
+            raise ValueError(f"need 0 < query_len <= seq_len, got {qlen}, {slen}")
+        if len(table) * block_size < slen:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {slen} tokens")
+    num_tokens = sum(query_lens)
+    slots = compute_slot_mapping(query_lens, seq_lens, block_tables, block_size)
+    if pad_to is not None:
+        if pad_to < num_tokens:
+            raise ValueError(f"pad_to ({pad_to}) < number of tokens ({num_tokens})")
+        slots.extend([-1] * (pad_to - num_tokens))
+    width = max_blocks_per_req or max((len(t) for t in block_tables), default=1)
+    tables = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(list(query_lens), dtype=torch.int32), 0)
+    seq = torch.tensor(list(seq_lens), dtype=torch.int32)
+    return AttentionMetadata(
+        num_reqs=len(query_lens),
+        num_actual_tokens=num_tokens,
+        query_start_loc=qsl.to(device),
+        seq_lens=seq.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+    )

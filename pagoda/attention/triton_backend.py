@@ -1,0 +1,203 @@
+"""The Triton attention backend: store K/V, then paged attention, on the GPU.
+
+Owns `TritonBackend`. Per forward:
+1. `store_kv` writes this step's k/v rows into the cache (slot -1 = padding, skipped);
+2. requests with more than one query row (prefill chunks, spec-decode verification)
+   go through the chunk kernel, grid (query tiles, kv heads);
+3. requests with one query row (decodes) go through the split-K decode kernel and its
+   merge, the number of context slices chosen on the host from the batch's host copies
+   (metadata.query_start_loc_cpu / seq_lens_cpu / max_seq_len) without a device sync.
+
+CUDA graphs (decode-only batches). `init_cuda_graph_state` allocates metadata buffers
+of the largest size; `metadata_for_capture(bs)` returns views of them with no host
+copies (query_start_loc_cpu / seq_lens_cpu = None). A forward on metadata without host
+copies sizes its launches from fixed values only: the number of slices is chosen for
+the longest context the block table can hold, and the kernels read the real lengths
+from the tensors, so programs past a request's end exit at once. `prepare_replay`
+copies a real batch into the buffers; requests past num_reqs get query length 0 and
+are skipped. Output rows of padding tokens are left unwritten in graph mode (eager
+mode zeroes them, as torch_ref does).
+
+The kernels are imported on first use, so importing this module needs no GPU and
+does not fix TRITON_INTERPRET for the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagoda.attention.backend import AttentionBackend, AttentionMetadata
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class _GraphBuffers:
+    """Metadata tensors at fixed addresses, sized for the largest captured batch."""
+    query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
+    seq_lens: torch.Tensor  # int32 [max_batch_size]
+    block_tables: torch.Tensor  # int32 [max_batch_size, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [max_batch_size]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass
+class _LaunchPlan:
+    num_decodes: int  # requests with one query row (an upper bound without host copies)
+    num_splits: int  # context slices of the decode kernel
+    zero_padding_rows: bool
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 num_decode_splits: Optional[int] = None) -> None:
+        """num_decode_splits fixes the decode kernel's context slices (tests, tuning);
+        None chooses them per batch."""
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernels, got {head_dim}")
+        if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
+            raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
+        self.num_decode_splits = num_decode_splits
+        self._graph: Optional[_GraphBuffers] = None
+        self._num_sms: dict[int, int] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
+        from pagoda.kernels.paged_attention import paged_attention_chunks
+        from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS, paged_attention_decode
+        from pagoda.kernels.store_kv import store_kv
+
+        self._check_inputs(q, kv_cache, out)
+        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        if out is None:
+            out = torch.empty_like(q)
+        plan = self._launch_plan(metadata, kv_cache, q.device)
+        if plan.zero_padding_rows and out.shape[0] > metadata.num_actual_tokens:
+            out[metadata.num_actual_tokens:].zero_()
+        if metadata.max_query_len > 1:
+            paged_attention_chunks(out, q, kv_cache, metadata.block_tables,
+                                   metadata.query_start_loc, metadata.seq_lens,
+                                   metadata.num_reqs, metadata.num_actual_tokens, self.scale,
+                                   skip_single_token=plan.num_decodes > 0)
+        if plan.num_decodes > 0:
+            # A fixed split count spreads even short contexts over every slice.
+            min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
+            paged_attention_decode(out, q, kv_cache, metadata.block_tables,
+                                   metadata.query_start_loc, metadata.seq_lens,
+                                   metadata.num_reqs, self.scale, plan.num_splits,
+                                   min_split_tokens=min_split)
+        return out
+
+    def _check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                      out: Optional[torch.Tensor]) -> None:
+        if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"q must be [num_tokens, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if q.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"q dtype {q.dtype} is not supported (float16, bfloat16, float32)")
+        if kv_cache.dtype != q.dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+        if q.stride(2) != 1:
+            raise ValueError("q needs a contiguous last (head_dim) dimension")
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
+
+    def _launch_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor,
+                     device: torch.device) -> _LaunchPlan:
+        from pagoda.kernels.paged_decode import choose_num_splits
+
+        has_host_copies = metadata.query_start_loc_cpu is not None and metadata.seq_lens_cpu is not None
+        if has_host_copies:
+            if metadata.max_query_len == 1:
+                num_decodes = metadata.num_reqs
+            else:
+                qsl = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
+                num_decodes = int(((qsl[1:] - qsl[:-1]) == 1).sum())
+            longest = metadata.max_seq_len
+        else:  # graph mode: only values fixed at capture may size the launch
+            num_decodes = metadata.num_reqs
+            longest = metadata.block_tables.shape[1] * kv_cache.shape[2]
+        if self.num_decode_splits is not None:
+            num_splits = self.num_decode_splits
+        else:
+            num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest,
+                                           self._sm_count(device))
+        return _LaunchPlan(num_decodes, num_splits, zero_padding_rows=has_host_copies)
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 4  # the interpreter: any value gives the same result
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._num_sms:
+            self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._num_sms[index]
+
+    # ---- CUDA graphs -------------------------------------------------------------------
+
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int, device) -> None:
+        if max_batch_size < 1 or max_blocks_per_req < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and max_blocks_per_req "
+                             f"({max_blocks_per_req}) must be >= 1")
+        self._graph = _GraphBuffers(
+            query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_batch_size, max_blocks_per_req, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.int64, device=device),
+        )
+
+    def metadata_for_capture(self, batch_size: int) -> AttentionMetadata:
+        """Decode-only metadata over the persistent buffers (one query row per request)."""
+        g = self._graph_buffers(batch_size)
+        return AttentionMetadata(
+            num_reqs=batch_size,
+            num_actual_tokens=batch_size,
+            query_start_loc=g.query_start_loc[: batch_size + 1],
+            seq_lens=g.seq_lens[:batch_size],
+            block_tables=g.block_tables[:batch_size],
+            slot_mapping=g.slot_mapping[:batch_size],
+            max_query_len=1,
+            max_seq_len=1,  # not used to size launches: there are no host copies
+        )
+
+    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
+        """Copies a real decode-only batch (num_reqs <= batch_size) into the buffers."""
+        g = self._graph_buffers(batch_size)
+        n = metadata.num_reqs
+        if metadata.max_query_len > 1:
+            raise ValueError(f"CUDA graphs serve decode-only batches; max_query_len is {metadata.max_query_len}")
+        if n > batch_size or metadata.num_actual_tokens > batch_size:
+            raise ValueError(f"batch of {n} requests / {metadata.num_actual_tokens} tokens does not "
+                             f"fit the graph of batch_size {batch_size}")
+        width = metadata.block_tables.shape[1]
+        if width > g.block_tables.shape[1]:
+            raise ValueError(f"block_tables has {width} columns, graph buffers hold "
+                             f"{g.block_tables.shape[1]} (max_blocks_per_req)")
+        g.query_start_loc[: n + 1].copy_(metadata.query_start_loc[: n + 1], non_blocking=True)
+        # Padding requests: query length 0, so every kernel skips them.
+        g.query_start_loc[n + 1: batch_size + 1].fill_(metadata.num_actual_tokens)
+        g.seq_lens[:n].copy_(metadata.seq_lens[:n], non_blocking=True)
+        g.seq_lens[n:batch_size].fill_(0)
+        g.block_tables[:n, :width].copy_(metadata.block_tables[:n], non_blocking=True)
+        rows = min(metadata.slot_mapping.shape[0], batch_size)
+        g.slot_mapping[:rows].copy_(metadata.slot_mapping[:rows], non_blocking=True)
+        g.slot_mapping[rows:batch_size].fill_(-1)
+
+    def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state() before capturing or replaying")
+        if not 1 <= batch_size <= self._graph.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} is outside [1, {self._graph.max_batch_size}]")
+        return self._graph
+

@@ -1,0 +1,209 @@
+"""Benchmark workloads: the prompts and output lengths a run sends.
+
+Owns the four datasets of `pagoda bench` (vLLM's names and semantics):
+
+- `random`: token-exact prompts of `input_len * [1 - r, 1 + r]` tokens (r = range
+  ratio) after an optional shared prefix of `prefix_len` tokens; output lengths drawn
+  the same way from `output_len`.
+- `prefix-repetition`: `num_prefixes` long shared prefixes, each request one of them
+  plus its own suffix, for measuring prefix caching.
+- `sharegpt`: a ShareGPT-format JSON file the user brings (first human turn = prompt,
+  first reply = its output length), filtered like vLLM's (prompt and output >= 4
+  tokens, prompt <= 1024, prompt + output <= 2048) unless an output length is fixed.
+- `custom`: JSONL, one `{"prompt": str, "output_tokens": int?}` per line.
+
+Every generator is deterministic for a given seed and tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from pagoda.bench.tokenizers import BenchTokenizer, build_exact_prompt, corpus_token_pool
+
+DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+
+
+@dataclass
+class SampleRequest:
+    prompt: Union[str, list[int]]  # token ids only in the offline benchmarks
+    prompt_len: Optional[int]  # content tokens; None when no tokenizer measured it
+    expected_output_len: int
+
+
+def _need_tokenizer(tokenizer: Optional[BenchTokenizer], dataset: str) -> BenchTokenizer:
+    if tokenizer is None:
+        raise ValueError(f"dataset {dataset!r} needs a tokenizer: the server's /tokenize route, "
+                         "or --tokenizer PATH (local files)")
+    return tokenizer
+
+
+def draw_lengths(mean: int, ratio: float, n: int, rng: np.random.Generator, name: str) -> list[int]:
+    """n integers uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1."""
+    if not isinstance(mean, int) or mean < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {mean!r}")
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"random_range_ratio must be in [0, 1), got {ratio!r}")
+    low = max(1, int(np.floor(mean * (1.0 - ratio))))
+    high = max(low, int(np.ceil(mean * (1.0 + ratio))))
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def random_requests(tokenizer: Optional[BenchTokenizer], num_prompts: int, input_len: int,
+                    output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
+                    seed: int = 0) -> list[SampleRequest]:
+    """Token-exact random prompts; prompt_len counts prefix + random part."""
+    tok = _need_tokenizer(tokenizer, "random")
+    _check_count(num_prompts)
+    if prefix_len < 0:
+        raise ValueError(f"random_prefix_len must be >= 0, got {prefix_len!r}")
+    rng = np.random.default_rng(seed)
+    pool = corpus_token_pool(tok)
+    prefix = build_exact_prompt(tok, pool, prefix_len, rng)[0] if prefix_len else ""
+    in_lens = draw_lengths(input_len, range_ratio, num_prompts, rng, "random_input_len")
+    out_lens = draw_lengths(output_len, range_ratio, num_prompts, rng, "random_output_len")
+    samples = []
+    for n_in, n_out in zip(in_lens, out_lens):
+        text, count = build_exact_prompt(tok, pool, prefix_len + n_in, rng, prefix=prefix)
+        samples.append(SampleRequest(text, count, n_out))
+    return samples
+
+
+def prefix_repetition_requests(tokenizer: Optional[BenchTokenizer], num_prompts: int,
+                               prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Requests sharing `num_prefixes` prefixes (assigned round-robin, then shuffled)."""
+    tok = _need_tokenizer(tokenizer, "prefix-repetition")
+    _check_count(num_prompts)
+    for name, value in (("prefix_repetition_prefix_len", prefix_len),
+                        ("prefix_repetition_suffix_len", suffix_len),
+                        ("prefix_repetition_num_prefixes", num_prefixes),
+                        ("prefix_repetition_output_len", output_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    rng = np.random.default_rng(seed)
+    pool = corpus_token_pool(tok)
+    prefixes = [build_exact_prompt(tok, pool, prefix_len, rng)[0] for _ in range(num_prefixes)]
+    samples = []
+    for i in range(num_prompts):
+        text, count = build_exact_prompt(tok, pool, prefix_len + suffix_len, rng,
+                                         prefix=prefixes[i % num_prefixes])
+        samples.append(SampleRequest(text, count, output_len))
+    order = rng.permutation(num_prompts)
+    return [samples[i] for i in order]
+
+
+def sharegpt_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts: int,
+                      output_len: Optional[int] = None, seed: int = 0) -> list[SampleRequest]:
+    """Conversations from a ShareGPT JSON file, shuffled with `seed`."""
+    _check_count(num_prompts)
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+    pairs = []
+    for entry in data:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
+            pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    samples: list[SampleRequest] = []
+    for i in order:
+        if len(samples) == num_prompts:
+            break
+        prompt, reply = pairs[i]
+        sample = _sharegpt_sample(prompt, reply, tokenizer, output_len)
+        if sample is not None:
+            samples.append(sample)
+    if len(samples) < num_prompts:
+        raise ValueError(f"{path} has only {len(samples)} usable conversations "
+                         f"(of {len(pairs)} with two turns); lower --num-prompts")
+    return samples
+
+
+def _sharegpt_sample(prompt: str, reply: str, tokenizer: Optional[BenchTokenizer],
+                     output_len: Optional[int]) -> Optional[SampleRequest]:
+    if output_len is not None:
+        prompt_len = len(tokenizer.encode(prompt)) if tokenizer is not None else None
+        return SampleRequest(prompt, prompt_len, output_len)
+    tok = _need_tokenizer(tokenizer, "sharegpt (without --sharegpt-output-len)")
+    prompt_len, reply_len = len(tok.encode(prompt)), len(tok.encode(reply))
+    if prompt_len < SHAREGPT_MIN_LEN or reply_len < SHAREGPT_MIN_LEN:
+        return None
+    if prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + reply_len > SHAREGPT_MAX_TOTAL_LEN:
+        return None
+    return SampleRequest(prompt, prompt_len, reply_len)
+
+
+def custom_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts: int,
+                    output_len: int = 256, shuffle: bool = False, seed: int = 0) -> list[SampleRequest]:
+    """JSONL lines `{"prompt": str, "output_tokens": int}`; output_tokens defaults to `output_len`."""
+    _check_count(num_prompts)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(_custom_row(path, lineno, line, output_len))
+    if shuffle:
+        order = np.random.default_rng(seed).permutation(len(rows))
+        rows = [rows[i] for i in order]
+    if len(rows) < num_prompts:
+        raise ValueError(f"{path} has {len(rows)} prompts, fewer than --num-prompts {num_prompts}")
+    return [SampleRequest(p, len(tokenizer.encode(p)) if tokenizer is not None else None, n)
+            for p, n in rows[:num_prompts]]
+
+
+def _custom_row(path: str, lineno: int, line: str, default_output_len: int) -> tuple[str, int]:
+    where = f"{path}:{lineno}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON: {err}") from err
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+        raise ValueError(f"{where}: each line needs a non-empty string field 'prompt'")
+    n = row.get("output_tokens", default_output_len)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{where}: 'output_tokens' must be an integer >= 1, got {n!r}")
+    unknown = set(row) - {"prompt", "output_tokens"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+                         "supported: prompt, output_tokens")
+    return row["prompt"], n
+
+
+def _check_count(num_prompts: int) -> None:
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
+
+
+def samples_from_args(args, tokenizer: Optional[BenchTokenizer]) -> list[SampleRequest]:
+    """The dataset named by the CLI flags (`--dataset-name` and its own flags)."""
+    name = args.dataset_name
+    if name in ("sharegpt", "custom") and not args.dataset_path:
+        raise ValueError(f"--dataset-name {name} needs --dataset-path")
+    if name == "random":
+        return random_requests(tokenizer, args.num_prompts, args.random_input_len,
+                               args.random_output_len, args.random_range_ratio,
+                               args.random_prefix_len, args.seed)
+    if name == "prefix-repetition":
+        return prefix_repetition_requests(
+            tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, args.seed)
+    if name == "sharegpt":
+        return sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts,
+                                 args.sharegpt_output_len, args.seed)
+    if name == "custom":
+        return custom_requests(args.dataset_path, tokenizer, args.num_prompts,
+                               args.custom_output_len, shuffle=False, seed=args.seed)
+    raise ValueError(f"dataset_name must be one of {', '.join(DATASETS)}, got {name!r}")

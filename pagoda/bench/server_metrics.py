@@ -1,0 +1,155 @@
+"""What the server itself says during a run, from its Prometheus `/metrics` route.
+
+Owns a small parser of the Prometheus text format and the figures the report takes
+from it: peak memory (every `*memory*bytes` gauge, polled during the run), peak KV
+cache usage, and the run's deltas of preemptions, prefix cache hits/queries and
+speculative decoding accepted/draft tokens. Names are matched after the engine
+prefix (`pagoda:`, `vllm:`, `sglang:`) and without `_total`, so the same run against
+vLLM reads vLLM's counters. A server without `/metrics` gives `available: false`
+and the reason; the run itself is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Optional
+
+import aiohttp
+
+ENGINE_PREFIXES = ("pagoda:", "vllm:", "sglang:")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
+PREEMPTIONS = ("num_preemptions",)
+PREFIX_HITS = ("prefix_cache_hits", "gpu_prefix_cache_hits")
+PREFIX_QUERIES = ("prefix_cache_queries", "gpu_prefix_cache_queries")
+SPEC_ACCEPTED = ("spec_decode_num_accepted_tokens",)
+SPEC_DRAFTS = ("spec_decode_num_draft_tokens",)
+KV_USAGE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value summed over label sets (histogram series keep their suffixes)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        name = match.group(1)
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def _base_name(name: str) -> str:
+    for prefix in ENGINE_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return name[:-len("_total")] if name.endswith("_total") else name
+
+
+def lookup(values: dict[str, float], bases: tuple[str, ...]) -> Optional[float]:
+    """The first metric whose prefix-free, `_total`-free name is one of `bases`."""
+    by_base = {_base_name(k): v for k, v in values.items()}
+    for base in bases:
+        if base in by_base:
+            return by_base[base]
+    return None
+
+
+def memory_gauges(values: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in values.items() if "memory" in k and k.endswith("bytes")}
+
+
+def _delta(before: dict, after: dict, bases: tuple[str, ...]) -> Optional[float]:
+    a, b = lookup(after, bases), lookup(before, bases)
+    if a is None:
+        return None
+    return a - (b or 0.0)
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def summarize_server_metrics(before: dict[str, float], after: dict[str, float],
+                             samples: list[dict[str, float]]) -> dict:
+    """The run's server-side figures from snapshots before, during and after it."""
+    snapshots = [before, *samples, after]
+    peak_memory: dict[str, float] = {}
+    for snap in snapshots:
+        for name, value in memory_gauges(snap).items():
+            peak_memory[name] = max(value, peak_memory.get(name, value))
+    kv_usage = [v for v in (lookup(s, KV_USAGE) for s in snapshots) if v is not None]
+    hits, queries = _delta(before, after, PREFIX_HITS), _delta(before, after, PREFIX_QUERIES)
+    accepted, drafts = _delta(before, after, SPEC_ACCEPTED), _delta(before, after, SPEC_DRAFTS)
+    return {
+        "available": True,
+        "peak_memory_bytes": peak_memory,
+        "peak_kv_cache_usage": max(kv_usage) if kv_usage else None,
+        "preemptions": _delta(before, after, PREEMPTIONS),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": _ratio(hits, queries),
+        "spec_decode_draft_tokens": drafts,
+        "spec_decode_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": _ratio(accepted, drafts),
+    }
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, headers: dict) -> dict[str, float]:
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with session.get(url, headers=headers, timeout=timeout) as response:
+        if response.status != 200:
+            raise RuntimeError(f"GET {url} answered HTTP {response.status}")
+        return parse_prometheus(await response.text(errors="replace"))
+
+
+class MetricsWatcher:
+    """Scrapes `/metrics` before the run, every `interval` seconds during it, and after."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict,
+                 interval: float = 1.0) -> None:
+        self.url = base_url.rstrip("/") + "/metrics"
+        self._session, self._headers, self._interval = session, headers, interval
+        self._before: Optional[dict] = None
+        self._samples: list[dict] = []
+        self._task: Optional[asyncio.Task] = None
+        self.unavailable: Optional[str] = None
+
+    async def start(self) -> None:
+        try:
+            self._before = await scrape(self._session, self.url, self._headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as err:
+            self.unavailable = f"{type(err).__name__}: {err}"
+            return
+        if self._interval > 0:
+            self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                self._samples.append(await scrape(self._session, self.url, self._headers))
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError):
+                pass  # a missed sample only coarsens the peak; before/after still bound it
+
+    async def stop(self) -> dict:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.unavailable is not None:
+            return {"available": False, "reason": self.unavailable}
+        try:
+            after = await scrape(self._session, self.url, self._headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as err:
+            return {"available": False, "reason": f"after the run: {type(err).__name__}: {err}"}
+        return summarize_server_metrics(self._before or {}, after, self._samples)

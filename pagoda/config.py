@@ -1,0 +1,187 @@
+"""Engine configuration: frozen dataclasses with vLLM-compatible field names.
+
+Owns validation: an invalid value fails at construction with a message that names
+the field and the allowed range. Values that depend on the machine ("auto" device,
+dtype, batch-token budget) are resolved by `EngineArgs.create_engine_config()`.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+BLOCK_SIZES = (8, 16, 32, 64)
+GPU_MAX_NUM_BATCHED_TOKENS = 16384
+CPU_MAX_NUM_BATCHED_TOKENS = 4096
+CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+def _fail(name: str, rule: str, value) -> ValueError:
+    return ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise _fail(name, f"one of {', '.join(map(str, choices))}", value)
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise _fail(name, f"an integer >= {minimum}", value)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: Optional[str] = None  # None: the embedded SmolLM2 GGUF
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None  # None: the model's own limit
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: Optional[str] = None
+    chat_template: Optional[str] = None
+    skip_tokenizer_init: bool = False  # token ids in, token ids out
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_positive_int("max_model_len", self.max_model_len, 2)
+        if not isinstance(self.seed, int):
+            raise _fail("seed", "an integer", self.seed)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: Optional[int] = None  # bytes; sizes the pool directly (CPU default 1 GiB)
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("block_size", self.block_size, BLOCK_SIZES)
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise _fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        _check_positive_int("kv_cache_memory", self.kv_cache_memory)
+        _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # None: 16384 on GPU, 4096 on CPU
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_choice("scheduling_policy", self.policy, POLICIES)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise _fail("tensor_parallel_size", "1 (tensor parallelism is not supported yet)",
+                        self.tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+    return torch.cuda.is_available()
+
+
+@dataclass
+class EngineArgs:
+    """Flat keyword arguments (vLLM's names), turned into an EngineConfig."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: Optional[str] = None
+    chat_template: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: Optional[int] = None
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                            f"supported: {', '.join(sorted(cls.field_names()))}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if _cuda_available() else "cpu"
+        elif device == "cuda" and not _cuda_available():
+            raise ValueError("device is 'cuda' but no CUDA GPU is available; use device='cpu'")
+        budget = self.max_num_batched_tokens or (
+            GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS)
+        kv_memory = self.kv_cache_memory
+        if kv_memory is None and device == "cpu":
+            kv_memory = CPU_KV_CACHE_MEMORY
+        return EngineConfig(
+            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.max_model_len,
+                              self.seed, self.load_format, self.served_model_name,
+                              self.chat_template, self.skip_tokenizer_init),
+            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
+                              self.enable_prefix_caching, self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
+                                      self.enable_chunked_prefill),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
+        )

@@ -1,0 +1,483 @@
+"""Scheduler: which requests run in each step, with how many tokens, and what follows.
+
+Owns the request lifecycle inside the engine core: the waiting queue (FCFS or
+priority), the running list, preemption when KV blocks run out, the SchedulerOutput
+diff sent to the worker, and, once the model has run, appending sampled tokens,
+stop checks (eos, stop_token_ids, max_tokens, max_model_len) and freeing finished
+requests. Stop strings need detokenized text, so the engine's output processor checks
+them and calls finish_requests().
+
+Token accounting follows vLLM v1: request.num_computed_tokens advances at the end of
+schedule() by the tokens scheduled (they count as computed for the next step; prefix
+hits are added when the request is admitted), and update_from_output() takes back the
+draft tokens the model rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Union
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.request_queue import create_request_queue
+
+
+class _StepPlan:
+    """What one schedule() call has decided so far; undone piecewise on preemption."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.scheduled: list[Request] = []  # in scheduling order
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_block_ids: dict[str, list[int]] = {}
+        self.spec_tokens: dict[str, list[int]] = {}
+        self.preempted: list[Request] = []
+
+    def record(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.scheduled.append(request)
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = list(new_block_ids)
+        self.token_budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Forgets a request scheduled earlier in this step (it is being preempted)."""
+        rid = request.request_id
+        self.scheduled.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(rid)
+        self.new_block_ids.pop(rid)
+        self.spec_tokens.pop(rid, None)
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache, one token budget per step."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {long_prefill_token_threshold!r}")
+        if not enable_chunked_prefill:
+            if max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                    f"({max_model_len}) when enable_chunked_prefill is False, or long prompts never run")
+            if long_prefill_token_threshold:
+                raise ValueError("long_prefill_token_threshold chunks prompts, so it needs "
+                                 "enable_chunked_prefill=True")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+
+        self.waiting = create_request_queue(policy)  # validates the policy name
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        # Finished since the last schedule(): the worker must drop their state.
+        self.finished_req_ids: set[str] = set()
+        # req_id -> how many of its tokens the worker holds; absent while the worker
+        # holds no state for it (not yet scheduled, or preempted since).
+        self._num_tokens_sent: dict[str, int] = {}
+        # group_id -> the group's sample 0, while unfinished (n > 1 prompt sharing).
+        self._group_leaders: dict[str, Request] = {}
+        # Prompt logprobs come again when a preempted request recomputes its prompt:
+        # req_id -> entries already emitted, and entries received since the last restart.
+        self._prompt_logprobs_emitted: dict[str, int] = {}
+        self._prompt_logprobs_received: dict[str, int] = {}
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"a new request must be WAITING, got {request.status.name}")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}: the prompt must be shorter than max_model_len")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if request.group_id is not None and request.sample_index == 0:
+            self._group_leaders[request.group_id] = request
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.requests.get(request_id)
+
+    def abort_requests(self, request_ids: Union[str, Iterable[str]]) -> list[Request]:
+        """Aborts requests in any state, freeing their blocks; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> list[Request]:
+        """Finishes unfinished requests with `status` (e.g. a stop string matched);
+        returns those finished. Unknown or already finished ids are ignored."""
+        if not RequestStatus(status).finished:
+            raise ValueError(f"status must be a finished status, got {RequestStatus(status).name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        waiting = [r for r in finished if r.status != RequestStatus.RUNNING]
+        self.waiting.remove_many(waiting)
+        for request in finished:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            request.status = RequestStatus(status)
+            self._free_request(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        """Releases a finished request (already out of running and waiting)."""
+        rid = request.request_id
+        self.kv_cache_manager.free(request)
+        del self.requests[rid]
+        self.finished_req_ids.add(rid)
+        self._num_tokens_sent.pop(rid, None)
+        self._prompt_logprobs_emitted.pop(rid, None)
+        self._prompt_logprobs_received.pop(rid, None)
+        if request.group_id is not None and self._group_leaders.get(request.group_id) is request:
+            del self._group_leaders[request.group_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """True while finished ids are still to be sent to the worker by schedule()."""
+        return bool(self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        # The one rule (vLLM v1): there are no prefill and decode phases. Every request
+        # tries to bring num_computed_tokens up to num_tokens_with_spec (prompt + output
+        # + draft tokens) within one token budget per step. RUNNING requests go first,
+        # in order; when the KV cache has no room for one, the lowest-priority /
+        # latest-arrived running request is preempted (blocks freed, recomputed later)
+        # until it fits, or until it is itself the one preempted. Then, if nothing was
+        # preempted, WAITING requests are admitted in queue order while budget, free
+        # blocks and max_num_seqs allow, starting after their prefix-cache hit; a prompt
+        # larger than the remaining budget is chunked. No request is ever dropped.
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._build_output(plan)
+        # Scheduled tokens count as computed from the next step on.
+        for request in plan.scheduled:
+            request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request, plan.token_budget)
+            if num_new <= 0:
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is None:
+                continue  # the request was preempted itself
+            plan.record(request, num_new, new_block_ids)
+            self._schedule_drafts(request, num_new, plan)
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        # Draft tokens may not take a position beyond max_model_len.
+        return min(num_new, token_budget, self.max_model_len - request.num_computed_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> Optional[list[int]]:
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self._lowest_running()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _lowest_running(self) -> Request:
+        """The running request to preempt first: the latest (fcfs), or the largest
+        (priority, arrival_time), the latest in the running list on ties."""
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        if request.request_id in plan.num_scheduled_tokens:
+            plan.unschedule(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_tokens_sent.pop(request.request_id, None)
+        self._prompt_logprobs_received.pop(request.request_id, None)
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+
+    def _schedule_drafts(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        """Keeps the draft tokens that fit in this step's num_new, drops the rest."""
+        num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+        if num_drafts > 0:
+            del request.spec_token_ids[num_drafts:]
+            plan.spec_tokens[request.request_id] = list(request.spec_token_ids)
+        elif request.spec_token_ids:
+            request.spec_token_ids = []
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []  # siblings waiting for their group's sample 0
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if self._waits_for_group_leader(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if not self._admit(request, plan):
+                break
+            if plan.preempted:
+                break  # it displaced running requests: admit nobody else this step
+        self.waiting.prepend_many(skipped)
+
+    def _waits_for_group_leader(self, request: Request) -> bool:
+        """With n > 1, samples 1.. wait until sample 0 has computed the shared prompt,
+        so they find its blocks in the prefix cache instead of computing it again."""
+        if request.group_id is None or request.sample_index == 0:
+            return False
+        leader = self._group_leaders.get(request.group_id)
+        return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Schedules the waiting request at the head of the queue; False if it does not fit."""
+        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        if num_new > plan.token_budget:
+            if not self.enable_chunked_prefill:
+                return False
+            num_new = plan.token_budget
+        new_block_ids = self._allocate_for_waiting(request, num_new, hit_blocks, plan)
+        if new_block_ids is None:
+            return False
+        if self.waiting.pop() is not request:
+            raise RuntimeError("internal error: the admitted request must be the head of the queue")
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        # The manager does not touch num_computed_tokens: the hits count from here on.
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            request.first_scheduled_time = time.monotonic()
+        plan.record(request, num_new, new_block_ids)
+        return True
+
+    def _allocate_for_waiting(self, request: Request, num_new: int, hit_blocks: list,
+                              plan: _StepPlan) -> Optional[list[int]]:
+        """allocate_slots; under the priority policy, preempts strictly lower-priority
+        running requests while there is no room."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, new_computed_blocks=hit_blocks)
+            if new_block_ids is not None or self.policy != "priority" or not self.running:
+                return new_block_ids
+            victim = self._lowest_running()
+            if (victim.priority, victim.arrival_time) <= (request.priority, request.arrival_time):
+                return None
+            self._preempt(victim, plan)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request in plan.scheduled:
+            rid = request.request_id
+            num_sent = self._num_tokens_sent.get(rid)
+            if num_sent is None:
+                new_reqs.append(NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(rid),
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+            else:
+                cached_reqs.append(CachedRequestData(
+                    req_id=rid,
+                    new_token_ids=request.all_token_ids[num_sent:],
+                    new_block_ids=plan.new_block_ids[rid],
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+            self._num_tokens_sent[rid] = request.num_tokens
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted},
+        )
+
+    # ------------------------------------------------------- update_from_output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Applies one step's results; returns an output per request that has news."""
+        runner = model_runner_output
+        index_of = {rid: i for i, rid in enumerate(runner.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted since schedule()
+            index = index_of.get(rid)
+            sampled = runner.sampled_token_ids[index] if index is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, [])
+            error = runner.errors.get(rid) or self._check_sampled(request, sampled, drafts)
+            if error is not None:
+                outputs.append(self._finish_with_error(request, error))
+                continue
+            outputs.extend(self._apply_step(request, sampled, drafts, runner, index))
+        for rid, error in runner.errors.items():
+            request = self.requests.get(rid)
+            if request is not None and rid not in scheduler_output.num_scheduled_tokens:
+                outputs.append(self._finish_with_error(request, error))
+        return outputs
+
+    def _check_sampled(self, request: Request, sampled: list[int], drafts: list[int]) -> Optional[str]:
+        """A message if the runner's tokens for this request break the contract."""
+        if len(sampled) > len(drafts) + 1:
+            return (f"model runner returned {len(sampled)} tokens for request {request.request_id!r} "
+                    f"with {len(drafts)} draft tokens scheduled (at most {len(drafts) + 1})")
+        all_computed = request.num_computed_tokens >= request.num_tokens
+        if not sampled and all_computed:
+            return (f"model runner returned no token for request {request.request_id!r} "
+                    "although all its tokens were computed")
+        if sampled and not all_computed:
+            return (f"model runner sampled a token for request {request.request_id!r} "
+                    "from a prefill chunk short of the end of its tokens")
+        return None
+
+    def _apply_step(self, request: Request, sampled: list[int], drafts: list[int],
+                    runner: ModelRunnerOutput, index: Optional[int]) -> list[EngineCoreOutput]:
+        rid = request.request_id
+        if sampled:
+            # Accepted drafts + one bonus/sampled token: the rejected drafts' KV is invalid.
+            request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+        new_token_ids = self._append_until_stop(request, sampled)
+        new_logprobs = None
+        if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
+            new_logprobs = runner.logprobs[index][:len(new_token_ids)]
+        prompt_logprobs = self._new_prompt_logprobs(request, runner.prompt_logprobs.get(rid))
+        finish_reason = None
+        if request.is_finished:
+            finish_reason = request.get_finish_reason()
+            self.running.remove(request)
+            self._free_request(request)
+        elif sampled:
+            request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))
+        if not new_token_ids and prompt_logprobs is None and finish_reason is None:
+            return []  # a prefill chunk short of the prompt's end
+        return [EngineCoreOutput(
+            req_id=rid,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )]
+
+    def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Appends sampled tokens one by one; tokens after a stop are dropped."""
+        appended: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids([token_id])
+            appended.append(token_id)
+            if self._check_stop(request, token_id):
+                break
+        return appended
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Sets a finished status if the request must stop after token_id."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None  # as vLLM: eos is not a stop_reason
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if ((request.max_tokens is not None and request.num_output_tokens >= request.max_tokens)
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _new_prompt_logprobs(self, request: Request,
+                             entries: Optional[list[TokenLogprobs]]) -> Optional[list[TokenLogprobs]]:
+        """The prompt logprobs not emitted before (a preempted request computes its
+        prompt, and so its prompt logprobs, again)."""
+        if entries is None:
+            return None
+        rid = request.request_id
+        received = self._prompt_logprobs_received.get(rid, 0)
+        emitted = self._prompt_logprobs_emitted.get(rid, 0)
+        fresh = entries[max(0, emitted - received):]
+        self._prompt_logprobs_received[rid] = received + len(entries)
+        self._prompt_logprobs_emitted[rid] = max(emitted, received + len(entries))
+        return fresh or None
+
+    def _finish_with_error(self, request: Request, error: str) -> EngineCoreOutput:
+        self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(
+            req_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finish_reason(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=error,
+        )

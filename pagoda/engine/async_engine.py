@@ -1,0 +1,459 @@
+"""AsyncEngine: the LLMEngine's step loop on a background thread, streamed to asyncio.
+
+Owns the thread that builds and drives the LLMEngine, the per-request output
+queues, cancellation and draining. The invariant that keeps it simple: **only the
+loop thread touches the engine.** Callers on the asyncio side never call engine
+methods; they post commands (add, abort, call) to a thread-safe inbox that the loop
+thread drains between steps, and the loop thread posts outputs back onto each
+request's event loop with `call_soon_threadsafe` (one call per step per event loop,
+not one per token). Immutable facts fixed at load time (tokenizer, max_model_len,
+vocab size, config) may be read from any thread once `is_ready`.
+
+Failure isolation:
+- a request the engine refuses (bad prompt, bad params) fails alone with its error;
+- a request the engine finishes with an error (finish_reason "error") fails alone;
+- an exception escaping `engine.step()` fails every in-flight request (their state
+  may be half-updated) and aborts them in the engine, and the loop keeps serving.
+
+The loop blocks on a Condition while it has nothing to do: no busy spin, no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any, AsyncIterator, Callable, Optional
+
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading (or failed to load)."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request while generating it (not the caller's fault)."""
+
+
+class EngineStepError(RuntimeError):
+    """A whole engine step failed; every request in flight at that moment fails with it."""
+
+
+@dataclasses.dataclass
+class RequestTimings:
+    """What one finished (or aborted/failed) request looked like, for metrics."""
+
+    request_id: str
+    arrival_time: float
+    first_token_time: Optional[float]
+    finished_time: float
+    queue_time: Optional[float]  # arrival -> first scheduled, when the engine told us
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    inter_token_latencies: list[float]
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Asyncio-side end of one request: the loop thread fills `queue` via `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int = 0
+    # Set on the loop thread when the scheduler first runs the request.
+    first_scheduled_time: Optional[float] = None
+
+
+# Inbox commands, handled on the loop thread in the order they were posted.
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: _Stream
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    """Drives an LLMEngine on a background thread; `generate()` streams delta outputs.
+
+    `engine_factory` builds the engine; it runs on the loop thread so the caller
+    (e.g. the HTTP server) can come up and answer "loading" while it runs.
+    """
+
+    def __init__(self, engine_factory: Callable[[], Any],
+                 timings_listener: Optional[Callable[[RequestTimings], None]] = None) -> None:
+        self._engine_factory = engine_factory
+        self.timings_listener = timings_listener
+        self.engine: Any = None
+        self.load_error: Optional[BaseException] = None
+        self._ready = threading.Event()  # set when loading ended, successfully or not
+        self._cond = threading.Condition()
+        self._inbox: list[Any] = []  # guarded by _cond
+        self._stop_requested = False  # guarded by _cond
+        self._draining = False
+        self._thread: Optional[threading.Thread] = None
+        # Loop-thread state: request id -> stream, and ids not yet seen scheduled.
+        self._streams: dict[str, _Stream] = {}
+        self._unscheduled: dict[str, _Stream] = {}
+        self.num_in_flight = 0  # asyncio side: generate() calls not yet finished
+        self._in_flight_changed = asyncio.Event()
+
+    @classmethod
+    def from_engine_args(cls, engine_args, **kwargs) -> "AsyncEngine":
+        from pagoda.engine.llm_engine import LLMEngine
+        return cls(lambda: LLMEngine.from_engine_args(engine_args), **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.engine is not None
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def wait_ready(self) -> None:
+        """Returns once the engine loaded; raises the load error if it failed."""
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        if self.load_error is not None:
+            raise self.load_error
+
+    def start_draining(self) -> None:
+        """New generate() calls fail with EngineDrainingError from now on."""
+        self._draining = True
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Drains: waits up to `timeout` s for in-flight requests, aborts the rest, stops the loop."""
+        self.start_draining()
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            await self._wait_for_in_flight_change(deadline - time.monotonic())
+        self._post(stop=True)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    async def _wait_for_in_flight_change(self, timeout: float) -> None:
+        self._in_flight_changed.clear()
+        try:
+            await asyncio.wait_for(self._in_flight_changed.wait(), timeout=max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            pass
+
+    def _note_in_flight(self, delta: int) -> None:
+        self.num_in_flight += delta
+        self._in_flight_changed.set()
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams delta RequestOutputs until the request finishes.
+
+        Closing or cancelling the iterator before the end aborts the request, so its
+        KV blocks go back to the pool (use `contextlib.aclosing` when not iterating to
+        the end). Raises ValueError when the engine refuses the request,
+        RequestFailedError / EngineStepError when generation fails.
+        """
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), num_prompt_tokens=_prompt_len(prompt))
+        arrival = time.monotonic()
+        timing = _TimingTracker(request_id, arrival, stream.num_prompt_tokens)
+        self._note_in_flight(+1)
+        self._post(_Add(request_id, prompt, params, priority, arrival, stream))
+        finish_reason = "abort"
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finish_reason = "error"
+                    raise item
+                timing.observe(item)
+                if item.finished:
+                    finish_reason = _overall_finish_reason(item)
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if finish_reason == "abort":
+                self._post(_Abort(request_id))
+            self._note_in_flight(-1)
+            self._report(timing.finish(finish_reason, stream.first_scheduled_time))
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request from any thread; unknown or finished ids are ignored."""
+        self._post(_Abort(request_id))
+
+    async def call_in_loop(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs fn(engine) on the loop thread between steps and returns its result."""
+        if not self.is_ready or not self.is_running:
+            raise EngineNotReadyError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def get_stats(self):
+        return await self.call_in_loop(lambda engine: engine.get_stats())
+
+    async def audit_kv_cache(self):
+        return await self.call_in_loop(lambda engine: engine.audit_kv_cache())
+
+    def _check_accepting(self) -> None:
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        if not self.is_ready:
+            raise EngineNotReadyError("the model is still loading" if self.load_error is None
+                                      else f"the model failed to load: {self.load_error}")
+        if not self.is_running:
+            raise EngineNotReadyError("the engine loop has stopped")
+
+    def _report(self, timings: "RequestTimings") -> None:
+        if self.timings_listener is None:
+            return
+        try:
+            self.timings_listener(timings)
+        except Exception:  # metrics must never break a request
+            logger.exception("request timings listener failed")
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _post(self, command: Any = None, stop: bool = False) -> None:
+        with self._cond:
+            if command is not None:
+                self._inbox.append(command)
+            if stop:
+                self._stop_requested = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+            logger.exception("engine failed to load")
+            self.load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self._fail_all(EngineNotReadyError("the engine loop has stopped"))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stop_requested \
+                        and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands, self._inbox = self._inbox, []
+                stop = self._stop_requested
+            for command in commands:
+                self._handle(command)
+            if stop:
+                return
+            if engine.has_unfinished_requests():
+                self._step()
+
+    def _handle(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+        elif isinstance(command, _Call):
+            if command.future.set_running_or_notify_cancel():
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    command.future.set_exception(exc)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time, priority=command.priority,
+                                    output_kind="delta")
+        except Exception as exc:  # the request is refused: it alone fails
+            _deliver(command.stream, [exc])
+            return
+        self._streams[command.request_id] = command.stream
+        self._unscheduled[command.request_id] = command.stream
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._unscheduled.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing every request in flight")
+            self._fail_all(EngineStepError(f"the engine step failed: {exc!r}"), abort=True)
+            return
+        self._note_scheduled()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while this step ran
+            item: Any = output
+            error = _request_error(output)
+            if error is not None:
+                item = RequestFailedError(error)
+            if output.finished or error is not None:
+                self._streams.pop(output.request_id, None)
+                self._unscheduled.pop(output.request_id, None)
+                if error is not None and not output.finished:
+                    self._abort(output.request_id)
+            by_loop[stream.loop].append((stream, item))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver_many, items)
+
+    def _note_scheduled(self) -> None:
+        """Records when each new request was first scheduled (for the queue-time metric)."""
+        if not self._unscheduled:
+            return
+        scheduler = getattr(self.engine, "scheduler", None)
+        get_request = getattr(scheduler, "get_request", None)
+        if get_request is None:
+            self._unscheduled.clear()
+            return
+        for request_id in list(self._unscheduled):
+            children = self.engine._children.get(request_id) or [request_id]
+            core_request = get_request(children[0])
+            scheduled = getattr(core_request, "first_scheduled_time", None)
+            if core_request is None or scheduled is not None:
+                self._unscheduled.pop(request_id).first_scheduled_time = scheduled
+
+    def _fail_all(self, error: BaseException, abort: bool = False) -> None:
+        streams, self._streams = self._streams, {}
+        self._unscheduled.clear()
+        if abort and self.engine is not None:
+            for request_id in streams:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("aborting request %s after a failed step failed", request_id)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream in streams.values():
+            by_loop[stream.loop].append((stream, error))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver_many, items)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass
+
+
+def _deliver(stream: _Stream, items: list) -> None:
+    _call_soon(stream.loop, _deliver_many, [(stream, item) for item in items])
+
+
+def _deliver_many(items: list) -> None:
+    """Runs on the event loop: puts each item on its request's queue."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _request_error(output: RequestOutput) -> Optional[str]:
+    error = (output.metrics or {}).get("error")
+    if error is not None:
+        return str(error)
+    if any(c.finish_reason == "error" for c in output.outputs):
+        return "the engine failed this request"
+    return None
+
+
+def _overall_finish_reason(output: RequestOutput) -> str:
+    reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
+    return "length" if "length" in reasons else "stop"
+
+
+def _prompt_len(prompt: Any) -> int:
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return len(prompt["prompt_token_ids"])
+    if isinstance(prompt, list):
+        return len(prompt)
+    return 0
+
+
+class _TimingTracker:
+    """Builds a request's RequestTimings from the delta outputs it sees."""
+
+    def __init__(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.arrival = arrival
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.num_generation_tokens = 0
+        self.inter_token_latencies: list[float] = []
+
+    def observe(self, output: RequestOutput) -> None:
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            # One gap per step; several tokens in one step share it evenly.
+            self.inter_token_latencies.extend(
+                [(now - self.last_token_time) / new_tokens] * new_tokens)
+        self.last_token_time = now
+        self.num_generation_tokens += new_tokens
+
+    def finish(self, finish_reason: str, first_scheduled_time: Optional[float]) -> RequestTimings:
+        queue_time = None if first_scheduled_time is None else max(0.0, first_scheduled_time - self.arrival)
+        return RequestTimings(
+            request_id=self.request_id, arrival_time=self.arrival,
+            first_token_time=self.first_token_time, finished_time=time.monotonic(),
+            queue_time=queue_time, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, finish_reason=finish_reason,
+            inter_token_latencies=self.inter_token_latencies)

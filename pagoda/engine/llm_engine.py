@@ -1,0 +1,227 @@
+"""LLMEngine: the synchronous step loop that ties tokenizer, scheduler, executor and
+output processor together.
+
+add_request() turns a prompt into one core Request per sample (n > 1 makes n), step()
+runs schedule -> execute -> update -> process outputs once. Requests are never dropped:
+when KV blocks run out the scheduler preempts and recomputes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.executor.uniproc import UniProcExecutor
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = Union[str, list[int], dict]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    if model is None:
+        from pagoda.model.tokenizer import embedded_model_path
+        return str(embedded_model_path())
+    return model
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.model_path = resolve_model_path(config.model.model)
+        self.executor = UniProcExecutor(config, self.model_path)
+        arch = self.executor.arch
+        self.arch = arch
+        self.max_model_len = self._resolve_max_model_len(config, arch)
+        self.tokenizer = self._load_tokenizer(config)
+        self.eos_token_id = self._eos_token_id(arch)
+        num_blocks = self.executor.determine_num_blocks(self.max_model_len)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               enable_caching=config.cache.enable_prefix_caching)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=sched.policy,
+            enable_chunked_prefill=sched.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._children: dict[str, list[str]] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.startup_seconds, arch.architecture, num_blocks,
+                    config.cache.block_size, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # ---- set-up helpers ---------------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, arch) -> int:
+        limit = arch.max_position_embeddings
+        wanted = config.model.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len ({wanted}) is larger than the model's maximum "
+                             f"context length ({limit})")
+        return wanted
+
+    def _load_tokenizer(self, config: EngineConfig):
+        from pagoda.model.tokenizer import load_tokenizer
+        source = config.model.tokenizer or self.model_path
+        if config.model.skip_tokenizer_init:
+            return None
+        if config.model.tokenizer is None and not _looks_like_path(source):
+            return None  # a preset shape (dummy weights) has no tokenizer: token ids only
+        return load_tokenizer(source, chat_template=config.model.chat_template)
+
+    def _eos_token_id(self, arch) -> Optional[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        eos = arch.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            return int(eos[0]) if eos else None
+        return eos
+
+    # ---- requests ---------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids, or set tokenizer=")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError("a prompt must be a string, a list of token ids, or a dict with "
+                        "'prompt' or 'prompt_token_ids'")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len}: the prompt must leave room for at least one generated token")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: Optional[str], prompt: PromptInput,
+                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
+                    priority: int = 0, output_kind: str = "cumulative") -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params.validate_for_vocab(self.arch.vocab_size)
+        params = self._finalize_params(params, len(token_ids))
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, token_ids, params, output_kind, child_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + index)
+            self.scheduler.add_request(Request(
+                child_id, token_ids, child_params, self.eos_token_id, arrival, priority,
+                group_id=request_id if params.n > 1 else None, sample_index=index))
+        self._children[request_id] = child_ids
+        self.prompt_tokens_total += len(token_ids) * len(child_ids)
+        return request_id
+
+    def _finalize_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params = params.clone(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        if self.tokenizer is None:
+            params.detokenize = False
+            if params.stop:
+                raise ValueError("stop strings need a tokenizer; this model has none")
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        params.all_stop_token_ids = stop_ids
+        return params
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            children = self._children.pop(request_id, None)
+            if children is None:
+                continue
+            self.scheduler.abort_requests(children)
+            self.output_processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    # ---- the step loop ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
+        request_outputs, stopped_ids = self.output_processor.process_outputs(core_outputs)
+        if stopped_ids:
+            self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
+        for out in request_outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return request_outputs
+
+    # ---- introspection ----------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage, num_blocks=self.num_blocks,
+            prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+
+    def audit_kv_cache(self):
+        return self.kv_cache_manager.audit()
+
+
+def _looks_like_path(source: str) -> bool:
+    import os
+    return os.path.exists(source)

@@ -1,0 +1,116 @@
+"""The `pagoda` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagoda.entrypoints.cli_args import (add_engine_args, add_sampling_args,
+                                         engine_args_from_namespace, sampling_params_from_namespace)
+
+
+def _make_llm(ns):
+    from pagoda.entrypoints.llm import LLM
+    args = engine_args_from_namespace(ns)
+    return LLM(**vars(args))
+
+
+def cmd_generate(ns) -> int:
+    llm = _make_llm(ns)
+    params = sampling_params_from_namespace(ns)
+    for prompt in ns.prompts:
+        if ns.stream:
+            sys.stdout.write(prompt)
+            for out in llm.stream(prompt, params):
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            print(prompt + out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(ns) -> int:
+    """An interactive REPL that streams the reply token by token. /reset clears history."""
+    llm = _make_llm(ns)
+    params = sampling_params_from_namespace(ns)
+    from pagoda.model.tokenizer import apply_chat_template
+    tokenizer = llm.get_tokenizer()
+    history: list[dict] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if ns.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = apply_chat_template(tokenizer, history, True, llm.llm_engine.config.model.chat_template)
+        reply = []
+        for out in llm.stream({"prompt_token_ids": ids}, params):
+            piece = out.outputs[0].text
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts given on the command line")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams replies")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    try:
+        from pagoda.entrypoints.openai.cli import add_serve_parser
+    except ImportError:  # the server's dependencies (fastapi, ...) are not installed
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
+
+    try:
+        from pagoda.bench.cli import add_bench_subparsers
+    except ImportError:
+        add_bench_subparsers = None
+    if add_bench_subparsers is not None:
+        add_bench_subparsers(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(ns.func(ns) or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

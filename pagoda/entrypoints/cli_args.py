@@ -1,0 +1,86 @@
+"""Engine flags shared by every CLI subcommand, with vLLM's names, and sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, LOAD_FORMATS,
+                           POLICIES, EngineArgs)
+from pagoda.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face directory, or a preset name with --load-format "
+                        "dummy (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts and outputs are token ids only")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="maximum context length, prompt plus output (default: the model's)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="how to load weights; dummy makes random weights of the model's shape")
+    g.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
+                   help="tokens per KV cache block")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache (sizes the pool directly; CPU default 1 GiB)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="number of KV blocks, overriding the memory-based sizing")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="maximum number of sequences running in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 16384 on GPU, 4096 on CPU)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+                   help="order of service: first come first served, or by request priority")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts across steps")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="number of GPUs for tensor parallelism (only 1 is supported)")
+    g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention implementation (auto: triton on GPU, torch_ref on CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never use CUDA graphs")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the model path's name)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file path or inline) instead of the model's")
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    chat_template = ns.chat_template
+    if chat_template is not None:
+        import os
+        if os.path.isfile(chat_template):
+            with open(chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+    values = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    values["chat_template"] = chat_template
+    return EngineArgs(**values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0 means off")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+
+
+def sampling_params_from_namespace(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                          seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)

@@ -1,0 +1,121 @@
+"""LLM: the offline API (`LLM().generate(...)`, `LLM().chat(...)`), shaped like vLLM's."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from pagoda.config import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine, PromptInput
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Messages = list[dict]
+
+
+class LLM:
+    """Offline generation. `LLM()` serves the embedded SmolLM2-135M-Instruct on CPU
+    (or the GPU when present); keyword arguments take vLLM's engine argument names."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs) -> None:
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptInput, Sequence[PromptInput]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_to_completion(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Messages, Sequence[Messages]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        from pagoda.model.tokenizer import apply_chat_template
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt,
+                                                            chat_template)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None
+               ) -> Iterator[RequestOutput]:
+        """Yields delta outputs of one request as its tokens are produced."""
+        engine = self.llm_engine
+        request_id = engine.add_request(None, prompt, sampling_params, output_kind="delta")
+        try:
+            while True:
+                for out in engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            engine.abort_request(request_id)
+
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not engine.has_unfinished_requests() and len(finished) < len(ids):
+                    missing = [i for i in ids if i not in finished]
+                    raise RuntimeError(f"engine stopped with requests unfinished: {missing}")
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or isinstance(prompts, dict):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params

@@ -1,0 +1,1 @@
+"""pagoda.entrypoints.openai: the OpenAI-compatible HTTP server (`pagoda serve`)."""

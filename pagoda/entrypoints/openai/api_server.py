@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine_client, args)` and `run_server(args)`.
+
+Owns the route table and the process lifecycle. Middlewares, outermost first:
+API key (every route but /health, and /metrics with --metrics-public) -> server
+state (503 while draining, in-flight count) -> request-body size limit -> routes.
+
+Lifecycle: the engine loads on its own thread while uvicorn already answers
+(/health 503 "loading"); SIGTERM/SIGINT start a drain - new requests get 503,
+requests in flight finish (up to --shutdown-timeout), then the server stops and the
+process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+import time
+from typing import Any, Optional, Union
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.responses import StreamingResponse
+
+import pagoda
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.entrypoints.openai import protocol
+from pagoda.entrypoints.openai.auth import APIKeyMiddleware
+from pagoda.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from pagoda.entrypoints.openai.generation import SSEStream
+from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, ServerState,
+                                                  ServerStateMiddleware)
+from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext
+from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.metrics.prometheus import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+_ERROR_RESPONSES = {status: {"model": protocol.ErrorResponse}
+                    for status in (400, 401, 404, 413, 429, 503)}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body and runs `on_close`, even when the
+    client went away before the first byte (so aborts and admission releases happen)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = stream.close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()
+
+
+def served_model_name(args: Any) -> str:
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    if getattr(args, "model", None):
+        return args.model
+    return "SmolLM2-135M-Instruct"  # the embedded model
+
+
+def settings_from_args(args: Any) -> ServerSettings:
+    return ServerSettings(
+        served_model_names=[served_model_name(args)],
+        max_n=args.max_n, max_logprobs=args.max_logprobs,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_request_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key, metrics_public=args.metrics_public,
+        enable_debug_routes=args.enable_debug_routes,
+        log_requests=not args.disable_log_requests)
+
+
+def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, ServerSettings],
+              metrics: Optional[ServerMetrics] = None) -> FastAPI:
+    """The FastAPI app serving `engine_client` (started by the caller, or at app startup)."""
+    settings = args if isinstance(args, ServerSettings) else settings_from_args(args)
+    metrics = metrics or ServerMetrics(settings.served_model_names[0])
+    ctx = ServingContext(engine_client, settings, metrics)
+    state = ServerState()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if engine_client._thread is None:
+            engine_client.start()
+        yield
+        await engine_client.shutdown(timeout=0.0)
+
+    app = FastAPI(title="Pagoda OpenAI-compatible API", version=pagoda.__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.server_state = state
+    install_error_handlers(app)
+    _add_api_routes(app, ctx)
+    _add_ops_routes(app, ctx, state)
+    # add_middleware puts each new one outermost: this order makes auth the first check.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(ServerStateMiddleware, state=state)
+    public = {"/health"} | ({"/metrics"} if settings.metrics_public else set())
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
+    return app
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, SSEStream):
+        return ClosingStreamingResponse(result)
+    return JSONResponse(result)
+
+
+def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions", response_model=protocol.CompletionResponse, responses=_ERROR_RESPONSES)
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        return _respond(await create_completion(ctx, body, request.receive))
+
+    @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
+              responses=_ERROR_RESPONSES)
+    async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
+        return _respond(await create_chat_completion(ctx, body, request.receive))
+
+    @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)
+    async def models():
+        engine = ctx.engine.engine if ctx.engine.is_ready else None
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagoda",
+             "root": name, "max_model_len": engine.max_model_len if engine else None}
+            for name in ctx.settings.served_model_names]}
+
+    @app.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: protocol.TokenizeRequest):
+        engine = ctx.require_ready()
+        ctx.check_model(body.model)
+        if isinstance(body, protocol.TokenizeChatRequest):
+            tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
+        else:
+            tokens = list(ctx.tokenizer()(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", response_model=protocol.DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: protocol.DetokenizeRequest):
+        engine = ctx.require_ready()
+        ctx.check_model(body.model)
+        vocab = engine.arch.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": ctx.tokenizer().decode(body.tokens)}
+
+
+def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
+    @app.get("/health", responses={503: {"model": protocol.ErrorResponse}})
+    async def health():
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="server_draining")
+        if ctx.engine.load_error is not None:
+            raise APIError(503, f"the model failed to load: {ctx.engine.load_error}", code="load_failed")
+        if not ctx.engine.is_ready or not ctx.engine.is_running:
+            raise APIError(503, "the model is loading", code="model_loading")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagoda.__version__}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics():
+        stats = None
+        if ctx.engine.is_ready and ctx.engine.is_running:
+            stats = await ctx.engine.get_stats()
+        return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    if ctx.settings.enable_debug_routes:
+        @app.get("/debug/kv_audit")
+        async def kv_audit():
+            ctx.require_ready()
+            audit = await ctx.engine.audit_kv_cache()
+            stats = await ctx.engine.get_stats()
+            return {"total": audit.total, "free": audit.free, "cached": audit.cached,
+                    "in_use": audit.in_use, "num_running": stats.num_running,
+                    "num_waiting": stats.num_waiting, "num_in_flight": ctx.engine.num_in_flight}
+
+
+# ----------------------------------------------------------------------------- process
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server where a signal starts a drain instead of an immediate stop, and a
+    drained stop is a clean exit (uvicorn itself re-raises the signal: a non-zero exit)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, engine: AsyncEngine,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.engine_client = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_deadline: Optional[float] = None
+        self.exit_code = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_deadline is None:
+            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs)",
+                           sig, self.state.num_http_in_flight, self.shutdown_timeout)
+            self.state.draining = True
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout
+        else:  # a second signal: stop now
+            self.should_exit = True
+            self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn calls this every 0.1 s; the drain ends when nothing is in flight.
+        if self.engine_client.load_error is not None and not self.should_exit:
+            logger.error("the engine failed to load; exiting")
+            self.exit_code = 1
+            self.should_exit = True
+        if self.drain_deadline is not None and not self.should_exit and (
+                self.state.num_http_in_flight == 0 or time.monotonic() >= self.drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit code."""
+    from pagoda.entrypoints.cli_args import engine_args_from_namespace
+
+    engine_args = engine_args_from_namespace(args)
+    metrics = ServerMetrics(served_model_name(args))
+    engine = AsyncEngine.from_engine_args(engine_args, timings_listener=metrics.observe_request)
+    app = build_app(engine, args, metrics=metrics)
+    engine.start()  # load while uvicorn comes up: /health says 503 until ready
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, app.state.server_state, engine, args.shutdown_timeout)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,123 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Owns `APIError` (raised by handlers for any client or server condition), the
+mapping of framework errors onto it (pydantic validation -> 400, unknown route ->
+404, wrong method -> 405), and a last-resort handler that turns a bug into a 500
+without leaking a traceback. Bad input must never reach that last handler: every
+check a client can fail raises APIError with a 4xx first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# HTTP status -> OpenAI's error "type".
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error body."""
+
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, error_type: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, error_type: str, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_bytes(status_code: int, message: str, code: Optional[str] = None,
+                param: Optional[str] = None) -> bytes:
+    """The JSON body of an error, for ASGI middlewares that answer without FastAPI."""
+    body = error_body(message, _TYPES.get(status_code, "invalid_request_error"), param, code)
+    return json.dumps(body).encode()
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_value_error(exc: Exception) -> APIError:
+    """A ValueError/TypeError from SamplingParams or the engine -> 400 naming the field.
+
+    Those messages start with the field name ("top_p must be in (0, 1], got 2.0").
+    """
+    message = str(exc) or type(exc).__name__
+    first_word = message.split(" ", 1)[0]
+    param = first_word if first_word.isidentifier() and first_word.islower() else None
+    return APIError(400, message, param=param)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = (f"unsupported parameter: {param!r} is not a parameter Pagoda accepts "
+                   f"for this route")
+    elif first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('msg')}"
+        param = None
+    else:
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return APIError(status, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        return APIError(500, f"internal server error ({type(exc).__name__})").response()

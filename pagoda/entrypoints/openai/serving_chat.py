@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions: chat through the model's chat template, streaming or not.
+
+The conversation is rendered with the model's template (or --chat-template) and
+tokenized once; the template writes its own special tokens. Streaming follows
+OpenAI: each choice's first chunk carries `delta.role`, later chunks
+`delta.content`, the last one `finish_reason`; with stream_options.include_usage
+every chunk has `usage: null` and a final chunk with no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Optional
+
+from pagoda.entrypoints.openai.errors import bad_request
+from pagoda.entrypoints.openai.generation import (GenerationJob, SSEStream, cancel_on_disconnect,
+                                                  collect, run_generation)
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, build_sampling_params,
+                                                      check_caps, check_prompt, check_room,
+                                                      new_request_id, now, reject_unsupported, sse,
+                                                      sse_error, usage)
+from pagoda.outputs import Logprob
+
+logger = logging.getLogger(__name__)
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    result = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):  # text parts only (the protocol rejects other kinds)
+            content = "".join(part.text for part in content)
+        item = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            item["name"] = message.name
+        result.append(item)
+    return result
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the conversation; a template that fails on these messages -> 400."""
+    from pagoda.model.tokenizer import apply_chat_template
+    engine = ctx.require_ready()
+    try:
+        return apply_chat_template(ctx.tokenizer(), messages_to_dicts(messages), add_generation_prompt,
+                                   engine.config.model.chat_template)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    except Exception as exc:  # Jinja raises its own errors (e.g. a template's raise_exception)
+        raise bad_request(f"the chat template could not render these messages: {exc}",
+                          param="messages") from None
+
+
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> GenerationJob:
+    """All of a chat request's checks; raises APIError (4xx) on the first problem."""
+    ctx.require_ready()
+    model = ctx.check_model(req.model)
+    reject_unsupported(req.unsupported_parameters())
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    check_caps(ctx, req.n, num_top, "top_logprobs")
+    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    check_prompt(ctx, token_ids, "messages")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_room(ctx, len(token_ids), max_tokens, param)
+    params = build_sampling_params(ctx, req, max_tokens, num_top)
+    ticket = ctx.admission.admit([len(token_ids)])
+    prompts = [{"prompt": None, "prompt_token_ids": token_ids}]
+    return GenerationJob(new_request_id("chatcmpl"), model, now(), prompts, params, req.priority, ticket)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, receive):
+    """The JSON response (non-streaming) or an SSEStream (streaming)."""
+    job = prepare_chat(ctx, req)
+    if ctx.settings.log_requests:
+        logger.info("chat %s: %d prompt tokens, %s", job.request_id, job.prompt_tokens, job.params)
+    if req.stream:
+        return SSEStream(_stream(ctx, req, job), job.ticket.release)
+    try:
+        choices = await cancel_on_disconnect(collect(ctx.engine, job), receive)
+    finally:
+        job.ticket.release()
+    num_top = req.top_logprobs or 0
+    return {
+        "id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model,
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": chat_logprobs(c.logprobs, num_top)} if req.logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage(job.prompt_tokens, sum(c.num_tokens for c in choices)),
+    }
+
+
+def _token_entry(lp: Logprob) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(positions: Optional[list[dict[int, Logprob]]], num_top: int) -> list[dict]:
+    """OpenAI's chat logprobs `content` list: the sampled token and its top alternatives."""
+    result = []
+    for position in positions or []:
+        chosen = next(iter(position.values()))  # the sampled token comes first
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda lp: lp.rank)
+        result.append({**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]})
+    return result
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
+            "model": job.model}
+    extra = {"usage": None} if include_usage else {}
+    num_top = req.top_logprobs or 0
+    completion_tokens = 0
+    try:
+        # OpenAI opens every choice with the role before any content.
+        yield sse({**head, "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None} for i in range(job.params.n)], **extra})
+        async with contextlib.aclosing(run_generation(ctx.engine, job)) as outputs:
+            async for prompt_index, output in outputs:
+                choices = []
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    delta = {"content": completion.text} if completion.text else {}
+                    logprobs = ({"content": chat_logprobs(completion.logprobs, num_top)}
+                                if req.logprobs else None)
+                    choices.append({"index": job.choice_index(prompt_index, completion.index),
+                                    "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason})
+                yield sse({**head, "choices": choices, **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, completion_tokens)})
+    except Exception as exc:  # the headers are sent: report in-band
+        logger.warning("chat stream %s failed: %s", job.request_id, exc)
+        yield sse_error(exc)
+    finally:
+        job.ticket.release()
+    yield SSE_DONE

@@ -1,0 +1,171 @@
+"""What the completion and chat handlers share: the serving context, request checks,
+sampling-parameter building, and SSE framing.
+
+Every check a client can fail happens here before the engine sees the request and
+raises APIError with a 4xx that names the parameter: model name, unsupported
+parameters, n and logprobs caps, prompt length against max_model_len, token ids
+against the vocabulary, and SamplingParams' own validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Optional
+
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.entrypoints.openai.admission import AdmissionController
+from pagoda.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from pagoda.metrics.prometheus import ServerMetrics
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_num_queued_requests: Optional[int] = 1024
+    max_queued_tokens: Optional[int] = None
+    max_request_body_bytes: int = 4 << 20
+    api_key: Optional[str] = None
+    metrics_public: bool = False
+    enable_debug_routes: bool = False
+    log_requests: bool = False
+
+
+class ServingContext:
+    """The engine client plus the server's settings, admission and metrics."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.admission = AdmissionController(settings.max_num_queued_requests,
+                                             settings.max_queued_tokens)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def require_ready(self) -> Any:
+        """The loaded LLMEngine (read-only facts only), or 503 while loading/draining."""
+        if self.engine.is_draining:
+            raise APIError(503, "the server is shutting down", code="server_draining")
+        if not self.engine.is_ready:
+            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "5"})
+        return self.engine.engine
+
+    def check_model(self, model: Optional[str]) -> str:
+        if model is None or model in self.settings.served_model_names:
+            return self.model_name
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(self.settings.served_model_names)}",
+                       param="model", code="model_not_found")
+
+    def tokenizer(self):
+        tokenizer = self.require_ready().tokenizer
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids", param="prompt")
+        return tokenizer
+
+
+def reject_unsupported(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        param, message = problems[0]
+        raise bad_request(message, param=param)
+
+
+def check_caps(ctx: ServingContext, n: int, num_logprobs: Optional[int], logprobs_param: str) -> None:
+    if n > ctx.settings.max_n:
+        raise bad_request(f"n is {n}, but this server allows at most {ctx.settings.max_n} (--max-n)",
+                          param="n")
+    if num_logprobs is not None and num_logprobs > ctx.settings.max_logprobs:
+        raise bad_request(f"{logprobs_param} is {num_logprobs}, but this server returns at most "
+                          f"{ctx.settings.max_logprobs} (--max-logprobs)", param=logprobs_param)
+
+
+def check_prompt(ctx: ServingContext, token_ids: list[int], param: str) -> None:
+    try:
+        ctx.require_ready().validate_prompt(token_ids)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
+def check_room(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int], param: str) -> None:
+    """OpenAI's rule: prompt + requested output must fit the context (400 names all numbers)."""
+    limit = ctx.require_ready().max_model_len
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} "
+            f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion): "
+            f"shorten the prompt or lower {param}", param=param)
+
+
+def build_sampling_params(ctx: ServingContext, req, max_tokens: Optional[int],
+                          logprobs: Optional[int]) -> SamplingParams:
+    """SamplingParams from the request's fields; a bad value -> 400 naming the field."""
+    values: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            values[name] = value
+    if req.logit_bias:
+        values["logit_bias"] = _parse_logit_bias(req.logit_bias)
+    try:
+        params = SamplingParams(**values)
+        params.validate_for_vocab(ctx.require_ready().arch.vocab_size)
+    except (ValueError, TypeError) as exc:
+        raise from_value_error(exc) from None
+    return params
+
+
+def _parse_logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
+    parsed = {}
+    for key, value in logit_bias.items():
+        try:
+            parsed[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              param="logit_bias") from None
+    return parsed
+
+
+def new_request_id(prefix: str) -> str:
+    # Always server-made: a client-chosen id could collide with (and abort) another request.
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sub_request_id(base_id: str, prompt_index: int, num_prompts: int) -> str:
+    return base_id if num_prompts == 1 else f"{base_id}-{prompt_index}"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {type(exc).__name__}")
+    body = error.body()
+    body["error"]["code"] = body["error"]["code"] or str(error.status_code)
+    return sse(body)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())

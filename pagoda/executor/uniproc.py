@@ -1,0 +1,25 @@
+"""In-process executor: one ModelRunner in this process (tensor parallel size 1)."""
+
+from __future__ import annotations
+
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.runner = ModelRunner(config, model_path)
+
+    @property
+    def arch(self):
+        return self.runner.arch
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        return self.runner.determine_num_blocks(max_model_len)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,172 @@
+"""Triton split-K (flash-decoding) paged attention for decode rows (query length 1).
+
+Owns `paged_attention_decode` and `choose_num_splits`.
+
+Grid (requests, kv heads, splits). A program takes the one query row of its request,
+all query heads of one KV head (padded to at least 16 rows for the tensor cores), and
+one slice of the context: tokens split * per_split .. (split + 1) * per_split - 1, where
+per_split = max(cdiv(seq_len, num_splits), MIN_SPLIT_TOKENS) rounded up to BLOCK_N is
+computed on the device from seq_lens. So the launch depends on host values only
+through num_splits: a CUDA graph captured with a fixed num_splits stays correct for any
+context length, and slices past a short request's end simply hold no tokens.
+
+With num_splits == 1 the kernel writes the output directly. Otherwise each program
+writes its un-normalised partial output (divided by its own sum) and its log-sum-exp
+(base 2) to a float32 workspace, and a merge kernel with grid (requests, heads)
+combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weigh 0.
+num_splits is a runtime argument, so a changing split count does not recompile.
+Requests whose query length is not 1 exit at once in both kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
+
+# A slice shorter than this costs more in the merge than it saves in parallelism.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cache_block, stride_cache_tok, stride_cache_head,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
+    per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+    kv_start = split * per_split
+    kv_end = tl.minimum(kv_start + per_split, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + h
+    head_ok = h < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    # The one query sits at the last position: every key before kv_end is visible, so
+    # no causal mask (q_pos is unused; kv_end stands in for it).
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            start_n, kv_end, kv_end, qk_scale,
+            stride_cache_block, stride_cache_tok, stride_cache_head,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse below is -inf
+    out = acc / l_safe[:, None]
+    if DIRECT_OUT:
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        slot = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
+        tl.store(partial_lse_ptr + slot, lse, mask=head_ok)
+        tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
+    lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    filled = lse > float("-inf")  # slice 0 always holds a token, so the max is finite
+    weight = tl.where(filled, tl.math.exp2(lse - tl.max(lse, 0)), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    # Empty slices were never written: do not read them (0 * garbage may be NaN).
+    partial = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=filled[:, None], other=0.0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """Context slices per (request, kv head): enough programs to fill the GPU about
+    four times over, no slice under MIN_SPLIT_TOKENS, at most MAX_SPLITS."""
+    if num_decode_reqs <= 0 or max_seq_len <= MIN_SPLIT_TOKENS:
+        return 1
+    by_length = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
+    by_occupancy = triton.cdiv(4 * num_sms, num_decode_reqs * num_kv_heads)
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def decode_tile_config(dtype: torch.dtype) -> dict:
+    """Key tile and launch options of the decode kernel."""
+    return dict(BLOCK_N=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
+
+
+def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, num_reqs: int, scale: float,
+                           num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                           config: Optional[dict] = None) -> None:
+    """Attention of every single-query-row request into out; other requests untouched.
+
+    num_splits is a runtime argument (no recompilation when it changes); slices hold at
+    least min_split_tokens tokens (rounded up to the key tile). config overrides
+    decode_tile_config (benchmarks sweep it).
+    """
+    if num_reqs == 0:
+        return
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cfg = dict(config) if config is not None else decode_tile_config(q.dtype)
+    if num_splits > 1:
+        partial_out = torch.empty(num_reqs, num_heads, num_splits, head_dim,
+                                  dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32,
+                                  device=q.device)
+    else:  # unused: the kernel writes out directly
+        partial_out = partial_lse = out
+    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+        out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
+        block_tables, query_start_loc, seq_lens, scale * LOG2_E, num_splits, max(1, min_split_tokens),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32,
+        **cfg,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_reqs, num_heads)](
+            out, partial_out, partial_lse, query_start_loc, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )

@@ -1,0 +1,264 @@
+"""ArchConfig: the shape and numerics of a model architecture, independent of its weights.
+
+Owns parsing a Hugging Face ``config.json`` dict, GGUF metadata and named presets into
+one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
+model code does not implement: unknown architectures, rope scaling types other than
+default/llama3, activations other than silu, sliding-window attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+# Architecture name -> flags the Llama-family model code switches on. Qwen2 always has
+# a bias on its q/k/v projections; Qwen3 always normalises q and k per head.
+_ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_DEFAULTS)
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# Fields a llama3 rope_scaling dict must carry.
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+# HF model_type -> architecture, for config.json files without an "architectures" list.
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
+
+
+def check_architecture(name: str) -> None:
+    if name not in _ARCH_DEFAULTS:
+        raise ValueError(f"unsupported architecture {name!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def normalize_rope_scaling(rope_scaling: Optional[dict]) -> Optional[dict]:
+    """Validated copy of a rope scaling dict with the type under "rope_type"; None = default."""
+    if rope_scaling is None:
+        return None
+    scaling = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_theta")}
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
+    scaling["rope_type"] = rope_type
+    return scaling
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None (plain rotary) or a dict with rope_type "llama3" and its four fields.
+    rope_scaling: Optional[dict] = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"  # the checkpoint's dtype, used when dtype="auto"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Union[int, list[int], None] = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        check_architecture(self.architecture)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.torch_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r}; supported: "
+                             f"{', '.join(SUPPORTED_DTYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """eos_token_id as a tuple, whichever form the checkpoint used."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def replace(self, **changes: Any) -> "ArchConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ArchConfig":
+        """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        arch = _hf_architecture(config)
+        _reject_sliding_window(arch, config)
+        _reject_unsupported_biases(arch, config)
+        heads = config["num_attention_heads"]
+        rope_theta, rope_scaling = _hf_rope(config)
+        return cls(
+            architecture=arch,
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias",
+                                           _ARCH_DEFAULTS[arch]["attention_bias"])),
+            qk_norm=_ARCH_DEFAULTS[arch]["qk_norm"],
+            hidden_act=config.get("hidden_act", "silu"),
+            torch_dtype=_hf_dtype(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, reader) -> "ArchConfig":
+        """From a gguf.GGUFReader's metadata (llama.* keys) and its tensor list."""
+        return _from_gguf(cls, reader)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ArchConfig":
+        from pagoda.model.presets import get_preset
+        return get_preset(name)
+
+
+def _hf_architecture(config: dict) -> str:
+    archs = config.get("architectures") or []
+    if len(archs) > 1:
+        raise ValueError(f"config.json lists several architectures {archs}; expected one")
+    if archs:
+        arch = archs[0]
+    elif config.get("model_type") in _MODEL_TYPE_TO_ARCH:
+        arch = _MODEL_TYPE_TO_ARCH[config["model_type"]]
+    else:
+        raise ValueError(f"config.json names no architecture (model_type "
+                         f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    check_architecture(arch)
+    return arch
+
+
+def _reject_sliding_window(arch: str, config: dict) -> None:
+    window = config.get("sliding_window")
+    if window is None:
+        return
+    # Qwen2/3 configs carry a sliding_window value that only applies when
+    # use_sliding_window is true; Mistral's applies whenever it is set.
+    uses_window = config.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_window:
+        raise ValueError(f"sliding_window={window} is not supported (sliding-window attention "
+                         f"is not implemented); only full attention models load")
+
+
+def _reject_unsupported_biases(arch: str, config: dict) -> None:
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported (MLP projections have no bias)")
+    # Only Qwen2's layout (bias on q/k/v, none on o_proj) is implemented; Llama's and
+    # Qwen3's attention_bias would also put a bias on o_proj.
+    if config.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise ValueError(f"attention_bias=true is not supported for {arch} (it would add an "
+                         f"o_proj bias); only Qwen2ForCausalLM's q/k/v bias is")
+
+
+def _hf_rope(config: dict) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4.x's fields."""
+    params = config.get("rope_parameters")
+    if params is not None:
+        if "rope_type" not in params and "type" not in params:
+            raise ValueError(f"rope_parameters {params} names no rope_type")
+        return float(params.get("rope_theta", config.get("rope_theta", 10000.0))), params
+    return float(config.get("rope_theta", 10000.0)), config.get("rope_scaling")
+
+
+def _hf_dtype(config: dict) -> str:
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return str(dtype).removeprefix("torch.")
+
+
+def _gguf_field(reader, key: str, default: Any = dataclasses.MISSING) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if default is dataclasses.MISSING:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return default
+    return f.contents()
+
+
+def _from_gguf(cls, reader) -> ArchConfig:
+    gguf_arch = _gguf_field(reader, "general.architecture")
+    if gguf_arch not in _GGUF_ARCH_TO_ARCH:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: "
+                         f"{', '.join(_GGUF_ARCH_TO_ARCH)}")
+    p = gguf_arch + "."
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = _gguf_field(reader, p + "rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"GGUF rope scaling ({scaling!r}, rope_freqs tensor: "
+                         f"{'rope_freqs.weight' in tensor_names}) is not supported")
+    hidden = int(_gguf_field(reader, p + "embedding_length"))
+    heads = int(_gguf_field(reader, p + "attention.head_count"))
+    head_dim = int(_gguf_field(reader, p + "attention.key_length", hidden // heads))
+    rope_dim = int(_gguf_field(reader, p + "rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary (rope.dimension_count {rope_dim} != head_dim "
+                         f"{head_dim}) is not supported")
+    return cls(
+        architecture=_GGUF_ARCH_TO_ARCH[gguf_arch],
+        hidden_size=hidden,
+        num_hidden_layers=int(_gguf_field(reader, p + "block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_gguf_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        intermediate_size=int(_gguf_field(reader, p + "feed_forward_length")),
+        vocab_size=_gguf_vocab_size(reader, p),
+        rms_norm_eps=float(_gguf_field(reader, p + "attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_gguf_field(reader, p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, p + "context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        # Weights are dequantized to float32; callers pick another dtype explicitly.
+        torch_dtype="float32",
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
+    )
+
+
+def _gguf_vocab_size(reader, prefix: str) -> int:
+    """The token list's length (the spec'd source), else the vocab_size key."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    return int(_gguf_field(reader, prefix + "vocab_size"))

@@ -1,0 +1,35 @@
+"""RMSNorm with an optional fused residual add, numerically matching Hugging Face's.
+
+HF order of operations (kept exactly): add the residual in the input dtype, normalise
+in float32, cast back to the input dtype, then multiply by the weight.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from pagoda.model.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._normalize(x)
+        summed = x + residual
+        return self._normalize(summed), summed

@@ -1,0 +1,193 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3).
+
+One model class; the variants differ only by ArchConfig flags: ``attention_bias``
+(Qwen2's q/k/v bias) and ``qk_norm`` (Qwen3's per-head RMSNorm on q and k before
+rotary). Inputs are a flattened batch (no batch dim): ``forward(input_ids [T],
+positions [T]) -> hidden [T, hidden_size]``; attention reads its metadata and KV
+caches from the forward context. Module names mirror Hugging Face's so that
+``load_weights`` only has to fold q/k/v and gate/up into merged parameters.
+
+Build on the meta device, then ``materialize(device)``: 8B shapes are allocated once,
+never initialised on the CPU first.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.attention import Attention
+from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                        RowParallelLinear, ShardId, default_weight_loader,
+                                        materialize_module)
+from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+# (merged param, checkpoint projection, shard id): HF names folded into merged params.
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint entries that are not weights (old HF checkpoints saved rotary buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, self.num_heads,
+                                          self.num_kv_heads, bias=arch.attention_bias)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
+                              scale=arch.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin).reshape(num_tokens, self.q_size)
+        k = apply_rotary(k, cos, sin).reshape(num_tokens, self.kv_size)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], bias=False)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it): the next norm adds them."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i)
+                                    for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Shared by every layer: cos/sin are looked up once per forward.
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                          arch.rope_theta, arch.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head when the architecture ties them."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str,
+                    dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
+        """Gives a model built on the meta device uninitialised storage on device (weights
+        in dtype), keeping weight loaders and tying, and computes the rotary cache."""
+        materialize_module(self, device, dtype)
+        self.model.rotary_emb.reset_cache()
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden [T, hidden_size] (final norm applied)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads (HF name, full tensor) pairs; raises on unknown names and, at the end, on
+        parameters no checkpoint tensor reached. Returns the loaded parameter names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some tied checkpoints store the head too; the embedding wins
+            name, shard_id = _map_hf_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
+                                 f"{self.arch.architecture}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"loading {hf_name!r}: {e}") from e
+            loaded.add(name if shard_id is None else f"{name}[{shard_id}]")
+        self._check_complete(params, loaded)
+        return loaded
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            merged = [shard for merged, _, shard in _STACKED_PARAMS if f".{merged}." in name]
+            expected = [f"{name}[{s}]" for s in merged] or [name]
+            missing += [e for e in expected if e not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, ShardId]:
+    """HF checkpoint name -> (parameter name, shard id or None)."""
+    for merged, proj, shard_id in _STACKED_PARAMS:
+        if f".{proj}." in hf_name:
+            return hf_name.replace(f".{proj}.", f".{merged}."), shard_id
+    return hf_name, None

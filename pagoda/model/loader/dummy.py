@@ -1,0 +1,56 @@
+"""Dummy weights: seeded random values of the right shapes, made on the target device.
+
+For benchmarks, where only the shape matters. Norm weights are ones (so activations
+keep a sane scale), every other parameter is normal(0, 0.02). One generator on the
+target device walks the parameters in a fixed order: the same seed on the same device
+gives the same weights, and an 8B model never makes a CPU round trip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import nn
+
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.layernorm import RMSNorm
+
+WEIGHT_STD = 0.02
+
+
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    seen: set[int] = set()  # tied parameters appear under two modules
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, WEIGHT_STD, generator=generator)
+
+
+def dummy_arch_config(name: str) -> ArchConfig:
+    """A preset name, or a directory whose config.json gives the shape."""
+    path = Path(name)
+    if path.is_dir():
+        from pagoda.model.loader.safetensors import read_arch_config
+        return read_arch_config(path)
+    return ArchConfig.from_preset(name)
+
+
+def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
+                     seed: int) -> tuple[nn.Module, ArchConfig]:
+    from pagoda.model.loader import build_model, resolve_dtype
+
+    arch = dummy_arch_config(name)
+    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    fill_dummy_weights(model, seed)
+    return model, arch

@@ -1,0 +1,113 @@
+"""GGUF loader (llama.cpp files): metadata -> ArchConfig, tensors -> HF-named weights.
+
+Every tensor, quantized (Q4_1, Q8_0, ...) or not, is dequantized to float32 with
+gguf.quants.dequantize and then cast to the model dtype by the parameter's loader.
+llama.cpp's converter permutes the rows of the Q and K projections (it reshapes
+them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes, turning HF's
+rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator, Union
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from torch import nn
+
+from pagoda.model.arch_config import ArchConfig
+
+# llama.cpp tensor name -> HF name; {i} is the block index.
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class FastGGUFReader(GGUFReader):
+    """GGUFReader parsing a plain ndarray view of its memory map instead of the np.memmap.
+
+    The parser slices the file into hundreds of thousands of small views (every string
+    of the vocabulary and merges); np.memmap's per-view bookkeeping makes that ~3x
+    slower. np.asarray shares the same memory (its base keeps the map alive); the
+    reader is only ever opened read-only here.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = np.asarray(value)
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face counterpart")
+    layer, kind, suffix = m.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's permute: rows grouped (n_head, head_dim/2, 2) -> (n_head, 2, head_dim/2)."""
+    half = rows.shape[0] // n_head // 2
+    return (rows.reshape(n_head, half, 2, *rows.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(rows.shape))
+
+
+def dequantized(tensor) -> np.ndarray:
+    """The tensor as float32 in torch (row-major) shape: ggml lists dims fastest first."""
+    # np.asarray drops the np.memmap subclass (same memory, no copy): dequantize slices
+    # the array into many views, and memmap's per-view bookkeeping would dominate.
+    data = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return data.reshape(shape)
+
+
+def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted."""
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        data = dequantized(tensor)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            data = unpermute_qk(data, arch.num_attention_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            data = unpermute_qk(data, arch.num_key_value_heads)
+        # Unquantized tensors come back as read-only views of the memory map: copy those.
+        yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+
+
+def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
+                    device: Union[str, torch.device]) -> tuple[nn.Module, ArchConfig]:
+    from pagoda.model.loader import build_model, find_gguf_file, resolve_dtype
+
+    file = find_gguf_file(path)
+    if file is None:
+        raise ValueError(f"no .gguf file at {path}")
+    reader = FastGGUFReader(str(file))
+    arch = ArchConfig.from_gguf_metadata(reader)
+    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model.load_weights(iter_gguf_weights(reader, arch))
+    return model, arch

@@ -1,0 +1,59 @@
+"""Hugging Face directory loader: config.json + *.safetensors (one file or sharded).
+
+Tensors are streamed one at a time from each shard (safe_open memory-maps the file)
+into the model's load_weights, so peak extra memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagoda.model.arch_config import ArchConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards named by the index file when there is one, else every *.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir}")
+    return files
+
+
+def iter_safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def read_arch_config(model_dir: Path) -> ArchConfig:
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in {model_dir}")
+    return ArchConfig.from_hf_config(json.loads(config_file.read_text()))
+
+
+def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
+                           device: Union[str, torch.device]) -> tuple[nn.Module, ArchConfig]:
+    from pagoda.model.loader import build_model, resolve_dtype
+
+    arch = read_arch_config(model_dir)
+    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model.load_weights(iter_safetensors_weights(safetensors_files(model_dir)))
+    return model, arch

@@ -1,0 +1,64 @@
+"""Named architecture presets: real model shapes for dummy-weight benchmarks, tiny ones for tests.
+
+A preset is only a shape (an ArchConfig); its weights come from the dummy loader.
+"""
+
+from __future__ import annotations
+
+from pagoda.model.arch_config import ArchConfig
+
+_PRESETS: dict[str, ArchConfig] = {
+    "llama-3.1-8b": ArchConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256,
+        rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    ),
+    "qwen3-8b": ArchConfig(
+        architecture="Qwen3ForCausalLM",
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True, torch_dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "smollm2-135m": ArchConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, intermediate_size=1536, vocab_size=49152,
+        rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    ),
+    "tiny-llama": ArchConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=512,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        tie_word_embeddings=False, torch_dtype="float32", bos_token_id=1, eos_token_id=2,
+    ),
+    # head_dim * heads (128) != hidden_size (64), as in real Qwen3 models.
+    "tiny-qwen3": ArchConfig(
+        architecture="Qwen3ForCausalLM",
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=128, vocab_size=512,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=512,
+        tie_word_embeddings=True, qk_norm=True, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def is_preset(name: str) -> bool:
+    return name in _PRESETS
+
+
+def get_preset(name: str) -> ArchConfig:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESET_NAMES)}")
+    return _PRESETS[name]

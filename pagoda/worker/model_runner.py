@@ -1,0 +1,162 @@
+"""ModelRunner: owns the model, the KV cache tensors and the per-request state on one device.
+
+execute_model(SchedulerOutput) -> ModelRunnerOutput: apply the scheduler's diff, build
+the flattened step inputs, run the forward inside the forward context, sample, and
+fetch the sampled ids with one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.forward_context import forward_context
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagoda.sample.logprobs import compute_token_logprobs, to_token_logprobs
+from pagoda.sample.metadata import SamplingRow, build_sampling_metadata, make_generator
+from pagoda.sample.sampler import Sampler
+from pagoda.worker.input_batch import (CachedRequestState, StepInputs, apply_scheduler_output,
+                                       build_step_inputs)
+from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def make_attention_backend(name: str, device: str, arch) -> AttentionBackend:
+    scale = arch.head_dim ** -0.5
+    args = (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, scale)
+    if name == "auto":
+        name = "triton" if device == "cuda" else "torch_ref"
+    if name == "triton":
+        from pagoda.attention.triton_backend import TritonBackend
+        return TritonBackend(*args)
+    from pagoda.attention.torch_ref import TorchRefBackend
+    return TorchRefBackend(*args)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        from pagoda.model.loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = resolve_dtype(config.model.dtype, config.device.device)
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
+        self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
+                                           self.device, config.model.seed)
+        self.load_seconds = time.perf_counter() - start
+        self.backend = make_attention_backend(config.device.attention_backend,
+                                              config.device.device, self.arch)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.states: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    # ---- start-up -------------------------------------------------------------------
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        arch, cache = self.arch, self.config.cache
+        per_block = bytes_per_block(arch.num_hidden_layers, self.block_size,
+                                    arch.num_key_value_heads, arch.head_dim, self.dtype)
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        else:
+            budget = self._profile_kv_budget()
+        return num_blocks_for_budget(budget, per_block, self.block_size, max_model_len)
+
+    def _profile_kv_budget(self) -> int:
+        """GPU: what is left of gpu_memory_utilization after weights and a peak forward."""
+        if self.device.type != "cuda":
+            raise ValueError("kv_cache_memory must be set on CPU")
+        from pagoda.worker.profiling import profile_kv_budget
+        return profile_kv_budget(self)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        arch = self.arch
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(arch.num_hidden_layers, num_blocks, self.block_size,
+                                            arch.num_key_value_heads, arch.head_dim, self.dtype,
+                                            self.device)
+
+    # ---- one step -------------------------------------------------------------------
+    def _make_generator(self, seed: int) -> torch.Generator:
+        return make_generator(seed, self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        apply_scheduler_output(self.states, out, self._make_generator)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = build_step_inputs(self.states, out, self.block_size, self.device)
+        with forward_context(self.backend, inputs.metadata, self.kv_caches):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        sampled, logprobs = self._sample(hidden, inputs)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        sampled_by_req = dict(zip(inputs.sample_req_ids, sampled))
+        logprobs_by_req = dict(zip(inputs.sample_req_ids, logprobs))
+        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[],
+                                   prompt_logprobs=prompt_logprobs)
+        for req_id in inputs.req_ids:
+            token = sampled_by_req.get(req_id)
+            result.sampled_token_ids.append([] if token is None else [token])
+            lp = logprobs_by_req.get(req_id)
+            result.logprobs.append(None if lp is None else [lp])
+        return result
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
+        if not inputs.sample_rows:
+            return [], []
+        rows_idx = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows_idx])
+        rows = [self._sampling_row(req_id) for req_id in inputs.sample_req_ids]
+        metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator)
+        out = self.sampler(logits, metadata)
+        if out.logprobs is None:
+            return out.sampled_token_ids.tolist(), [None] * len(rows)
+        wanted = [r.params.logprobs for r in rows]
+        converted = to_token_logprobs(out.logprobs_token_ids, out.logprobs, out.sampled_ranks,
+                                      [w or 0 for w in wanted])
+        sampled = out.sampled_token_ids.tolist()
+        return sampled, [lp if w is not None else None for lp, w in zip(converted, wanted)]
+
+    def _sampling_row(self, req_id: str) -> SamplingRow:
+        state = self.states[req_id]
+        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
+                           state.generator)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, list[TokenLogprobs]]:
+        result: dict[str, list[TokenLogprobs]] = {}
+        for req_id, (first_row, positions) in inputs.prompt_logprob_rows.items():
+            state = self.states[req_id]
+            start = state.num_computed_tokens
+            rows = torch.tensor([first_row + p - start for p in positions], device=self.device)
+            targets = torch.tensor([state.prompt_token_ids[p + 1] for p in positions],
+                                   device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
+            result[req_id] = to_token_logprobs(ids, lps, ranks)
+        return result
+
+    def audit_states(self) -> int:
+        return len(self.states)
