@@ -6,8 +6,12 @@ import os
 
 import pytest
 
-# Two cores: keep torch from oversubscribing when several tests run models.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One intra-op thread: the models in tests are small, a busy-waiting thread pool only
+# loses time on two shared cores, and server subprocesses inherit the setting.
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after the thread setting)
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

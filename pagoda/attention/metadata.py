@@ -7,6 +7,7 @@ the device once.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -19,6 +20,10 @@ def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],
     """Slot (block_id * block_size + offset) of every query token, request after request."""
     slots: list[int] = []
     for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        if qlen == 1:  # decode: the common case, no inner loop
+            pos = slen - 1
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            continue
         for pos in range(slen - qlen, slen):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     return slots
@@ -47,20 +52,24 @@ def build_attention_metadata(
         if pad_to < num_tokens:
             raise ValueError(f"pad_to ({pad_to}) < number of tokens ({num_tokens})")
         slots.extend([-1] * (pad_to - num_tokens))
-    width = max_blocks_per_req or max((len(t) for t in block_tables), default=1)
-    tables = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(list(query_lens), dtype=torch.int32), 0)
+    width = max(max_blocks_per_req or max((len(t) for t in block_tables), default=1), 1)
+    # One tensor from padded rows: a per-row copy costs a torch call per request.
+    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                          dtype=torch.int32).reshape(len(block_tables), width)
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     seq = torch.tensor(list(seq_lens), dtype=torch.int32)
+    if torch.device(device).type == "cuda":  # pinned: the copies below do not block the host
+        tables, qsl, seq = tables.pin_memory(), qsl.pin_memory(), seq.pin_memory()
+        slot_tensor = torch.tensor(slots, dtype=torch.int64).pin_memory()
+    else:
+        slot_tensor = torch.tensor(slots, dtype=torch.int64)
     return AttentionMetadata(
         num_reqs=len(query_lens),
         num_actual_tokens=num_tokens,
-        query_start_loc=qsl.to(device),
-        seq_lens=seq.to(device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        query_start_loc=qsl.to(device, non_blocking=True),
+        seq_lens=seq.to(device, non_blocking=True),
+        block_tables=tables.to(device, non_blocking=True),
+        slot_mapping=slot_tensor.to(device, non_blocking=True),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         query_start_loc_cpu=qsl,

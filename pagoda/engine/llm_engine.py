@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(config)
         self.eos_token_id = self._eos_token_id(arch)
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor.initialize_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
@@ -75,6 +75,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.last_num_scheduled_tokens = 0
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.startup_seconds, arch.architecture, num_blocks,
@@ -197,6 +198,7 @@ class LLMEngine:
     # ---- the step loop ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)

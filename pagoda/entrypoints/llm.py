@@ -39,7 +39,8 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+                # final_only: no per-step RequestOutput copies for offline batches.
+                ids.append(engine.add_request(None, prompt, params, output_kind="final_only"))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -18,8 +18,8 @@ class UniProcExecutor:
     def determine_num_blocks(self, max_model_len: int) -> int:
         return self.runner.determine_num_blocks(max_model_len)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -85,7 +85,10 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         start = state.num_computed_tokens
         end = start + n
         req_ids.append(req_id)
-        token_ids.extend(state.token_at(p) for p in range(start, end))
+        if n == 1:
+            token_ids.append(state.token_at(start))
+        else:
+            token_ids.extend(state.token_at(p) for p in range(start, end))
         positions.extend(range(start, end))
         query_lens.append(n)
         seq_lens.append(end)
@@ -101,7 +104,9 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         row += n
     metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device, pad_to)
     pad = (pad_to or row) - row
-    ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long)
-    pos = torch.tensor(positions + [0] * pad, dtype=torch.long)
-    return StepInputs(req_ids, ids.to(device, non_blocking=True), pos.to(device, non_blocking=True),
-                      metadata, sample_rows, sample_req_ids, prompt_rows)
+    ids_pos = torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.long)
+    if torch.device(device).type == "cuda":  # pinned: a non-blocking copy
+        ids_pos = ids_pos.pin_memory()
+    ids_pos = ids_pos.to(device, non_blocking=True)
+    return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
+                      prompt_rows)

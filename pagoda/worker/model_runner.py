@@ -67,6 +67,7 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.graph_runner = None  # set when CUDA graphs are captured
 
     @property
     def vocab_size(self) -> int:
@@ -92,12 +93,23 @@ class ModelRunner:
         from pagoda.worker.profiling import profile_kv_budget
         return profile_kv_budget(self)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         arch = self.arch
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(arch.num_hidden_layers, num_blocks, self.block_size,
                                             arch.num_key_value_heads, arch.head_dim, self.dtype,
                                             self.device)
+        if self._use_cuda_graphs():
+            from pagoda.worker.cuda_graph import CudaGraphRunner
+            max_blocks = -(-max_model_len // self.block_size)
+            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.kv_caches,
+                                                self.config.scheduler.max_num_seqs, max_blocks,
+                                                self.device)
+            self.graph_runner.capture()
+
+    def _use_cuda_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.config.device.enforce_eager
+                and self.backend.supports_cuda_graphs())
 
     # ---- one step -------------------------------------------------------------------
     def _make_generator(self, seed: int) -> torch.Generator:
@@ -109,8 +121,12 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = build_step_inputs(self.states, out, self.block_size, self.device)
-        with forward_context(self.backend, inputs.metadata, self.kv_caches):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            with forward_context(self.backend, inputs.metadata, self.kv_caches):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         sampled, logprobs = self._sample(hidden, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         sampled_by_req = dict(zip(inputs.sample_req_ids, sampled))

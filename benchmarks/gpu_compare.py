@@ -1,0 +1,409 @@
+"""One-command GPU benchmark: Pagoda vs Hugging Face transformers on the same dummy model.
+
+    python benchmarks/gpu_compare.py --out results.json            # both engines, all workloads
+    python benchmarks/gpu_compare.py --engine pagoda --preset tiny-llama --device cpu --small
+
+Each engine runs in its own subprocess (so one's memory never crowds the other), then
+the parent prints one table with the rooflines: a decode step can be no faster than
+(weight bytes + KV bytes read) / measured copy bandwidth, nor than FLOPs / measured
+bf16 matmul rate. Workloads (Llama-3.1-8B shape, bf16, random weights):
+  latency     batch-1 decode, 128 prompt tokens: ms per output token (median step)
+  static      256 requests, 1024 in / 128 out: output tok/s
+  nanovllm    256 requests, input and output lengths uniform in [100, 1024]: output tok/s
+  decode256   decode step at batch 256 with ~1k context: ms per step vs roofline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+
+def measure_ceilings(device) -> dict:
+    import torch
+    if device.type != "cuda":
+        return {}
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); b.copy_(a); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    bw = 2 * a.numel() * 2 / statistics.median(times)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    y = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        x @ y
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); x @ y; e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    flops = 2 * m ** 3 / statistics.median(times)
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": bw, "bf16_matmul_flops": flops}
+
+
+def model_bytes_and_flops(arch, dtype_bytes: int = 2) -> dict:
+    h, i, L, v = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers, arch.vocab_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    params = L * per_layer + 2 * v * h  # embedding + lm_head (untied)
+    return {"params": params, "weight_bytes": params * dtype_bytes,
+            "embedding_bytes": v * h * dtype_bytes,  # only looked up, not streamed per step
+            "kv_bytes_per_token": 2 * L * kv * dtype_bytes,
+            "flops_per_token": 2 * (L * per_layer + v * h)}
+
+
+def roofline_decode_ms(info: dict, ceilings: dict, batch: int, context: int) -> dict:
+    if not ceilings:
+        return {}
+    read = (info["weight_bytes"] - info["embedding_bytes"]
+            + batch * context * info["kv_bytes_per_token"])
+    mem_ms = read / ceilings["copy_bytes_per_s"] * 1e3
+    flop_ms = batch * info["flops_per_token"] / ceilings["bf16_matmul_flops"] * 1e3
+    return {"bytes_read": read, "memory_ms": mem_ms, "compute_ms": flop_ms,
+            "roofline_ms": max(mem_ms, flop_ms)}
+
+
+def uniform_lengths(rng, n, lo, hi):
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
+
+
+def random_prompts(rng, lengths, vocab):
+    return [[int(t) for t in rng.integers(10, vocab - 10, size=n)] for n in lengths]
+
+
+# ---------------------------------------------------------------- pagoda ----------
+class StageTimer:
+    """Wraps the engine's stages to say where a step's wall time goes. The forward is
+    timed up to a device sync, so its figure is the GPU time plus the launch."""
+
+    def __init__(self, engine, sync) -> None:
+        from pagoda.worker import model_runner
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        runner = engine.executor.runner
+        self._patch(engine.scheduler, "schedule")
+        self._patch(engine.scheduler, "update_from_output")
+        self._patch(engine.output_processor, "process_outputs")
+        self._patch(model_runner, "build_step_inputs")
+        self._patch(runner, "_sample")
+        if runner.graph_runner is not None:
+            self._patch(runner.graph_runner, "run", sync)
+        forward = runner.model.forward
+
+        def timed_forward(*a, **k):
+            start = time.perf_counter()
+            out = forward(*a, **k)
+            sync()
+            self.totals["forward_eager"] = self.totals.get("forward_eager", 0) + time.perf_counter() - start
+            return out
+        runner.model.forward = timed_forward
+
+    def _patch(self, owner, name, sync=None) -> None:
+        fn = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            if sync is not None:
+                sync()
+            self.totals[name] = self.totals.get(name, 0) + time.perf_counter() - start
+            return out
+        setattr(owner, name, wrapped)
+
+    def per_step_ms(self) -> dict:
+        return {k: v / max(self.steps, 1) * 1e3 for k, v in self.totals.items()}
+
+
+def run_pagoda(args) -> dict:
+    import numpy as np
+    import torch
+    from pagoda import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=args.batch,
+              enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory)
+    engine = llm.llm_engine
+    runner = engine.executor.runner
+    result = {"engine": "pagoda", "startup_s": time.perf_counter() - t0,
+              "load_s": runner.load_seconds, "num_kv_blocks": engine.num_blocks,
+              "cuda_graphs": runner.graph_runner is not None,
+              "graph_capture_s": getattr(runner.graph_runner, "capture_seconds", 0.0),
+              "memory": getattr(runner, "memory_report", None),
+              "attention_backend": runner.backend.name}
+    vocab = engine.arch.vocab_size
+    rng = np.random.default_rng(0)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
+    # latency: one request, time each engine step.
+    prompt = random_prompts(rng, [args.latency_prompt], vocab)[0]
+    params = SamplingParams(max_tokens=args.latency_tokens, temperature=0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    engine.add_request("lat", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        sync(); s = time.perf_counter(); engine.step(); steps.append(time.perf_counter() - s)
+    result["latency"] = {"prefill_ms": steps[0] * 1e3,
+                         "decode_ms_per_token_median": statistics.median(steps[1:]) * 1e3,
+                         "decode_ms_per_token_mean": statistics.mean(steps[1:]) * 1e3}
+
+    # static: batch x (in / out). Stepped by hand to record each step's time and size.
+    prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
+    params = SamplingParams(max_tokens=args.static_out, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params, output_kind="final_only")
+    step_log, toks = [], 0
+    sync(); s = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        step_log.append((engine.last_num_scheduled_tokens, time.perf_counter() - t))
+        toks += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    sync(); el = time.perf_counter() - s
+    prefill_steps = [t for n, t in step_log if n > args.batch]
+    result["static"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el,
+                        "preemptions": engine.get_stats().num_preemptions,
+                        "steps": len(step_log), "prefill_steps": len(prefill_steps),
+                        "prefill_seconds": sum(prefill_steps),
+                        "step_log": [[n, round(t * 1e3, 2)] for n, t in step_log]}
+    if args.device == "cuda":
+        result["prefill_profile"] = profile_prefill_step(engine, rng, vocab, args)
+
+    # nanovllm: random lengths.
+    ins = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
+    outs_len = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
+    prompts = random_prompts(rng, ins, vocab)
+    plist = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in outs_len]
+    sync(); s = time.perf_counter()
+    outs = llm.generate(prompts, plist, use_tqdm=False)
+    sync(); el = time.perf_counter() - s
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    result["nanovllm"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
+
+    # decode256: steady decode steps at full batch with ~1k context.
+    prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        sync(); s = time.perf_counter(); engine.step(); el = time.perf_counter() - s
+        if engine.scheduler.num_running == args.batch and engine.scheduler.num_waiting == 0:
+            steps.append(el)
+    decode_steps = steps[-16:] if len(steps) > 16 else steps
+    result["decode256"] = {"step_ms_median": statistics.median(decode_steps) * 1e3,
+                           "context": args.static_in, "batch": args.batch}
+    result["stage_ms_per_step"] = profile_stages(engine, prompts, sync)
+    return result
+
+
+def profile_prefill_step(engine, rng, vocab, args) -> str:
+    """torch.profiler table of one fresh 16-request prefill step (top kernels)."""
+    import torch
+    from pagoda import SamplingParams
+    prompts = random_prompts(rng, [args.static_in] * 16, vocab)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def profile_stages(engine, prompts, sync) -> dict:
+    """Where a decode step's time goes, at batch 1 and at full batch (after prefill)."""
+    from pagoda import SamplingParams
+    timer = StageTimer(engine, sync)
+    out = {}
+    for label, batch in (("batch1", prompts[:1]), ("batch_full", prompts)):
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        for i, p in enumerate(batch):
+            engine.add_request(f"p{label}{i}", p, params)
+        timer.totals.clear()
+        timer.steps = 0
+        start = time.perf_counter()
+        while engine.scheduler.num_waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            engine.step()
+            timer.steps += 1
+        sync()
+        prefill = timer.per_step_ms()
+        prefill["step_total"] = (time.perf_counter() - start) / max(timer.steps, 1) * 1e3
+        prefill["steps"] = timer.steps
+        out[label + "_prefill"] = prefill
+        timer.totals.clear()
+        timer.steps = 0
+        start = time.perf_counter()
+        for _ in range(16):
+            engine.step()
+            timer.steps += 1
+        sync()
+        stages = timer.per_step_ms()
+        stages["step_total"] = (time.perf_counter() - start) / timer.steps * 1e3
+        out[label] = stages
+        while engine.has_unfinished_requests():
+            engine.step()
+    return out
+
+
+# ---------------------------------------------------------------- transformers ----
+def run_transformers(args) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+    from pagoda.model.presets import get_preset
+
+    arch = get_preset(args.preset)
+    cfg = transformers.LlamaConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim, max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling,
+        tie_word_embeddings=arch.tie_word_embeddings)
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    result = {"engine": "transformers", "version": transformers.__version__,
+              "startup_s": time.perf_counter() - t0}
+    rng = np.random.default_rng(0)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
+    def generate(prompts, new):
+        ids = torch.tensor(prompts, device=args.device)
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  do_sample=False, pad_token_id=0)
+
+    prompt = random_prompts(rng, [args.latency_prompt], arch.vocab_size)
+    generate(prompt, 4)
+    sync(); s = time.perf_counter(); generate(prompt, 1); sync(); first = time.perf_counter() - s
+    n = args.hf_latency_tokens
+    sync(); s = time.perf_counter(); generate(prompt, n); sync(); el = time.perf_counter() - s
+    result["latency"] = {"prefill_ms": first * 1e3,
+                         "decode_ms_per_token_mean": (el - first) / (n - 1) * 1e3}
+    prompts = random_prompts(rng, [args.static_in] * args.batch, arch.vocab_size)
+    sync(); s = time.perf_counter()
+    out = generate(prompts, args.static_out)
+    sync(); el = time.perf_counter() - s
+    toks = (out.shape[1] - args.static_in) * out.shape[0]
+    result["static"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
+    return result
+
+
+# ---------------------------------------------------------------- driver ----------
+def child_main(args) -> None:
+    result = run_pagoda(args) if args.engine == "pagoda" else run_transformers(args)
+    with open(args.child_out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def print_table(report: dict) -> None:
+    engines = {r["engine"]: r for r in report["engines"]}
+    roof = report.get("roofline", {})
+    def get(engine, *keys):
+        d = engines.get(engine, {})
+        for k in keys:
+            d = d.get(k, {}) if isinstance(d, dict) else {}
+        return d if isinstance(d, (int, float)) else float("nan")
+    print(f"\n{'workload':44s} {'pagoda':>12s} {'transformers':>13s} {'roofline':>10s}")
+    print(f"{'batch-1 decode ms/token (median step)':44s} "
+          f"{get('pagoda', 'latency', 'decode_ms_per_token_median'):12.2f} "
+          f"{get('transformers', 'latency', 'decode_ms_per_token_mean'):13.2f} "
+          f"{roof.get('batch1', {}).get('roofline_ms', float('nan')):10.2f}")
+    print(f"{'static 1024/128 output tok/s':44s} {get('pagoda', 'static', 'output_tok_per_s'):12.0f} "
+          f"{get('transformers', 'static', 'output_tok_per_s'):13.0f}")
+    print(f"{'nano-vllm uniform 100-1024 output tok/s':44s} "
+          f"{get('pagoda', 'nanovllm', 'output_tok_per_s'):12.0f} {'-':>13s}")
+    d = roof.get("decode256", {})
+    print(f"{'decode step batch 256, 1k ctx (ms)':44s} {get('pagoda', 'decode256', 'step_ms_median'):12.2f} "
+          f"{'-':>13s} {d.get('roofline_ms', float('nan')):10.2f}")
+    if d and "pagoda" in engines:
+        eff = d["roofline_ms"] / engines["pagoda"]["decode256"]["step_ms_median"]
+        print(f"{'  fraction of roofline':44s} {eff:12.0%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--engine", default="all", choices=["all", "pagoda", "transformers"])
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-model-len", type=int, default=2304)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--latency-prompt", type=int, default=128)
+    p.add_argument("--latency-tokens", type=int, default=256)
+    p.add_argument("--hf-latency-tokens", type=int, default=32)
+    p.add_argument("--static-in", type=int, default=1024)
+    p.add_argument("--static-out", type=int, default=128)
+    p.add_argument("--nano-min", type=int, default=100)
+    p.add_argument("--nano-max", type=int, default=1024)
+    p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
+    p.add_argument("--out", default="bench_results/gpu_compare.json")
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.batch, args.latency_prompt, args.latency_tokens, args.hf_latency_tokens = 4, 8, 8, 4
+        args.static_in, args.static_out, args.nano_min, args.nano_max = 16, 8, 4, 16
+        args.max_model_len = 64
+    if args.child_out:
+        return child_main(args)
+
+    import torch
+    from pagoda.model.presets import get_preset
+    device = torch.device(args.device)
+    report = {"benchmark": "gpu_compare", "date": datetime.now(timezone.utc).isoformat(),
+              "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
+              "args": vars(args), "engines": []}
+    report["ceilings"] = measure_ceilings(device)
+    info = model_bytes_and_flops(get_preset(args.preset))
+    report["model"] = info
+    report["roofline"] = {
+        "batch1": roofline_decode_ms(info, report["ceilings"], 1, args.latency_prompt + args.latency_tokens // 2),
+        "decode256": roofline_decode_ms(info, report["ceilings"], args.batch, args.static_in + 12)}
+    engines = ["pagoda", "transformers"] if args.engine == "all" else [args.engine]
+    for engine in engines:
+        child_out = f"{args.out}.{engine}.json"
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--engine", engine, "--child-out", child_out]
+        print(f"running {engine} ...", flush=True)
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0:
+            report["engines"].append({"engine": engine, "error": f"exit code {proc.returncode}"})
+            continue
+        with open(child_out) as f:
+            report["engines"].append(json.load(f))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report["ceilings"]))
+    print_table(report)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
