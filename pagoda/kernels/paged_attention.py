@@ -102,7 +102,8 @@ def _find_request(tile, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Step-varying ints are not specialised: each new value class would recompile (~2 s).
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _chunk_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -165,13 +166,18 @@ def _chunk_kernel(
 
 
 def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options of the chunk kernel: BLOCK_Q * GROUP_PAD query rows."""
+    """Tile sizes and launch options of the chunk kernel: BLOCK_Q * GROUP_PAD query rows.
+
+    Measured on an H200 (bf16, 32/8 heads, D=128, 8 x 2048-token prefill, triton 3.6):
+    128 rows x 64 keys, 4 warps, 3 stages: 847 us (325 TFLOP/s); 8 warps, 2 stages:
+    1079 us; 64 rows: 906 us; 128-key tiles: 958 us or slower.
+    """
     group_pad = triton.next_power_of_2(group)
-    rows = 64 if dtype == torch.float32 or head_dim > 128 else 128
-    block_q = max(1, rows // group_pad)
-    block_n = 32 if dtype == torch.float32 else 64
-    return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-                num_warps=8 if block_q * group_pad >= 128 else 4, num_stages=2)
+    if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: half the tile
+        return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 64 // group_pad),
+                    BLOCK_N=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
+    return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 128 // group_pad), BLOCK_N=64,
+                num_warps=4, num_stages=3)
 
 
 def paged_attention_chunks(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,

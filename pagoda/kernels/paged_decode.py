@@ -5,14 +5,14 @@ Owns `paged_attention_decode` and `choose_num_splits`.
 Grid (requests, kv heads, splits). A program takes the one query row of its request,
 all query heads of one KV head (padded to at least 16 rows for the tensor cores), and
 one slice of the context: tokens split * per_split .. (split + 1) * per_split - 1, where
-per_split = max(cdiv(seq_len, num_splits), MIN_SPLIT_TOKENS) rounded up to BLOCK_N is
+per_split = max(cdiv(seq_len, num_splits), min_split_tokens) rounded up to BLOCK_N is
 computed on the device from seq_lens. So the launch depends on host values only
 through num_splits: a CUDA graph captured with a fixed num_splits stays correct for any
 context length, and slices past a short request's end simply hold no tokens.
 
 With num_splits == 1 the kernel writes the output directly. Otherwise each program
-writes its un-normalised partial output (divided by its own sum) and its log-sum-exp
-(base 2) to a float32 workspace, and a merge kernel with grid (requests, heads)
+writes its slice's output (normalised by the slice's own softmax sum) and the slice's
+log-sum-exp (base 2) to a float32 workspace, and a merge kernel with grid (requests, heads)
 combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weigh 0.
 num_splits is a runtime argument, so a changing split count does not recompile.
 Requests whose query length is not 1 exit at once in both kernels.
@@ -33,7 +33,8 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Step-varying ints are not specialised: each new value class would recompile (~2 s).
+@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
@@ -87,7 +88,7 @@ def _decode_kernel(
                  mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh,
@@ -124,8 +125,15 @@ def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
 
 
 def decode_tile_config(dtype: torch.dtype) -> dict:
-    """Key tile and launch options of the decode kernel."""
-    return dict(BLOCK_N=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
+    """Key tile and launch options of the decode kernel.
+
+    Measured on an H200 (bf16, 32/8 heads, D=128, block 16, triton 3.6): 64-key tiles,
+    4 warps, 3 stages read 4.27 TB/s at batch 64 x 8k and 256 x 2k (2 stages: 3.8-3.9;
+    32-key tiles: 3.3-3.9; 128-key tiles: 3.6-4.2).
+    """
+    if dtype == torch.float32:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
