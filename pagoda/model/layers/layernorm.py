@@ -1,7 +1,9 @@
 """RMSNorm with an optional fused residual add, numerically matching Hugging Face's.
 
 HF order of operations (kept exactly): add the residual in the input dtype, normalise
-in float32, cast back to the input dtype, then multiply by the weight.
+in float32, cast back to the input dtype, then multiply by the weight. On CUDA (unless
+PAGODA_FUSED_OPS=0) the Triton kernels of pagoda.kernels.fused_ops do the same in one
+launch; the torch code here is their reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            from pagoda.kernels import fused_ops  # imports triton: CUDA only
+            if fused_ops.FUSED_OPS_ENABLED:
+                if residual is None:
+                    return fused_ops.rms_norm(x, self.weight, self.eps)
+                return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._normalize(x)
         summed = x + residual

@@ -78,7 +78,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos/sin [T, D/2] in float32 (rotate_half layout: the first
-    and second halves of each head form the pairs); returns x's dtype."""
+    and second halves of each head form the pairs); returns x's dtype. On CUDA (unless
+    PAGODA_FUSED_OPS=0) a Triton kernel does it; this torch code is its reference."""
+    if x.is_cuda:
+        from pagoda.kernels import fused_ops  # imports triton: CUDA only
+        if fused_ops.FUSED_OPS_ENABLED:
+            return fused_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
