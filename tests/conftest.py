@@ -13,6 +13,13 @@ import torch  # noqa: E402  (after the thread setting)
 
 torch.set_num_threads(1)
 
+# Without a GPU, Triton kernels run in its interpreter. Triton reads TRITON_INTERPRET when
+# it is first imported (its own standard library is decorated then), and transformers or
+# torch may import it before the kernel tests do: set it for the whole session, first.
+if not torch.cuda.is_available():
+    assert "triton" not in __import__("sys").modules, "triton imported before conftest"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
