@@ -138,6 +138,10 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def is_started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self.engine is not None
 
@@ -166,7 +170,9 @@ class AsyncEngine:
         while self.num_in_flight and time.monotonic() < deadline:
             await self._wait_for_in_flight_change(deadline - time.monotonic())
         self._post(stop=True)
-        if self._thread is not None:
+        # A thread still loading the model is not waited for: it is a daemon, and sees
+        # the stop as soon as loading ends.
+        if self._thread is not None and self.is_ready:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     async def _wait_for_in_flight_change(self, timeout: float) -> None:
@@ -330,7 +336,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(EngineStepError(f"the engine step failed: {exc!r}"), abort=True)
             return
-        self._note_scheduled()
+        self._note_scheduled(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -349,18 +355,26 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver_many, items)
 
-    def _note_scheduled(self) -> None:
-        """Records when each new request was first scheduled (for the queue-time metric)."""
+    def _note_scheduled(self, outputs: list[RequestOutput]) -> None:
+        """Records when each new request was first scheduled (for the queue-time metric).
+
+        Prefers `metrics["first_scheduled_time"]` of the outputs; engines that do not
+        report it are asked through their scheduler (sample 0's core request).
+        """
         if not self._unscheduled:
             return
-        scheduler = getattr(self.engine, "scheduler", None)
-        get_request = getattr(scheduler, "get_request", None)
-        if get_request is None:
-            self._unscheduled.clear()
+        for output in outputs:
+            scheduled = (output.metrics or {}).get("first_scheduled_time")
+            stream = self._unscheduled.get(output.request_id)
+            if scheduled is not None and stream is not None:
+                stream.first_scheduled_time = scheduled
+                del self._unscheduled[output.request_id]
+        get_request = getattr(getattr(self.engine, "scheduler", None), "get_request", None)
+        children = getattr(self.engine, "_children", None)
+        if get_request is None or children is None:
             return
         for request_id in list(self._unscheduled):
-            children = self.engine._children.get(request_id) or [request_id]
-            core_request = get_request(children[0])
+            core_request = get_request((children.get(request_id) or [request_id])[0])
             scheduled = getattr(core_request, "first_scheduled_time", None)
             if core_request is None or scheduled is not None:
                 self._unscheduled.pop(request_id).first_scheduled_time = scheduled

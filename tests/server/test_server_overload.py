@@ -18,13 +18,14 @@ import pytest
 from server_harness import launch_server
 
 BURST = 32
+STREAM_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def capped_server():
-    server = launch_server("--max-model-len", "512", "--max-num-queued-requests", "4",
-                           "--shutdown-timeout", "60",
-                           "--uvicorn-log-level", "info")
+    server = launch_server("--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                           "--max-num-queued-requests", "4", "--shutdown-timeout", "300",
+                           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
     yield server
     server.stop()
 
@@ -52,10 +53,10 @@ def test_burst_beyond_queue_cap_gets_429_with_retry_after(capped_server):
 
 
 def _stream_in_thread(url: str, results: list, started: threading.Barrier) -> None:
-    body = {"prompt": "List some animals:", "max_tokens": 64, "ignore_eos": True, "temperature": 0,
+    body = {"prompt": "List some animals:", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     tokens, finish, first = None, None, True
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    with httpx.Client(timeout=300) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -86,6 +87,6 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(capped_server):
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "server_draining"
     for thread in threads:
-        thread.join(120)
-    assert sorted(results) == [(200, 64, "length")] * 3
-    assert capped_server.proc.wait(60) == 0
+        thread.join(300)
+    assert sorted(results) == [(200, STREAM_TOKENS, "length")] * 3
+    assert capped_server.proc.wait(120) == 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from pagoda.engine.async_engine import AsyncEngine

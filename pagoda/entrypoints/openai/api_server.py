@@ -34,7 +34,7 @@ from pagoda.entrypoints.openai.generation import SSEStream
 from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, ServerState,
                                                   ServerStateMiddleware)
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
-from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext
+from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
@@ -91,7 +91,7 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        if engine_client._thread is None:
+        if not engine_client.is_started:
             engine_client.start()
         yield
         await engine_client.shutdown(timeout=0.0)
@@ -141,7 +141,7 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         if isinstance(body, protocol.TokenizeChatRequest):
             tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
         else:
-            tokens = list(ctx.tokenizer()(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+            tokens = encode_text(ctx, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize", response_model=protocol.DetokenizeResponse, responses=_ERROR_RESPONSES)
@@ -232,9 +232,14 @@ class DrainingServer(uvicorn.Server):
             logger.error("the engine failed to load; exiting")
             self.exit_code = 1
             self.should_exit = True
-        if self.drain_deadline is not None and not self.should_exit and (
-                self.state.num_http_in_flight == 0 or time.monotonic() >= self.drain_deadline):
-            self.should_exit = True
+        if self.drain_deadline is not None and not self.should_exit:
+            if self.state.num_http_in_flight == 0:
+                logger.warning("drained: no request in flight; stopping")
+                self.should_exit = True
+            elif time.monotonic() >= self.drain_deadline:
+                logger.warning("shutdown timeout: %d request(s) still in flight; stopping",
+                               self.state.num_http_in_flight)
+                self.should_exit = True
         return await super().on_tick(counter)
 
 

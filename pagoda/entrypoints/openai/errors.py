@@ -51,7 +51,15 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return ErrorJSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error may quote client text holding lone surrogates,
+    which cannot be encoded as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_body(message: str, error_type: str, param: Optional[str] = None,
@@ -63,7 +71,7 @@ def error_bytes(status_code: int, message: str, code: Optional[str] = None,
                 param: Optional[str] = None) -> bytes:
     """The JSON body of an error, for ASGI middlewares that answer without FastAPI."""
     body = error_body(message, _TYPES.get(status_code, "invalid_request_error"), param, code)
-    return json.dumps(body).encode()
+    return json.dumps(body, ensure_ascii=True).encode("ascii")
 
 
 def bad_request(message: str, param: Optional[str] = None) -> APIError:
@@ -116,6 +124,11 @@ def install_error_handlers(app: FastAPI) -> None:
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return APIError(status, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        # json.loads of a body nested thousands of levels deep: bad input, not a server bug.
+        return APIError(400, "the request body is nested too deeply").response()
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -42,7 +42,8 @@ class SamplingRequestFields(StrictModel):
     seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=1e6)
+    # Bounded away from 0: dividing logits by a tiny penalty overflows them to inf.
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=100.0)
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string) -> bias in [-100, 100]")
     stop: Optional[Union[str, list[str]]] = None

@@ -73,6 +73,16 @@ class ServingContext:
         return tokenizer
 
 
+def encode_text(ctx: ServingContext, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` as LLM.generate makes them; text the tokenizer cannot take -> 400."""
+    try:
+        return list(ctx.tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
+    except APIError:
+        raise
+    except Exception as exc:  # e.g. a lone UTF-16 surrogate from a JSON escape
+        raise bad_request(f"{param} cannot be tokenized: {type(exc).__name__}", param=param) from None
+
+
 def reject_unsupported(problems: list[tuple[str, str]]) -> None:
     if problems:
         param, message = problems[0]

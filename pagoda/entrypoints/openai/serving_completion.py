@@ -19,7 +19,7 @@ from pagoda.entrypoints.openai.generation import (ChoiceResult, GenerationJob, S
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, build_sampling_params,
                                                       check_caps, check_prompt, check_room,
-                                                      new_request_id, now, reject_unsupported, sse,
+                                                      encode_text, new_request_id, now, reject_unsupported, sse,
                                                       sse_error, usage)
 from pagoda.outputs import Logprob
 
@@ -37,7 +37,7 @@ def _prompt_list(ctx: ServingContext, prompt) -> list[dict]:
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append({"prompt": item, "prompt_token_ids": list(ctx.tokenizer()(item).input_ids)})
+            prompts.append({"prompt": item, "prompt_token_ids": encode_text(ctx, item, "prompt")})
         else:
             prompts.append({"prompt": None, "prompt_token_ids": list(item)})
         check_prompt(ctx, prompts[-1]["prompt_token_ids"], "prompt")
