@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 
@@ -85,19 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    try:
+    # The server stack (fastapi, uvicorn, pydantic) is optional on GPU machines: check for
+    # it by name, so that a real import error inside Pagoda's server code still surfaces.
+    if importlib.util.find_spec("fastapi") is not None:
         from pagoda.entrypoints.openai.cli import add_serve_parser
-    except ImportError:  # the server's dependencies (fastapi, ...) are not installed
-        add_serve_parser = None
-    if add_serve_parser is not None:
         add_serve_parser(sub)
 
-    try:
-        from pagoda.bench.cli import add_bench_subparsers
-    except ImportError:
-        add_bench_subparsers = None
-    if add_bench_subparsers is not None:
-        add_bench_subparsers(sub)
+    from pagoda.bench.cli import add_bench_subparsers  # imports no server stack
+    add_bench_subparsers(sub)
     return parser
 
 

@@ -173,6 +173,3 @@ class ModelRunner:
             ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
             result[req_id] = to_token_logprobs(ids, lps, ranks)
         return result
-
-    def audit_states(self) -> int:
-        return len(self.states)
