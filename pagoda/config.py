@@ -79,6 +79,8 @@ class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = None  # None: 16384 on GPU, 4096 on CPU
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while step N runs on the device (resolved: never None here).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -150,6 +152,9 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Overlap the host's scheduling and output processing with the device's forward
+    # (vLLM's async scheduling). None: on for CUDA, off for CPU (no overlap to win).
+    async_scheduling: Optional[bool] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -171,6 +176,9 @@ class EngineArgs:
             raise ValueError("device is 'cuda' but no CUDA GPU is available; use device='cpu'")
         budget = self.max_num_batched_tokens or (
             GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS)
+        if self.async_scheduling not in (None, True, False):
+            raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
+        async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         kv_memory = self.kv_cache_memory
         if kv_memory is None and device == "cpu":
             kv_memory = CPU_KV_CACHE_MEMORY
@@ -181,7 +189,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
                               self.enable_prefix_caching, self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
-                                      self.enable_chunked_prefill),
+                                      self.enable_chunked_prefill, async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
         )

@@ -65,3 +65,49 @@ def test_engine_end_to_end_on_graphs(llm):
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     audit = llm.llm_engine.audit_kv_cache()
     assert audit.in_use == 0
+
+
+def _mixed_params():
+    from pagoda import SamplingParams
+    return [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=24, temperature=0.8, seed=5, repetition_penalty=1.2,
+                           frequency_penalty=0.3, ignore_eos=True),
+            SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0.7, seed=9, top_k=50, top_p=0.9,
+                           min_tokens=6, prompt_logprobs=2)]
+
+
+def test_async_step_launch_never_waits_for_the_device(llm, monkeypatch):
+    """Launching a step (inputs, forward, sampling, output copies) makes no host sync:
+    torch's sync debug mode turns any synchronizing call into an error."""
+    engine = llm.llm_engine
+    assert engine.async_scheduling  # the CUDA default
+    launch = engine.executor.execute_model_async
+
+    def launch_checked(scheduler_output):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(scheduler_output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine.executor, "execute_model_async", launch_checked)
+    prompts = [[(i * 11 + j) % 900 + 3 for j in range(5 + 17 * i)] for i in range(24)]
+    params = _mixed_params() * 6
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert engine.audit_kv_cache().in_use == 0
+
+
+def test_async_scheduling_equals_sync_on_graphs(llm):
+    from pagoda import LLM
+    sync_llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=1024,
+                   max_num_seqs=48, gpu_memory_utilization=0.3, async_scheduling=False)
+    prompts = [[(i * 13 + j) % 800 + 7 for j in range(3 + 11 * i)] for i in range(40)]
+    params = _mixed_params() * 10
+    results = []
+    for engine_llm in (llm, sync_llm):
+        outs = engine_llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+    assert results[0] == results[1]
+    del sync_llm

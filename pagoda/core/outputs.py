@@ -48,6 +48,8 @@ class SchedulerOutput:
     # Requests the worker must forget: finished or aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests whose step reaches their last token, so the model samples for them.
+    sampling_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

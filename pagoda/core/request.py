@@ -38,8 +38,8 @@ _FINISH_REASONS = {
 class Request:
     """One sequence. With n > 1 the engine makes n Requests that share `group_id`.
 
-    Invariant: num_computed_tokens <= num_tokens_with_spec; the tokens in
-    [num_computed_tokens, num_tokens) still need a forward pass.
+    Invariant: num_computed_tokens <= num_tokens_with_spec + num_output_placeholders;
+    the tokens in [num_computed_tokens, num_tokens) still need a forward pass.
     """
 
     def __init__(
@@ -68,6 +68,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step in flight will sample, not yet appended. The
+        # next step already computes the first of them (the worker feeds it on device).
+        self.num_output_placeholders = 0
         # Draft tokens proposed by speculative decoding, scheduled after the real ones.
         self.spec_token_ids: list[int] = []
         # Prefix-cache hit length the first time the request was scheduled (-1: not yet).

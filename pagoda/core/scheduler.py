@@ -11,6 +11,15 @@ Token accounting follows vLLM v1: request.num_computed_tokens advances at the en
 schedule() by the tokens scheduled (they count as computed for the next step; prefix
 hits are added when the request is admitted), and update_from_output() takes back the
 draft tokens the model rejected.
+
+Async scheduling (vLLM v1's): the engine calls schedule() for step N+1 before
+update_from_output() of step N. A request whose step N samples holds one output
+placeholder until that update; step N+1 already computes the placeholder's position
+(the worker takes the token from step N's sampled ids on the device). A request whose
+placeholders would reach max_tokens or max_model_len is not scheduled again; one that
+stops on eos or a stop string wastes the one step already scheduled (its output is
+dropped). A request preempted while its step is in flight still receives that step's
+token.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ class Scheduler:
         policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -94,6 +104,7 @@ class Scheduler:
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.async_scheduling = async_scheduling
 
         self.waiting = create_request_queue(policy)  # validates the policy name
         self.running: list[Request] = []
@@ -201,6 +212,10 @@ class Scheduler:
         # Scheduled tokens count as computed from the next step on.
         for request in plan.scheduled:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                output.sampling_req_ids.add(request.request_id)
+                if self.async_scheduling:
+                    request.num_output_placeholders += 1
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -219,7 +234,13 @@ class Scheduler:
             self._schedule_drafts(request, num_new, plan)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and (
+                (request.max_tokens is not None
+                 and request.num_output_tokens + placeholders >= request.max_tokens)
+                or request.num_tokens + placeholders >= self.max_model_len):
+            return 0  # the step in flight samples its last token
+        num_new = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         # Draft tokens may not take a position beyond max_model_len.
@@ -270,7 +291,8 @@ class Scheduler:
         skipped: list[Request] = []  # siblings waiting for their group's sample 0
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self._waits_for_group_leader(request):
+            # A request preempted while its step was in flight waits for that step's token.
+            if request.num_output_placeholders or self._waits_for_group_leader(request):
                 skipped.append(self.waiting.pop())
                 continue
             if not self._admit(request, plan):
@@ -370,12 +392,16 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished:
                 continue  # finished or aborted since schedule()
+            expects_sample = rid in scheduler_output.sampling_req_ids
+            if expects_sample and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             index = index_of.get(rid)
             sampled = runner.sampled_token_ids[index] if index is not None else []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, [])
-            error = runner.errors.get(rid) or self._check_sampled(request, sampled, drafts)
+            error = runner.errors.get(rid) or self._check_sampled(request, sampled, drafts,
+                                                                  expects_sample)
             if error is not None:
                 outputs.append(self._finish_with_error(request, error))
                 continue
@@ -386,16 +412,17 @@ class Scheduler:
                 outputs.append(self._finish_with_error(request, error))
         return outputs
 
-    def _check_sampled(self, request: Request, sampled: list[int], drafts: list[int]) -> Optional[str]:
+    @staticmethod
+    def _check_sampled(request: Request, sampled: list[int], drafts: list[int],
+                       expects_sample: bool) -> Optional[str]:
         """A message if the runner's tokens for this request break the contract."""
         if len(sampled) > len(drafts) + 1:
             return (f"model runner returned {len(sampled)} tokens for request {request.request_id!r} "
                     f"with {len(drafts)} draft tokens scheduled (at most {len(drafts) + 1})")
-        all_computed = request.num_computed_tokens >= request.num_tokens
-        if not sampled and all_computed:
+        if not sampled and expects_sample:
             return (f"model runner returned no token for request {request.request_id!r} "
                     "although all its tokens were computed")
-        if sampled and not all_computed:
+        if sampled and not expects_sample:
             return (f"model runner sampled a token for request {request.request_id!r} "
                     "from a prefill chunk short of the end of its tokens")
         return None
@@ -403,6 +430,7 @@ class Scheduler:
     def _apply_step(self, request: Request, sampled: list[int], drafts: list[int],
                     runner: ModelRunnerOutput, index: Optional[int]) -> list[EngineCoreOutput]:
         rid = request.request_id
+        preempted = request.status == RequestStatus.PREEMPTED  # while this step was in flight
         if sampled:
             # Accepted drafts + one bonus/sampled token: the rejected drafts' KV is invalid.
             request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
@@ -410,11 +438,16 @@ class Scheduler:
         new_logprobs = None
         if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
             new_logprobs = runner.logprobs[index][:len(new_token_ids)]
-        prompt_logprobs = self._new_prompt_logprobs(request, runner.prompt_logprobs.get(rid))
+        prompt_logprobs = None
+        if not preempted:  # else they come again when its prompt is recomputed
+            prompt_logprobs = self._new_prompt_logprobs(request, runner.prompt_logprobs.get(rid))
         finish_reason = None
         if request.is_finished:
             finish_reason = request.get_finish_reason()
-            self.running.remove(request)
+            if preempted:
+                self.waiting.remove_many([request])
+            else:
+                self.running.remove(request)
             self._free_request(request)
         elif sampled:
             request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))

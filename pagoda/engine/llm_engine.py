@@ -4,6 +4,11 @@ output processor together.
 add_request() turns a prompt into one core Request per sample (n > 1 makes n), step()
 runs schedule -> execute -> update -> process outputs once. Requests are never dropped:
 when KV blocks run out the scheduler preempts and recomputes.
+
+With async scheduling (the default on CUDA) step() schedules and launches step N, then
+waits for step N-1's sampled ids and processes them while step N runs on the device:
+the host's scheduling, input building and output processing overlap the forward
+instead of following it. Outputs then arrive one step() call later.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from typing import Optional, Union
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.executor.uniproc import UniProcExecutor
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.step_output import AsyncRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +76,11 @@ class LLMEngine:
             self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=sched.policy,
-            enable_chunked_prefill=sched.enable_chunked_prefill)
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            async_scheduling=sched.async_scheduling)
+        self.async_scheduling = sched.async_scheduling
+        # Async scheduling: the step launched last, whose outputs are not processed yet.
+        self._in_flight: Optional[tuple[SchedulerOutput, AsyncRunnerOutput]] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
@@ -199,7 +210,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
-        runner_output = self.executor.execute_model(scheduler_output)
+        launched = self.executor.execute_model_async(scheduler_output)
+        if not self.async_scheduling:
+            return self._process_step(scheduler_output, launched.result())
+        previous, self._in_flight = self._in_flight, (scheduler_output, launched)
+        if previous is None:
+            return []
+        return self._process_step(previous[0], previous[1].result())
+
+    def _process_step(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+        """Applies one executed step: scheduler update, then detokenize and stop strings."""
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         request_outputs, stopped_ids = self.output_processor.process_outputs(core_outputs)

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="attention implementation (auto: triton on GPU, torch_ref on CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never use CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one "
+                        "(default: on with CUDA, off on CPU)")
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: the model path's name)")
     g.add_argument("--chat-template", default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.step_output import AsyncRunnerOutput
 
 
 class UniProcExecutor:
@@ -23,3 +24,7 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncRunnerOutput:
+        """Launches the step; the caller gets its output with .result()."""
+        return self.runner.execute_model_async(scheduler_output)

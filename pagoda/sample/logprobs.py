@@ -48,9 +48,20 @@ def to_token_logprobs(
     `num_logprobs[i]` keeps only the first 1 + num_logprobs[i] entries of row i
     (rows of a batch may ask for fewer than the batch's k).
     """
-    packed = torch.cat([ids.to(torch.float64), logprobs.to(torch.float64), ranks.to(torch.float64).unsqueeze(1)], dim=1)
-    rows = packed.cpu().tolist()
-    width = ids.shape[1]
+    return unpack_token_logprobs(pack_token_logprobs(ids, logprobs, ranks).cpu(), num_logprobs)
+
+
+def pack_token_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """[B, 2k + 1] float64 on the tensors' device: ids, then logprobs, then the rank."""
+    return torch.cat([ids.to(torch.float64), logprobs.to(torch.float64),
+                      ranks.to(torch.float64).unsqueeze(1)], dim=1)
+
+
+def unpack_token_logprobs(packed: torch.Tensor,
+                          num_logprobs: Optional[Sequence[int]] = None) -> list[TokenLogprobs]:
+    """pack_token_logprobs' output (on the host) -> one TokenLogprobs per row."""
+    rows = packed.tolist()
+    width = (packed.shape[1] - 1) // 2
     if num_logprobs is not None and len(num_logprobs) != len(rows):
         raise ValueError(f"num_logprobs has {len(num_logprobs)} entries for {len(rows)} rows")
     result = []

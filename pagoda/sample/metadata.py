@@ -32,11 +32,40 @@ class SamplingRow:
     # The request's own generator when it has a seed; created once per request by
     # `make_generator` and kept across steps so its stream continues.
     generator: Optional[torch.Generator] = None
+    # Output tokens sampled already but still on the device (async scheduling): they
+    # count for min_tokens, and build_sampling_metadata's `pending_outputs` gives
+    # their ids for the penalties.
+    num_pending_outputs: int = 0
+
+
+@dataclass
+class PendingOutputs:
+    """Output tokens of some rows that only the device knows: (row, token id) pairs."""
+
+    rows: list[int]
+    token_ids: torch.Tensor  # [len(rows)] int64 on the metadata's device
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The generator for a seeded request: create once, keep for the request's life."""
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """The seed of a seeded request's draw for its output token number output_index.
+
+    Re-seeding each draw from (seed, index) makes a seeded request's tokens independent
+    of its history in the engine: a preempted request, resumed with a fresh worker
+    state, draws exactly what it would have drawn had it never been preempted.
+    splitmix64 keeps neighbouring (seed, index) pairs uncorrelated.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 @dataclass
@@ -128,7 +157,8 @@ def _token_positions(
     return _to_device(row_indices, torch.int64, device), _to_device(token_ids, torch.int64, device)
 
 
-def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Optional[PenaltyTensors]:
+def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
+                     pending: Optional[PendingOutputs]) -> Optional[PenaltyTensors]:
     repetition = [r.params.repetition_penalty for r in rows]
     frequency = [r.params.frequency_penalty for r in rows]
     presence = [r.params.presence_penalty for r in rows]
@@ -141,6 +171,10 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch
     row_indices, token_ids = _token_positions([r.output_token_ids for r in rows], vocab_size, "output_token_ids", device)
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
     counts.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+    if pending is not None and pending.rows:
+        pending_rows = _to_device(pending.rows, torch.int64, device)
+        counts.index_put_((pending_rows, pending.token_ids),
+                          torch.ones_like(pending.token_ids, dtype=torch.float32), accumulate=True)
     prompt_mask = None
     if use_repetition:
         row_indices, token_ids = _token_positions([r.prompt_token_ids for r in rows], vocab_size, "prompt_token_ids", device)
@@ -176,7 +210,7 @@ def _build_logit_bias(rows: Sequence[SamplingRow], vocab_size: int, device: torc
 def _build_min_tokens_bans(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Optional[SparseLogitEdits]:
     row_indices, token_ids = [], []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if len(r.output_token_ids) + r.num_pending_outputs >= r.params.min_tokens:
             continue
         # all_stop_token_ids holds eos (unless ignore_eos) once the engine filled it.
         stop_ids = sorted(set(r.params.all_stop_token_ids) | set(r.params.stop_token_ids))
@@ -204,12 +238,14 @@ def build_sampling_metadata(
     vocab_size: int,
     device: torch.device | str,
     generator: Optional[torch.Generator] = None,
+    pending_outputs: Optional[PendingOutputs] = None,
 ) -> SamplingMetadata:
     """Packs the rows of one step into tensors on `device`.
 
     `generator` draws the noise of rows without their own generator (None: torch's
-    default generator of that device). Raises ValueError for a token id outside the
-    vocabulary or a seeded row without its generator.
+    default generator of that device). `pending_outputs` are output tokens of some
+    rows known only on the device (counted by the penalties). Raises ValueError for a
+    token id outside the vocabulary or a seeded row without its generator.
     """
     device = torch.device(device)
     if not rows:
@@ -236,7 +272,7 @@ def build_sampling_metadata(
         max_top_k=max(enabled_top_k) if enabled_top_k else None,
         top_p=_random_row_tensor([p.top_p for p in params], 1.0, is_random, torch.float32, device),
         min_p=_random_row_tensor([p.min_p for p in params], 0.0, is_random, torch.float32, device),
-        penalties=_build_penalties(rows, vocab_size, device),
+        penalties=_build_penalties(rows, vocab_size, device, pending_outputs),
         logit_bias=_build_logit_bias(rows, vocab_size, device),
         min_tokens_bans=_build_min_tokens_bans(rows, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,

@@ -25,7 +25,9 @@ def apply_min_tokens_bans(logits: torch.Tensor, bans: Optional[SparseLogitEdits]
     """Sets the banned (row, stop token) logits to -inf: a row can't stop before min_tokens."""
     if bans is None:
         return logits
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    # Filled on the device: a host scalar copied there would make the host wait.
+    minus_inf = torch.full(bans.token_ids.shape, float("-inf"), dtype=logits.dtype,
+                           device=logits.device)
     return logits.index_put((bans.row_indices, bans.token_ids), minus_inf)
 
 

@@ -2,6 +2,11 @@
 
 The scheduler sends diffs (new requests in full, then only new tokens / blocks); this
 module applies them and builds the step's token ids, positions and attention metadata.
+
+With async scheduling a step may compute one position whose token the host does not
+know yet: the token the previous step sampled (still on the device). Its row gets a
+placeholder id on the host and is filled on the device from `PrevSampled`, so the
+host never waits for the previous step.
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ class CachedRequestState:
 
 
 @dataclass
+class PrevSampled:
+    """The sampled ids of the last step executed, kept on the device for the next one."""
+
+    token_ids: torch.Tensor  # [num sampled rows] int64 on device
+    index_of: dict[str, int]  # req_id -> its row in token_ids
+
+
+@dataclass
 class StepInputs:
     req_ids: list[str]
     input_ids: torch.Tensor  # [num_tokens] on device
@@ -53,6 +66,9 @@ class StepInputs:
     sample_req_ids: list[str]
     # req_id -> (first row, positions) of prompt rows whose logprobs are requested.
     prompt_logprob_rows: dict[str, tuple[int, list[int]]]
+    # Sampling requests whose last output token is still on the device (async
+    # scheduling): req_id -> its row in the previous step's sampled ids.
+    pending_output: dict[str, int] = field(default_factory=dict)
 
 
 def apply_scheduler_output(states: dict[str, CachedRequestState], out: SchedulerOutput,
@@ -73,28 +89,52 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
         states[req_id].spec_token_ids = list(drafts)
 
 
+def _pending_source(req_id: str, state: CachedRequestState, end: int,
+                    prev: Optional[PrevSampled]) -> Optional[int]:
+    """Row in prev's sampled ids of the one token this step needs but the host lacks."""
+    known = state.num_tokens + len(state.spec_token_ids)
+    if end <= known:
+        return None
+    if end != known + 1 or prev is None or req_id not in prev.index_of:
+        raise RuntimeError(f"internal error: request {req_id!r} is scheduled up to position "
+                           f"{end - 1} but the worker knows {known} tokens and the previous "
+                           "step sampled none for it")
+    return prev.index_of[req_id]
+
+
 def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutput,
-                      block_size: int, device, pad_to: Optional[int] = None) -> StepInputs:
+                      block_size: int, device, pad_to: Optional[int] = None,
+                      prev: Optional[PrevSampled] = None) -> StepInputs:
     req_ids, token_ids, positions = [], [], []
     query_lens, seq_lens, tables = [], [], []
     sample_rows, sample_req_ids = [], []
     prompt_rows: dict[str, tuple[int, list[int]]] = {}
+    pending_dst, pending_src, pending_output = [], [], {}
     row = 0
     for req_id, n in out.num_scheduled_tokens.items():
         state = states[req_id]
         start = state.num_computed_tokens
         end = start + n
         req_ids.append(req_id)
-        if n == 1:
+        source = _pending_source(req_id, state, end, prev)
+        last_known = end if source is None else end - 1
+        if n == 1 and source is None:
             token_ids.append(state.token_at(start))
         else:
-            token_ids.extend(state.token_at(p) for p in range(start, end))
+            token_ids.extend(state.token_at(p) for p in range(start, last_known))
+        num_tokens = state.num_tokens
+        if source is not None:  # filled on the device below
+            token_ids.append(0)
+            pending_dst.append(row + n - 1)
+            pending_src.append(source)
+            pending_output[req_id] = source
+            num_tokens += 1
         positions.extend(range(start, end))
         query_lens.append(n)
         seq_lens.append(end)
         tables.append(state.block_ids)
-        if end >= state.num_tokens:  # the chunk reaches the last known token: sample
-            sample_rows.append(row + state.num_tokens - 1 - start)
+        if end >= num_tokens:  # the chunk reaches the last token: sample
+            sample_rows.append(row + num_tokens - 1 - start)
             sample_req_ids.append(req_id)
         if state.params.prompt_logprobs is not None:
             last_prompt_pos = len(state.prompt_token_ids) - 1  # predicts no prompt token
@@ -108,5 +148,24 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
     if torch.device(device).type == "cuda":  # pinned: a non-blocking copy
         ids_pos = ids_pos.pin_memory()
     ids_pos = ids_pos.to(device, non_blocking=True)
+    if pending_dst:
+        _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, device)
+    # A pending row is its request's last position, so every one of them samples.
     return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
-                      prompt_rows)
+                      prompt_rows, pending_output)
+
+
+def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a device tensor without making the host wait for the device:
+    from pinned memory with a non-blocking copy on CUDA (a pageable copy would sync)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], sources: list[int],
+                         prev: PrevSampled, device) -> None:
+    """input_ids[rows] = prev.token_ids[sources], on the device (no host sync)."""
+    index = host_to_device([rows, sources], torch.long, device)
+    input_ids.index_copy_(0, index[0], prev.token_ids.index_select(0, index[1]))

@@ -1,8 +1,10 @@
 """ModelRunner: owns the model, the KV cache tensors and the per-request state on one device.
 
-execute_model(SchedulerOutput) -> ModelRunnerOutput: apply the scheduler's diff, build
-the flattened step inputs, run the forward inside the forward context, sample, and
-fetch the sampled ids with one device-to-host copy.
+execute_model_async(SchedulerOutput) -> AsyncRunnerOutput: apply the scheduler's diff,
+build the flattened step inputs, run the forward inside the forward context and
+sample, all without waiting for the device; the sampled ids come back through one
+queued device-to-host copy (`AsyncRunnerOutput.result()`). execute_model() is the
+same followed by result().
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import torch
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
 from pagoda.config import EngineConfig
-from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagoda.sample.logprobs import compute_token_logprobs, to_token_logprobs
-from pagoda.sample.metadata import SamplingRow, build_sampling_metadata, make_generator
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
+from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
+                                    make_generator, token_seed)
 from pagoda.sample.sampler import Sampler
-from pagoda.worker.input_batch import (CachedRequestState, StepInputs, apply_scheduler_output,
-                                       build_step_inputs)
+from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
+                                       apply_scheduler_output, build_step_inputs, host_to_device)
+from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
+        self.warmup_seconds = 0.0
+        # The last step's sampled ids, on the device, for tokens the host lacks yet.
+        self._prev_sampled: Optional[PrevSampled] = None
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +106,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(arch.num_hidden_layers, num_blocks, self.block_size,
                                             arch.num_key_value_heads, arch.head_dim, self.dtype,
                                             self.device)
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            from pagoda.worker.warmup import warm_up_kernels
+            self.warmup_seconds = warm_up_kernels(self, max_model_len)
         if self._use_cuda_graphs():
             from pagoda.worker.cuda_graph import CudaGraphRunner
             max_blocks = -(-max_model_len // self.block_size)
@@ -115,61 +125,86 @@ class ModelRunner:
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(out).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> AsyncRunnerOutput:
+        """Launches the step and returns without waiting for the device: no host sync.
+
+        Tokens that the previous step sampled and the scheduler could not send yet
+        (async scheduling) are read from that step's sampled ids on the device.
+        """
         apply_scheduler_output(self.states, out, self._make_generator)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = build_step_inputs(self.states, out, self.block_size, self.device)
+            self._prev_sampled = None
+            return AsyncRunnerOutput.empty()
+        inputs = build_step_inputs(self.states, out, self.block_size, self.device,
+                                   prev=self._prev_sampled)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             with forward_context(self.backend, inputs.metadata, self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-        sampled, logprobs = self._sample(hidden, inputs)
+        sampled, packed_logprobs, wanted = self._sample(hidden, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
-        sampled_by_req = dict(zip(inputs.sample_req_ids, sampled))
-        logprobs_by_req = dict(zip(inputs.sample_req_ids, logprobs))
-        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[],
-                                   prompt_logprobs=prompt_logprobs)
-        for req_id in inputs.req_ids:
-            token = sampled_by_req.get(req_id)
-            result.sampled_token_ids.append([] if token is None else [token])
-            lp = logprobs_by_req.get(req_id)
-            result.logprobs.append(None if lp is None else [lp])
-        return result
+        self._prev_sampled = None if sampled is None else PrevSampled(
+            sampled, {rid: i for i, rid in enumerate(inputs.sample_req_ids)})
+        return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
+                                 packed_logprobs, wanted, prompt_logprobs)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
+        """(sampled ids [B] on device, packed logprobs or None, logprobs asked per row)."""
         if not inputs.sample_rows:
-            return [], []
-        rows_idx = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows_idx])
-        rows = [self._sampling_row(req_id) for req_id in inputs.sample_req_ids]
-        metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator)
+            return None, None, []
+        rows_idx = host_to_device(inputs.sample_rows, torch.long, self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
+        rows = [self._sampling_row(req_id, inputs.pending_output)
+                for req_id in inputs.sample_req_ids]
+        metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,
+                                           pending_outputs=self._pending_outputs(rows, inputs))
         out = self.sampler(logits, metadata)
-        if out.logprobs is None:
-            return out.sampled_token_ids.tolist(), [None] * len(rows)
         wanted = [r.params.logprobs for r in rows]
-        converted = to_token_logprobs(out.logprobs_token_ids, out.logprobs, out.sampled_ranks,
-                                      [w or 0 for w in wanted])
-        sampled = out.sampled_token_ids.tolist()
-        return sampled, [lp if w is not None else None for lp, w in zip(converted, wanted)]
+        if out.logprobs is None:
+            return out.sampled_token_ids, None, wanted
+        packed = pack_token_logprobs(out.logprobs_token_ids, out.logprobs, out.sampled_ranks)
+        return out.sampled_token_ids, packed, wanted
 
-    def _sampling_row(self, req_id: str) -> SamplingRow:
+    def _sampling_row(self, req_id: str, pending_output: dict[str, int]) -> SamplingRow:
         state = self.states[req_id]
+        num_pending = int(req_id in pending_output)
+        if state.generator is not None:  # a host-side re-seed: no device work, no sync
+            num_outputs = len(state.output_token_ids) + num_pending
+            state.generator.manual_seed(token_seed(state.params.seed, num_outputs))
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
-                           state.generator)
+                           state.generator, num_pending_outputs=num_pending)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, list[TokenLogprobs]]:
-        result: dict[str, list[TokenLogprobs]] = {}
+    def _pending_outputs(self, rows: list[SamplingRow], inputs: StepInputs) -> Optional[PendingOutputs]:
+        """The device-only output tokens of the rows, when a penalty needs to count them."""
+        if not inputs.pending_output or not any(_uses_penalties(r.params) for r in rows):
+            return None
+        row_of = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
+        pending = list(inputs.pending_output.items())
+        sources = host_to_device([src for _, src in pending], torch.long, self.device)
+        return PendingOutputs([row_of[rid] for rid, _ in pending],
+                              self._prev_sampled.token_ids.index_select(0, sources))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """req_id -> packed prompt logprobs (on the device) of the rows this step computed."""
+        result: dict[str, torch.Tensor] = {}
         for req_id, (first_row, positions) in inputs.prompt_logprob_rows.items():
             state = self.states[req_id]
             start = state.num_computed_tokens
-            rows = torch.tensor([first_row + p - start for p in positions], device=self.device)
-            targets = torch.tensor([state.prompt_token_ids[p + 1] for p in positions],
-                                   device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            rows = host_to_device([first_row + p - start for p in positions], torch.long, self.device)
+            targets = host_to_device([state.prompt_token_ids[p + 1] for p in positions],
+                                     torch.long, self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
             ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
-            result[req_id] = to_token_logprobs(ids, lps, ranks)
+            result[req_id] = pack_token_logprobs(ids, lps, ranks)
         return result
+
+
+def _uses_penalties(params) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
