@@ -35,11 +35,16 @@ def small_pool_llm():
 
 
 def test_batch_invariance_with_chunking_and_preemption(small_pool_llm):
+    """Greedy and seeded requests: the same tokens alone and in a batch whose
+    preemptions restart them with a fresh worker state (seeded draws included)."""
     llm = small_pool_llm
     prompts = make_prompts(llm.get_tokenizer(), 32)
-    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=24, temperature=0.9, seed=i,
+                                                  ignore_eos=True) for i in range(32)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(prompts, params)]
     preemptions_before = llm.llm_engine.get_stats().num_preemptions
-    batched = llm.generate(prompts, GREEDY, use_tqdm=False)
+    batched = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > preemptions_before
     for i, out in enumerate(batched):
         assert out.outputs[0].token_ids == alone[i], f"request {i} differs"
