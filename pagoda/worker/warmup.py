@@ -1,0 +1,64 @@
+"""Start-up warm-up: run every kernel variant a step can need once, before serving.
+
+Triton compiles a kernel the first time it meets a new set of compile-time constants:
+a pure prefill batch, a mixed batch (prefill chunks beside decode rows, which the
+decode kernel takes) and a decode-only eager batch with or without context splits.
+Met mid-run, each costs a second or two on the step that meets it (measured on the
+H200: a 2 s step in the middle of a prefill). Here they are met at start-up, on KV
+blocks no request holds yet; what they write there is overwritten before it is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagoda.attention.forward_context import forward_context
+from pagoda.attention.metadata import build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_batches(max_model_len: int, num_blocks: int, block_size: int) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of the warm-up batches that fit the pool and max_model_len."""
+    long_ctx = min(600, max_model_len)  # > MIN_SPLIT_TOKENS: the decode kernel splits
+    short = min(48, max_model_len)
+    batches = [
+        ([short, short], [short, short]),  # prefill only
+        ([1, 1, short], [long_ctx, min(300, max_model_len), short]),  # mixed, split decode
+        ([1, 1], [min(8, max_model_len), long_ctx]),  # decode only
+        ([1], [min(8, max_model_len)]),  # decode only, one slice: direct output
+    ]
+    fits = []
+    for query_lens, seq_lens in batches:
+        blocks = sum(-(-n // block_size) for n in seq_lens)
+        if blocks <= num_blocks:
+            fits.append((query_lens, seq_lens))
+    return fits
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner, max_model_len: int) -> float:
+    """Runs the warm-up batches eagerly through the runner's model; returns seconds."""
+    start = time.perf_counter()
+    device, bs = runner.device, runner.block_size
+    for query_lens, seq_lens in warmup_batches(max_model_len, runner.num_blocks, bs):
+        tables, next_block = [], 0
+        for n in seq_lens:
+            count = -(-n // bs)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        metadata = build_attention_metadata(query_lens, seq_lens, tables, bs, device)
+        num_tokens = sum(query_lens)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
+        with forward_context(runner.backend, metadata, runner.kv_caches):
+            hidden = runner.model(ids, pos)
+        runner.model.compute_logits(hidden[-1:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    logger.info("kernel warm-up in %.1fs", seconds)
+    return seconds
