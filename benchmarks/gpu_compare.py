@@ -89,11 +89,13 @@ def random_prompts(rng, lengths, vocab):
 
 # ---------------------------------------------------------------- pagoda ----------
 class StageTimer:
-    """Wraps the engine's stages to say where a step's wall time goes. The forward is
-    timed up to a device sync, so its figure is the GPU time plus the launch."""
+    """Wraps the engine's stages to say where a step's host time goes. Nothing here
+    syncs the device (that would undo async scheduling's overlap): the forward and
+    sampling figures are launch times, and `wait_device` is the time the host waits
+    for a step's sampled ids (AsyncRunnerOutput.result) - near 0 when host-bound."""
 
-    def __init__(self, engine, sync) -> None:
-        from pagoda.worker import model_runner
+    def __init__(self, engine) -> None:
+        from pagoda.worker import model_runner, step_output
         self.totals: dict[str, float] = {}
         self.steps = 0
         runner = engine.executor.runner
@@ -103,26 +105,25 @@ class StageTimer:
         self._patch(model_runner, "build_step_inputs")
         self._patch(runner, "_sample")
         if runner.graph_runner is not None:
-            self._patch(runner.graph_runner, "run", sync)
+            self._patch(runner.graph_runner, "run")
+        self._patch(step_output.AsyncRunnerOutput, "result", label="wait_device")
         forward = runner.model.forward
 
         def timed_forward(*a, **k):
             start = time.perf_counter()
             out = forward(*a, **k)
-            sync()
             self.totals["forward_eager"] = self.totals.get("forward_eager", 0) + time.perf_counter() - start
             return out
         runner.model.forward = timed_forward
 
-    def _patch(self, owner, name, sync=None) -> None:
+    def _patch(self, owner, name, label=None) -> None:
         fn = getattr(owner, name)
+        label = label or name
 
         def wrapped(*a, **k):
             start = time.perf_counter()
             out = fn(*a, **k)
-            if sync is not None:
-                sync()
-            self.totals[name] = self.totals.get(name, 0) + time.perf_counter() - start
+            self.totals[label] = self.totals.get(label, 0) + time.perf_counter() - start
             return out
         setattr(owner, name, wrapped)
 
@@ -138,10 +139,12 @@ def run_pagoda(args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=args.batch,
-              enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory)
+              enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory,
+              async_scheduling=args.engine != "pagoda-sync")
     engine = llm.llm_engine
     runner = engine.executor.runner
-    result = {"engine": "pagoda", "startup_s": time.perf_counter() - t0,
+    result = {"engine": args.engine, "async_scheduling": engine.async_scheduling,
+              "startup_s": time.perf_counter() - t0,
               "load_s": runner.load_seconds, "num_kv_blocks": engine.num_blocks,
               "cuda_graphs": runner.graph_runner is not None,
               "graph_capture_s": getattr(runner.graph_runner, "capture_seconds", 0.0),
@@ -151,17 +154,19 @@ def run_pagoda(args) -> dict:
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    # latency: one request, time each engine step.
+    # latency: one request; the time between its tokens reaching the host, as a
+    # streaming user sees it (no device sync between steps: it would undo the overlap).
     prompt = random_prompts(rng, [args.latency_prompt], vocab)[0]
     params = SamplingParams(max_tokens=args.latency_tokens, temperature=0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    engine.add_request("lat", prompt, params)
-    steps = []
-    while engine.has_unfinished_requests():
-        sync(); s = time.perf_counter(); engine.step(); steps.append(time.perf_counter() - s)
-    result["latency"] = {"prefill_ms": steps[0] * 1e3,
-                         "decode_ms_per_token_median": statistics.median(steps[1:]) * 1e3,
-                         "decode_ms_per_token_mean": statistics.mean(steps[1:]) * 1e3}
+    sync()
+    start = time.perf_counter()
+    engine.add_request("lat", prompt, params, output_kind="delta")
+    arrivals = token_arrival_times(engine)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    result["latency"] = {"prefill_ms": (arrivals[0] - start) * 1e3,
+                         "decode_ms_per_token_median": statistics.median(gaps) * 1e3,
+                         "decode_ms_per_token_mean": statistics.mean(gaps) * 1e3}
 
     # static: batch x (in / out). Stepped by hand to record each step's time and size.
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
@@ -201,16 +206,29 @@ def run_pagoda(args) -> dict:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
-    steps = []
+    # Step-to-step wall time (no device sync) while all requests decode.
+    steps, last = [], time.perf_counter()
     while engine.has_unfinished_requests():
-        sync(); s = time.perf_counter(); engine.step(); el = time.perf_counter() - s
-        if engine.scheduler.num_running == args.batch and engine.scheduler.num_waiting == 0:
-            steps.append(el)
+        engine.step()
+        now = time.perf_counter()
+        if engine.scheduler.num_running == args.batch and engine.scheduler.num_waiting == 0 and all(
+                r.num_computed_tokens > r.num_prompt_tokens for r in engine.scheduler.running):
+            steps.append(now - last)
+        last = now
     decode_steps = steps[-16:] if len(steps) > 16 else steps
     result["decode256"] = {"step_ms_median": statistics.median(decode_steps) * 1e3,
                            "context": args.static_in, "batch": args.batch}
     result["stage_ms_per_step"] = profile_stages(engine, prompts, sync)
     return result
+
+
+def token_arrival_times(engine) -> list[float]:
+    """Steps the engine to the end; the host time at which each new token arrived."""
+    arrivals = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            arrivals.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
+    return arrivals
 
 
 def profile_prefill_step(engine, rng, vocab, args) -> str:
@@ -232,7 +250,7 @@ def profile_prefill_step(engine, rng, vocab, args) -> str:
 def profile_stages(engine, prompts, sync) -> dict:
     """Where a decode step's time goes, at batch 1 and at full batch (after prefill)."""
     from pagoda import SamplingParams
-    timer = StageTimer(engine, sync)
+    timer = StageTimer(engine)
     out = {}
     for label, batch in (("batch1", prompts[:1]), ("batch_full", prompts)):
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -315,39 +333,51 @@ def run_transformers(args) -> dict:
 
 # ---------------------------------------------------------------- driver ----------
 def child_main(args) -> None:
-    result = run_pagoda(args) if args.engine == "pagoda" else run_transformers(args)
+    result = run_transformers(args) if args.engine == "transformers" else run_pagoda(args)
     with open(args.child_out, "w") as f:
         json.dump(result, f, indent=2)
 
 
 def print_table(report: dict) -> None:
     engines = {r["engine"]: r for r in report["engines"]}
+    names = [n for n in ("pagoda", "pagoda-sync", "transformers") if n in engines]
     roof = report.get("roofline", {})
+
     def get(engine, *keys):
         d = engines.get(engine, {})
         for k in keys:
             d = d.get(k, {}) if isinstance(d, dict) else {}
         return d if isinstance(d, (int, float)) else float("nan")
-    print(f"\n{'workload':44s} {'pagoda':>12s} {'transformers':>13s} {'roofline':>10s}")
-    print(f"{'batch-1 decode ms/token (median step)':44s} "
-          f"{get('pagoda', 'latency', 'decode_ms_per_token_median'):12.2f} "
-          f"{get('transformers', 'latency', 'decode_ms_per_token_mean'):13.2f} "
-          f"{roof.get('batch1', {}).get('roofline_ms', float('nan')):10.2f}")
-    print(f"{'static 1024/128 output tok/s':44s} {get('pagoda', 'static', 'output_tok_per_s'):12.0f} "
-          f"{get('transformers', 'static', 'output_tok_per_s'):13.0f}")
-    print(f"{'nano-vllm uniform 100-1024 output tok/s':44s} "
-          f"{get('pagoda', 'nanovllm', 'output_tok_per_s'):12.0f} {'-':>13s}")
+
+    rows = [("batch-1 decode ms/token (median gap)", ("latency", "decode_ms_per_token_median"),
+             roof.get("batch1", {}).get("roofline_ms"), "{:.2f}"),
+            ("static 1024/128 output tok/s", ("static", "output_tok_per_s"), None, "{:.0f}"),
+            ("nano-vllm uniform 100-1024 output tok/s", ("nanovllm", "output_tok_per_s"), None, "{:.0f}"),
+            ("decode step batch 256, 1k ctx (ms)", ("decode256", "step_ms_median"),
+             roof.get("decode256", {}).get("roofline_ms"), "{:.2f}")]
+    print("\n" + f"{'workload':44s}" + "".join(f"{n:>14s}" for n in names) + f"{'roofline':>10s}")
+    for label, keys, roofline, fmt in rows:
+        if label.startswith("batch-1") and "transformers" in engines:
+            keys_of = {n: keys if n != "transformers" else ("latency", "decode_ms_per_token_mean")
+                       for n in names}
+        else:
+            keys_of = {n: keys for n in names}
+        cells = "".join(f"{fmt.format(get(n, *keys_of[n])):>14s}" for n in names)
+        print(f"{label:44s}{cells}{'-' if roofline is None else format(roofline, '.2f'):>10}")
     d = roof.get("decode256", {})
-    print(f"{'decode step batch 256, 1k ctx (ms)':44s} {get('pagoda', 'decode256', 'step_ms_median'):12.2f} "
-          f"{'-':>13s} {d.get('roofline_ms', float('nan')):10.2f}")
-    if d and "pagoda" in engines:
-        eff = d["roofline_ms"] / engines["pagoda"]["decode256"]["step_ms_median"]
-        print(f"{'  fraction of roofline':44s} {eff:12.0%}")
+    for n in names:
+        step = get(n, "decode256", "step_ms_median")
+        if d and step == step and n != "transformers":
+            print(f"  {n}: decode step at {d['roofline_ms'] / step:.0%} of roofline")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--engine", default="all", choices=["all", "pagoda", "transformers"])
+    p.add_argument("--engine", default="all",
+                   choices=["all", "pagoda", "pagoda-sync", "transformers"],
+                   help="pagoda-sync: Pagoda with async scheduling off (an A/B of the overlap)")
+    p.add_argument("--ab-sync", action="store_true",
+                   help="with --engine all, also run pagoda-sync")
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
@@ -386,7 +416,10 @@ def main() -> None:
     report["roofline"] = {
         "batch1": roofline_decode_ms(info, report["ceilings"], 1, args.latency_prompt + args.latency_tokens // 2),
         "decode256": roofline_decode_ms(info, report["ceilings"], args.batch, args.static_in + 12)}
-    engines = ["pagoda", "transformers"] if args.engine == "all" else [args.engine]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    engines = [args.engine]
+    if args.engine == "all":
+        engines = ["pagoda", "pagoda-sync", "transformers"] if args.ab_sync else ["pagoda", "transformers"]
     for engine in engines:
         child_out = f"{args.out}.{engine}.json"
         cmd = [sys.executable, __file__, *sys.argv[1:], "--engine", engine, "--child-out", child_out]
