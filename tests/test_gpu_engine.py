@@ -68,13 +68,14 @@ def test_engine_end_to_end_on_graphs(llm):
 
 
 def _mixed_params():
+    """Every request runs to max_tokens (no eos), so both loops batch the same rows."""
     from pagoda import SamplingParams
     return [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
             SamplingParams(max_tokens=24, temperature=0.8, seed=5, repetition_penalty=1.2,
                            frequency_penalty=0.3, ignore_eos=True),
             SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True),
             SamplingParams(max_tokens=12, temperature=0.7, seed=9, top_k=50, top_p=0.9,
-                           min_tokens=6, prompt_logprobs=2)]
+                           min_tokens=6, prompt_logprobs=2, ignore_eos=True)]
 
 
 def test_async_step_launch_never_waits_for_the_device(llm, monkeypatch):
