@@ -13,6 +13,7 @@ instead of following it. Outputs then arrive one step() call later.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -87,6 +88,12 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
+        # Everything built so far (the block pool's blocks, the model's modules) lives
+        # as long as the engine: freezing it keeps the cyclic GC from walking it on
+        # every full collection. With a 54k-block pool a full collection walks ~300k
+        # objects in ~200 ms (measured on CPU); one such pause stalled a GPU step.
+        gc.collect()
+        gc.freeze()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.startup_seconds, arch.architecture, num_blocks,
