@@ -4,8 +4,8 @@
 embedded SmolLM2 on CPU and returns once GET /health answers 200 (polled with a
 bounded deadline); `ServerProcess.stop()` sends SIGTERM and returns the exit code.
 `MAIN_SERVER_FLAGS` configure the session-wide server of conftest.py: API key,
-debug routes, max_model_len 512 and a KV pool small enough that 64 concurrent
-streams preempt. (A module with a unique name, so test files can import it.)
+debug routes, max_model_len 512, async scheduling and a KV pool small enough that 64
+concurrent streams preempt. (A module with a unique name, so test files can import it.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ API_KEY = "test-key-123"
 STARTUP_DEADLINE_S = 300.0  # loading the model on a busy 2-core machine can take a while
 # Small KV pool: 40 blocks of 16 tokens. One max-length request (512 tokens = 32 blocks)
 # still fits; 64 concurrent short streams (2 blocks each) do not, so they preempt.
+# --async-scheduling: the path every CUDA server takes (the CPU default is off), so the
+# load, disconnect and fuzz tests exercise it end to end.
 MAIN_SERVER_FLAGS = ("--max-model-len", "512", "--num-gpu-blocks-override", "40",
+                     "--async-scheduling",
                      "--api-key", API_KEY, "--enable-debug-routes",
                      "--max-request-body-bytes", "65536", "--max-num-seqs", "64",
                      "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
