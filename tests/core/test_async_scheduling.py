@@ -14,16 +14,15 @@ from dataclasses import dataclass, field
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import RequestStatus
 
-from test_scheduler import (BLOCK_SIZE, FakeRunner, _WorkerSeq, alone, collect, make_request,
+from test_scheduler import (BLOCK_SIZE, FakeRunner, alone, collect, make_request,
                              make_scheduler, next_token, run_to_completion)
 
 
 @dataclass
-class PipelinedRunner:
-    """Worker stand-in for async scheduling: knows the last step's sampled ids itself."""
+class PipelinedRunner(FakeRunner):
+    """Worker stand-in for async scheduling: knows the last step's sampled ids itself
+    (diffs are applied by FakeRunner._apply_diff)."""
 
-    kv: dict = field(default_factory=dict)
-    seqs: dict = field(default_factory=dict)
     last_sampled: dict = field(default_factory=dict)  # req_id -> token, previous step only
     num_device_fed: int = 0  # tokens taken from the previous step rather than a diff
 
@@ -51,19 +50,6 @@ class PipelinedRunner:
             sampled.append([sampled_now[rid]] if rid in sampled_now else [])
         self.last_sampled = sampled_now
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-
-    def _apply_diff(self, out: SchedulerOutput) -> None:
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.seqs.pop(rid, None)
-        for new in out.scheduled_new_reqs:
-            self.seqs[new.req_id] = _WorkerSeq(new.prompt_token_ids + new.output_token_ids,
-                                               len(new.prompt_token_ids), list(new.block_ids),
-                                               new.num_computed_tokens, new.sampling_params)
-        for cached in out.scheduled_cached_reqs:
-            seq = self.seqs[cached.req_id]
-            assert cached.num_computed_tokens == seq.num_computed
-            seq.tokens += cached.new_token_ids
-            seq.blocks += cached.new_block_ids
 
 
 def run_pipelined(sched, runner, max_steps=2000):
