@@ -98,3 +98,23 @@ def test_async_abort_in_flight_frees_everything(llms):
 def test_async_scheduling_flag_is_validated():
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(async_scheduling="yes")
+
+
+def test_async_reused_id_after_abort_gets_none_of_the_old_tokens(llms):
+    """An aborted request's step may still be in flight when its id is reused: the
+    engine keeps stepping until that step is taken, so the new request is clean."""
+    engine = llms[True].llm_engine
+    prompts = make_prompts(llms[True].get_tokenizer(), 2)
+    expected = llms[True].generate([prompts[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("reused", prompts[0], GREEDY)
+    engine.step()  # launched, not processed
+    engine.abort_request("reused")
+    assert engine.has_unfinished_requests()  # the launched step is still to be taken
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    engine.add_request("reused", prompts[1], GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.finished)
+    assert outputs[0].outputs[0].token_ids == expected
+    assert_all_blocks_free(llms[True])

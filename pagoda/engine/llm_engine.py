@@ -208,7 +208,9 @@ class LLMEngine:
             self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # A launched step still counts: its outputs must be taken (and those of aborted
+        # requests dropped) before a new request could reuse one of its ids.
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
@@ -220,7 +222,8 @@ class LLMEngine:
         launched = self.executor.execute_model_async(scheduler_output)
         if not self.async_scheduling:
             return self._process_step(scheduler_output, launched.result())
-        previous, self._in_flight = self._in_flight, (scheduler_output, launched)
+        previous = self._in_flight
+        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
         if previous is None:
             return []
         return self._process_step(previous[0], previous[1].result())
