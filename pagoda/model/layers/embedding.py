@@ -13,6 +13,7 @@ from torch import nn
 
 from pagoda.model.layers.linear import (LayerWeightLoader, ShardId, check_tp, copy_checked,
                                         tp_collective_unsupported)
+from pagoda.model.layers.matmul import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,4 +55,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             raise tp_collective_unsupported(type(self).__name__)
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)

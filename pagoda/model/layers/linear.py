@@ -18,8 +18,9 @@ import weakref
 from typing import Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagoda.model.layers.matmul import linear
 
 ShardId = Union[int, str, None]
 
@@ -120,7 +121,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -221,4 +222,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             raise tp_collective_unsupported("RowParallelLinear")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
