@@ -3,6 +3,14 @@
 Every kernel is tested against this. Arithmetic is in float32 whatever the input
 dtype. Decode rows (query length 1) are batched into one masked matmul; prefill chunks
 go through SDPA one request at a time with a causal mask offset by their context.
+
+Two decode paths: by default (``batched_decode=True``) the host work and the copy
+indices are built once per step and shared by every layer, and the decode contexts are
+kept contiguous from step to step (pagoda.attention.torch_decode, decode_workspace);
+``batched_decode=False`` keeps the plain per-layer gather + einsum, the reference the
+fast path is tested against. Within a forward context the per-step plan is cached,
+keyed by the context object, and the workspace carries; called outside one (kernel
+tests) both are rebuilt per call.
 """
 
 from __future__ import annotations
@@ -11,19 +19,25 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
+from pagoda.attention.decode_workspace import DecodeWorkspace
+from pagoda.attention.forward_context import get_forward_context
+from pagoda.attention.torch_decode import StepPlan, build_step_plan, decode_attention
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Writes k/v rows into the paged cache; rows with slot -1 (padding) are skipped."""
+                 slot_mapping: torch.Tensor, all_valid: bool | None = None) -> None:
+    """Writes k/v rows into the paged cache; rows with slot -1 (padding) are skipped.
+    all_valid, when known, says whether slot_mapping holds no -1 (saves a check)."""
     num_tokens = k.shape[0]
     slots = slot_mapping[:num_tokens]
-    valid = slots >= 0
     _, num_blocks, block_size, n_kv, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, n_kv, head_dim)
-    if bool(valid.all()):
-        flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+    valid = None if all_valid else slots >= 0
+    if all_valid or bool(valid.all()):
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
     else:
         idx = slots[valid]
         flat[0].index_copy_(0, idx, k[valid].to(kv_cache.dtype))
@@ -43,24 +57,59 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 batched_decode: bool = True) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.batched_decode = batched_decode
+        self._plan: StepPlan | None = None  # the current forward's, reused by its layers
+        self._workspace: DecodeWorkspace | None = None  # decode contexts, step to step
+
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        store_kv_ref(k, v, kv_cache, metadata.slot_mapping)
+        plan = self._step_plan(metadata, kv_cache)
+        store_kv_ref(k, v, kv_cache, metadata.slot_mapping, plan.all_slots_valid)
+        decode = plan.decode
+        if decode is not None:
+            o = decode_attention(q, kv_cache, decode, plan.workspace, self.scale)
+            if decode.all_rows and q.shape[0] == len(plan.decode_rows):  # a pure decode step
+                return o if o.dtype == q.dtype else o.to(q.dtype)
         out = torch.zeros_like(q)
-        qsl = metadata.query_start_loc_cpu
-        seq_lens = metadata.seq_lens_cpu
-        if qsl is None or seq_lens is None:
-            qsl, seq_lens = metadata.query_start_loc.cpu(), metadata.seq_lens.cpu()
-        qsl_list, seq_list = qsl.tolist(), seq_lens.tolist()
-        decode_rows, prefill_rows = [], []
-        for i in range(metadata.num_reqs):
-            (decode_rows if qsl_list[i + 1] - qsl_list[i] == 1 else prefill_rows).append(i)
-        if decode_rows:
-            self._decode(q, kv_cache, metadata, decode_rows, qsl_list, seq_list, out)
-        for i in prefill_rows:
-            start, end = qsl_list[i], qsl_list[i + 1]
+        if decode is not None:
+            out[decode.token_rows] = o.to(q.dtype)
+        elif plan.decode_rows:
+            self._decode_reference(q, kv_cache, metadata, plan.decode_rows, plan.qsl,
+                                   plan.seq_lens, out)
+        for i in plan.prefill_rows:
+            start, end = plan.qsl[i], plan.qsl[i + 1]
             out[start:end] = self._prefill_one(q[start:end], kv_cache,
-                                               metadata.block_tables[i], seq_list[i])
+                                               metadata.block_tables[i], plan.seq_lens[i])
         return out
+
+    def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> StepPlan:
+        """The step's plan: cached for the layers of one forward context (a new context
+        object per forward, whose metadata is fixed for its lifetime), else rebuilt."""
+        try:
+            ctx = get_forward_context()
+        except RuntimeError:  # called directly, outside a model forward
+            ctx = None
+        key = ctx if ctx is not None and ctx.metadata is metadata else None
+        plan = self._plan
+        if key is not None and plan is not None and plan.key is key:
+            return plan
+        plan = build_step_plan(key, metadata, kv_cache, self._workspace_for(key, kv_cache))
+        self._plan = plan if key is not None else None
+        return plan
+
+    def _workspace_for(self, key: object, kv_cache: torch.Tensor) -> DecodeWorkspace | None:
+        """The persistent workspace inside a forward context; outside one (a kernel test
+        calling forward directly) a fresh one, so nothing carries; None for the reference."""
+        if not self.batched_decode:
+            return None
+        block_size = kv_cache.shape[2]
+        if key is None:
+            return DecodeWorkspace(block_size)
+        if self._workspace is None or self._workspace.block_size != block_size:
+            self._workspace = DecodeWorkspace(block_size)
+        return self._workspace
 
     def _prefill_one(self, q, kv_cache, block_table, seq_len: int) -> torch.Tensor:
         qlen = q.shape[0]
@@ -76,7 +125,7 @@ class TorchRefBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1).to(q.dtype)
 
-    def _decode(self, q, kv_cache, metadata, rows, qsl_list, seq_list, out) -> None:
+    def _decode_reference(self, q, kv_cache, metadata, rows, qsl_list, seq_list, out) -> None:
         """All single-token rows at once: gather each context padded to the longest."""
         device = q.device
         block_size = kv_cache.shape[2]

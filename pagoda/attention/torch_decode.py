@@ -1,0 +1,145 @@
+"""Batched decode attention for torch_ref: one plan per step, shared by every layer.
+
+A decode row (query length 1) attends to its request's whole context, scattered over
+the paged cache. The reference (TorchRefBackend._decode_reference) gathers each row's
+blocks and computes an einsum, per layer. Here the host work and the index arithmetic
+are done once per step (``build_step_plan``), since every layer of one forward sees the
+same metadata and caches of the same shape:
+
+- which requests are decode rows and which are prefill chunks, and whether every slot
+  of slot_mapping is real;
+- for the decode rows, their slots in the DecodeWorkspace (pagoda.attention.
+  decode_workspace: the contexts kept contiguous from step to step, one slot per
+  request) and the copies that bring each slot up to date, as flat row indices: from
+  the layer's cache viewed as [cache slots * kv_heads, head_dim] into the workspace
+  viewed as [slots * kv_heads * capacity, head_dim]; once for a layer whose buffers
+  carry the previous step (the new token of carried rows, whole contexts of the rest),
+  once for a layer filled from scratch;
+- the mask of positions past each slot's context.
+
+Per layer, ``decode_attention`` then costs two small copies, two batched matmuls over
+the workspace and a softmax. Same arithmetic as the reference (float32, scores scaled
+then masked to -inf), checked against it in tests/test_torch_decode.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagoda.attention.backend import AttentionMetadata
+from pagoda.attention.decode_workspace import DecodeWorkspace, SlotAssignment
+
+
+@dataclass
+class DecodePlan:
+    token_rows: torch.Tensor  # int64 [B]: the rows of q (and of the output) to attend
+    all_rows: bool  # the decode rows are rows 0..B-1 of the step, and nothing else
+    assignment: SlotAssignment  # workspace slots of the rows
+    slots: torch.Tensor  # int64 [B]: assignment.slots on the device
+    in_slot_order: bool  # row i sits in slot i and there are B slots
+    carry_copy: tuple[torch.Tensor, torch.Tensor]  # (cache rows, workspace rows)
+    full_copy: tuple[torch.Tensor, torch.Tensor]  # the same, every row from scratch
+    padding: torch.Tensor  # bool [slots, 1, 1, L]: True where past the slot's context
+    max_len: int  # L
+
+
+@dataclass
+class StepPlan:
+    key: object  # what the plan was built for (the forward context): compared by identity
+    all_slots_valid: bool  # slot_mapping holds no padding row (-1)
+    decode_rows: list[int]  # request indices with one query token
+    prefill_rows: list[int]  # request indices with several (a prompt chunk)
+    qsl: list[int]  # query_start_loc on the host
+    seq_lens: list[int]
+    decode: Optional[DecodePlan]
+    workspace: Optional[DecodeWorkspace]  # what decode reads through (None: the reference)
+
+
+def host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
+    qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    if qsl is None or seq_lens is None:
+        qsl, seq_lens = metadata.query_start_loc.cpu(), metadata.seq_lens.cpu()
+    return qsl.tolist(), seq_lens.tolist()
+
+
+def build_step_plan(key: object, metadata: AttentionMetadata, kv_cache: torch.Tensor,
+                    workspace: Optional[DecodeWorkspace]) -> StepPlan:
+    """Everything about this step's attention that does not depend on the layer (the
+    decode plan only with a workspace: without one, decode rows take the reference)."""
+    qsl, seq_lens = host_lengths(metadata)
+    decode_rows, prefill_rows = [], []
+    for i in range(metadata.num_reqs):
+        (decode_rows if qsl[i + 1] - qsl[i] == 1 else prefill_rows).append(i)
+    all_valid = bool((metadata.slot_mapping >= 0).all())
+    decode = None
+    if workspace is not None and decode_rows:
+        decode = build_decode_plan(metadata, decode_rows, qsl, seq_lens, kv_cache, workspace)
+    elif workspace is not None:
+        workspace.skip_step()  # slots carry only from the forward just before
+    return StepPlan(key, all_valid, decode_rows, prefill_rows, qsl, seq_lens, decode, workspace)
+
+
+def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[int],
+                      seq_lens: list[int], kv_cache: torch.Tensor,
+                      workspace: DecodeWorkspace) -> DecodePlan:
+    device = metadata.block_tables.device
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    lengths = [seq_lens[i] for i in rows]
+    max_len = max(lengths)
+    rows_t = torch.tensor(rows, device=device)
+    tables = metadata.block_tables[rows_t, :-(-max_len // block_size)].long()
+    assignment = workspace.assign(tables.tolist(), lengths)
+    slots = torch.tensor(assignment.slots, device=device)
+    lens = torch.tensor(lengths, device=device)
+    pos = torch.arange(max_len, device=device)
+    heads = torch.arange(num_kv_heads, device=device)[None, :, None]
+    # [B, kv_heads, L] grids: cache row and workspace row of each (row, head, position).
+    cache_slot = tables[:, pos // block_size] * block_size + pos % block_size
+    src = cache_slot[:, None, :] * num_kv_heads + heads
+    dst = (slots[:, None, None] * num_kv_heads + heads) * assignment.capacity + pos
+    inside = (pos < lens[:, None])[:, None, :].expand_as(src)
+    newest = (pos == lens[:, None] - 1)[:, None, :]
+    carried = torch.tensor(assignment.carried, device=device)[:, None, None]
+    fresh = inside & (newest | ~carried)
+    # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
+    slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
+    slot_lens[slots] = lens
+    padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
+    token_rows = [qsl[i] for i in rows]
+    all_rows = (token_rows == list(range(len(rows)))
+                and metadata.slot_mapping.shape[0] == len(rows))
+    in_order = assignment.slots == list(range(len(rows))) and assignment.num_slots == len(rows)
+    return DecodePlan(torch.tensor(token_rows, device=device), all_rows, assignment, slots,
+                      in_order, (src[fresh], dst[fresh]), (src[inside], dst[inside]),
+                      padding, max_len)
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
+                     workspace: DecodeWorkspace, scale: float) -> torch.Tensor:
+    """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
+    in float32. When plan.all_rows, T == B and the result is the whole output."""
+    head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
+    k_ws, v_ws, carry = workspace.buffers(kv_cache, plan.assignment)
+    src, dst = plan.carry_copy if carry else plan.full_copy
+    cache = kv_cache.view(2, -1, head_dim)
+    k_ws.view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
+    v_ws.view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
+    k = _as_float32(k_ws[:, :, :plan.max_len])  # [S, Hkv, L, D] views, no copy in fp32
+    v = _as_float32(v_ws[:, :, :plan.max_len])
+    num_slots, group = plan.assignment.num_slots, q.shape[1] // num_kv_heads
+    qs = q if plan.all_rows else q.index_select(0, plan.token_rows)
+    if not plan.in_slot_order:
+        qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
+    qs = _as_float32(qs).view(num_slots, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [S, Hkv, G, L]
+    scores.masked_fill_(plan.padding, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).view(num_slots, num_kv_heads * group, head_dim)
+    return out if plan.in_slot_order else out.index_select(0, plan.slots)
