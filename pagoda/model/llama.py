@@ -59,7 +59,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if not qkv.is_cuda and not self.qk_norm:
+            return self.o_proj(self.attn(*self._rotate_qk_together(qkv, cos, sin)))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -67,6 +70,17 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, cos, sin).reshape(num_tokens, self.q_size)
         k = apply_rotary(k, cos, sin).reshape(num_tokens, self.kv_size)
         return self.o_proj(self.attn(q, k, v))
+
+    def _rotate_qk_together(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """CPU: the q and k heads sit side by side in each row of qkv, so one rotary call
+        covers both (half the small torch calls per layer; elementwise, so the values are
+        the same). q and k come back as column views of the rotated [T, q+kv] block."""
+        num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
+        heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                      self.head_dim)
+        qk = apply_rotary(heads, cos, sin).view(num_tokens, qk_size)
+        return qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:]
 
 
 class LlamaMLP(nn.Module):

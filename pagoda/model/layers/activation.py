@@ -20,4 +20,4 @@ class SiluAndMul(nn.Module):
             if fused_ops.FUSED_OPS_ENABLED:
                 return fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place on silu's fresh output: one buffer less

@@ -24,9 +24,11 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        # The casts are skipped when x is float32 already (same values, fewer torch calls).
+        xf = x if x.dtype == torch.float32 else x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
-        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        normed = xf * torch.rsqrt(variance + self.eps)
+        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -85,8 +85,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         if fused_ops.FUSED_OPS_ENABLED:
             return fused_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()  # no no-op casts: CPU decode pays per op
     x1, x2 = xf[..., :half], xf[..., half:]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
