@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pagoda.host_copy import host_to_device
 from pagoda.sampling_params import SamplingParams
 
 
@@ -40,10 +41,16 @@ class SamplingRow:
 
 @dataclass
 class PendingOutputs:
-    """Output tokens of some rows that only the device knows: (row, token id) pairs."""
+    """Output tokens of some rows that only the device knows: row rows[i] has the token
+    sampled_ids[sources[i]] (the previous step's sampled ids). Read only by the
+    penalties, so a batch without penalties never touches the device for them."""
 
     rows: list[int]
-    token_ids: torch.Tensor  # [len(rows)] int64 on the metadata's device
+    sources: list[int]
+    sampled_ids: torch.Tensor  # int64 on the metadata's device
+
+    def token_ids(self, device: torch.device) -> torch.Tensor:
+        return self.sampled_ids.index_select(0, host_to_device(self.sources, torch.int64, device))
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -126,14 +133,6 @@ class SamplingMetadata:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list / numpy array -> device tensor without making the host wait for the device."""
-    tensor = torch.from_numpy(data).to(dtype) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def _check_token_ids(ids, vocab_size: int, field_name: str) -> None:
     for token_id in ids:
         if not 0 <= token_id < vocab_size:
@@ -154,7 +153,7 @@ def _token_positions(
         bad = token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0]
         raise ValueError(f"{field_name} must hold token ids in [0, {vocab_size}), got {bad}")
     row_indices = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
-    return _to_device(row_indices, torch.int64, device), _to_device(token_ids, torch.int64, device)
+    return host_to_device(row_indices, torch.int64, device), host_to_device(token_ids, torch.int64, device)
 
 
 def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
@@ -172,18 +171,19 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
     counts.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
     if pending is not None and pending.rows:
-        pending_rows = _to_device(pending.rows, torch.int64, device)
-        counts.index_put_((pending_rows, pending.token_ids),
-                          torch.ones_like(pending.token_ids, dtype=torch.float32), accumulate=True)
+        pending_rows = host_to_device(pending.rows, torch.int64, device)
+        pending_ids = pending.token_ids(device)
+        counts.index_put_((pending_rows, pending_ids),
+                          torch.ones_like(pending_ids, dtype=torch.float32), accumulate=True)
     prompt_mask = None
     if use_repetition:
         row_indices, token_ids = _token_positions([r.prompt_token_ids for r in rows], vocab_size, "prompt_token_ids", device)
         prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
         prompt_mask.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.bool))
     return PenaltyTensors(
-        repetition=_to_device(repetition, torch.float32, device) if use_repetition else None,
-        frequency=_to_device(frequency, torch.float32, device) if use_frequency else None,
-        presence=_to_device(presence, torch.float32, device) if use_presence else None,
+        repetition=host_to_device(repetition, torch.float32, device) if use_repetition else None,
+        frequency=host_to_device(frequency, torch.float32, device) if use_frequency else None,
+        presence=host_to_device(presence, torch.float32, device) if use_presence else None,
         prompt_mask=prompt_mask,
         output_token_counts=counts,
     )
@@ -201,9 +201,9 @@ def _build_logit_bias(rows: Sequence[SamplingRow], vocab_size: int, device: torc
     if not row_indices:
         return None
     return SparseLogitEdits(
-        _to_device(row_indices, torch.int64, device),
-        _to_device(token_ids, torch.int64, device),
-        _to_device(values, torch.float32, device),
+        host_to_device(row_indices, torch.int64, device),
+        host_to_device(token_ids, torch.int64, device),
+        host_to_device(values, torch.float32, device),
     )
 
 
@@ -219,7 +219,7 @@ def _build_min_tokens_bans(rows: Sequence[SamplingRow], vocab_size: int, device:
         token_ids.extend(stop_ids)
     if not row_indices:
         return None
-    return SparseLogitEdits(_to_device(row_indices, torch.int64, device), _to_device(token_ids, torch.int64, device))
+    return SparseLogitEdits(host_to_device(row_indices, torch.int64, device), host_to_device(token_ids, torch.int64, device))
 
 
 def _random_row_tensor(values, neutral, is_random, dtype, device) -> Optional[torch.Tensor]:
@@ -230,7 +230,7 @@ def _random_row_tensor(values, neutral, is_random, dtype, device) -> Optional[to
     values = [v if random else neutral for v, random in zip(values, is_random)]
     if all(v == neutral for v in values):
         return None
-    return _to_device(values, dtype, device)
+    return host_to_device(values, dtype, device)
 
 
 def build_sampling_metadata(
@@ -266,7 +266,7 @@ def build_sampling_metadata(
         vocab_size=vocab_size,
         all_greedy=all_greedy,
         all_random=all_random,
-        is_greedy=None if (all_greedy or all_random) else _to_device([not x for x in is_random], torch.bool, device),
+        is_greedy=None if (all_greedy or all_random) else host_to_device([not x for x in is_random], torch.bool, device),
         temperature=_random_row_tensor([p.temperature for p in params], 1.0, is_random, torch.float32, device),
         top_k=_random_row_tensor(top_k, vocab_size, is_random, torch.int64, device),
         max_top_k=max(enabled_top_k) if enabled_top_k else None,

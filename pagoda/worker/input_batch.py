@@ -19,6 +19,7 @@ import torch
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.outputs import SchedulerOutput
+from pagoda.host_copy import host_to_device
 from pagoda.sampling_params import SamplingParams
 
 
@@ -144,24 +145,12 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         row += n
     metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device, pad_to)
     pad = (pad_to or row) - row
-    ids_pos = torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.long)
-    if torch.device(device).type == "cuda":  # pinned: a non-blocking copy
-        ids_pos = ids_pos.pin_memory()
-    ids_pos = ids_pos.to(device, non_blocking=True)
+    ids_pos = host_to_device([token_ids + [0] * pad, positions + [0] * pad], torch.long, device)
     if pending_dst:
         _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, device)
     # A pending row is its request's last position, so every one of them samples.
     return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
                       prompt_rows, pending_output)
-
-
-def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list as a device tensor without making the host wait for the device:
-    from pinned memory with a non-blocking copy on CUDA (a pageable copy would sync)."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], sources: list[int],

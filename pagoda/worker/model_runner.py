@@ -23,8 +23,9 @@ from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
                                     make_generator, token_seed)
 from pagoda.sample.sampler import Sampler
+from pagoda.host_copy import host_to_device
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
-                                       apply_scheduler_output, build_step_inputs, host_to_device)
+                                       apply_scheduler_output, build_step_inputs)
 from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 
@@ -163,7 +164,7 @@ class ModelRunner:
         rows = [self._sampling_row(req_id, inputs.pending_output)
                 for req_id in inputs.sample_req_ids]
         metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,
-                                           pending_outputs=self._pending_outputs(rows, inputs))
+                                           pending_outputs=self._pending_outputs(inputs))
         out = self.sampler(logits, metadata)
         wanted = [r.params.logprobs for r in rows]
         if out.logprobs is None:
@@ -180,15 +181,14 @@ class ModelRunner:
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
                            state.generator, num_pending_outputs=num_pending)
 
-    def _pending_outputs(self, rows: list[SamplingRow], inputs: StepInputs) -> Optional[PendingOutputs]:
-        """The device-only output tokens of the rows, when a penalty needs to count them."""
-        if not inputs.pending_output or not any(_uses_penalties(r.params) for r in rows):
+    def _pending_outputs(self, inputs: StepInputs) -> Optional[PendingOutputs]:
+        """The rows' output tokens that only the previous step's sampled ids hold."""
+        if not inputs.pending_output:
             return None
         row_of = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
         pending = list(inputs.pending_output.items())
-        sources = host_to_device([src for _, src in pending], torch.long, self.device)
-        return PendingOutputs([row_of[rid] for rid, _ in pending],
-                              self._prev_sampled.token_ids.index_select(0, sources))
+        return PendingOutputs([row_of[rid] for rid, _ in pending], [src for _, src in pending],
+                              self._prev_sampled.token_ids)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """req_id -> packed prompt logprobs (on the device) of the rows this step computed."""
@@ -203,8 +203,3 @@ class ModelRunner:
             ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
             result[req_id] = pack_token_logprobs(ids, lps, ranks)
         return result
-
-
-def _uses_penalties(params) -> bool:
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)

@@ -1,0 +1,23 @@
+"""host_to_device: host data onto a device without making the host wait for the device.
+
+On CUDA a copy from pageable memory synchronises with the stream (the host would wait
+for every queued kernel); from pinned memory with non_blocking=True it is queued like
+a kernel. The step path (input building, sampling metadata, logprob rows) copies
+through here, so launching a step never blocks the host: what async scheduling needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def host_to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list (possibly nested) or numpy array as a `dtype` tensor on `device`."""
+    if isinstance(data, np.ndarray):
+        tensor = torch.from_numpy(data).to(dtype)
+    else:
+        tensor = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
