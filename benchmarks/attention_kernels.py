@@ -141,8 +141,12 @@ DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
                                   (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]]
 CHUNK_SWEEP = [dict(GROUP_PAD=4, BLOCK_Q=rows // 4, BLOCK_N=bn, num_warps=w, num_stages=st)
                for rows, bn, w, st in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-                                       (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2),
-                                       (64, 64, 4, 3), (64, 128, 4, 2)]]
+                                       (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 4, 4),
+                                       (128, 128, 4, 3), (256, 64, 8, 3), (256, 64, 8, 2),
+                                       (256, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                                       (64, 128, 4, 2)]]
+# (requests, tokens each) of the chunk sweep: 8 x 2048 and the static workload's 16 x 1024.
+CHUNK_SWEEP_SHAPES = [(8, 2048), (16, 1024)]
 
 
 def sweep_configs(gen: torch.Generator) -> list[dict]:
@@ -153,7 +157,7 @@ def sweep_configs(gen: torch.Generator) -> list[dict]:
     scale = 1 / math.sqrt(HEAD_DIM)
     rows = []
     for batch, context, split_options in [(1, 32768, [8, 16, 32, 64]), (64, 8192, [1, 2, 4]),
-                                          (256, 2048, [1, 2])]:
+                                          (256, 2048, [1, 2]), (256, 1100, [1, 2])]:
         md, cache, q, k, v, _, _ = make_batch([context - 1] * batch, [1] * batch, gen)
         args = (q, cache, md.block_tables, md.query_start_loc, md.seq_lens, batch, scale)
         base = torch.empty_like(q)
@@ -171,21 +175,24 @@ def sweep_configs(gen: torch.Generator) -> list[dict]:
                                  max_abs_vs_default=err))
         del cache
         torch.cuda.empty_cache()
-    md, cache, q, k, v, _, _ = make_batch([0] * 8, [2048] * 8, gen)
-    flops = 4 * NUM_HEADS * HEAD_DIM * 8 * sum(range(1, 2049))
-    base = torch.empty_like(q)
-    args = (q, cache, md.block_tables, md.query_start_loc, md.seq_lens, 8, md.num_actual_tokens, scale)
-    paged_attention_chunks(base, *args, skip_single_token=False)
-    for cfg in CHUNK_SWEEP:
-        out = torch.empty_like(q)
-        paged_attention_chunks(out, *args, skip_single_token=False, config=cfg)
-        err = float((out.float() - base.float()).abs().max())
-        ms = do_bench(lambda: paged_attention_chunks(out, *args, skip_single_token=False, config=cfg),
-                      return_mode="median")
-        rows.append(dict(kind="chunk_sweep", config=cfg, us=ms * 1e3,
-                         tflops=flops / (ms * 1e-3) / 1e12, max_abs_vs_default=err))
-    del cache
-    torch.cuda.empty_cache()
+    for num_reqs, length in CHUNK_SWEEP_SHAPES:
+        md, cache, q, k, v, _, _ = make_batch([0] * num_reqs, [length] * num_reqs, gen)
+        flops = 4 * NUM_HEADS * HEAD_DIM * num_reqs * sum(range(1, length + 1))
+        base = torch.empty_like(q)
+        args = (q, cache, md.block_tables, md.query_start_loc, md.seq_lens, num_reqs,
+                md.num_actual_tokens, scale)
+        paged_attention_chunks(base, *args, skip_single_token=False)
+        for cfg in CHUNK_SWEEP:
+            out = torch.empty_like(q)
+            paged_attention_chunks(out, *args, skip_single_token=False, config=cfg)
+            err = float((out.float() - base.float()).abs().max())
+            ms = do_bench(lambda: paged_attention_chunks(out, *args, skip_single_token=False,
+                                                         config=cfg), return_mode="median")
+            rows.append(dict(kind="chunk_sweep", batch=num_reqs, context=length, config=cfg,
+                             us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12,
+                             max_abs_vs_default=err))
+        del cache
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -200,7 +207,7 @@ def print_sweep(rows: list[dict]) -> None:
             print(f"decode b{r['batch']:<3} ctx {r['context']:<6} splits {r['splits']:<3} {r['config']} "
                   f"{r['us']:8.1f} us {r['kv_gbps']:6.0f} GB/s err {r['max_abs_vs_default']:.1e}")
         else:
-            print(f"chunk {r['config']} {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s "
+            print(f"chunk {r['batch']}x{r['context']} {r['config']} {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s "
                   f"err {r['max_abs_vs_default']:.1e}")
     for key, r in best.items():
         print("best", key, r.get("splits"), r["config"], f"{r['us']:.1f} us")

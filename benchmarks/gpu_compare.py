@@ -148,6 +148,7 @@ def run_pagoda(args) -> dict:
               "load_s": runner.load_seconds, "num_kv_blocks": engine.num_blocks,
               "cuda_graphs": runner.graph_runner is not None,
               "graph_capture_s": getattr(runner.graph_runner, "capture_seconds", 0.0),
+              "warmup_s": runner.warmup_seconds,
               "memory": getattr(runner, "memory_report", None),
               "attention_backend": runner.backend.name}
     vocab = engine.arch.vocab_size
