@@ -168,16 +168,17 @@ def _chunk_kernel(
 def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes and launch options of the chunk kernel: BLOCK_Q * GROUP_PAD query rows.
 
-    Measured on an H200 (bf16, 32/8 heads, D=128, 8 x 2048-token prefill, triton 3.6):
-    128 rows x 64 keys, 4 warps, 3 stages: 847 us (325 TFLOP/s); 8 warps, 2 stages:
-    1079 us; 64 rows: 906 us; 128-key tiles: 958 us or slower.
+    Measured on an H200 (bf16, 32/8 heads, D=128, triton 3.6, `benchmarks/attention_kernels.py
+    --sweep`, 2026-11-29), 8 x 2048-token / 16 x 1024-token prefills: 256 rows x 64 keys,
+    8 warps, 3 stages: 801 / 488 us (343 / 282 TFLOP/s); 128 rows, 4 warps, 3 stages:
+    845 / 513 us; 128 rows, 8 warps: 961 / 587 us; 128-key tiles: as fast or slower.
     """
     group_pad = triton.next_power_of_2(group)
-    if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: half the tile
+    if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: smaller tiles
         return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 64 // group_pad),
                     BLOCK_N=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
-    return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 128 // group_pad), BLOCK_N=64,
-                num_warps=4, num_stages=3)
+    return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 256 // group_pad), BLOCK_N=64,
+                num_warps=8, num_stages=3)
 
 
 def paged_attention_chunks(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
