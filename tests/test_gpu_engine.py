@@ -57,6 +57,50 @@ def test_graph_replay_matches_eager_reference(llm):
         assert (a.float() - b.float()).abs().max() < 5e-2
 
 
+def test_padded_eager_forward_matches_unpadded(llm):
+    """An eager step padded to its shape bucket (padding rows: token 0, slot -1) gives
+    the real rows the same hidden states and KV as the unpadded step, and writes no KV
+    for the padding rows."""
+    from pagoda.attention.forward_context import forward_context
+    from pagoda.attention.metadata import build_attention_metadata
+    from pagoda.worker.shape_buckets import eager_tokens_bucket
+
+    runner = llm.llm_engine.executor.runner
+    arch, device, bs = runner.arch, runner.device, 16
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    lens = [37, 5, 120]
+    num_tokens = sum(lens)
+    padded = eager_tokens_bucket(num_tokens, 16384)
+    assert padded > num_tokens
+    tables, nxt = [], 1  # block 0 stays unused: padding must not write there
+    for n in lens:
+        tables.append(list(range(nxt, nxt + -(-n // bs))))
+        nxt += len(tables[-1])
+    ids = torch.randint(0, arch.vocab_size, (num_tokens,), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    # Small caches of our own: the engine's pool is large, and must not be touched.
+    original = [torch.randn(2, nxt, bs, arch.num_key_value_heads, arch.head_dim, generator=gen)
+                .to(device=device, dtype=runner.dtype) for _ in runner.kv_caches]
+    results = []
+    with torch.inference_mode():
+        for pad_to in (None, padded):
+            caches = [c.clone() for c in original]
+            md = build_attention_metadata(lens, lens, tables, bs, device, pad_to=pad_to)
+            extra = (pad_to or num_tokens) - num_tokens
+            step_ids = torch.cat([ids, torch.zeros(extra, dtype=ids.dtype)]).to(device)
+            step_pos = torch.cat([pos, torch.zeros(extra, dtype=pos.dtype)]).to(device)
+            with forward_context(runner.backend, md, caches):
+                hidden = runner.model(step_ids, step_pos)
+            assert hidden.shape[0] == (pad_to or num_tokens)
+            results.append((hidden[:num_tokens].float(), caches))
+    (plain, plain_caches), (pad, pad_caches) = results
+    err = (pad - plain).norm() / plain.norm()
+    assert err < 1e-2, f"relative error {err:.3e}"
+    for a, b, before in zip(plain_caches, pad_caches, original):
+        assert (a.float() - b.float()).abs().max() < 5e-2
+        assert torch.equal(b[:, 0], before[:, 0])  # block 0: untouched
+
+
 def test_engine_end_to_end_on_graphs(llm):
     from pagoda import SamplingParams
     prompts = [[(i * 7 + j) % 1000 + 5 for j in range(10 + 13 * i)] for i in range(40)]

@@ -26,6 +26,7 @@ from pagoda.sample.sampler import Sampler
 from pagoda.host_copy import host_to_device
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
                                        apply_scheduler_output, build_step_inputs)
+from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 
@@ -107,9 +108,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(arch.num_hidden_layers, num_blocks, self.block_size,
                                             arch.num_key_value_heads, arch.head_dim, self.dtype,
                                             self.device)
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            from pagoda.worker.warmup import warm_up_kernels
-            self.warmup_seconds = warm_up_kernels(self, max_model_len)
+        if self.device.type == "cuda":
+            from pagoda.worker.warmup import warm_up_kernels, warm_up_logits
+            if self.backend.name == "triton":
+                self.warmup_seconds = warm_up_kernels(self, max_model_len)
+            self.warmup_seconds += warm_up_logits(self, logits_rows_bucket(
+                self.config.scheduler.max_num_seqs))
         if self._use_cuda_graphs():
             from pagoda.worker.cuda_graph import CudaGraphRunner
             max_blocks = -(-max_model_len // self.block_size)
@@ -141,7 +145,7 @@ class ModelRunner:
             self._prev_sampled = None
             return AsyncRunnerOutput.empty()
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
-                                   prev=self._prev_sampled)
+                                   pad_to=self._eager_pad_to(out), prev=self._prev_sampled)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
@@ -155,12 +159,30 @@ class ModelRunner:
         return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
                                  packed_logprobs, wanted, prompt_logprobs)
 
+    def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
+        """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);
+        None for CPU and for decode-only steps a CUDA graph takes (it pads itself)."""
+        if self.device.type != "cuda":
+            return None
+        n = out.total_num_scheduled_tokens
+        graphs = self.graph_runner
+        if graphs is not None and n == len(out.num_scheduled_tokens) and n <= graphs.max_batch_size:
+            return None
+        return eager_tokens_bucket(n, self.config.scheduler.max_num_batched_tokens)
+
+    def _bucketed(self, rows: list[int]) -> list[int]:
+        """On CUDA, rows padded (repeating the last) to a bucketed count: shape_buckets."""
+        if self.device.type != "cuda":
+            return rows
+        return rows + [rows[-1]] * (logits_rows_bucket(len(rows)) - len(rows))
+
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
         """(sampled ids [B] on device, packed logprobs or None, logprobs asked per row)."""
         if not inputs.sample_rows:
             return None, None, []
-        rows_idx = host_to_device(inputs.sample_rows, torch.long, self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
+        rows_idx = host_to_device(self._bucketed(inputs.sample_rows), torch.long, self.device)
+        hidden = hidden.index_select(0, rows_idx)
+        logits = self.model.compute_logits(hidden)[: len(inputs.sample_rows)]
         rows = [self._sampling_row(req_id, inputs.pending_output)
                 for req_id in inputs.sample_req_ids]
         metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,

@@ -6,6 +6,9 @@ decode kernel takes) and a decode-only eager batch with or without context split
 Met mid-run, each costs a second or two on the step that meets it (measured on the
 H200: a 2 s step in the middle of a prefill). Here they are met at start-up, on KV
 blocks no request holds yet; what they write there is overwritten before it is read.
+
+`warm_up_logits` does the same for cuBLAS: the LM head at every bucketed row count
+(shape_buckets), whose first call would otherwise stall a step mid-run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
+from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +66,16 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
     seconds = time.perf_counter() - start
     logger.info("kernel warm-up in %.1fs", seconds)
     return seconds
+
+
+@torch.inference_mode()
+def warm_up_logits(runner, max_rows: int) -> float:
+    """The LM head once at each row count _sample can use (1..max_rows bucketed)."""
+    start = time.perf_counter()
+    hidden = torch.zeros(max_rows, runner.arch.hidden_size, dtype=runner.dtype,
+                         device=runner.device)
+    for rows in logits_row_buckets(max_rows):
+        runner.model.compute_logits(hidden[:rows])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
