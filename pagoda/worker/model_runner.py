@@ -147,12 +147,15 @@ class ModelRunner:
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
                                    pad_to=self._eager_pad_to(out), prev=self._prev_sampled)
         graphs = self.graph_runner
+        output_rows = None
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
+            output_rows = self._output_rows(inputs)
             with forward_context(self.backend, inputs.metadata, self.kv_caches):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-        sampled, packed_logprobs, wanted = self._sample(hidden, inputs)
+                hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
+        sampled, packed_logprobs, wanted = self._sample(hidden, inputs,
+                                                        compacted=output_rows is not None)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         self._prev_sampled = None if sampled is None else PrevSampled(
             sampled, {rid: i for i, rid in enumerate(inputs.sample_req_ids)})
@@ -170,18 +173,30 @@ class ModelRunner:
             return None
         return eager_tokens_bucket(n, self.config.scheduler.max_num_batched_tokens)
 
+    def _output_rows(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """The rows an eager forward's last layer computes (the model's output_rows): the
+        sampled rows, bucketed. None (every row) when every row samples, when none does,
+        or when prompt logprobs need the other rows too."""
+        rows = inputs.sample_rows
+        if (not rows or inputs.prompt_logprob_rows
+                or len(rows) == inputs.metadata.num_actual_tokens):
+            return None
+        return host_to_device(self._bucketed(rows), torch.long, self.device)
+
     def _bucketed(self, rows: list[int]) -> list[int]:
         """On CUDA, rows padded (repeating the last) to a bucketed count: shape_buckets."""
         if self.device.type != "cuda":
             return rows
         return rows + [rows[-1]] * (logits_rows_bucket(len(rows)) - len(rows))
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
-        """(sampled ids [B] on device, packed logprobs or None, logprobs asked per row)."""
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, compacted: bool = False):
+        """(sampled ids [B] on device, packed logprobs or None, logprobs asked per row).
+        compacted: hidden holds only the (bucketed) sampled rows, in order."""
         if not inputs.sample_rows:
             return None, None, []
-        rows_idx = host_to_device(self._bucketed(inputs.sample_rows), torch.long, self.device)
-        hidden = hidden.index_select(0, rows_idx)
+        if not compacted:
+            rows_idx = host_to_device(self._bucketed(inputs.sample_rows), torch.long, self.device)
+            hidden = hidden.index_select(0, rows_idx)
         logits = self.model.compute_logits(hidden)[: len(inputs.sample_rows)]
         rows = [self._sampling_row(req_id, inputs.pending_output)
                 for req_id in inputs.sample_req_ids]
