@@ -118,3 +118,28 @@ def test_async_reused_id_after_abort_gets_none_of_the_old_tokens(llms):
         outputs.extend(o for o in engine.step() if o.finished)
     assert outputs[0].outputs[0].token_ids == expected
     assert_all_blocks_free(llms[True])
+
+
+def test_device_block_table_gives_the_same_outputs():
+    """The worker's persistent block table (on by default on CUDA, built per step from
+    host lists on CPU) gives the same outputs, through chunking and preemption: rows
+    are reused by re-admitted and new requests."""
+    from pagoda.worker.block_table import DeviceBlockTable
+    plain, with_table = make_llm(True), make_llm(True)
+    runner = with_table.llm_engine.executor.runner
+    assert runner.block_table is None  # CPU default
+    runner.block_table = DeviceBlockTable(max_rows=4, max_blocks_per_req=16, device="cpu")
+    tok = plain.get_tokenizer()
+    prompts = make_prompts(tok, 27)
+    params = mixed_params() * 3
+    results = []
+    for llm in (plain, with_table):
+        before = llm.llm_engine.get_stats().num_preemptions
+        results.append(summary(llm.generate(prompts, params, use_tqdm=False)))
+        assert llm.llm_engine.get_stats().num_preemptions > before
+        assert_all_blocks_free(llm)
+    assert results[0] == results[1]
+    # Rows mirror the worker's request states (the last finished request leaves both
+    # with the next step's scheduler output, as ever).
+    assert set(runner.block_table.row_of) == set(runner.states)
+    assert runner.block_table.max_rows > 4  # 4 rows were too few: it grew

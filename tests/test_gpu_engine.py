@@ -103,10 +103,13 @@ def test_padded_eager_forward_matches_unpadded(llm):
 
 def test_engine_end_to_end_on_graphs(llm):
     from pagoda import SamplingParams
+    runner = llm.llm_engine.executor.runner
+    assert runner.block_table is not None  # block ids live on the device between steps
     prompts = [[(i * 7 + j) % 1000 + 5 for j in range(10 + 13 * i)] for i in range(40)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert set(runner.block_table.row_of) == set(runner.states)
     audit = llm.llm_engine.audit_kv_cache()
     assert audit.in_use == 0
 

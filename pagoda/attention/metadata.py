@@ -37,8 +37,11 @@ def build_attention_metadata(
     device: torch.device | str,
     pad_to: Optional[int] = None,
     max_blocks_per_req: Optional[int] = None,
+    device_block_tables: Optional[torch.Tensor] = None,
 ) -> AttentionMetadata:
-    """Metadata for a flattened batch. pad_to adds padding rows (slot -1) at the end."""
+    """Metadata for a flattened batch. pad_to adds padding rows (slot -1) at the end.
+    device_block_tables: the block tables already on the device (the worker's
+    persistent DeviceBlockTable), used instead of uploading block_tables."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
     for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
@@ -52,14 +55,22 @@ def build_attention_metadata(
         if pad_to < num_tokens:
             raise ValueError(f"pad_to ({pad_to}) < number of tokens ({num_tokens})")
         slots.extend([-1] * (pad_to - num_tokens))
-    width = max(max_blocks_per_req or max((len(t) for t in block_tables), default=1), 1)
-    # One tensor from padded rows: a per-row copy costs a torch call per request.
-    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
-                          dtype=torch.int32).reshape(len(block_tables), width)
+    if device_block_tables is not None:
+        if device_block_tables.shape[0] != len(block_tables):
+            raise ValueError(f"device_block_tables has {device_block_tables.shape[0]} rows "
+                             f"for {len(block_tables)} requests")
+        tables = device_block_tables
+    else:
+        width = max(max_blocks_per_req or max((len(t) for t in block_tables), default=1), 1)
+        # One tensor from padded rows: a per-row copy costs a torch call per request.
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                              dtype=torch.int32).reshape(len(block_tables), width)
     qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     seq = torch.tensor(list(seq_lens), dtype=torch.int32)
     if torch.device(device).type == "cuda":  # pinned: the copies below do not block the host
-        tables, qsl, seq = tables.pin_memory(), qsl.pin_memory(), seq.pin_memory()
+        qsl, seq = qsl.pin_memory(), seq.pin_memory()
+        if device_block_tables is None:
+            tables = tables.pin_memory()
         slot_tensor = torch.tensor(slots, dtype=torch.int64).pin_memory()
     else:
         slot_tensor = torch.tensor(slots, dtype=torch.int64)

@@ -21,6 +21,7 @@ from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.host_copy import host_to_device
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.block_table import DeviceBlockTable
 
 
 @dataclass
@@ -73,19 +74,28 @@ class StepInputs:
 
 
 def apply_scheduler_output(states: dict[str, CachedRequestState], out: SchedulerOutput,
-                           make_generator) -> None:
+                           make_generator, block_table: Optional[DeviceBlockTable] = None) -> None:
+    """Applies the scheduler's diff to the per-request states (and to the device block
+    table, when the worker keeps one: it mirrors state.block_ids)."""
     for req_id in out.finished_req_ids | out.preempted_req_ids:
         states.pop(req_id, None)
+        if block_table is not None:
+            block_table.remove(req_id)
     for new in out.scheduled_new_reqs:
         gen = make_generator(new.sampling_params.seed) if new.sampling_params.seed is not None else None
         states[new.req_id] = CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, list(new.block_ids), new.num_computed_tokens, gen)
+        if block_table is not None:
+            block_table.remove(new.req_id)  # a resumed request may still hold a row
+            block_table.add(new.req_id, new.block_ids)
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]
         state.output_token_ids.extend(cached.new_token_ids)
         state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
+        if block_table is not None and cached.new_block_ids:
+            block_table.append(cached.req_id, cached.new_block_ids)
     for req_id, drafts in out.scheduled_spec_decode_tokens.items():
         states[req_id].spec_token_ids = list(drafts)
 
@@ -105,7 +115,10 @@ def _pending_source(req_id: str, state: CachedRequestState, end: int,
 
 def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutput,
                       block_size: int, device, pad_to: Optional[int] = None,
-                      prev: Optional[PrevSampled] = None) -> StepInputs:
+                      prev: Optional[PrevSampled] = None,
+                      block_table: Optional[DeviceBlockTable] = None) -> StepInputs:
+    """The step's flattened inputs. With a device block table the metadata's block
+    tables are gathered on the device from it; otherwise built and uploaded whole."""
     req_ids, token_ids, positions = [], [], []
     query_lens, seq_lens, tables = [], [], []
     sample_rows, sample_req_ids = [], []
@@ -143,7 +156,9 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
             if wanted:
                 prompt_rows[req_id] = (row, wanted)
         row += n
-    metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device, pad_to)
+    device_tables = None if block_table is None else block_table.gather(req_ids)
+    metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device, pad_to,
+                                        device_block_tables=device_tables)
     pad = (pad_to or row) - row
     ids_pos = host_to_device([token_ids + [0] * pad, positions + [0] * pad], torch.long, device)
     if pending_dst:

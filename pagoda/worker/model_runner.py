@@ -24,6 +24,7 @@ from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_
                                     make_generator, token_seed)
 from pagoda.sample.sampler import Sampler
 from pagoda.host_copy import host_to_device
+from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
                                        apply_scheduler_output, build_step_inputs)
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
@@ -74,6 +75,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
+        # The running requests' block ids on the device (CUDA; set with the KV cache).
+        # On CPU the attention reads block tables on the host, so they are built there.
+        self.block_table: Optional[DeviceBlockTable] = None
         self.warmup_seconds = 0.0
         # The last step's sampled ids, on the device, for tokens the host lacks yet.
         self._prev_sampled: Optional[PrevSampled] = None
@@ -109,6 +113,8 @@ class ModelRunner:
                                             arch.num_key_value_heads, arch.head_dim, self.dtype,
                                             self.device)
         if self.device.type == "cuda":
+            self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
+                                                -(-max_model_len // self.block_size), self.device)
             from pagoda.worker.warmup import warm_up_kernels, warm_up_logits
             if self.backend.name == "triton":
                 self.warmup_seconds = warm_up_kernels(self, max_model_len)
@@ -140,12 +146,13 @@ class ModelRunner:
         Tokens that the previous step sampled and the scheduler could not send yet
         (async scheduling) are read from that step's sampled ids on the device.
         """
-        apply_scheduler_output(self.states, out, self._make_generator)
+        apply_scheduler_output(self.states, out, self._make_generator, self.block_table)
         if out.total_num_scheduled_tokens == 0:
             self._prev_sampled = None
             return AsyncRunnerOutput.empty()
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
-                                   pad_to=self._eager_pad_to(out), prev=self._prev_sampled)
+                                   pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
+                                   block_table=self.block_table)
         graphs = self.graph_runner
         output_rows = None
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
