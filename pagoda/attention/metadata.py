@@ -24,8 +24,13 @@ def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],
             pos = slen - 1
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             continue
-        for pos in range(slen - qlen, slen):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        pos = slen - qlen
+        while pos < slen:  # a run of slots per block, not a lookup per token
+            block, offset = divmod(pos, block_size)
+            take = min(block_size - offset, slen - pos)
+            first = table[block] * block_size + offset
+            slots.extend(range(first, first + take))
+            pos += take
     return slots
 
 

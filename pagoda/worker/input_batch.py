@@ -39,6 +39,18 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start .. end - 1 (list slices: a 16k-token prefill
+        step would otherwise call token_at 16k times)."""
+        prompt = self.prompt_token_ids
+        n_prompt = len(prompt)
+        if end <= n_prompt:
+            return prompt[start:end]
+        rest = self.output_token_ids + self.spec_token_ids
+        if start >= n_prompt:
+            return rest[start - n_prompt:end - n_prompt]
+        return prompt[start:] + rest[:end - n_prompt]
+
     def token_at(self, pos: int) -> int:
         n_prompt = len(self.prompt_token_ids)
         if pos < n_prompt:
@@ -135,7 +147,7 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         if n == 1 and source is None:
             token_ids.append(state.token_at(start))
         else:
-            token_ids.extend(state.token_at(p) for p in range(start, last_known))
+            token_ids.extend(state.tokens_between(start, last_known))
         num_tokens = state.num_tokens
         if source is not None:  # filled on the device below
             token_ids.append(0)
