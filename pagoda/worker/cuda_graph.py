@@ -16,13 +16,15 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.forward_context import forward_context
+from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
-    sizes += list(range(16, max_batch_size + 1, 16))
+    """The LM head's row buckets up to max_batch_size (shape_buckets), then
+    max_batch_size itself: the decode graphs and the LM head share their sizes."""
+    sizes = [s for s in logits_row_buckets(max_batch_size) if s <= max_batch_size]
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
@@ -75,8 +77,13 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs),
                     self.sizes, self.capture_seconds)
 
+    def takes(self, num_tokens: int, num_reqs: int) -> bool:
+        """Whether a step of num_reqs requests and num_tokens rows fits a graph: decode
+        only (one token per request), at most the largest captured batch."""
+        return num_tokens == num_reqs and num_tokens <= self.max_batch_size
+
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        return (metadata.max_query_len == 1 and num_tokens <= self.max_batch_size
+        return (self.takes(num_tokens, metadata.num_reqs)
                 and metadata.block_tables.shape[1] <= self.max_blocks_per_req)
 
     def padded_size(self, num_tokens: int) -> int:

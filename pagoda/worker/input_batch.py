@@ -98,8 +98,7 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
         states[new.req_id] = CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
             new.sampling_params, list(new.block_ids), new.num_computed_tokens, gen)
-        if block_table is not None:
-            block_table.remove(new.req_id)  # a resumed request may still hold a row
+        if block_table is not None:  # a resumed request's row went with its preemption
             block_table.add(new.req_id, new.block_ids)
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]

@@ -175,8 +175,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return None
         n = out.total_num_scheduled_tokens
-        graphs = self.graph_runner
-        if graphs is not None and n == len(out.num_scheduled_tokens) and n <= graphs.max_batch_size:
+        if self.graph_runner is not None and self.graph_runner.takes(n, len(out.num_scheduled_tokens)):
             return None
         return eager_tokens_bucket(n, self.config.scheduler.max_num_batched_tokens)
 

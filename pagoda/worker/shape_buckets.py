@@ -33,9 +33,9 @@ def logits_row_buckets(max_rows: int) -> list[int]:
 
 def eager_tokens_bucket(n: int, max_tokens: int) -> int:
     """Rows of an eager forward of n tokens, at most max(n, max_tokens)."""
-    if n <= 16:
-        padded = 1 << (n - 1).bit_length() if n > 0 else 0
+    if n < 1024:  # the LM head's buckets: 1, 2, 4, 8, then multiples of 16
+        padded = logits_rows_bucket(n) if n > 0 else 0
     else:
-        granule = max(16, 1 << max(n.bit_length() - 6, 0))  # 32 sizes per power of two
+        granule = 1 << (n.bit_length() - 6)  # 32 sizes per power of two
         padded = -(-n // granule) * granule
     return min(padded, max(n, max_tokens))
