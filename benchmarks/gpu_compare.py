@@ -151,7 +151,7 @@ def run_pagoda(args) -> dict:
               "warmup_s": runner.warmup_seconds,
               "memory": getattr(runner, "memory_report", None),
               "attention_backend": runner.backend.name}
-    vocab = engine.arch.vocab_size
+    vocab = engine.model_info.vocab_size
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 

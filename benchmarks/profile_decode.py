@@ -49,7 +49,7 @@ def run_point(llm, batch: int, context: int, steps: int, sync) -> dict:
     engine = llm.llm_engine
     runner = engine.executor.runner
     rng = np.random.default_rng(batch)
-    vocab = engine.arch.vocab_size
+    vocab = engine.model_info.vocab_size
     params = SamplingParams(max_tokens=3 * steps + 16, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", rng.integers(0, vocab, context).tolist(), params)

@@ -149,7 +149,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
     engine = llm.llm_engine
-    vocab = engine.arch.vocab_size
+    vocab = engine.model_info.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)

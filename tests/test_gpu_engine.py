@@ -126,20 +126,23 @@ def _mixed_params():
 
 
 def test_async_step_launch_never_waits_for_the_device(llm, monkeypatch):
-    """Launching a step (inputs, forward, sampling, output copies) makes no host sync:
+    """Launching a step (inputs and forward, then sampling and output copies) makes no host sync:
     torch's sync debug mode turns any synchronizing call into an error."""
     engine = llm.llm_engine
     assert engine.async_scheduling  # the CUDA default
-    launch = engine.executor.execute_model_async
+    executor = engine.executor
 
-    def launch_checked(scheduler_output):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(scheduler_output)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def checked(launch):
+        def launch_checked(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return launch_checked
 
-    monkeypatch.setattr(engine.executor, "execute_model_async", launch_checked)
+    for name in ("execute_model", "sample_tokens"):
+        monkeypatch.setattr(executor, name, checked(getattr(executor, name)))
     prompts = [[(i * 11 + j) % 900 + 3 for j in range(5 + 17 * i)] for i in range(24)]
     params = _mixed_params() * 6
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -69,7 +69,7 @@ def _token_pool(llm) -> list[int]:
     tokenizer = llm.get_tokenizer()
     if tokenizer is not None:
         return corpus_token_pool(LocalTokenizer("engine", tokenizer))
-    return list(range(llm.llm_engine.arch.vocab_size))
+    return list(range(llm.llm_engine.model_info.vocab_size))
 
 
 def random_token_prompts(pool: list[int], lengths: list[int], rng: np.random.Generator,

@@ -7,7 +7,9 @@ what changed (CachedRequestData). Workers keep persistent per-request state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
+
+import numpy as np
 
 from pagoda.sampling_params import SamplingParams
 
@@ -98,3 +100,24 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class StepExtras:
+    """What the engine learns after a step's forward is launched and before its sampling
+    (`ModelRunner.sample_tokens`): with async scheduling the previous step's results are
+    processed in between, so state that depends on them still reaches this step's sampler.
+
+    grammar_bitmasks: req_id -> int32 array [rows the request samples this step,
+    ceil(vocab_size / 32)]; bit t % 32 of word t // 32 allows token t in that row (a
+    grammar's next-token mask). Requests without an entry are not masked.
+    """
+
+    grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class RunnerOutputFuture(Protocol):
+    """A launched step's output on its way back from the device (or a worker process)."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Waits for this step's results (not for any later step) and returns them."""

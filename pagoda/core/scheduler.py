@@ -80,12 +80,17 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         async_scheduling: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """num_lookahead_tokens: KV slots reserved past each running request's scheduled
+        tokens for the drafts a proposer will add next step (speculative decoding)."""
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be an integer >= 0, got {num_lookahead_tokens!r}")
         if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: off), "
                              f"got {long_prefill_token_threshold!r}")
@@ -105,6 +110,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.async_scheduling = async_scheduling
+        self.num_lookahead_tokens = num_lookahead_tokens
 
         self.waiting = create_request_queue(policy)  # validates the policy name
         self.running: list[Request] = []
@@ -248,7 +254,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> Optional[list[int]]:
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._lowest_running()

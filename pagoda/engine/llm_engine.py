@@ -26,10 +26,10 @@ from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.executor.uniproc import UniProcExecutor
+from pagoda.core.outputs import RunnerOutputFuture
+from pagoda.executor.base import ModelInfo, get_executor_class
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.step_output import AsyncRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,12 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model.model)
-        self.executor = UniProcExecutor(config, self.model_path)
-        arch = self.executor.arch
-        self.arch = arch
-        self.max_model_len = self._resolve_max_model_len(config, arch)
+        self.executor = get_executor_class(config)(config, self.model_path)
+        info = self.executor.model_info
+        self.model_info = info
+        self.max_model_len = self._resolve_max_model_len(config, info)
         self.tokenizer = self._load_tokenizer(config)
-        self.eos_token_id = self._eos_token_id(arch)
+        self.eos_token_id = self._eos_token_id(info)
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
@@ -81,7 +81,7 @@ class LLMEngine:
             async_scheduling=sched.async_scheduling)
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
-        self._in_flight: Optional[tuple[SchedulerOutput, AsyncRunnerOutput]] = None
+        self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture]] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
@@ -96,7 +96,7 @@ class LLMEngine:
         gc.freeze()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.startup_seconds, arch.architecture, num_blocks,
+                    self.startup_seconds, info.architecture, num_blocks,
                     config.cache.block_size, self.max_model_len)
 
     @classmethod
@@ -105,8 +105,8 @@ class LLMEngine:
 
     # ---- set-up helpers ---------------------------------------------------------------
     @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, arch) -> int:
-        limit = arch.max_position_embeddings
+    def _resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
+        limit = info.max_position_embeddings
         wanted = config.model.max_model_len
         if wanted is None:
             return limit
@@ -124,10 +124,10 @@ class LLMEngine:
             return None  # a preset shape (dummy weights) has no tokenizer: token ids only
         return load_tokenizer(source, chat_template=config.model.chat_template)
 
-    def _eos_token_id(self, arch) -> Optional[int]:
+    def _eos_token_id(self, info: ModelInfo) -> Optional[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             return int(self.tokenizer.eos_token_id)
-        eos = arch.eos_token_id
+        eos = info.eos_token_id
         if isinstance(eos, (list, tuple)):
             return int(eos[0]) if eos else None
         return eos
@@ -154,7 +154,7 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                 f"{self.max_model_len}: the prompt must leave room for at least one generated token")
-        vocab = self.arch.vocab_size
+        vocab = self.model_info.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -168,7 +168,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        params.validate_for_vocab(self.arch.vocab_size)
+        params.validate_for_vocab(self.model_info.vocab_size)
         params = self._finalize_params(params, len(token_ids))
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add_request(request_id, text, token_ids, params, output_kind, child_ids)
@@ -217,16 +217,29 @@ class LLMEngine:
 
     # ---- the step loop ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, launch the forward, launch the sampling, process results.
+
+        With async scheduling the previous step's results are processed between this
+        step's forward launch and its sampling launch: the host works while the device
+        runs the forward, and whatever that processing teaches the engine (StepExtras)
+        still reaches this step's sampler."""
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
-        launched = self.executor.execute_model_async(scheduler_output)
+        self.executor.execute_model(scheduler_output)
         if not self.async_scheduling:
-            return self._process_step(scheduler_output, launched.result())
-        previous = self._in_flight
-        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
-        if previous is None:
-            return []
-        return self._process_step(previous[0], previous[1].result())
+            return self._process_step(scheduler_output, self.executor.sample_tokens().result())
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        try:
+            if previous is not None:
+                outputs = self._process_step(previous[0], previous[1].result())
+        finally:
+            # Launched even when processing the previous step raised: every launched
+            # forward is paired with its sampling, and its output is taken next step.
+            launched = self.executor.sample_tokens()
+            if not scheduler_output.is_empty:
+                self._in_flight = (scheduler_output, launched)
+        return outputs
 
     def _process_step(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         """Applies one executed step: scheduler update, then detokenize and stop strings."""

@@ -1,30 +1,38 @@
-"""In-process executor: one ModelRunner in this process (tensor parallel size 1)."""
+"""In-process executor: one worker (a ModelRunner) in the engine's process, tp size 1.
+
+collective_rpc calls the worker's method directly; an exception reaches the engine as
+it is (the engine fails the requests of that step and keeps serving). The executor is
+dead only once shut down: there is no other process whose loss it could observe.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional, Sequence
+
 from pagoda.config import EngineConfig
-from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.worker.model_runner import ModelRunner
-from pagoda.worker.step_output import AsyncRunnerOutput
+from pagoda.executor.base import Executor, ExecutorDeadError
 
 
-class UniProcExecutor:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
-        self.runner = ModelRunner(config, model_path)
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_path: str,
+                 worker_factory: Optional[Callable[[EngineConfig, str], Any]] = None) -> None:
+        """worker_factory(config, model_path) builds the worker (default: ModelRunner)."""
+        super().__init__(config, model_path)
+        if worker_factory is None:
+            from pagoda.worker.model_runner import ModelRunner
+            worker_factory = ModelRunner
+        self.runner = worker_factory(config, model_path)
+        self._dead_reason: Optional[str] = None
 
-    @property
-    def arch(self):
-        return self.runner.arch
+    def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                       kwargs: Optional[dict] = None) -> list[Any]:
+        self.check_health()
+        return [getattr(self.runner, method)(*args, **(kwargs or {}))]
 
-    def determine_num_blocks(self, max_model_len: int) -> int:
-        return self.runner.determine_num_blocks(max_model_len)
+    def check_health(self) -> None:
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks, max_model_len)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncRunnerOutput:
-        """Launches the step; the caller gets its output with .result()."""
-        return self.runner.execute_model_async(scheduler_output)
+    def shutdown(self) -> None:
+        self._dead_reason = "the executor was shut down"
+        self.runner = None

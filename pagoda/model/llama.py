@@ -31,6 +31,7 @@ from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelL
                                         RowParallelLinear, ShardId, default_weight_loader,
                                         materialize_module)
 from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 # (merged param, checkpoint projection, shard id): HF names folded into merged params.
 _STACKED_PARAMS = (
@@ -45,15 +46,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    """Self-attention with this rank's share of the heads (all of them at tp_size 1)."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim,
+                                          arch.num_attention_heads, arch.num_key_value_heads,
+                                          bias=arch.attention_bias, tp_rank=tp.rank,
+                                          tp_size=tp.size)
+        # Per rank: the QKV projection decided the split (kv heads replicate when fewer
+        # than ranks).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, self.num_heads,
-                                          self.num_kv_heads, bias=arch.attention_bias)
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False,
+                                        tp_rank=tp.rank, tp_size=tp.size)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -95,11 +103,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], bias=False)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False)
+            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], bias=False,
+            tp_rank=tp.rank, tp_size=tp.size)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False,
+                                           tp_rank=tp.rank, tp_size=tp.size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +117,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_idx)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, layer_idx, tp)
+        self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -131,10 +141,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
+                                                   tp_rank=tp.rank, tp_size=tp.size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp)
                                     for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Shared by every layer: cos/sin are looked up once per forward.
@@ -154,11 +165,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE_RANK) -> None:
+        """tp: this rank's place in the tensor-parallel group; every sharded layer takes
+        its share of heads, intermediate columns and vocabulary rows from it."""
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        self.tp = tp
+        self.model = LlamaModel(arch, tp)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size,
+                                      tp_rank=tp.rank, tp_size=tp.size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

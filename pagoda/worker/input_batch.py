@@ -4,9 +4,10 @@ The scheduler sends diffs (new requests in full, then only new tokens / blocks);
 module applies them and builds the step's token ids, positions and attention metadata.
 
 With async scheduling a step may compute one position whose token the host does not
-know yet: the token the previous step sampled (still on the device). Its row gets a
-placeholder id on the host and is filled on the device from `PrevSampled`, so the
-host never waits for the previous step.
+know yet: the token the previous step sampled (still on the device), at the request's
+first unknown position, before any draft tokens. Its row gets a placeholder id on the
+host and is filled on the device from `PrevSampled`, so the host never waits for the
+previous step.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class StepInputs:
     # Sampling requests whose last output token is still on the device (async
     # scheduling): req_id -> its row in the previous step's sampled ids.
     pending_output: dict[str, int] = field(default_factory=dict)
+    # Requests verifying drafts this step: req_id -> the drafts its rows check
+    # (sample_req_ids then holds the request len(drafts) + 1 times, in a row).
+    verified_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def apply_scheduler_output(states: dict[str, CachedRequestState], out: SchedulerOutput,
@@ -107,21 +111,49 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
         state.num_computed_tokens = cached.num_computed_tokens
         if block_table is not None and cached.new_block_ids:
             block_table.append(cached.req_id, cached.new_block_ids)
-    for req_id, drafts in out.scheduled_spec_decode_tokens.items():
-        states[req_id].spec_token_ids = list(drafts)
+    for req_id in out.num_scheduled_tokens:  # drafts last only for the step they are in
+        states[req_id].spec_token_ids = list(out.scheduled_spec_decode_tokens.get(req_id, ()))
 
 
 def _pending_source(req_id: str, state: CachedRequestState, end: int,
                     prev: Optional[PrevSampled]) -> Optional[int]:
-    """Row in prev's sampled ids of the one token this step needs but the host lacks."""
-    known = state.num_tokens + len(state.spec_token_ids)
-    if end <= known:
+    """Row in prev's sampled ids of the one token this step needs but the host lacks:
+    the token sampled last step, at position state.num_tokens (before any drafts)."""
+    if end <= state.num_tokens + len(state.spec_token_ids):
         return None
-    if end != known + 1 or prev is None or req_id not in prev.index_of:
+    if end != state.num_tokens + len(state.spec_token_ids) + 1 or prev is None \
+            or req_id not in prev.index_of:
         raise RuntimeError(f"internal error: request {req_id!r} is scheduled up to position "
-                           f"{end - 1} but the worker knows {known} tokens and the previous "
-                           "step sampled none for it")
+                           f"{end - 1} but the worker knows {state.num_tokens} tokens and "
+                           f"{len(state.spec_token_ids)} drafts, and the previous step sampled "
+                           "no single token for it")
     return prev.index_of[req_id]
+
+
+def _chunk_tokens(state: CachedRequestState, start: int, end: int, pending: bool) -> list[int]:
+    """Token ids at positions start .. end - 1; with a pending token, position
+    state.num_tokens holds a placeholder 0 (filled on the device) and the drafts follow."""
+    if not pending:
+        if end - start == 1:
+            return [state.token_at(start)]
+        return state.tokens_between(start, end)
+    known = state.num_tokens
+    drafts = state.spec_token_ids[:end - known - 1]
+    return state.tokens_between(start, known) + [0] + drafts
+
+
+def single_row_index(sample_req_ids: list[str]) -> dict[str, int]:
+    """req_id -> its sampled row, for the requests that sampled exactly one row (a
+    verifying request's next token is known only after acceptance, on the host)."""
+    index: dict[str, int] = {}
+    repeated = set()
+    for row, req_id in enumerate(sample_req_ids):
+        if req_id in index:
+            repeated.add(req_id)
+        index[req_id] = row
+    for req_id in repeated:
+        del index[req_id]
+    return index
 
 
 def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutput,
@@ -129,10 +161,13 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
                       prev: Optional[PrevSampled] = None,
                       block_table: Optional[DeviceBlockTable] = None) -> StepInputs:
     """The step's flattened inputs. With a device block table the metadata's block
-    tables are gathered on the device from it; otherwise built and uploaded whole."""
+    tables are gathered on the device from it; otherwise built and uploaded whole.
+
+    A request whose chunk reaches its last known token samples there, and once more
+    after each draft of the chunk (a verify step): rows last .. end - 1."""
     req_ids, token_ids, positions = [], [], []
     query_lens, seq_lens, tables = [], [], []
-    sample_rows, sample_req_ids = [], []
+    sample_rows, sample_req_ids, verified = [], [], {}
     prompt_rows: dict[str, tuple[int, list[int]]] = {}
     pending_dst, pending_src, pending_output = [], [], {}
     row = 0
@@ -142,25 +177,22 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         end = start + n
         req_ids.append(req_id)
         source = _pending_source(req_id, state, end, prev)
-        last_known = end if source is None else end - 1
-        if n == 1 and source is None:
-            token_ids.append(state.token_at(start))
-        else:
-            token_ids.extend(state.tokens_between(start, last_known))
-        num_tokens = state.num_tokens
-        if source is not None:  # filled on the device below
-            token_ids.append(0)
-            pending_dst.append(row + n - 1)
+        token_ids.extend(_chunk_tokens(state, start, end, source is not None))
+        last = state.num_tokens - 1  # the last token known (or pending) before the drafts
+        if source is not None:
+            last += 1
+            pending_dst.append(row + last - start)
             pending_src.append(source)
             pending_output[req_id] = source
-            num_tokens += 1
         positions.extend(range(start, end))
         query_lens.append(n)
         seq_lens.append(end)
         tables.append(state.block_ids)
-        if end >= num_tokens:  # the chunk reaches the last token: sample
-            sample_rows.append(row + num_tokens - 1 - start)
-            sample_req_ids.append(req_id)
+        if end > last:  # the chunk reaches the last token: sample there and after each draft
+            sample_rows.extend(range(row + last - start, row + n))
+            sample_req_ids.extend([req_id] * (end - last))
+            if end - last > 1:
+                verified[req_id] = state.spec_token_ids[:end - last - 1]
         if state.params.prompt_logprobs is not None:
             last_prompt_pos = len(state.prompt_token_ids) - 1  # predicts no prompt token
             wanted = [p for p in range(start, min(end, last_prompt_pos))]
@@ -174,9 +206,8 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
     ids_pos = host_to_device([token_ids + [0] * pad, positions + [0] * pad], torch.long, device)
     if pending_dst:
         _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, device)
-    # A pending row is its request's last position, so every one of them samples.
     return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
-                      prompt_rows, pending_output)
+                      prompt_rows, pending_output, verified)
 
 
 def _fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], sources: list[int],

@@ -1,16 +1,22 @@
 """ModelRunner: owns the model, the KV cache tensors and the per-request state on one device.
 
-execute_model_async(SchedulerOutput) -> AsyncRunnerOutput: apply the scheduler's diff,
-build the flattened step inputs, run the forward inside the forward context and
-sample, all without waiting for the device; the sampled ids come back through one
-queued device-to-host copy (`AsyncRunnerOutput.result()`). execute_model() is the
-same followed by result().
+The worker of the executor interface (pagoda.executor.base). A step is two calls, both
+returning without waiting for the device:
+- execute_model(SchedulerOutput): apply the scheduler's diff, build the flattened step
+  inputs, run the forward inside the forward context (a CUDA graph for decode-only
+  steps);
+- sample_tokens(StepExtras) -> AsyncRunnerOutput: compute the sampled rows' logits,
+  apply what the engine learned after the launch (grammar bitmasks), sample, and queue
+  one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
+A request verifying draft tokens samples one row per draft plus one; the host keeps
+the longest matching prefix (pagoda.sample.verify). execute_step() is both, waited for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,15 +24,18 @@ import torch
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
 from pagoda.config import EngineConfig
-from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
+from pagoda.executor.base import ModelInfo
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
                                     make_generator, token_seed)
 from pagoda.sample.sampler import Sampler
+from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
 from pagoda.host_copy import host_to_device
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
-                                       apply_scheduler_output, build_step_inputs)
+                                       apply_scheduler_output, build_step_inputs,
+                                       single_row_index)
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -42,9 +51,12 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_attention_backend(name: str, device: str, arch) -> AttentionBackend:
+def make_attention_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:
+    """The backend for this rank's heads (tp: its TensorParallel; None for all heads)."""
     scale = arch.head_dim ** -0.5
-    args = (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, scale)
+    size = 1 if tp is None else tp.size
+    args = (arch.num_attention_heads // size, max(1, arch.num_key_value_heads // size),
+            arch.head_dim, scale)
     if name == "auto":
         name = "triton" if device == "cuda" else "torch_ref"
     if name == "triton":
@@ -54,9 +66,20 @@ def make_attention_backend(name: str, device: str, arch) -> AttentionBackend:
     return TorchRefBackend(*args)
 
 
+@dataclass
+class _LaunchedForward:
+    """A step between its two calls: inputs None for an empty step."""
+
+    inputs: Optional[StepInputs]
+    hidden: Optional[torch.Tensor]
+    compacted: bool  # hidden holds only the sampled rows (an eager output_rows forward)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0) -> None:
+        """rank: this worker's tensor-parallel rank; it builds and loads that share."""
         from pagoda.model.loader import load_model
+        from pagoda.model.parallel import TensorParallel
 
         self.config = config
         self.device = torch.device(config.device.device)
@@ -64,11 +87,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
+        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size)
         self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
-                                           self.device, config.model.seed)
+                                           self.device, config.model.seed, self.tp)
         self.load_seconds = time.perf_counter() - start
         self.backend = make_attention_backend(config.device.attention_backend,
-                                              config.device.device, self.arch)
+                                              config.device.device, self.arch, self.tp)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
@@ -81,6 +105,8 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         # The last step's sampled ids, on the device, for tokens the host lacks yet.
         self._prev_sampled: Optional[PrevSampled] = None
+        # The forward execute_model() launched, waiting for sample_tokens().
+        self._launched: Optional[_LaunchedForward] = None
 
     @property
     def vocab_size(self) -> int:
@@ -136,20 +162,32 @@ class ModelRunner:
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(out).result()
+    def model_info(self) -> ModelInfo:
+        arch = self.arch
+        return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
+                         arch.eos_token_id)
+
+    def execute_step(self, out: SchedulerOutput,
+                     extras: Optional[StepExtras] = None) -> ModelRunnerOutput:
+        """The whole step, waited for: execute_model, sample_tokens, result()."""
+        self.execute_model(out)
+        return self.sample_tokens(extras).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, out: SchedulerOutput) -> AsyncRunnerOutput:
-        """Launches the step and returns without waiting for the device: no host sync.
+    def execute_model(self, out: SchedulerOutput) -> None:
+        """Applies the scheduler's diff and launches the step's forward, without waiting
+        for the device; sample_tokens() must follow before the next execute_model().
 
         Tokens that the previous step sampled and the scheduler could not send yet
         (async scheduling) are read from that step's sampled ids on the device.
         """
+        if self._launched is not None:
+            raise RuntimeError("execute_model() called twice without sample_tokens(): "
+                               "every launched forward must be sampled")
         apply_scheduler_output(self.states, out, self._make_generator, self.block_table)
         if out.total_num_scheduled_tokens == 0:
-            self._prev_sampled = None
-            return AsyncRunnerOutput.empty()
+            self._launched = _LaunchedForward(None, None, False)
+            return
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
                                    pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
                                    block_table=self.block_table)
@@ -161,13 +199,27 @@ class ModelRunner:
             output_rows = self._output_rows(inputs)
             with forward_context(self.backend, inputs.metadata, self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
-        sampled, packed_logprobs, wanted = self._sample(hidden, inputs,
-                                                        compacted=output_rows is not None)
-        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        self._launched = _LaunchedForward(inputs, hidden, output_rows is not None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, extras: Optional[StepExtras] = None) -> AsyncRunnerOutput:
+        """Launches the sampling of the forward execute_model() launched (with what the
+        engine learned since: extras) and returns without waiting for the device."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            raise RuntimeError("sample_tokens() called without a launched forward")
+        inputs = launched.inputs
+        if inputs is None:
+            self._prev_sampled = None
+            return AsyncRunnerOutput.empty()
+        sampled, packed_logprobs, wanted = self._sample(launched.hidden, inputs,
+                                                        launched.compacted, extras)
+        prompt_logprobs = self._prompt_logprobs(launched.hidden, inputs)
         self._prev_sampled = None if sampled is None else PrevSampled(
-            sampled, {rid: i for i, rid in enumerate(inputs.sample_req_ids)})
+            sampled, single_row_index(inputs.sample_req_ids))
         return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
-                                 packed_logprobs, wanted, prompt_logprobs)
+                                 packed_logprobs, wanted, prompt_logprobs,
+                                 drafts=inputs.verified_drafts)
 
     def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
         """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);
@@ -195,8 +247,9 @@ class ModelRunner:
             return rows
         return rows + [rows[-1]] * (logits_rows_bucket(len(rows)) - len(rows))
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, compacted: bool = False):
-        """(sampled ids [B] on device, packed logprobs or None, logprobs asked per row).
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, compacted: bool,
+                extras: Optional[StepExtras]):
+        """(sampled ids [rows] on device, packed logprobs or None, logprobs asked per row).
         compacted: hidden holds only the (bucketed) sampled rows, in order."""
         if not inputs.sample_rows:
             return None, None, []
@@ -204,8 +257,10 @@ class ModelRunner:
             rows_idx = host_to_device(self._bucketed(inputs.sample_rows), torch.long, self.device)
             hidden = hidden.index_select(0, rows_idx)
         logits = self.model.compute_logits(hidden)[: len(inputs.sample_rows)]
-        rows = [self._sampling_row(req_id, inputs.pending_output)
-                for req_id in inputs.sample_req_ids]
+        if extras is not None and extras.grammar_bitmasks:
+            apply_token_bitmask(logits, stack_row_bitmasks(
+                extras.grammar_bitmasks, inputs.sample_req_ids, self.vocab_size), self.device)
+        rows = self._sampling_rows(inputs)
         metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,
                                            pending_outputs=self._pending_outputs(inputs))
         out = self.sampler(logits, metadata)
@@ -215,23 +270,44 @@ class ModelRunner:
         packed = pack_token_logprobs(out.logprobs_token_ids, out.logprobs, out.sampled_ranks)
         return out.sampled_token_ids, packed, wanted
 
-    def _sampling_row(self, req_id: str, pending_output: dict[str, int]) -> SamplingRow:
+    def _sampling_rows(self, inputs: StepInputs) -> list[SamplingRow]:
+        """One SamplingRow per sampled row; a request verifying drafts has several, row
+        k seeing drafts[:k] as outputs (what it samples is conditioned on them)."""
+        rows, seen = [], {}
+        for req_id in inputs.sample_req_ids:
+            offset = seen.get(req_id, 0)
+            seen[req_id] = offset + 1
+            rows.append(self._sampling_row(req_id, inputs.pending_output, offset))
+        return rows
+
+    def _sampling_row(self, req_id: str, pending_output: dict[str, int],
+                      offset: int) -> SamplingRow:
         state = self.states[req_id]
         num_pending = int(req_id in pending_output)
-        if state.generator is not None:  # a host-side re-seed: no device work, no sync
-            num_outputs = len(state.output_token_ids) + num_pending
-            state.generator.manual_seed(token_seed(state.params.seed, num_outputs))
-        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
-                           state.generator, num_pending_outputs=num_pending)
+        outputs = state.output_token_ids
+        if offset:
+            outputs = outputs + state.spec_token_ids[:offset]
+        generator = state.generator
+        if generator is not None:  # a host-side re-seed: no device work, no sync
+            seed = token_seed(state.params.seed, len(outputs) + num_pending)
+            if offset:  # row 0 keeps the request's own generator; later rows get theirs
+                generator = self._make_generator(seed)
+            else:
+                generator.manual_seed(seed)
+        return SamplingRow(state.params, state.prompt_token_ids, outputs, generator,
+                           num_pending_outputs=num_pending)
 
     def _pending_outputs(self, inputs: StepInputs) -> Optional[PendingOutputs]:
         """The rows' output tokens that only the previous step's sampled ids hold."""
         if not inputs.pending_output:
             return None
-        row_of = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
-        pending = list(inputs.pending_output.items())
-        return PendingOutputs([row_of[rid] for rid, _ in pending], [src for _, src in pending],
-                              self._prev_sampled.token_ids)
+        rows, sources = [], []
+        for row, req_id in enumerate(inputs.sample_req_ids):
+            source = inputs.pending_output.get(req_id)
+            if source is not None:
+                rows.append(row)
+                sources.append(source)
+        return PendingOutputs(rows, sources, self._prev_sampled.token_ids)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """req_id -> packed prompt logprobs (on the device) of the rows this step computed."""

@@ -1,6 +1,6 @@
 """AsyncRunnerOutput: one step's results on their way from the device to the host.
 
-The model runner launches a step (forward + sampling) and returns at once; the
+The model runner launches a step (forward, then sampling) and returns at once; the
 device-to-host copies of the sampled ids and logprobs are queued right behind the
 step's kernels into pinned buffers, with an event after them. `result()` waits for
 that event only, so the host can schedule and launch the next step first: the
@@ -16,6 +16,7 @@ import torch
 
 from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.sample.logprobs import unpack_token_logprobs
+from pagoda.sample.verify import accept_draft_tokens
 
 
 def _start_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,9 +33,13 @@ class AsyncRunnerOutput:
     def __init__(self, req_ids: list[str], sample_req_ids: list[str],
                  sampled: Optional[torch.Tensor], packed_logprobs: Optional[torch.Tensor],
                  wanted_logprobs: list[Optional[int]],
-                 packed_prompt_logprobs: dict[str, torch.Tensor]) -> None:
+                 packed_prompt_logprobs: dict[str, torch.Tensor],
+                 drafts: Optional[dict[str, list[int]]] = None) -> None:
+        """sample_req_ids: the request of each sampled row (a verifying request's rows
+        in a row); drafts: req_id -> the drafts those rows verify."""
         self.req_ids = req_ids
         self.sample_req_ids = sample_req_ids
+        self.drafts = drafts or {}
         self.wanted_logprobs = wanted_logprobs
         self._sampled = None if sampled is None else _start_copy(sampled)
         self._logprobs = None if packed_logprobs is None else _start_copy(packed_logprobs)
@@ -66,14 +71,20 @@ class AsyncRunnerOutput:
             converted = unpack_token_logprobs(self._logprobs, [w or 0 for w in self.wanted_logprobs])
             logprobs = [lp if w is not None else None
                         for lp, w in zip(converted, self.wanted_logprobs)]
-        token_of = dict(zip(self.sample_req_ids, sampled))
-        logprobs_of = dict(zip(self.sample_req_ids, logprobs))
+        tokens_of: dict[str, list[int]] = {}
+        logprobs_of: dict[str, list] = {}
+        for req_id, token, lp in zip(self.sample_req_ids, sampled, logprobs):
+            tokens_of.setdefault(req_id, []).append(token)
+            logprobs_of.setdefault(req_id, []).append(lp)
         result = ModelRunnerOutput(
             req_ids=self.req_ids, sampled_token_ids=[],
             prompt_logprobs={rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()})
         for req_id in self.req_ids:
-            token = token_of.get(req_id)
-            result.sampled_token_ids.append([] if token is None else [token])
-            lp = logprobs_of.get(req_id)
-            result.logprobs.append(None if lp is None else [lp])
+            tokens = tokens_of.get(req_id, [])
+            drafts = self.drafts.get(req_id)
+            if drafts is not None:
+                tokens = accept_draft_tokens(tokens, drafts)
+            result.sampled_token_ids.append(tokens)
+            lps = logprobs_of.get(req_id)
+            result.logprobs.append(None if lps is None or lps[0] is None else lps[:len(tokens)])
         return result

@@ -148,7 +148,7 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def detokenize(body: protocol.DetokenizeRequest):
         engine = ctx.require_ready()
         ctx.check_model(body.model)
-        vocab = engine.arch.vocab_size
+        vocab = engine.model_info.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")

@@ -132,7 +132,7 @@ def build_sampling_params(ctx: ServingContext, req, max_tokens: Optional[int],
         values["logit_bias"] = _parse_logit_bias(req.logit_bias)
     try:
         params = SamplingParams(**values)
-        params.validate_for_vocab(ctx.require_ready().arch.vocab_size)
+        params.validate_for_vocab(ctx.require_ready().model_info.vocab_size)
     except (ValueError, TypeError) as exc:
         raise from_value_error(exc) from None
     return params

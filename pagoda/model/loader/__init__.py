@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.registry import get_model_class
 
@@ -77,19 +78,21 @@ def detect_load_format(model: str) -> str:
                      f"({', '.join(PRESET_NAMES)}) with load_format='dummy'")
 
 
-def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device]) -> nn.Module:
-    """The model for arch with uninitialised weights of dtype on device (built on meta,
-    so nothing is allocated or initialised twice)."""
+def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device],
+                tp: TensorParallel = SINGLE_RANK) -> nn.Module:
+    """The model for arch, this rank's share of it (tp), with uninitialised weights of
+    dtype on device (built on meta, so nothing is allocated or initialised twice)."""
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
-        model = cls(arch)
+        model = cls(arch, tp)
     model.materialize(device, dtype)
     return model.eval()
 
 
 def load_model(model_path_or_preset: str, load_format: str = "auto",
                dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               seed: int = 0) -> tuple[nn.Module, ArchConfig]:
+               seed: int = 0, tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
+    """The model (this rank's share: loaders shard while loading) and its ArchConfig."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; supported: "
                          f"{', '.join(LOAD_FORMATS)}")
@@ -97,9 +100,9 @@ def load_model(model_path_or_preset: str, load_format: str = "auto",
     fmt = detect_load_format(name) if load_format == "auto" else load_format
     if fmt == "gguf":
         from pagoda.model.loader.gguf import load_gguf_model
-        return load_gguf_model(Path(name), dtype, device)
+        return load_gguf_model(Path(name), dtype, device, tp)
     if fmt == "safetensors":
         from pagoda.model.loader.safetensors import load_safetensors_model
-        return load_safetensors_model(Path(name), dtype, device)
+        return load_safetensors_model(Path(name), dtype, device, tp)
     from pagoda.model.loader.dummy import load_dummy_model
-    return load_dummy_model(name, dtype, device, seed)
+    return load_dummy_model(name, dtype, device, seed, tp)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.layers.layernorm import RMSNorm
 
 WEIGHT_STD = 0.02
@@ -47,10 +48,10 @@ def dummy_arch_config(name: str) -> ArchConfig:
 
 
 def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
-                     seed: int) -> tuple[nn.Module, ArchConfig]:
+                     seed: int, tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
     from pagoda.model.loader import build_model, resolve_dtype
 
     arch = dummy_arch_config(name)
-    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model = build_model(arch, resolve_dtype(dtype, arch), device, tp)
     fill_dummy_weights(model, seed)
     return model, arch

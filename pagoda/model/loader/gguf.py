@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
 _BLOCK_NAMES = {
@@ -100,7 +101,8 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[st
 
 
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
-                    device: Union[str, torch.device]) -> tuple[nn.Module, ArchConfig]:
+                    device: Union[str, torch.device],
+                    tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
     from pagoda.model.loader import build_model, find_gguf_file, resolve_dtype
 
     file = find_gguf_file(path)
@@ -108,6 +110,6 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model = build_model(arch, resolve_dtype(dtype, arch), device, tp)
     model.load_weights(iter_gguf_weights(reader, arch))
     return model, arch

@@ -1,0 +1,94 @@
+"""The Executor interface: where the workers live and how the engine drives them.
+
+The engine talks to its model only through this (and through `pagoda.core` types):
+initialise, size and build the KV cache, launch a step's forward, launch its sampling
+and get a future for its output, call a method on every worker, check health, shut
+down. The in-process executor (`uniproc`) is the first implementation; one process
+per GPU (tensor parallelism) and Ray placement (several machines) plug in behind the
+same methods, since everything here goes through `collective_rpc`, whose arguments
+(SchedulerOutput, StepExtras) are plain picklable data.
+
+A worker is any object with the methods named below (`ModelRunner` is the one the
+engine builds): `model_info()`, `determine_num_blocks(max_model_len)`,
+`initialize_kv_cache(num_blocks, max_model_len)`, `execute_model(scheduler_output)`,
+`sample_tokens(step_extras) -> RunnerOutputFuture`. Each rank's worker builds its own
+share of the model (`TensorParallel(rank, size)`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput, StepExtras
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know of the loaded model (no torch, picklable)."""
+
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_id: Union[int, list[int], None]
+
+
+class ExecutorDeadError(RuntimeError):
+    """The executor's workers can no longer run steps (shut down, or failed mid-step)."""
+
+
+class Executor(ABC):
+    """Drives the workers of one engine. Steps come in two calls, so that what the
+    engine learns after the forward is launched (StepExtras) still reaches sampling:
+    `execute_model(out)` launches the forward, `sample_tokens(extras)` launches the
+    sampling and returns a future of the step's ModelRunnerOutput. Both return
+    without waiting for the device."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.config = config
+        self.model_path = model_path
+
+    # ---- what each implementation provides -------------------------------------------
+    @abstractmethod
+    def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                       kwargs: Optional[dict] = None) -> list[Any]:
+        """Calls `method(*args, **kwargs)` on every worker; returns their results by rank."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises ExecutorDeadError when the workers can no longer serve steps."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Releases the workers (idempotent)."""
+
+    # ---- the engine's calls, in terms of collective_rpc ------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.collective_rpc("model_info")[0]
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        """KV blocks every worker can hold (the smallest, so all ranks agree)."""
+        return min(self.collective_rpc("determine_num_blocks", (max_model_len,)))
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks, max_model_len))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launches the step's forward on every worker."""
+        self.collective_rpc("execute_model", (scheduler_output,))
+
+    def sample_tokens(self, step_extras: Optional[StepExtras] = None) -> RunnerOutputFuture:
+        """Launches the step's sampling; rank 0's output is the step's."""
+        return self.collective_rpc("sample_tokens", (step_extras or StepExtras(),))[0]
+
+
+def get_executor_class(config: EngineConfig) -> type[Executor]:
+    """The executor for the parallel config (one in-process worker at tp size 1)."""
+    if config.parallel.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size > 1 needs a multi-process executor, "
+                         "which is not available yet")
+    from pagoda.executor.uniproc import UniProcExecutor
+    return UniProcExecutor
