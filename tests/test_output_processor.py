@@ -258,9 +258,20 @@ def test_metrics_timing(proc, tok, clock):
     clock.now = 104.0
     outputs, _ = proc.process_outputs([out(child, tok.encode(" there"), finish="length")])
     assert outputs[0].metrics == {
-        "arrival_time": 100.0, "first_token_time": 102.5, "last_token_time": 104.0,
+        "arrival_time": 100.0, "first_scheduled_time": None, "first_token_time": 102.5, "last_token_time": 104.0,
         "finished_time": 104.0, "num_generation_tokens": 2,
     }
+
+
+def test_first_scheduled_time_is_the_earliest_of_the_samples(proc, tok):
+    children = add(proc, tok, n=2, kind="delta")
+    outputs, _ = proc.process_outputs([out(children[1], tok.encode("Hi"), first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.7
+    outputs, _ = proc.process_outputs([out(children[0], tok.encode("Hi"), first_scheduled_time=100.2),
+                                       out(children[1], tok.encode("!"), first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.2
+    outputs, _ = proc.process_outputs([out(children[1], [], finish="length", first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.2
 
 
 def test_error_output_finishes_request(proc, tok):

@@ -356,28 +356,16 @@ class AsyncEngine:
             _call_soon(loop, _deliver_many, items)
 
     def _note_scheduled(self, outputs: list[RequestOutput]) -> None:
-        """Records when each new request was first scheduled (for the queue-time metric).
-
-        Prefers `metrics["first_scheduled_time"]` of the outputs; engines that do not
-        report it are asked through their scheduler (sample 0's core request).
-        """
+        """Records when each new request was first scheduled (for the queue-time metric),
+        from `metrics["first_scheduled_time"]` of the first output that carries it."""
         if not self._unscheduled:
             return
         for output in outputs:
-            scheduled = (output.metrics or {}).get("first_scheduled_time")
+            scheduled = output.metrics.get("first_scheduled_time")
             stream = self._unscheduled.get(output.request_id)
             if scheduled is not None and stream is not None:
                 stream.first_scheduled_time = scheduled
                 del self._unscheduled[output.request_id]
-        get_request = getattr(getattr(self.engine, "scheduler", None), "get_request", None)
-        children = getattr(self.engine, "_children", None)
-        if get_request is None or children is None:
-            return
-        for request_id in list(self._unscheduled):
-            core_request = get_request((children.get(request_id) or [request_id])[0])
-            scheduled = getattr(core_request, "first_scheduled_time", None)
-            if core_request is None or scheduled is not None:
-                self._unscheduled.pop(request_id).first_scheduled_time = scheduled
 
     def _fail_all(self, error: BaseException, abort: bool = False) -> None:
         streams, self._streams = self._streams, {}

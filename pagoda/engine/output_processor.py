@@ -4,7 +4,8 @@ Owns, per user request: the detokenizer of each sample (with n > 1 the engine ru
 n child core requests that belong to one user request), the accumulated token ids
 and logprobs, stop-string detection (which the scheduler cannot do: it has no text),
 the output kind ("cumulative", "delta" for streaming, "final_only") and the
-request's timing (arrival, first token, last token, finish).
+request's timing (arrival, first scheduled, first token, last token, finish) in
+`RequestOutput.metrics`.
 
 `process_outputs` returns the RequestOutputs to emit this step plus the child ids
 the scheduler must abort because a stop string ended them.
@@ -54,6 +55,8 @@ class _RequestState:
     output_kind: OutputKind
     samples: dict[str, _SampleState]  # child id -> state
     arrival_time: float
+    # The earliest first-admission time of its samples, as the scheduler reports it.
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
@@ -171,6 +174,10 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, sample: _SampleState, core_output: EngineCoreOutput, now: float) -> bool:
         """Updates one sample; returns True when a stop string ended it while the core had not."""
         new_ids = core_output.new_token_ids
+        scheduled = core_output.first_scheduled_time
+        if scheduled is not None and (state.first_scheduled_time is None
+                                      or scheduled < state.first_scheduled_time):
+            state.first_scheduled_time = scheduled
         if new_ids:
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -267,6 +274,7 @@ class OutputProcessor:
     def _metrics(self, state: _RequestState) -> dict:
         metrics = {
             "arrival_time": state.arrival_time,
+            "first_scheduled_time": state.first_scheduled_time,
             "first_token_time": state.first_token_time,
             "last_token_time": state.last_token_time,
             "finished_time": state.finished_time,
