@@ -278,7 +278,7 @@ def test_error_output_finishes_request(proc, tok):
     (child,) = add(proc, tok)
     outputs, _ = proc.process_outputs([out(child, [], error="nan logits")])
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
-    assert outputs[0].metrics["error"] == "nan logits"
+    assert outputs[0].error == "nan logits" and "error" not in outputs[0].metrics
 
 
 def test_abort_request_drops_state(proc, tok):

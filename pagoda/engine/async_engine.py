@@ -404,9 +404,8 @@ def _deliver_many(items: list) -> None:
 
 
 def _request_error(output: RequestOutput) -> Optional[str]:
-    error = (output.metrics or {}).get("error")
-    if error is not None:
-        return str(error)
+    if output.error is not None:
+        return output.error
     if any(c.finish_reason == "error" for c in output.outputs):
         return "the engine failed this request"
     return None

@@ -238,6 +238,7 @@ class OutputProcessor:
             prompt_logprobs=self._take_prompt_logprobs(state, delta),
             num_cached_tokens=state.num_cached_tokens,
             metrics=self._metrics(state),
+            error=state.error,
         )
 
     def _make_completion(self, sample: _SampleState, delta: bool) -> Optional[CompletionOutput]:
@@ -272,7 +273,7 @@ class OutputProcessor:
         return [None] + list(state.prompt_logprobs)
 
     def _metrics(self, state: _RequestState) -> dict:
-        metrics = {
+        return {
             "arrival_time": state.arrival_time,
             "first_scheduled_time": state.first_scheduled_time,
             "first_token_time": state.first_token_time,
@@ -280,9 +281,6 @@ class OutputProcessor:
             "finished_time": state.finished_time,
             "num_generation_tokens": sum(len(s.token_ids) for s in state.samples.values()),
         }
-        if state.error is not None:
-            metrics["error"] = state.error
-        return metrics
 
     # ------------------------------------------------------------------ logprobs
 

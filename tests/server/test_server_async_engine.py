@@ -63,13 +63,13 @@ class FakeEngine:
             self.emitted[request_id] = self.emitted.get(request_id, 0) + 1
             done = self.remaining[request_id] == 0
             metrics = {"first_scheduled_time": self.arrivals[request_id] + QUEUE_S}
-            reason = "length" if done else None
+            reason, error = ("length" if done else None), None
             if self.prompts[request_id] == "poison":
-                metrics, reason, done = {**metrics, "error": "bad logits"}, "error", True
+                reason, error, done = "error", "bad logits", True
             if done:
                 del self.remaining[request_id]
             outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, "x", [7], finish_reason=reason)], finished=done, metrics=metrics))
+                0, "x", [7], finish_reason=reason)], finished=done, metrics=metrics, error=error))
         return outputs
 
 
