@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.layers.layernorm import RMSNorm
 
 WEIGHT_STD = 0.02
@@ -48,9 +49,9 @@ def dummy_arch_config(name: str) -> ArchConfig:
 
 def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
                      seed: int) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, resolve_dtype
+    from pagoda.model.loader import build_model
 
     arch = dummy_arch_config(name)
-    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device)
     fill_dummy_weights(model, seed)
     return model, arch

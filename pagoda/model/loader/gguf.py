@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
 _BLOCK_NAMES = {
@@ -101,13 +102,13 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[st
 
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     device: Union[str, torch.device]) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, find_gguf_file, resolve_dtype
+    from pagoda.model.loader import build_model, find_gguf_file
 
     file = find_gguf_file(path)
     if file is None:
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    model = build_model(arch, resolve_dtype(dtype, arch), device)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device)
     model.load_weights(iter_gguf_weights(reader, arch))
     return model, arch
