@@ -24,11 +24,10 @@ from typing import Union
 import torch
 from torch import nn
 
+from pagoda.config import LOAD_FORMATS
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.registry import get_model_class
-
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
 def find_gguf_file(path: Path) -> Path | None:
