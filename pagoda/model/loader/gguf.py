@@ -46,8 +46,8 @@ class FastGGUFReader(GGUFReader):
     """GGUFReader parsing a plain ndarray view of its memory map instead of the np.memmap.
 
     The parser slices the file into hundreds of thousands of small views (every string
-    of the vocabulary and merges); np.memmap's per-view bookkeeping makes that ~3x
-    slower. np.asarray shares the same memory (its base keeps the map alive); the
+    of the vocabulary and merges); np.memmap's per-view bookkeeping makes that
+    several times slower. np.asarray shares the same memory (its base keeps the map alive); the
     reader is only ever opened read-only here.
     """
 
