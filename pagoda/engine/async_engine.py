@@ -11,7 +11,8 @@ vocab size, config) may be read from any thread once `is_ready`.
 
 Failure isolation:
 - a request the engine refuses (bad prompt, bad params) fails alone with its error;
-- a request the engine finishes with an error (finish_reason "error") fails alone;
+- a request the engine finishes with an error (`RequestOutput.error`, or a sample's
+  finish_reason "error") fails alone, with RequestFailedError;
 - an exception escaping `engine.step()` fails every in-flight request (their state
   may be half-updated) and aborts them in the engine, and the loop keeps serving.
 
@@ -73,7 +74,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_prompt_tokens: int = 0
-    # Set on the loop thread when the scheduler first runs the request.
+    # Set on the loop thread from the first output whose metrics carry it.
     first_scheduled_time: Optional[float] = None
 
 
@@ -118,7 +119,8 @@ class AsyncEngine:
         self._stop_requested = False  # guarded by _cond
         self._draining = False
         self._thread: Optional[threading.Thread] = None
-        # Loop-thread state: request id -> stream, and ids not yet seen scheduled.
+        # Loop-thread state: request id -> stream, and those whose first-scheduled time
+        # has not arrived yet.
         self._streams: dict[str, _Stream] = {}
         self._unscheduled: dict[str, _Stream] = {}
         self.num_in_flight = 0  # asyncio side: generate() calls not yet finished
