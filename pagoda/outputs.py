@@ -41,4 +41,8 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: Optional[PromptLogprobs] = None
     num_cached_tokens: int = 0
+    # Timings (time.monotonic()): arrival_time, first_scheduled_time, first_token_time,
+    # last_token_time, finished_time; and num_generation_tokens.
     metrics: dict = field(default_factory=dict)
+    # Why the engine failed this request (its samples then finish with "error"); None if it did not.
+    error: Optional[str] = None

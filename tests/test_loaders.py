@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda.model.arch_config import SUPPORTED_ARCHITECTURES, ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.layers.embedding import VocabParallelEmbedding
 from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                         RowParallelLinear)
@@ -209,6 +210,19 @@ def test_dummy_dtype_tying_and_rotary_cache():
         load_model("tiny-llama", load_format="dummy", dtype="int8")
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         load_model("nope", load_format="dummy")
+
+
+def test_resolve_dtype_one_rule_for_engine_and_loaders():
+    # The engine resolves "auto" by device before any checkpoint is read; loaders by checkpoint.
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("auto", "cuda", checkpoint_dtype="float16") is torch.float16
+    assert resolve_dtype("bf16", "cpu", checkpoint_dtype="float32") is torch.bfloat16
+    assert resolve_dtype(torch.float16, "cpu", checkpoint_dtype="float32") is torch.float16
+    with pytest.raises(ValueError, match="unsupported dtype torch.int8"):
+        resolve_dtype(torch.int8, "cpu")
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'; supported: auto, float32"):
+        resolve_dtype("int8", "cpu")
 
 
 # ---- load_weights strictness ----

@@ -258,16 +258,27 @@ def test_metrics_timing(proc, tok, clock):
     clock.now = 104.0
     outputs, _ = proc.process_outputs([out(child, tok.encode(" there"), finish="length")])
     assert outputs[0].metrics == {
-        "arrival_time": 100.0, "first_token_time": 102.5, "last_token_time": 104.0,
+        "arrival_time": 100.0, "first_scheduled_time": None, "first_token_time": 102.5, "last_token_time": 104.0,
         "finished_time": 104.0, "num_generation_tokens": 2,
     }
+
+
+def test_first_scheduled_time_is_the_earliest_of_the_samples(proc, tok):
+    children = add(proc, tok, n=2, kind="delta")
+    outputs, _ = proc.process_outputs([out(children[1], tok.encode("Hi"), first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.7
+    outputs, _ = proc.process_outputs([out(children[0], tok.encode("Hi"), first_scheduled_time=100.2),
+                                       out(children[1], tok.encode("!"), first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.2
+    outputs, _ = proc.process_outputs([out(children[1], [], finish="length", first_scheduled_time=100.7)])
+    assert outputs[0].metrics["first_scheduled_time"] == 100.2
 
 
 def test_error_output_finishes_request(proc, tok):
     (child,) = add(proc, tok)
     outputs, _ = proc.process_outputs([out(child, [], error="nan logits")])
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
-    assert outputs[0].metrics["error"] == "nan logits"
+    assert outputs[0].error == "nan logits" and "error" not in outputs[0].metrics
 
 
 def test_abort_request_drops_state(proc, tok):

@@ -19,7 +19,9 @@ from pagoda.model.tokenizer import (
     read_gguf_metadata,
 )
 
-MAX_LOAD_SECONDS = 10.0  # measured ~0.7 s on 2 busy cores; transformers' own converter takes ~9 s
+# Far above our vocabulary builder, at the level of transformers' own converter: a load
+# this slow means the fallback ran (figures: docs/performance.md, "measured reasons").
+MAX_LOAD_SECONDS = 10.0
 
 SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

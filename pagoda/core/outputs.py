@@ -95,6 +95,8 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: object = None
     num_cached_tokens: int = 0
+    # When the scheduler first admitted the request (time.monotonic()); None if it never ran.
+    first_scheduled_time: Optional[float] = None
     error: Optional[str] = None
 
     @property

@@ -468,6 +468,7 @@ class Scheduler:
             finish_reason=finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
         )]
 
     def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
@@ -519,5 +520,6 @@ class Scheduler:
             new_token_ids=[],
             finish_reason=request.get_finish_reason(),
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
             error=error,
         )

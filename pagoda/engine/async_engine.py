@@ -11,7 +11,8 @@ vocab size, config) may be read from any thread once `is_ready`.
 
 Failure isolation:
 - a request the engine refuses (bad prompt, bad params) fails alone with its error;
-- a request the engine finishes with an error (finish_reason "error") fails alone;
+- a request the engine finishes with an error (`RequestOutput.error`, or a sample's
+  finish_reason "error") fails alone, with RequestFailedError;
 - an exception escaping `engine.step()` fails every in-flight request (their state
   may be half-updated) and aborts them in the engine, and the loop keeps serving.
 
@@ -73,7 +74,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_prompt_tokens: int = 0
-    # Set on the loop thread when the scheduler first runs the request.
+    # Set on the loop thread from the first output whose metrics carry it.
     first_scheduled_time: Optional[float] = None
 
 
@@ -118,7 +119,8 @@ class AsyncEngine:
         self._stop_requested = False  # guarded by _cond
         self._draining = False
         self._thread: Optional[threading.Thread] = None
-        # Loop-thread state: request id -> stream, and ids not yet seen scheduled.
+        # Loop-thread state: request id -> stream, and those whose first-scheduled time
+        # has not arrived yet.
         self._streams: dict[str, _Stream] = {}
         self._unscheduled: dict[str, _Stream] = {}
         self.num_in_flight = 0  # asyncio side: generate() calls not yet finished
@@ -356,28 +358,16 @@ class AsyncEngine:
             _call_soon(loop, _deliver_many, items)
 
     def _note_scheduled(self, outputs: list[RequestOutput]) -> None:
-        """Records when each new request was first scheduled (for the queue-time metric).
-
-        Prefers `metrics["first_scheduled_time"]` of the outputs; engines that do not
-        report it are asked through their scheduler (sample 0's core request).
-        """
+        """Records when each new request was first scheduled (for the queue-time metric),
+        from `metrics["first_scheduled_time"]` of the first output that carries it."""
         if not self._unscheduled:
             return
         for output in outputs:
-            scheduled = (output.metrics or {}).get("first_scheduled_time")
+            scheduled = output.metrics.get("first_scheduled_time")
             stream = self._unscheduled.get(output.request_id)
             if scheduled is not None and stream is not None:
                 stream.first_scheduled_time = scheduled
                 del self._unscheduled[output.request_id]
-        get_request = getattr(getattr(self.engine, "scheduler", None), "get_request", None)
-        children = getattr(self.engine, "_children", None)
-        if get_request is None or children is None:
-            return
-        for request_id in list(self._unscheduled):
-            core_request = get_request((children.get(request_id) or [request_id])[0])
-            scheduled = getattr(core_request, "first_scheduled_time", None)
-            if core_request is None or scheduled is not None:
-                self._unscheduled.pop(request_id).first_scheduled_time = scheduled
 
     def _fail_all(self, error: BaseException, abort: bool = False) -> None:
         streams, self._streams = self._streams, {}
@@ -416,9 +406,8 @@ def _deliver_many(items: list) -> None:
 
 
 def _request_error(output: RequestOutput) -> Optional[str]:
-    error = (output.metrics or {}).get("error")
-    if error is not None:
-        return str(error)
+    if output.error is not None:
+        return output.error
     if any(c.finish_reason == "error" for c in output.outputs):
         return "the engine failed this request"
     return None

@@ -4,7 +4,8 @@ Owns, per user request: the detokenizer of each sample (with n > 1 the engine ru
 n child core requests that belong to one user request), the accumulated token ids
 and logprobs, stop-string detection (which the scheduler cannot do: it has no text),
 the output kind ("cumulative", "delta" for streaming, "final_only") and the
-request's timing (arrival, first token, last token, finish).
+request's timing (arrival, first scheduled, first token, last token, finish) in
+`RequestOutput.metrics`.
 
 `process_outputs` returns the RequestOutputs to emit this step plus the child ids
 the scheduler must abort because a stop string ended them.
@@ -54,6 +55,8 @@ class _RequestState:
     output_kind: OutputKind
     samples: dict[str, _SampleState]  # child id -> state
     arrival_time: float
+    # The earliest first-admission time of its samples, as the scheduler reports it.
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
@@ -171,6 +174,10 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, sample: _SampleState, core_output: EngineCoreOutput, now: float) -> bool:
         """Updates one sample; returns True when a stop string ended it while the core had not."""
         new_ids = core_output.new_token_ids
+        scheduled = core_output.first_scheduled_time
+        if scheduled is not None and (state.first_scheduled_time is None
+                                      or scheduled < state.first_scheduled_time):
+            state.first_scheduled_time = scheduled
         if new_ids:
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -231,6 +238,7 @@ class OutputProcessor:
             prompt_logprobs=self._take_prompt_logprobs(state, delta),
             num_cached_tokens=state.num_cached_tokens,
             metrics=self._metrics(state),
+            error=state.error,
         )
 
     def _make_completion(self, sample: _SampleState, delta: bool) -> Optional[CompletionOutput]:
@@ -265,16 +273,14 @@ class OutputProcessor:
         return [None] + list(state.prompt_logprobs)
 
     def _metrics(self, state: _RequestState) -> dict:
-        metrics = {
+        return {
             "arrival_time": state.arrival_time,
+            "first_scheduled_time": state.first_scheduled_time,
             "first_token_time": state.first_token_time,
             "last_token_time": state.last_token_time,
             "finished_time": state.finished_time,
             "num_generation_tokens": sum(len(s.token_ids) for s in state.samples.values()),
         }
-        if state.error is not None:
-            metrics["error"] = state.error
-        return metrics
 
     # ------------------------------------------------------------------ logprobs
 

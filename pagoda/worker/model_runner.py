@@ -32,6 +32,7 @@ from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
 from pagoda.host_copy import host_to_device
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
                                        apply_scheduler_output, build_step_inputs,
@@ -41,15 +42,6 @@ from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 def make_attention_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:
     """The backend for this rank's heads (tp: its TensorParallel; None for all heads)."""

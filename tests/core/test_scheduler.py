@@ -10,6 +10,7 @@ sequence, so a request's output does not depend on batching, chunking or preempt
 from __future__ import annotations
 
 import random
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -228,6 +229,26 @@ def test_diffs_new_then_cached_data():
     assert cached["B"].new_block_ids == []
     assert (cached["B"].new_token_ids, cached["B"].num_computed_tokens) == ([], 6)
     assert sched.get_request("B").num_computed_tokens == 7
+
+
+def test_outputs_carry_the_first_admission_time():
+    sched = make_scheduler(budget=4)
+    sched.add_request(make_request("A", 10, max_tokens=2))
+    runner = FakeRunner()
+    before = time.monotonic()
+    _, outputs = step(sched, runner)  # a 4-token chunk: no output yet
+    after = time.monotonic()
+    assert outputs == []
+    admitted = sched.get_request("A").first_scheduled_time
+    assert before <= admitted <= after
+    firsts = []
+    while sched.has_unfinished_requests():
+        firsts += [o.first_scheduled_time for o in step(sched, runner)[1]]
+    assert firsts == [admitted, admitted]  # later steps do not move it
+    sched.add_request(make_request("B", 3))
+    out = sched.schedule()
+    (failed,) = sched.update_from_output(out, ModelRunnerOutput(["B"], [[1]], errors={"B": "NaN"}))
+    assert failed.error == "NaN" and failed.first_scheduled_time >= after
 
 
 def test_chunked_prefill_disabled_waits_for_room():

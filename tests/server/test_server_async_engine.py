@@ -15,13 +15,18 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 
+QUEUE_S = 0.25
+
+
 class FakeEngine:
-    """One token per step per request. Prompt "bad" is refused, "poison" fails in a step;
-    `fail_next_step` makes the next step raise. Records aborts and the thread it runs on."""
+    """One token per step per request, each output reporting the request as first
+    scheduled QUEUE_S after its arrival. Prompt "bad" is refused, "poison" fails in a
+    step; `fail_once_all_emitted` makes a step raise. Records aborts and the thread it runs on."""
 
     def __init__(self) -> None:
         self.remaining: dict[str, int] = {}
         self.prompts: dict[str, str] = {}
+        self.arrivals: dict[str, float] = {}
         self.aborted: list[str] = []
         self.emitted: dict[str, int] = {}
         self.threads: set[str] = set()
@@ -36,6 +41,7 @@ class FakeEngine:
             raise ValueError("prompt is bad")
         self.remaining[request_id] = params.max_tokens
         self.prompts[request_id] = prompt
+        self.arrivals[request_id] = arrival_time
 
     def abort_request(self, request_ids):
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -56,14 +62,14 @@ class FakeEngine:
             self.remaining[request_id] -= 1
             self.emitted[request_id] = self.emitted.get(request_id, 0) + 1
             done = self.remaining[request_id] == 0
-            metrics = {}
-            reason = "length" if done else None
+            metrics = {"first_scheduled_time": self.arrivals[request_id] + QUEUE_S}
+            reason, error = ("length" if done else None), None
             if self.prompts[request_id] == "poison":
-                metrics, reason, done = {"error": "bad logits"}, "error", True
+                reason, error, done = "error", "bad logits", True
             if done:
                 del self.remaining[request_id]
             outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, "x", [7], finish_reason=reason)], finished=done, metrics=metrics))
+                0, "x", [7], finish_reason=reason)], finished=done, metrics=metrics, error=error))
         return outputs
 
 
@@ -96,6 +102,7 @@ def test_streams_deltas_and_only_the_loop_thread_touches_the_engine():
         assert fake.threads == {"pagoda-engine-loop"}
         assert sorted((t.request_id, t.num_generation_tokens, t.finish_reason) for t in timings) == \
             [("a", 3, "length"), ("b", 5, "length")]
+        assert [t.queue_time for t in timings] == [pytest.approx(QUEUE_S)] * 2
     asyncio.run(main())
 
 

@@ -177,3 +177,12 @@ def test_metrics_exposition(http, main_server):
     assert metric_value(text, "pagoda:request_success_total", 'finished_reason="length"') >= 1
     assert metric_value(text, "pagoda:generation_tokens_total") >= 3
     assert httpx.get(f"{main_server.url}/metrics").status_code == 401  # not public by default
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_request_reaches_the_queue_time_histogram(http, stream):
+    count = "pagoda:request_queue_time_seconds_count"
+    before = metric_value(http.get("/metrics").text, count)
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": stream})
+    assert r.status_code == 200
+    assert metric_value(http.get("/metrics").text, count) >= before + 1

@@ -2,9 +2,10 @@
 cancellation on client disconnect and accumulation into OpenAI choices.
 
 Owns `GenerationJob` (everything a handler decided about a request), `run_generation`
-(the merged delta stream), `collect` (the non-streaming result) and
-`cancel_on_disconnect`. Choice index = prompt index * n + sample index, as OpenAI
-numbers the choices of a multi-prompt completion.
+(the merged delta stream), `collect` (the non-streaming result), `stream_chunks` (the
+SSE body both streaming handlers send) and `cancel_on_disconnect`. Choice index =
+prompt index * n + sample index, as OpenAI numbers the choices of a multi-prompt
+completion.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from typing import Any, AsyncIterator, Callable, Optional
 
 from pagoda.engine.async_engine import (AsyncEngine, EngineDrainingError, EngineNotReadyError,
                                         RequestFailedError)
 from pagoda.entrypoints.openai.admission import AdmissionTicket
 from pagoda.entrypoints.openai.errors import APIError, from_value_error
+from pagoda.entrypoints.openai.serving_common import SSE_DONE, sse, sse_error, usage
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -89,6 +94,36 @@ async def collect(engine: AsyncEngine, job: GenerationJob) -> list[ChoiceResult]
                     choice = choices[index] = ChoiceResult(index, prompt_index)
                 choice.add(completion)
     return [choices[i] for i in sorted(choices)]
+
+
+async def stream_chunks(engine: AsyncEngine, job: GenerationJob, head: dict, include_usage: bool,
+                        choices_of: Callable[[int, RequestOutput], list[dict]],
+                        opening_choices: Optional[list[dict]] = None) -> AsyncIterator[str]:
+    """The SSE body of a streaming response: one chunk per delta output, then the end.
+
+    Each chunk is `head` plus `choices_of(prompt index, output)` (and `usage: null` with
+    include_usage); `opening_choices`, if given, go in a first chunk before any output.
+    The end, as OpenAI sends it: with include_usage a chunk with no choices and the
+    usage; a failure after the headers went out becomes an in-band error event; always
+    `[DONE]` last. The admission ticket is released before `[DONE]`.
+    """
+    extra = {"usage": None} if include_usage else {}
+    completion_tokens = 0
+    try:
+        if opening_choices is not None:
+            yield sse({**head, "choices": opening_choices, **extra})
+        async with contextlib.aclosing(run_generation(engine, job)) as outputs:
+            async for prompt_index, output in outputs:
+                completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+                yield sse({**head, "choices": choices_of(prompt_index, output), **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, completion_tokens)})
+    except Exception as exc:  # the headers are sent: report in-band
+        logger.warning("stream %s failed: %s", job.request_id, exc)
+        yield sse_error(exc)
+    finally:
+        job.ticket.release()
+    yield SSE_DONE
 
 
 async def run_generation(engine: AsyncEngine, job: GenerationJob

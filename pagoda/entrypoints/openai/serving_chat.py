@@ -9,19 +9,17 @@ every chunk has `usage: null` and a final chunk with no choices carries the usag
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import AsyncIterator, Optional
 
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (GenerationJob, SSEStream, cancel_on_disconnect,
-                                                  collect, run_generation)
+                                                  collect, stream_chunks)
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, build_sampling_params,
+from pagoda.entrypoints.openai.serving_common import (ServingContext, build_sampling_params,
                                                       check_caps, check_prompt, check_room,
-                                                      new_request_id, now, reject_unsupported, sse,
-                                                      sse_error, usage)
-from pagoda.outputs import Logprob
+                                                      new_request_id, now, reject_unsupported, usage)
+from pagoda.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -111,35 +109,24 @@ def chat_logprobs(positions: Optional[list[dict[int, Logprob]]], num_top: int) -
     return result
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
+def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
             "model": job.model}
-    extra = {"usage": None} if include_usage else {}
     num_top = req.top_logprobs or 0
-    completion_tokens = 0
-    try:
-        # OpenAI opens every choice with the role before any content.
-        yield sse({**head, "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for i in range(job.params.n)], **extra})
-        async with contextlib.aclosing(run_generation(ctx.engine, job)) as outputs:
-            async for prompt_index, output in outputs:
-                choices = []
-                for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
-                    delta = {"content": completion.text} if completion.text else {}
-                    logprobs = ({"content": chat_logprobs(completion.logprobs, num_top)}
-                                if req.logprobs else None)
-                    choices.append({"index": job.choice_index(prompt_index, completion.index),
-                                    "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason})
-                yield sse({**head, "choices": choices, **extra})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, completion_tokens)})
-    except Exception as exc:  # the headers are sent: report in-band
-        logger.warning("chat stream %s failed: %s", job.request_id, exc)
-        yield sse_error(exc)
-    finally:
-        job.ticket.release()
-    yield SSE_DONE
+
+    def choices_of(prompt_index: int, output: RequestOutput) -> list[dict]:
+        choices = []
+        for completion in output.outputs:
+            delta = {"content": completion.text} if completion.text else {}
+            logprobs = ({"content": chat_logprobs(completion.logprobs, num_top)}
+                        if req.logprobs else None)
+            choices.append({"index": job.choice_index(prompt_index, completion.index),
+                            "delta": delta, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason})
+        return choices
+
+    # OpenAI opens every choice with the role before any content.
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None} for i in range(job.params.n)]
+    return stream_chunks(ctx.engine, job, head, include_usage, choices_of, opening)

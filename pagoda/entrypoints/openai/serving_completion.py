@@ -9,19 +9,18 @@ every generated token of every choice.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import AsyncIterator, Optional
 
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (ChoiceResult, GenerationJob, SSEStream,
-                                                  cancel_on_disconnect, collect, run_generation)
+                                                  cancel_on_disconnect, collect, stream_chunks)
 from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, build_sampling_params,
+from pagoda.entrypoints.openai.serving_common import (ServingContext, build_sampling_params,
                                                       check_caps, check_prompt, check_room,
-                                                      encode_text, new_request_id, now, reject_unsupported, sse,
-                                                      sse_error, usage)
-from pagoda.outputs import Logprob
+                                                      encode_text, new_request_id, now, reject_unsupported,
+                                                      usage)
+from pagoda.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,39 +112,27 @@ def completion_logprobs(positions: Optional[list[dict[int, Logprob]]], num_top: 
     return result
 
 
-async def _stream(ctx: ServingContext, req: CompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
+def _stream(ctx: ServingContext, req: CompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {"id": job.request_id, "object": "text_completion", "created": job.created,
             "model": job.model}
     offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
-    completion_tokens = 0
-    try:
-        async with contextlib.aclosing(run_generation(ctx.engine, job)) as outputs:
-            async for prompt_index, output in outputs:
-                choices = []
-                for completion in output.outputs:
-                    index = job.choice_index(prompt_index, completion.index)
-                    text = completion.text
-                    if index not in offsets and req.echo:
-                        text = _echo_text(ctx, job, prompt_index) + text
-                    start = offsets.get(index, 0)
-                    offsets[index] = start + len(text)
-                    completion_tokens += len(completion.token_ids)
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = completion_logprobs(completion.logprobs, req.logprobs,
-                                                       start + len(text) - len(completion.text))
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason})
-                chunk = {**head, "choices": choices}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, completion_tokens)})
-    except Exception as exc:  # the headers are sent: report in-band
-        logger.warning("completion stream %s failed: %s", job.request_id, exc)
-        yield sse_error(exc)
-    finally:
-        job.ticket.release()
-    yield SSE_DONE
+
+    def choices_of(prompt_index: int, output: RequestOutput) -> list[dict]:
+        choices = []
+        for completion in output.outputs:
+            index = job.choice_index(prompt_index, completion.index)
+            text = completion.text
+            if index not in offsets and req.echo:
+                text = _echo_text(ctx, job, prompt_index) + text
+            start = offsets.get(index, 0)
+            offsets[index] = start + len(text)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(completion.logprobs, req.logprobs,
+                                               start + len(text) - len(completion.text))
+            choices.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason})
+        return choices
+
+    return stream_chunks(ctx.engine, job, head, include_usage, choices_of)

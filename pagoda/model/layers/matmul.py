@@ -4,12 +4,8 @@ Why: on the CPU, MKL's own threading of one float32 product of a few rows (decod
 a weight of megabytes leaves most of the machine idle, and a weight of tens of
 megabytes runs far from cache. Viewing the weight [N, K] as P blocks [P, N/P, K] and
 calling one ``bmm`` (ATen hands the P independent products to the threads, each one
-single-threaded) fixes both. Measured on the 2-vCPU dev VM, 2 threads, SmolLM2-135M
-shapes, sum over the 30 layers (ms, F.linear -> blocks):
-
-    rows   qkv [960]   gate_up [3072]   down [576, K=1536]   lm_head [49152] (once)
-    1      9.0 -> 6.3   24.3 -> 15.4     8.3 -> 5.9           12.9 -> 7.5
-    32    16.0 -> 13.4  67.7 -> 45.3    24.4 -> 21.2          43.8 -> 22.1
+single-threaded) fixes both: every SmolLM2-135M projection got faster, at 1 row and at
+32 (figures: docs/performance.md, "measured reasons").
 
 Invariant: each output element is still one dot product over the whole of K by the
 same kernel; only which thread computes which columns changes. The result is
@@ -25,7 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-# Each block holds at most about this much weight (measured best near 0.5-1 MiB) ...
+# Each block holds at most about this much weight (the best block size measured,
+# docs/performance.md) ...
 _BLOCK_BYTES = 1 << 20
 # ... and there are at least this many blocks (and at least one per thread).
 _MIN_BLOCKS = 4

@@ -10,8 +10,10 @@ Formats:
 - "auto": the first of the above that the path fits; a preset name needs "dummy"
   explicitly (a benchmark shape must never be mistaken for a real model).
 
-dtype "auto" means the checkpoint's torch_dtype: config.json's for HF directories, the
-preset's for dummy weights, float32 for GGUF (its weights are dequantized to float32).
+dtype "auto" means the checkpoint's torch_dtype (pagoda.model.dtypes.resolve_dtype):
+config.json's for HF directories, the preset's for dummy weights, float32 for GGUF (its
+weights are dequantized to float32). The engine never passes "auto": it resolves the
+dtype for its device first.
 """
 
 from __future__ import annotations
@@ -22,28 +24,11 @@ from typing import Union
 import torch
 from torch import nn
 
+from pagoda.config import LOAD_FORMATS
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.registry import get_model_class
-
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "half": torch.float16,
-           "bf16": torch.bfloat16, "float": torch.float32}
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype], arch: ArchConfig) -> torch.dtype:
-    """"auto" -> the checkpoint's dtype; a name or torch.dtype -> that floating dtype."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
-        return dtype
-    if dtype == "auto":
-        return _DTYPES[arch.torch_dtype]
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def find_gguf_file(path: Path) -> Path | None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.layers.layernorm import RMSNorm
 
@@ -49,9 +50,9 @@ def dummy_arch_config(name: str) -> ArchConfig:
 
 def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
                      seed: int, tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, resolve_dtype
+    from pagoda.model.loader import build_model
 
     arch = dummy_arch_config(name)
-    model = build_model(arch, resolve_dtype(dtype, arch), device, tp)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
     fill_dummy_weights(model, seed)
     return model, arch

@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
@@ -46,8 +47,8 @@ class FastGGUFReader(GGUFReader):
     """GGUFReader parsing a plain ndarray view of its memory map instead of the np.memmap.
 
     The parser slices the file into hundreds of thousands of small views (every string
-    of the vocabulary and merges); np.memmap's per-view bookkeeping makes that ~3x
-    slower. np.asarray shares the same memory (its base keeps the map alive); the
+    of the vocabulary and merges); np.memmap's per-view bookkeeping makes that
+    several times slower. np.asarray shares the same memory (its base keeps the map alive); the
     reader is only ever opened read-only here.
     """
 
@@ -103,13 +104,13 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[st
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     device: Union[str, torch.device],
                     tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, find_gguf_file, resolve_dtype
+    from pagoda.model.loader import build_model, find_gguf_file
 
     file = find_gguf_file(path)
     if file is None:
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    model = build_model(arch, resolve_dtype(dtype, arch), device, tp)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
     model.load_weights(iter_gguf_weights(reader, arch))
     return model, arch

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,9 +54,9 @@ def read_arch_config(model_dir: Path) -> ArchConfig:
 def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
                            device: Union[str, torch.device],
                            tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, resolve_dtype
+    from pagoda.model.loader import build_model
 
     arch = read_arch_config(model_dir)
-    model = build_model(arch, resolve_dtype(dtype, arch), device, tp)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
     model.load_weights(iter_safetensors_weights(safetensors_files(model_dir)))
     return model, arch
