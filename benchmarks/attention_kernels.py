@@ -5,7 +5,9 @@ Decode: batch 1/64/256 x context 1k/8k/32k, Llama-3.1-8B attention (32 query hea
 without a cached prefix, and a full 16k-token step. Every shape is first checked
 against torch_ref (on a few of its requests, to bound the reference's memory), then
 timed with triton.testing.do_bench (median; it flushes the L2 before each call):
-eagerly (host launch overhead included) and, for decode, replayed from a CUDA graph.
+one layer's step as the model runs it (the KV pool's store_kv, then the backend's
+attention on the plan build_metadata made once for the step), eagerly (host launch
+overhead included) and, for decode, replayed from a CUDA graph.
 Decode reports achieved GB/s over the KV bytes it must read, next to a measured
 device-to-device copy bandwidth; prefill reports TFLOP/s of the causal attention.
 
@@ -30,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from pagoda.worker.kv_pool import KVCachePool  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -45,8 +49,24 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
+def make_pool(num_blocks: int) -> KVCachePool:
+    """One full-attention layer with random contents (on CUDA the pool stores with the
+    Triton kernel)."""
+    spec = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, str(DTYPE).removeprefix("torch."))
+    pool = KVCachePool(KVCacheConfig(num_blocks, [spec]), DEVICE)
+    pool.cache(0).copy_(torch.randn_like(pool.cache(0)))
+    return pool
+
+
+def attend(backend, pool: KVCachePool, q, k, v, md, plan=None, **kw):
+    """One layer's step: store k/v through the pool, then attend on the step's plan."""
+    pool.store(0, md, k, v)
+    plan = backend.build_metadata(md) if plan is None else plan
+    return backend.forward(q, pool.cache(0), plan, **kw)
+
+
 def make_batch(contexts: list[int], query_lens: list[int], gen: torch.Generator):
-    """Random cache, block tables, q/k/v for requests of given final lengths."""
+    """Random KV pool, block tables, q/k/v for requests of given final lengths."""
     needed = [-(-(c + q) // BLOCK_SIZE) for c, q in zip(contexts, query_lens)]
     num_blocks = sum(needed) + 1
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -56,19 +76,19 @@ def make_batch(contexts: list[int], query_lens: list[int], gen: torch.Generator)
         order = order[n:]
     seqs = [c + q for c, q in zip(contexts, query_lens)]
     md = build_attention_metadata(query_lens, seqs, tables, BLOCK_SIZE, DEVICE)
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    pool = make_pool(num_blocks)
     rows = sum(query_lens)
     q = torch.randn(rows, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     k = torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     v = torch.randn_like(k)
-    return md, cache, q, k, v, tables, seqs
+    return md, pool, q, k, v, tables, seqs
 
 
-def check_against_reference(backend, md, cache, q, k, v, tables, seqs, query_lens) -> dict:
-    """Runs the full batch, then torch_ref on its first and last requests (same cache:
+def check_against_reference(backend, md, pool, q, k, v, tables, seqs, query_lens) -> dict:
+    """Runs the full batch, then torch_ref on its first and last requests (same pool:
     the reference rewrites the same k/v into the same slots)."""
     out = torch.full_like(q, float("nan"))
-    backend.forward(q, k, v, cache, md, out=out)
+    attend(backend, pool, q, k, v, md, out=out)
     picked = sorted(set(list(range(min(REF_REQUESTS - 1, len(seqs)))) + [len(seqs) - 1]))
     starts = [0]
     for n in query_lens:
@@ -77,7 +97,7 @@ def check_against_reference(backend, md, cache, q, k, v, tables, seqs, query_len
     sub = build_attention_metadata([query_lens[i] for i in picked], [seqs[i] for i in picked],
                                    [tables[i] for i in picked], BLOCK_SIZE, DEVICE)
     ref_backend = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, backend.scale)
-    ref = ref_backend.forward(q[rows], k[rows], v[rows], cache, sub).float()
+    ref = attend(ref_backend, pool, q[rows], k[rows], v[rows], sub).float()
     got = out[rows].float()
     max_abs = float((got - ref).abs().max())
     rel = float((got - ref).norm() / ref.norm())
@@ -87,51 +107,54 @@ def check_against_reference(backend, md, cache, q, k, v, tables, seqs, query_len
 
 def bench_decode(batch: int, context: int, copy_gbps: float, gen: torch.Generator) -> dict:
     contexts = [context - 1] * batch  # the new token makes the context `context` long
-    md, cache, q, k, v, tables, seqs = make_batch(contexts, [1] * batch, gen)
+    md, pool, q, k, v, tables, seqs = make_batch(contexts, [1] * batch, gen)
     backend = TritonBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1 / math.sqrt(HEAD_DIM))
-    check = check_against_reference(backend, md, cache, q, k, v, tables, seqs, [1] * batch)
+    check = check_against_reference(backend, md, pool, q, k, v, tables, seqs, [1] * batch)
     out = torch.empty_like(q)
-    eager_ms = do_bench(lambda: backend.forward(q, k, v, cache, md, out=out), return_mode="median")
+    plan = backend.build_metadata(md)  # once per step in the runner, not per layer
+    eager_ms = do_bench(lambda: attend(backend, pool, q, k, v, md, plan, out=out),
+                        return_mode="median")
 
     # The same step from a CUDA graph, as the model runner replays it.
-    backend.init_cuda_graph_state(batch, md.block_tables.shape[1], "cuda")
-    graph_md = backend.metadata_for_capture(batch)
+    backend.init_cuda_graph_state(batch, md.block_tables.shape[1], BLOCK_SIZE, "cuda")
+    graph_plan = backend.metadata_for_capture(batch)
     backend.prepare_replay(md, batch)
-    backend.forward(q, k, v, cache, graph_md, out=out)
+    attend(backend, pool, q, k, v, graph_plan.common, graph_plan, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend.forward(q, k, v, cache, graph_md, out=out)
+        attend(backend, pool, q, k, v, graph_plan.common, graph_plan, out=out)
     graph_ms = do_bench(graph.replay, return_mode="median")
     graph_out = out.clone()
-    backend.forward(q, k, v, cache, md, out=out)
+    attend(backend, pool, q, k, v, md, plan, out=out)
     check["graph_matches_eager"] = bool(torch.equal(graph_out, out))
 
     from pagoda.kernels.paged_decode import choose_num_splits
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.cache(0).element_size()
     gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
     result = dict(kind="decode", batch=batch, context=context,
                   num_splits=choose_num_splits(batch, NUM_KV_HEADS, context, sms),
                   kv_bytes=kv_bytes, eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3,
                   kv_gbps=gbps, fraction_of_copy_bw=gbps / copy_gbps, **check)
-    del cache, graph
+    del pool, graph
     torch.cuda.empty_cache()
     return result
 
 
 def bench_prefill(name: str, contexts: list[int], query_lens: list[int], gen: torch.Generator) -> dict:
-    md, cache, q, k, v, tables, seqs = make_batch(contexts, query_lens, gen)
+    md, pool, q, k, v, tables, seqs = make_batch(contexts, query_lens, gen)
     backend = TritonBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1 / math.sqrt(HEAD_DIM))
-    check = check_against_reference(backend, md, cache, q, k, v, tables, seqs, query_lens)
+    check = check_against_reference(backend, md, pool, q, k, v, tables, seqs, query_lens)
     out = torch.empty_like(q)
-    ms = do_bench(lambda: backend.forward(q, k, v, cache, md, out=out), return_mode="median")
+    plan = backend.build_metadata(md)
+    ms = do_bench(lambda: attend(backend, pool, q, k, v, md, plan, out=out), return_mode="median")
     # Causal: the query at position p sees p + 1 keys; 2 FLOPs per MAC, QK^T and PV.
     visible = sum(sum(range(c + 1, c + n + 1)) for c, n in zip(contexts, query_lens))
     flops = 4 * NUM_HEADS * HEAD_DIM * visible
     result = dict(kind="prefill", name=name, contexts=contexts, query_lens=query_lens,
                   eager_us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12, **check)
-    del cache
+    del pool
     torch.cuda.empty_cache()
     return result
 
@@ -158,7 +181,8 @@ def sweep_configs(gen: torch.Generator) -> list[dict]:
     rows = []
     for batch, context, split_options in [(1, 32768, [8, 16, 32, 64]), (64, 8192, [1, 2, 4]),
                                           (256, 2048, [1, 2]), (256, 1100, [1, 2])]:
-        md, cache, q, k, v, _, _ = make_batch([context - 1] * batch, [1] * batch, gen)
+        md, pool, q, k, v, _, _ = make_batch([context - 1] * batch, [1] * batch, gen)
+        cache = pool.cache(0)
         args = (q, cache, md.block_tables, md.query_start_loc, md.seq_lens, batch, scale)
         base = torch.empty_like(q)
         paged_attention_decode(base, *args, split_options[0])
@@ -173,10 +197,11 @@ def sweep_configs(gen: torch.Generator) -> list[dict]:
                 rows.append(dict(kind="decode_sweep", batch=batch, context=context, splits=splits,
                                  config=cfg, us=ms * 1e3, kv_gbps=kv_bytes / (ms * 1e-3) / 1e9,
                                  max_abs_vs_default=err))
-        del cache
+        del cache, pool
         torch.cuda.empty_cache()
     for num_reqs, length in CHUNK_SWEEP_SHAPES:
-        md, cache, q, k, v, _, _ = make_batch([0] * num_reqs, [length] * num_reqs, gen)
+        md, pool, q, k, v, _, _ = make_batch([0] * num_reqs, [length] * num_reqs, gen)
+        cache = pool.cache(0)
         flops = 4 * NUM_HEADS * HEAD_DIM * num_reqs * sum(range(1, length + 1))
         base = torch.empty_like(q)
         args = (q, cache, md.block_tables, md.query_start_loc, md.seq_lens, num_reqs,
@@ -191,7 +216,7 @@ def sweep_configs(gen: torch.Generator) -> list[dict]:
             rows.append(dict(kind="chunk_sweep", batch=num_reqs, context=length, config=cfg,
                              us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12,
                              max_abs_vs_default=err))
-        del cache
+        del cache, pool
         torch.cuda.empty_cache()
     return rows
 

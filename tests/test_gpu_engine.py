@@ -20,6 +20,9 @@ def test_graph_replay_matches_eager_reference(llm):
     from pagoda.attention.forward_context import forward_context
     from pagoda.attention.metadata import build_attention_metadata
     from pagoda.attention.torch_ref import TorchRefBackend
+    from pagoda.core.kv_cache_spec import FullAttentionSpec
+    from pagoda.worker.kv_pool import FullAttentionLayout
+    from kv_pool_helpers import pool_holding
 
     runner = llm.llm_engine.executor.runner
     assert runner.graph_runner is not None and runner.backend.name == "triton"
@@ -33,15 +36,17 @@ def test_graph_replay_matches_eager_reference(llm):
         nb = -(-(n + 1) // bs)
         tables.append(list(range(nxt, nxt + nb)))
         nxt += nb
-    caches_ref = [c.clone() for c in runner.kv_caches]
+    # The reference stores with torch's index_copy, as torch_ref did on its own.
+    ref_pool = pool_holding(runner.kv_pool.caches,
+                            {FullAttentionSpec: FullAttentionLayout(use_triton=False)})
     with torch.inference_mode():
         # Prefill every context with the reference backend into both cache copies.
         md = build_attention_metadata(lens, lens, tables, bs, device)
         ids = torch.randint(0, arch.vocab_size, (sum(lens),), generator=gen).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
-        with forward_context(ref, md, caches_ref):
+        with forward_context(ref, ref.build_metadata(md), ref_pool):
             runner.model(ids, pos)
-        for dst, src in zip(runner.kv_caches, caches_ref):
+        for dst, src in zip(runner.kv_pool.caches, ref_pool.caches):
             dst.copy_(src)
         # One decode token per request: graph (triton) vs eager (reference).
         md = build_attention_metadata([1] * len(lens), [n + 1 for n in lens], tables, bs, device)
@@ -49,11 +54,11 @@ def test_graph_replay_matches_eager_reference(llm):
         pos = torch.tensor(lens, device=device)
         assert runner.graph_runner.can_run(md, len(lens))
         out_graph = runner.graph_runner.run(ids, pos, md).float().clone()
-        with forward_context(ref, md, caches_ref):
+        with forward_context(ref, ref.build_metadata(md), ref_pool):
             out_ref = runner.model(ids, pos).float()
     err = (out_graph - out_ref).norm() / out_ref.norm()
     assert err < 2e-2, f"relative error {err:.3e}"
-    for a, b in zip(runner.kv_caches, caches_ref):
+    for a, b in zip(runner.kv_pool.caches, ref_pool.caches):
         assert (a.float() - b.float()).abs().max() < 5e-2
 
 
@@ -64,6 +69,7 @@ def test_padded_eager_forward_matches_unpadded(llm):
     from pagoda.attention.forward_context import forward_context
     from pagoda.attention.metadata import build_attention_metadata
     from pagoda.worker.shape_buckets import eager_tokens_bucket
+    from kv_pool_helpers import pool_holding
 
     runner = llm.llm_engine.executor.runner
     arch, device, bs = runner.arch, runner.device, 16
@@ -80,19 +86,19 @@ def test_padded_eager_forward_matches_unpadded(llm):
     pos = torch.cat([torch.arange(n) for n in lens])
     # Small caches of our own: the engine's pool is large, and must not be touched.
     original = [torch.randn(2, nxt, bs, arch.num_key_value_heads, arch.head_dim, generator=gen)
-                .to(device=device, dtype=runner.dtype) for _ in runner.kv_caches]
+                .to(device=device, dtype=runner.dtype) for _ in runner.kv_pool.caches]
     results = []
     with torch.inference_mode():
         for pad_to in (None, padded):
-            caches = [c.clone() for c in original]
+            pool = pool_holding(original)
             md = build_attention_metadata(lens, lens, tables, bs, device, pad_to=pad_to)
             extra = (pad_to or num_tokens) - num_tokens
             step_ids = torch.cat([ids, torch.zeros(extra, dtype=ids.dtype)]).to(device)
             step_pos = torch.cat([pos, torch.zeros(extra, dtype=pos.dtype)]).to(device)
-            with forward_context(runner.backend, md, caches):
+            with forward_context(runner.backend, runner.backend.build_metadata(md), pool):
                 hidden = runner.model(step_ids, step_pos)
             assert hidden.shape[0] == (pad_to or num_tokens)
-            results.append((hidden[:num_tokens].float(), caches))
+            results.append((hidden[:num_tokens].float(), pool.caches))
     (plain, plain_caches), (pad, pad_caches) = results
     err = (pad - plain).norm() / plain.norm()
     assert err < 1e-2, f"relative error {err:.3e}"

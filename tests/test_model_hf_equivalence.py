@@ -21,8 +21,11 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
+from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.model.loader import load_model
+from pagoda.worker.kv_pool import KVCachePool
 
 torch.set_num_threads(1)
 
@@ -41,9 +44,8 @@ class PagedRunner:
         self.backend = TorchRefBackend(arch.num_attention_heads, arch.num_key_value_heads,
                                        arch.head_dim, arch.head_dim ** -0.5)
         dtype = next(model.parameters()).dtype
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, arch.num_key_value_heads,
-                                      arch.head_dim, dtype=dtype)
-                          for _ in range(arch.num_hidden_layers)]
+        self.kv_pool = KVCachePool(
+            KVCacheConfig(num_blocks, kv_cache_specs(model, block_size, dtype)), "cpu")
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.block_tables: dict[str, list[int]] = {}
         self.seq_lens: dict[str, int] = {}
@@ -64,7 +66,8 @@ class PagedRunner:
             tables.append(table)
             self.seq_lens[req] = end
         metadata = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, "cpu")
-        with torch.no_grad(), forward_context(self.backend, metadata, self.kv_caches):
+        plan = self.backend.build_metadata(metadata)
+        with torch.no_grad(), forward_context(self.backend, plan, self.kv_pool):
             hidden = self.model(torch.tensor(ids), torch.tensor(positions))
             logits = self.model.compute_logits(hidden)
         assert hidden.shape == (len(ids), self.model.arch.hidden_size)

@@ -8,19 +8,20 @@ import torch
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
+from pagoda.core.kv_cache_spec import KVCacheConfig
+from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.model.loader import load_model
-from pagoda.worker.kv_cache import allocate_kv_caches
+from pagoda.worker.kv_pool import KVCachePool
 
 
 def _forward(model, arch, lens, ids, pos, tables, output_rows):
-    caches = allocate_kv_caches(arch.num_hidden_layers, 16, 16, arch.num_key_value_heads,
-                                arch.head_dim, torch.float32, "cpu")
+    pool = KVCachePool(KVCacheConfig(16, kv_cache_specs(model, 16, torch.float32)), "cpu")
     backend = TorchRefBackend(arch.num_attention_heads, arch.num_key_value_heads,
                               arch.head_dim, arch.head_dim ** -0.5)
     md = build_attention_metadata(lens, lens, tables, 16, "cpu")
-    with torch.inference_mode(), forward_context(backend, md, caches):
+    with torch.inference_mode(), forward_context(backend, backend.build_metadata(md), pool):
         hidden = model(ids, pos, output_rows)
-    return hidden, caches
+    return hidden, pool.caches
 
 
 def test_output_rows_equal_the_full_forward_at_those_rows():

@@ -4,7 +4,8 @@ TorchRefBackend() (batched_decode=True, the default the engine runs on CPU) must
 what TorchRefBackend(batched_decode=False) gives: the same cache writes exactly and the
 same attention outputs to float32 rounding, on mixed steps (prompt chunks after a
 cached prefix + decodes + padding rows), with GQA, over several layers sharing one
-forward context (where the plan is built once and reused) and over successive steps.
+forward context (where the plan is built once, by build_metadata, and every layer
+reads it) and over successive steps.
 """
 
 import math
@@ -12,9 +13,12 @@ import math
 import pytest
 import torch
 
+from pagoda.attention import torch_ref
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
+from pagoda.model.layers.attention import Attention
+from kv_pool_helpers import pool_holding
 
 BLOCK, HEAD_DIM, NUM_BLOCKS, LAYERS = 4, 16, 64, 3
 
@@ -31,14 +35,18 @@ def make_step(gen, shapes, n_heads, n_kv, tables, pad: int):
                  torch.randn(rows, n_kv, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
 
 
-def run_layers(backend, md, qkv, caches):
-    """One model forward: every layer's attention inside one forward context."""
-    outs, plans = [], []
-    with forward_context(backend, md, caches):
+def run_layers(backend, md, qkv, pool):
+    """One model forward: the step's plan built once, then every layer's Attention
+    (store through the pool, attend) inside one forward context. Returns the outputs
+    [T, H, D] per layer and the plan."""
+    plan = backend.build_metadata(md)
+    outs = []
+    with forward_context(backend, plan, pool):
         for layer, (q, k, v) in enumerate(qkv):
-            outs.append(backend.forward(q, k, v, caches[layer], md))
-            plans.append(getattr(backend, "_plan", None))
-    return outs, plans
+            attn = Attention(layer, q.shape[1], k.shape[1], HEAD_DIM, backend.scale)
+            out = attn(q.flatten(1), k.flatten(1), v.flatten(1))
+            outs.append(out.view(q.shape))
+    return outs, plan
 
 
 def tables_for(shapes, perm):
@@ -57,9 +65,9 @@ def test_batched_decode_matches_reference_on_mixed_steps(n_heads, n_kv, dtype):
     scale = 1 / math.sqrt(HEAD_DIM)
     fast = TorchRefBackend(n_heads, n_kv, HEAD_DIM, scale)
     ref = TorchRefBackend(n_heads, n_kv, HEAD_DIM, scale, batched_decode=False)
-    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, n_kv, HEAD_DIM, generator=gen).to(dtype)
-              for _ in range(LAYERS)]
-    ref_caches = [c.clone() for c in caches]
+    initial = [torch.randn(2, NUM_BLOCKS, BLOCK, n_kv, HEAD_DIM, generator=gen).to(dtype)
+               for _ in range(LAYERS)]
+    pool, ref_pool = pool_holding(initial), pool_holding(initial)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     # Step 1: a fresh prompt, a chunk after a prefix-cache hit of 5 tokens, decodes of
     # different context lengths (one exactly at a block edge), two padding rows.
@@ -67,34 +75,39 @@ def test_batched_decode_matches_reference_on_mixed_steps(n_heads, n_kv, dtype):
     steps = [[(0, 7), (5, 6), (9, 1), (1, 1), (15, 1), (3, 1)],
              [(7, 1), (11, 1), (10, 1), (2, 1), (16, 1), (4, 1)]]
     tables = tables_for([(c + 1, q) for c, q in steps[1]], perm)
-    seen_plans = []
     for shapes, pad in zip(steps, (2, 0)):
         md, qkv = make_step(gen, shapes, n_heads, n_kv, tables, pad)
         qkv = [(q.to(dtype), k.to(dtype), v.to(dtype)) for q, k, v in qkv]
-        got, plans = run_layers(fast, md, qkv, caches)
-        want, _ = run_layers(ref, md, qkv, ref_caches)
+        got, _ = run_layers(fast, md, qkv, pool)
+        want, _ = run_layers(ref, md, qkv, ref_pool)
         for layer in range(LAYERS):
             tol = {} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
             torch.testing.assert_close(got[layer], want[layer], **tol)
-            assert torch.equal(caches[layer], ref_caches[layer])
-        # One plan per forward, shared by its layers; a new forward builds a new one.
-        assert all(p is plans[0] for p in plans)
-        seen_plans.append(plans[0])
-    assert seen_plans[0] is not seen_plans[1]
+            assert torch.equal(pool.cache(layer), ref_pool.cache(layer))
 
 
-def test_outside_a_forward_context_nothing_is_cached():
+def test_the_plan_is_built_once_per_step_not_per_layer(monkeypatch):
+    """build_metadata plans the step (one build_step_plan call); the layers' forwards
+    only read that plan, and the workspace advances one step per forward."""
+    calls = []
+    real = torch_ref.build_step_plan
+    monkeypatch.setattr(torch_ref, "build_step_plan",
+                        lambda *args: calls.append(1) or real(*args))
     gen = torch.Generator().manual_seed(3)
     backend = TorchRefBackend(4, 2, HEAD_DIM, 0.25)
     ref = TorchRefBackend(4, 2, HEAD_DIM, 0.25, batched_decode=False)
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK, 2, HEAD_DIM, generator=gen)
-    shapes = [(6, 1), (2, 1)]
-    md, qkv = make_step(gen, shapes, 4, 2, tables_for(shapes, list(range(NUM_BLOCKS))), 0)
-    q, k, v = qkv[0]
-    ref_cache = cache.clone()
-    torch.testing.assert_close(backend.forward(q, k, v, cache, md),
-                               ref.forward(q, k, v, ref_cache, md), atol=1e-6, rtol=1e-6)
-    assert backend._plan is None
+    initial = [torch.randn(2, NUM_BLOCKS, BLOCK, 2, HEAD_DIM, generator=gen)] * LAYERS
+    pool, ref_pool = pool_holding(initial), pool_holding(initial)
+    tables = tables_for([(7, 1), (3, 1)], list(range(NUM_BLOCKS)))
+    for step, shapes in enumerate([[(5, 1), (2, 1)], [(6, 1), (3, 1)]]):
+        md, qkv = make_step(gen, shapes, 4, 2, tables, 0)
+        got, plan = run_layers(backend, md, qkv, pool)
+        assert len(calls) == 2 * step + 1  # this step's plan: one call, for LAYERS layers
+        want, _ = run_layers(ref, md, qkv, ref_pool)
+        for layer in range(LAYERS):
+            torch.testing.assert_close(got[layer], want[layer], atol=1e-6, rtol=1e-6)
+        assert plan.workspace.step == step + 1
+    assert plan.decode.assignment.carried == [True, True]
 
 
 class Simulation:
@@ -163,20 +176,20 @@ def test_workspace_carries_exactly_over_an_engine_like_run():
     gen = torch.Generator().manual_seed(11)
     fast = TorchRefBackend(n_heads, n_kv, HEAD_DIM, 0.3)
     ref = TorchRefBackend(n_heads, n_kv, HEAD_DIM, 0.3, batched_decode=False)
-    caches = [torch.zeros(2, 96, BLOCK, n_kv, HEAD_DIM) for _ in range(LAYERS)]
-    ref_caches = [c.clone() for c in caches]
+    pool = pool_holding([torch.zeros(2, 96, BLOCK, n_kv, HEAD_DIM)] * LAYERS)
+    ref_pool = pool_holding([torch.zeros(2, 96, BLOCK, n_kv, HEAD_DIM)] * LAYERS)
     sim = Simulation(gen)
     carried_steps = 0
     for step in range(70):
         sim.evolve(step)
         ids, shapes, tables = sim.schedule(step)
         md, qkv = make_step(gen, shapes, n_heads, n_kv, tables, pad=step % 3 == 2)
-        got, _ = run_layers(fast, md, qkv, caches)
-        want, _ = run_layers(ref, md, qkv, ref_caches)
+        got, plan = run_layers(fast, md, qkv, pool)
+        want, _ = run_layers(ref, md, qkv, ref_pool)
         for layer in range(LAYERS):
             torch.testing.assert_close(got[layer], want[layer], atol=1e-6, rtol=1e-6)
-            assert torch.equal(caches[layer], ref_caches[layer])
-        plan = fast._plan.decode
+            assert torch.equal(pool.cache(layer), ref_pool.cache(layer))
+        plan = plan.decode
         carried_steps += plan is not None and any(plan.assignment.carried)
         sim.advance(ids)
     assert carried_steps > 30  # the carrying path, not only fresh copies, was exercised

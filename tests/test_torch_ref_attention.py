@@ -7,6 +7,7 @@ import torch
 
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
+from kv_pool_helpers import pool_holding, store_and_attend
 
 
 def dense_attention(q, k, v, q_positions, scale):
@@ -48,7 +49,8 @@ def test_mixed_batch_matches_dense(n_heads, n_kv):
     k = torch.cat([fk[c:] for fk, (c, _) in zip(full_k, shapes)] + [torch.randn(2, n_kv, head_dim)])
     v = torch.cat([fv[c:] for fv, (c, _) in zip(full_v, shapes)] + [torch.randn(2, n_kv, head_dim)])
     before = cache.clone()
-    out = backend.forward(q, k, v, cache, md)
+    pool = pool_holding([cache])
+    out = store_and_attend(backend, pool, 0, q, k, v, md)
     start = 0
     for (ctx, qlen), fk, fv in zip(shapes, full_k, full_v):
         ref = dense_attention(q[start:start + qlen], fk, fv, list(range(ctx, ctx + qlen)), scale)
@@ -59,5 +61,5 @@ def test_mixed_batch_matches_dense(n_heads, n_kv):
     for slot in md.slot_mapping.tolist():
         if slot >= 0:
             written[slot // block_size, slot % block_size] = True
-    assert torch.equal(cache[:, ~written], before[:, ~written])
+    assert torch.equal(pool.cache(0)[:, ~written], before[:, ~written])
     assert int(written.sum()) == sum(qlens)

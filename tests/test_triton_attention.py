@@ -1,4 +1,5 @@
-"""TritonBackend (store_kv + chunk kernel + split-K decode) against TorchRefBackend.
+"""TritonBackend (chunk kernel + split-K decode) and the KV pool's Triton store_kv
+against TorchRefBackend and the pool's torch store.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes in float16 and
 float32 (the interpreter gets bfloat16 wrong). Triton reads TRITON_INTERPRET when a
@@ -28,6 +29,9 @@ triton = pytest.importorskip("triton")
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
+from pagoda.core.kv_cache_spec import FullAttentionSpec  # noqa: E402
+from pagoda.worker.kv_pool import FullAttentionLayout  # noqa: E402
+from kv_pool_helpers import pool_holding, store_and_attend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -44,11 +48,15 @@ def _load_kernels():
 
 _load_kernels()
 
+# The reference stores with torch's index_copy, the case under test with the kernel.
+TORCH_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=False)}
+TRITON_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=True)}
+
 
 class Case:
-    """A batch of requests given as (tokens already cached, query length), its caches
-    and metadata. cache_ref holds finite values everywhere (torch_ref reads whole
-    blocks); cache_tri is the same with every slot no request uses set to NaN."""
+    """A batch of requests given as (tokens already cached, query length), its KV pools
+    and metadata. pool_ref holds finite values everywhere (torch_ref reads whole
+    blocks); pool_tri is the same with every slot no request uses set to NaN."""
 
     def __init__(self, shapes, num_heads, num_kv_heads, head_dim, block_size, dtype,
                  pad_rows=0, spare_blocks=3, seed=0):
@@ -76,17 +84,27 @@ class Case:
         self.q = rand(rows, num_heads, head_dim)
         self.k = rand(rows, num_kv_heads, head_dim)
         self.v = rand(rows, num_kv_heads, head_dim)
-        self.cache_ref = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.cache_tri = self.cache_ref.clone()
-        self.cache_tri[:, ~self.used] = float("nan")
+        cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.pool_ref = pool_holding([cache], TORCH_STORE)
+        cache[:, ~self.used] = float("nan")
+        self.pool_tri = pool_holding([cache], TRITON_STORE)
+
+    @property
+    def cache_ref(self) -> torch.Tensor:
+        return self.pool_ref.cache(0)
+
+    @property
+    def cache_tri(self) -> torch.Tensor:
+        return self.pool_tri.cache(0)
 
 
 def run_and_compare(case: Case, backend: TritonBackend, atol: float, rtol: float):
     ref_backend = TorchRefBackend(backend.num_heads, backend.num_kv_heads, backend.head_dim,
                                   backend.scale)
-    ref = ref_backend.forward(case.q, case.k, case.v, case.cache_ref, case.md)
+    ref = store_and_attend(ref_backend, case.pool_ref, 0, case.q, case.k, case.v, case.md)
     out = torch.full_like(case.q, float("nan"))
-    returned = backend.forward(case.q, case.k, case.v, case.cache_tri, case.md, out=out)
+    returned = store_and_attend(backend, case.pool_tri, 0, case.q, case.k, case.v, case.md,
+                                out=out)
     assert returned is out
     if ON_GPU:
         torch.cuda.synchronize()
@@ -132,20 +150,27 @@ def test_graph_buffers_replay_a_smaller_batch():
     num_heads, num_kv_heads, head_dim, block_size = 4, 1, 64, 16
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
     assert backend.supports_cuda_graphs()
-    backend.init_cuda_graph_state(max_batch_size=6, max_blocks_per_req=8, device=DEVICE)
+    backend.init_cuda_graph_state(max_batch_size=6, max_blocks_per_req=8, block_size=block_size,
+                                  device=DEVICE)
     capture_md = backend.metadata_for_capture(4)
-    assert capture_md.query_start_loc_cpu is None and capture_md.max_query_len == 1
+    common = capture_md.common
+    assert common.query_start_loc_cpu is None and common.max_query_len == 1
+    # Planned from capture-time values: every request may decode, over the longest
+    # context the block table holds; padding output rows are left alone.
+    assert (capture_md.num_decodes, capture_md.zero_padding_rows) == (4, False)
     case = Case([(40, 1), (3, 1), (100, 1)], num_heads, num_kv_heads, head_dim,
                 block_size, torch.float16, pad_rows=1, seed=2)
     # The capture-time run writes nothing into the cache (every slot is -1).
     before = case.cache_tri.clone()
-    backend.forward(case.q[:4], case.k[:4], case.v[:4], case.cache_tri, capture_md)
+    store_and_attend(backend, case.pool_tri, 0, case.q[:4], case.k[:4], case.v[:4], common,
+                     plan=capture_md)
     assert torch.equal(before.nan_to_num(7.0), case.cache_tri.nan_to_num(7.0))
 
     backend.prepare_replay(case.md, batch_size=4)
-    ref = TorchRefBackend(num_heads, num_kv_heads, head_dim, 1 / 8).forward(
-        case.q, case.k, case.v, case.cache_ref, case.md)
-    out = backend.forward(case.q, case.k, case.v, case.cache_tri, capture_md)
+    ref = store_and_attend(TorchRefBackend(num_heads, num_kv_heads, head_dim, 1 / 8),
+                           case.pool_ref, 0, case.q, case.k, case.v, case.md)
+    out = store_and_attend(backend, case.pool_tri, 0, case.q, case.k, case.v, common,
+                           plan=capture_md)
     torch.testing.assert_close(out[:3].float(), ref[:3].float(), atol=3e-3, rtol=3e-3)
     assert torch.equal(case.cache_tri[:, case.used], case.cache_ref[:, case.used])
     assert case.cache_tri[:, ~case.used].isnan().all()
@@ -155,7 +180,8 @@ def test_graph_hooks_reject_bad_batches():
     backend = TritonBackend(4, 1, 64, 1 / 8)
     with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
         backend.metadata_for_capture(2)
-    backend.init_cuda_graph_state(max_batch_size=2, max_blocks_per_req=2, device="cpu")
+    backend.init_cuda_graph_state(max_batch_size=2, max_blocks_per_req=2, block_size=16,
+                                  device="cpu")
     with pytest.raises(ValueError, match="batch_size"):
         backend.metadata_for_capture(3)
     prefill = build_attention_metadata([3], [3], [[0]], 16, "cpu")
@@ -164,6 +190,9 @@ def test_graph_hooks_reject_bad_batches():
     too_wide = build_attention_metadata([1], [40], [[0, 1, 2]], 16, "cpu")
     with pytest.raises(ValueError, match="max_blocks_per_req"):
         backend.prepare_replay(too_wide, 2)
+    other_block_size = build_attention_metadata([1], [3], [[0]], 32, "cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        backend.prepare_replay(other_block_size, 2)
 
 
 def test_rejects_unsupported_shapes_and_dtypes():
@@ -175,11 +204,12 @@ def test_rejects_unsupported_shapes_and_dtypes():
     md = build_attention_metadata([1], [1], [[0]], 16, "cpu")
     q = torch.zeros(1, 4, 64, dtype=torch.float16)
     kv = torch.zeros(1, 2, 64, dtype=torch.float16)
+    plan = backend.build_metadata(md)
     with pytest.raises(ValueError, match="kv_cache dtype"):
-        backend.forward(q, kv, kv, torch.zeros(2, 1, 16, 2, 64), md)
+        backend.forward(q, torch.zeros(2, 1, 16, 2, 64), plan)
     with pytest.raises(ValueError, match="q must be"):
-        backend.forward(torch.zeros(1, 8, 64, dtype=torch.float16), kv, kv,
-                        torch.zeros(2, 1, 16, 2, 64, dtype=torch.float16), md)
+        backend.forward(torch.zeros(1, 8, 64, dtype=torch.float16),
+                        torch.zeros(2, 1, 16, 2, 64, dtype=torch.float16), plan)
 
 
 # ---- GPU only ----------------------------------------------------------------------
@@ -212,20 +242,23 @@ def test_gpu_bf16_sweep(index, splits):
 def test_gpu_cuda_graph_capture_and_replay():
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / math.sqrt(head_dim))
-    backend.init_cuda_graph_state(max_batch_size=8, max_blocks_per_req=2048, device="cuda")
+    backend.init_cuda_graph_state(max_batch_size=8, max_blocks_per_req=2048,
+                                  block_size=block_size, device="cuda")
     md = backend.metadata_for_capture(8)
     num_blocks = 8 * 2048 + 1
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
-                        dtype=torch.bfloat16, device="cuda")
+    pool = pool_holding([torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                                      dtype=torch.bfloat16, device="cuda")], TRITON_STORE)
+    cache = pool.cache(0)
     q = torch.randn(8, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(8, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     out = torch.empty_like(q)
-    backend.forward(q, k, v, cache, md, out=out)  # warm-up: compile outside the capture
+    # warm-up: compile outside the capture
+    store_and_attend(backend, pool, 0, q, k, v, md.common, plan=md, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend.forward(q, k, v, cache, md, out=out)
+        store_and_attend(backend, pool, 0, q, k, v, md.common, plan=md, out=out)
     gen = torch.Generator().manual_seed(5)
     for seqs in ([5, 32768, 100], [1, 2, 3, 4, 5, 6, 7, 8000], [20000]):
         n = len(seqs)
@@ -239,11 +272,11 @@ def test_gpu_cuda_graph_capture_and_replay():
         q.copy_(torch.randn(8, num_heads, head_dim, generator=gen).to(q))
         k.copy_(torch.randn(8, num_kv_heads, head_dim, generator=gen).to(k))
         v.copy_(torch.randn(8, num_kv_heads, head_dim, generator=gen).to(v))
-        cache_ref = cache.clone()
-        ref = TorchRefBackend(num_heads, num_kv_heads, head_dim, backend.scale).forward(
-            q[:n], k[:n], v[:n], cache_ref, real)
+        ref_pool = pool_holding([cache], TORCH_STORE)
+        ref = store_and_attend(TorchRefBackend(num_heads, num_kv_heads, head_dim, backend.scale),
+                               ref_pool, 0, q[:n], k[:n], v[:n], real)
         backend.prepare_replay(real, batch_size=8)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out[:n].float(), ref.float(), atol=2e-2, rtol=1e-2)
-        assert torch.equal(cache, cache_ref)
+        assert torch.equal(cache, ref_pool.cache(0))

@@ -1,11 +1,19 @@
 """AttentionBackend ABC and the metadata every backend reads.
 
+Per step: the runner builds the common AttentionMetadata (attention/metadata.py), then
+calls ``backend.build_metadata(common)`` exactly once; the result (a BackendMetadata:
+the common metadata plus the backend's plan for the step) goes into the forward
+context and every layer reads it, so no layer re-plans. Per layer, the Attention layer
+first asks the KV pool (worker/kv_pool.py) to store its k/v, then calls
+``backend.forward(q, kv_cache, metadata)`` on that layer's cache: backends never write
+K/V.
+
 Layout contract (all backends):
 - The batch is flattened: tokens of request i occupy rows
   query_start_loc[i] : query_start_loc[i + 1] of q/k/v (num_tokens rows in all, maybe
   followed by padding rows when a CUDA graph runs at a padded size).
-- One KV cache tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-  (index 0 = K, 1 = V). Token t of request i lives in block
+- A full-attention layer's cache (core/kv_cache_spec.py FullAttentionSpec) is one tensor
+  [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V). Token t of request i lives in block
   block_tables[i, t // block_size] at offset t % block_size.
 - slot_mapping[j] = block_id * block_size + offset for query row j; -1 marks a padding
   row whose K/V must not be written.
@@ -34,13 +42,29 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens (padded)], on device; -1 = padding
     max_query_len: int
     max_seq_len: int
-    # Host copies, for backends that loop or size launches on the host.
+    block_size: int  # tokens per KV block, shared by every layer
+    # Host copies, for backends that loop or size launches on the host. Present on an
+    # eager step (build_attention_metadata), whose first num_actual_tokens slots are all
+    # real; absent on CUDA-graph buffers, where padding requests (slot -1) may sit among
+    # them.
     query_start_loc_cpu: Optional[torch.Tensor] = None
     seq_lens_cpu: Optional[torch.Tensor] = None
 
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def has_host_copies(self) -> bool:
+        return self.query_start_loc_cpu is not None and self.seq_lens_cpu is not None
+
+
+@dataclass
+class BackendMetadata:
+    """What a backend plans once per step from the common metadata; backends extend it
+    with their plan (launch sizes, gather indices) and every layer of the step reads it."""
+
+    common: AttentionMetadata
 
 
 class AttentionBackend(ABC):
@@ -57,25 +81,29 @@ class AttentionBackend(ABC):
         self.scale = scale
 
     @abstractmethod
+    def build_metadata(self, common: AttentionMetadata) -> BackendMetadata:
+        """The step's plan, built once per step before the first layer runs."""
+
+    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,  # this layer's cache, k/v of this step already stored
+        metadata: BackendMetadata,  # from build_metadata / metadata_for_capture
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Writes k/v into kv_cache at slot_mapping, then attends q to the whole context."""
+        """Attends q to each request's whole context in kv_cache."""
 
     # CUDA graph hooks. A backend that supports capture keeps its metadata tensors at
     # fixed addresses; capture/replay copy fresh values into them.
     def supports_cuda_graphs(self) -> bool:
         return False
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int, device) -> None:
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
+                              block_size: int, device) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def metadata_for_capture(self, batch_size: int) -> AttentionMetadata:
+    def metadata_for_capture(self, batch_size: int) -> BackendMetadata:
+        """The plan a graph is captured with: launches sized from capture-time values only."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:

@@ -1,37 +1,43 @@
-"""The forward context: how a model's attention layers find the metadata and KV caches.
+"""The forward context: how a model's attention layers find the step's metadata and the KV pool.
 
 A non-nestable context manager rather than a bare global: entering it twice is a bug
-(two forwards interleaved) and raises.
+(two forwards interleaved) and raises. It holds the backend, the backend's metadata
+for the step (built once, by build_metadata or metadata_for_capture) and the KV pool
+that owns every layer's storage and its writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
+from pagoda.attention.backend import AttentionBackend, BackendMetadata
 
-from pagoda.attention.backend import AttentionBackend, AttentionMetadata
+if TYPE_CHECKING:  # the pool lives in the worker; attention only calls it
+    from pagoda.worker.kv_pool import KVCachePool
 
 
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
-    metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # one per layer
+    metadata: BackendMetadata
+    kv_pool: "KVCachePool"
 
 
 _current: Optional[ForwardContext] = None
 
 
 @contextlib.contextmanager
-def forward_context(backend: AttentionBackend, metadata: AttentionMetadata,
-                    kv_caches: list[torch.Tensor]) -> Iterator[ForwardContext]:
+def forward_context(backend: AttentionBackend, metadata: BackendMetadata,
+                    kv_pool: "KVCachePool") -> Iterator[ForwardContext]:
     global _current
     if _current is not None:
         raise RuntimeError("forward_context is not re-entrant: a forward is already running")
-    _current = ForwardContext(backend, metadata, kv_caches)
+    if not isinstance(metadata, BackendMetadata):
+        raise TypeError(f"forward_context needs the backend's step metadata "
+                        f"(backend.build_metadata(common)), got {type(metadata).__name__}")
+    _current = ForwardContext(backend, metadata, kv_pool)
     try:
         yield _current
     finally:

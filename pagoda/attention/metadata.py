@@ -88,6 +88,7 @@ def build_attention_metadata(
         slot_mapping=slot_tensor.to(device, non_blocking=True),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq,
     )

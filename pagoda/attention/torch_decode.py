@@ -3,11 +3,10 @@
 A decode row (query length 1) attends to its request's whole context, scattered over
 the paged cache. The reference (TorchRefBackend._decode_reference) gathers each row's
 blocks and computes an einsum, per layer. Here the host work and the index arithmetic
-are done once per step (``build_step_plan``), since every layer of one forward sees the
-same metadata and caches of the same shape:
+are done once per step (``build_step_plan``, called by TorchRefBackend.build_metadata),
+since every layer of one forward sees the same metadata and caches of the same shape:
 
-- which requests are decode rows and which are prefill chunks, and whether every slot
-  of slot_mapping is real;
+- which requests are decode rows and which are prefill chunks;
 - for the decode rows, their slots in the DecodeWorkspace (pagoda.attention.
   decode_workspace: the contexts kept contiguous from step to step, one slot per
   request) and the copies that bring each slot up to date, as flat row indices: from
@@ -29,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from pagoda.attention.backend import AttentionMetadata
+from pagoda.attention.backend import AttentionMetadata, BackendMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace, SlotAssignment
 
 
@@ -47,9 +46,8 @@ class DecodePlan:
 
 
 @dataclass
-class StepPlan:
-    key: object  # what the plan was built for (the forward context): compared by identity
-    all_slots_valid: bool  # slot_mapping holds no padding row (-1)
+class StepPlan(BackendMetadata):
+    """torch_ref's metadata for one step (the common metadata is `common`)."""
     decode_rows: list[int]  # request indices with one query token
     prefill_rows: list[int]  # request indices with several (a prompt chunk)
     qsl: list[int]  # query_start_loc on the host
@@ -65,28 +63,28 @@ def host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
     return qsl.tolist(), seq_lens.tolist()
 
 
-def build_step_plan(key: object, metadata: AttentionMetadata, kv_cache: torch.Tensor,
+def build_step_plan(metadata: AttentionMetadata, num_kv_heads: int,
                     workspace: Optional[DecodeWorkspace]) -> StepPlan:
     """Everything about this step's attention that does not depend on the layer (the
-    decode plan only with a workspace: without one, decode rows take the reference)."""
+    decode plan only with a workspace: without one, decode rows take the reference).
+    A workspace counts each call as one step: call once per forward."""
     qsl, seq_lens = host_lengths(metadata)
     decode_rows, prefill_rows = [], []
     for i in range(metadata.num_reqs):
         (decode_rows if qsl[i + 1] - qsl[i] == 1 else prefill_rows).append(i)
-    all_valid = bool((metadata.slot_mapping >= 0).all())
     decode = None
     if workspace is not None and decode_rows:
-        decode = build_decode_plan(metadata, decode_rows, qsl, seq_lens, kv_cache, workspace)
+        decode = build_decode_plan(metadata, decode_rows, qsl, seq_lens, num_kv_heads, workspace)
     elif workspace is not None:
         workspace.skip_step()  # slots carry only from the forward just before
-    return StepPlan(key, all_valid, decode_rows, prefill_rows, qsl, seq_lens, decode, workspace)
+    return StepPlan(metadata, decode_rows, prefill_rows, qsl, seq_lens, decode, workspace)
 
 
 def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[int],
-                      seq_lens: list[int], kv_cache: torch.Tensor,
+                      seq_lens: list[int], num_kv_heads: int,
                       workspace: DecodeWorkspace) -> DecodePlan:
     device = metadata.block_tables.device
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    block_size = metadata.block_size
     lengths = [seq_lens[i] for i in rows]
     max_len = max(lengths)
     rows_t = torch.tensor(rows, device=device)

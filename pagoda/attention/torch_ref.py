@@ -4,13 +4,16 @@ Every kernel is tested against this. Arithmetic is in float32 whatever the input
 dtype. Decode rows (query length 1) are batched into one masked matmul; prefill chunks
 go through SDPA one request at a time with a causal mask offset by their context.
 
-Two decode paths: by default (``batched_decode=True``) the host work and the copy
-indices are built once per step and shared by every layer, and the decode contexts are
-kept contiguous from step to step (pagoda.attention.torch_decode, decode_workspace);
-``batched_decode=False`` keeps the plain per-layer gather + einsum, the reference the
-fast path is tested against. Within a forward context the per-step plan is cached,
-keyed by the context object, and the workspace carries; called outside one (kernel
-tests) both are rebuilt per call.
+``build_metadata`` plans the step once (a StepPlan: which rows are decodes and which
+prefill chunks, and the decode gather); every layer's ``forward`` reads that plan. The
+KV pool has stored the step's k/v before ``forward`` runs: this backend only reads the
+cache.
+
+Two decode paths: by default (``batched_decode=True``) the copy indices are part of the
+step's plan and the decode contexts are kept contiguous from step to step
+(pagoda.attention.torch_decode, decode_workspace: each build_metadata call is one step
+of the workspace); ``batched_decode=False`` keeps the plain per-layer gather + einsum,
+the reference the fast path is tested against.
 """
 
 from __future__ import annotations
@@ -20,28 +23,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace
-from pagoda.attention.forward_context import get_forward_context
 from pagoda.attention.torch_decode import StepPlan, build_step_plan, decode_attention
-
-
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, all_valid: bool | None = None) -> None:
-    """Writes k/v rows into the paged cache; rows with slot -1 (padding) are skipped.
-    all_valid, when known, says whether slot_mapping holds no -1 (saves a check)."""
-    num_tokens = k.shape[0]
-    slots = slot_mapping[:num_tokens]
-    _, num_blocks, block_size, n_kv, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, n_kv, head_dim)
-    valid = None if all_valid else slots >= 0
-    if all_valid or bool(valid.all()):
-        if k.dtype != kv_cache.dtype:
-            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        flat[0].index_copy_(0, slots, k)
-        flat[1].index_copy_(0, slots, v)
-    else:
-        idx = slots[valid]
-        flat[0].index_copy_(0, idx, k[valid].to(kv_cache.dtype))
-        flat[1].index_copy_(0, idx, v[valid].to(kv_cache.dtype))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -61,12 +43,13 @@ class TorchRefBackend(AttentionBackend):
                  batched_decode: bool = True) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.batched_decode = batched_decode
-        self._plan: StepPlan | None = None  # the current forward's, reused by its layers
         self._workspace: DecodeWorkspace | None = None  # decode contexts, step to step
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        plan = self._step_plan(metadata, kv_cache)
-        store_kv_ref(k, v, kv_cache, metadata.slot_mapping, plan.all_slots_valid)
+    def build_metadata(self, common: AttentionMetadata) -> StepPlan:
+        return build_step_plan(common, self.num_kv_heads, self._workspace_for(common.block_size))
+
+    def forward(self, q, kv_cache, metadata: StepPlan) -> torch.Tensor:
+        plan, common = metadata, metadata.common
         decode = plan.decode
         if decode is not None:
             o = decode_attention(q, kv_cache, decode, plan.workspace, self.scale)
@@ -76,37 +59,19 @@ class TorchRefBackend(AttentionBackend):
         if decode is not None:
             out[decode.token_rows] = o.to(q.dtype)
         elif plan.decode_rows:
-            self._decode_reference(q, kv_cache, metadata, plan.decode_rows, plan.qsl,
+            self._decode_reference(q, kv_cache, common, plan.decode_rows, plan.qsl,
                                    plan.seq_lens, out)
         for i in plan.prefill_rows:
             start, end = plan.qsl[i], plan.qsl[i + 1]
             out[start:end] = self._prefill_one(q[start:end], kv_cache,
-                                               metadata.block_tables[i], plan.seq_lens[i])
+                                               common.block_tables[i], plan.seq_lens[i])
         return out
 
-    def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> StepPlan:
-        """The step's plan: cached for the layers of one forward context (a new context
-        object per forward, whose metadata is fixed for its lifetime), else rebuilt."""
-        try:
-            ctx = get_forward_context()
-        except RuntimeError:  # called directly, outside a model forward
-            ctx = None
-        key = ctx if ctx is not None and ctx.metadata is metadata else None
-        plan = self._plan
-        if key is not None and plan is not None and plan.key is key:
-            return plan
-        plan = build_step_plan(key, metadata, kv_cache, self._workspace_for(key, kv_cache))
-        self._plan = plan if key is not None else None
-        return plan
-
-    def _workspace_for(self, key: object, kv_cache: torch.Tensor) -> DecodeWorkspace | None:
-        """The persistent workspace inside a forward context; outside one (a kernel test
-        calling forward directly) a fresh one, so nothing carries; None for the reference."""
+    def _workspace_for(self, block_size: int) -> DecodeWorkspace | None:
+        """The persistent workspace (None for the reference path); a new block size
+        starts a new one."""
         if not self.batched_decode:
             return None
-        block_size = kv_cache.shape[2]
-        if key is None:
-            return DecodeWorkspace(block_size)
         if self._workspace is None or self._workspace.block_size != block_size:
             self._workspace = DecodeWorkspace(block_size)
         return self._workspace

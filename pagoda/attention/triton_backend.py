@@ -1,19 +1,21 @@
-"""The Triton attention backend: store K/V, then paged attention, on the GPU.
+"""The Triton attention backend: paged attention over a full-attention cache, on the GPU.
 
-Owns `TritonBackend`. Per forward:
-1. `store_kv` writes this step's k/v rows into the cache (slot -1 = padding, skipped);
-2. requests with more than one query row (prefill chunks, spec-decode verification)
+Owns `TritonBackend`. Once per step, `build_metadata` plans the launches (a
+TritonMetadata): how many requests are decodes, the decode kernel's number of context
+slices (chosen on the host from the batch's host copies, metadata.query_start_loc_cpu /
+seq_lens_cpu / max_seq_len, without a device sync) and whether padding rows of the
+output are zeroed. Per layer, after the KV pool has stored the step's k/v:
+1. requests with more than one query row (prefill chunks, spec-decode verification)
    go through the chunk kernel, grid (query tiles, kv heads);
-3. requests with one query row (decodes) go through the split-K decode kernel and its
-   merge, the number of context slices chosen on the host from the batch's host copies
-   (metadata.query_start_loc_cpu / seq_lens_cpu / max_seq_len) without a device sync.
+2. requests with one query row (decodes) go through the split-K decode kernel and its
+   merge.
 
 CUDA graphs (decode-only batches). `init_cuda_graph_state` allocates metadata buffers
-of the largest size; `metadata_for_capture(bs)` returns views of them with no host
-copies (query_start_loc_cpu / seq_lens_cpu = None). A forward on metadata without host
-copies sizes its launches from fixed values only: the number of slices is chosen for
-the longest context the block table can hold, and the kernels read the real lengths
-from the tensors, so programs past a request's end exit at once. `prepare_replay`
+of the largest size; `metadata_for_capture(bs)` plans over views of them with no host
+copies (query_start_loc_cpu / seq_lens_cpu = None). A plan built without host copies
+sizes its launches from fixed values only: the number of slices is chosen for the
+longest context the block table can hold, and the kernels read the real lengths from
+the tensors, so programs past a request's end exit at once. `prepare_replay`
 copies a real batch into the buffers; requests past num_reqs get query length 0 and
 are skipped. Output rows of padding tokens are left unwritten in graph mode (eager
 mode zeroes them, as torch_ref does).
@@ -29,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from pagoda.attention.backend import AttentionBackend, AttentionMetadata
+from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -37,6 +39,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @dataclass
 class _GraphBuffers:
     """Metadata tensors at fixed addresses, sized for the largest captured batch."""
+    block_size: int
     query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
     seq_lens: torch.Tensor  # int32 [max_batch_size]
     block_tables: torch.Tensor  # int32 [max_batch_size, max_blocks_per_req]
@@ -48,7 +51,8 @@ class _GraphBuffers:
 
 
 @dataclass
-class _LaunchPlan:
+class TritonMetadata(BackendMetadata):
+    """The step's launch plan, shared by every layer."""
     num_decodes: int  # requests with one query row (an upper bound without host copies)
     num_splits: int  # context slices of the decode kernel
     zero_padding_rows: bool
@@ -70,31 +74,50 @@ class TritonBackend(AttentionBackend):
         self._graph: Optional[_GraphBuffers] = None
         self._num_sms: dict[int, int] = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
+        from pagoda.kernels.paged_decode import choose_num_splits
+
+        if common.has_host_copies:
+            if common.max_query_len == 1:
+                num_decodes = common.num_reqs
+            else:
+                qsl = common.query_start_loc_cpu[: common.num_reqs + 1]
+                num_decodes = int(((qsl[1:] - qsl[:-1]) == 1).sum())
+            longest = common.max_seq_len
+        else:  # graph mode: only values fixed at capture may size the launch
+            num_decodes = common.num_reqs
+            longest = common.block_tables.shape[1] * common.block_size
+        if self.num_decode_splits is not None:
+            num_splits = self.num_decode_splits
+        else:
+            num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest,
+                                           self._sm_count(common.query_start_loc.device))
+        return TritonMetadata(common, num_decodes, num_splits,
+                              zero_padding_rows=common.has_host_copies)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
         from pagoda.kernels.paged_attention import paged_attention_chunks
         from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS, paged_attention_decode
-        from pagoda.kernels.store_kv import store_kv
 
         self._check_inputs(q, kv_cache, out)
-        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        common = metadata.common
         if out is None:
             out = torch.empty_like(q)
-        plan = self._launch_plan(metadata, kv_cache, q.device)
-        if plan.zero_padding_rows and out.shape[0] > metadata.num_actual_tokens:
-            out[metadata.num_actual_tokens:].zero_()
-        if metadata.max_query_len > 1:
-            paged_attention_chunks(out, q, kv_cache, metadata.block_tables,
-                                   metadata.query_start_loc, metadata.seq_lens,
-                                   metadata.num_reqs, metadata.num_actual_tokens, self.scale,
-                                   skip_single_token=plan.num_decodes > 0)
-        if plan.num_decodes > 0:
+        if metadata.zero_padding_rows and out.shape[0] > common.num_actual_tokens:
+            out[common.num_actual_tokens:].zero_()
+        if common.max_query_len > 1:
+            paged_attention_chunks(out, q, kv_cache, common.block_tables,
+                                   common.query_start_loc, common.seq_lens,
+                                   common.num_reqs, common.num_actual_tokens, self.scale,
+                                   skip_single_token=metadata.num_decodes > 0)
+        if metadata.num_decodes > 0:
             # A fixed split count spreads even short contexts over every slice.
             min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
-            paged_attention_decode(out, q, kv_cache, metadata.block_tables,
-                                   metadata.query_start_loc, metadata.seq_lens,
-                                   metadata.num_reqs, self.scale, plan.num_splits,
+            paged_attention_decode(out, q, kv_cache, common.block_tables,
+                                   common.query_start_loc, common.seq_lens,
+                                   common.num_reqs, self.scale, metadata.num_splits,
                                    min_split_tokens=min_split)
         return out
 
@@ -111,28 +134,6 @@ class TritonBackend(AttentionBackend):
         if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
 
-    def _launch_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor,
-                     device: torch.device) -> _LaunchPlan:
-        from pagoda.kernels.paged_decode import choose_num_splits
-
-        has_host_copies = metadata.query_start_loc_cpu is not None and metadata.seq_lens_cpu is not None
-        if has_host_copies:
-            if metadata.max_query_len == 1:
-                num_decodes = metadata.num_reqs
-            else:
-                qsl = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
-                num_decodes = int(((qsl[1:] - qsl[:-1]) == 1).sum())
-            longest = metadata.max_seq_len
-        else:  # graph mode: only values fixed at capture may size the launch
-            num_decodes = metadata.num_reqs
-            longest = metadata.block_tables.shape[1] * kv_cache.shape[2]
-        if self.num_decode_splits is not None:
-            num_splits = self.num_decode_splits
-        else:
-            num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest,
-                                           self._sm_count(device))
-        return _LaunchPlan(num_decodes, num_splits, zero_padding_rows=has_host_copies)
-
     def _sm_count(self, device: torch.device) -> int:
         if device.type != "cuda":
             return 4  # the interpreter: any value gives the same result
@@ -146,21 +147,24 @@ class TritonBackend(AttentionBackend):
     def supports_cuda_graphs(self) -> bool:
         return True
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int, device) -> None:
-        if max_batch_size < 1 or max_blocks_per_req < 1:
-            raise ValueError(f"max_batch_size ({max_batch_size}) and max_blocks_per_req "
-                             f"({max_blocks_per_req}) must be >= 1")
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
+                              block_size: int, device) -> None:
+        if max_batch_size < 1 or max_blocks_per_req < 1 or block_size < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}), max_blocks_per_req "
+                             f"({max_blocks_per_req}) and block_size ({block_size}) must be >= 1")
         self._graph = _GraphBuffers(
+            block_size=block_size,
             query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
             seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
             block_tables=torch.zeros(max_batch_size, max_blocks_per_req, dtype=torch.int32, device=device),
             slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.int64, device=device),
         )
 
-    def metadata_for_capture(self, batch_size: int) -> AttentionMetadata:
-        """Decode-only metadata over the persistent buffers (one query row per request)."""
+    def metadata_for_capture(self, batch_size: int) -> TritonMetadata:
+        """Decode-only metadata over the persistent buffers (one query row per request),
+        planned from capture-time values only (no host copies)."""
         g = self._graph_buffers(batch_size)
-        return AttentionMetadata(
+        return self.build_metadata(AttentionMetadata(
             num_reqs=batch_size,
             num_actual_tokens=batch_size,
             query_start_loc=g.query_start_loc[: batch_size + 1],
@@ -169,7 +173,8 @@ class TritonBackend(AttentionBackend):
             slot_mapping=g.slot_mapping[:batch_size],
             max_query_len=1,
             max_seq_len=1,  # not used to size launches: there are no host copies
-        )
+            block_size=g.block_size,
+        ))
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
         """Copies a real decode-only batch (num_reqs <= batch_size) into the buffers."""
@@ -180,6 +185,9 @@ class TritonBackend(AttentionBackend):
         if n > batch_size or metadata.num_actual_tokens > batch_size:
             raise ValueError(f"batch of {n} requests / {metadata.num_actual_tokens} tokens does not "
                              f"fit the graph of batch_size {batch_size}")
+        if metadata.block_size != g.block_size:
+            raise ValueError(f"batch has block_size {metadata.block_size}, the graph buffers "
+                             f"{g.block_size}")
         width = metadata.block_tables.shape[1]
         if width > g.block_tables.shape[1]:
             raise ValueError(f"block_tables has {width} columns, graph buffers hold "

@@ -3,7 +3,9 @@
 Captured at padded batch sizes (1, 2, 4, 8, then every 16 up to max_num_seqs) in one
 memory pool, largest first so smaller graphs reuse its blocks. Inputs live in static
 buffers; the attention backend keeps its metadata at fixed addresses
-(init_cuda_graph_state / metadata_for_capture / prepare_replay). Padding rows have
+(init_cuda_graph_state / metadata_for_capture / prepare_replay). Each graph records
+the backend's plan from metadata_for_capture (launches sized from capture-time values
+only), so replay plans nothing; the KV pool's writes are recorded with it. Padding rows have
 slot -1 and context length 0: they write no KV and every kernel skips them.
 """
 
@@ -16,6 +18,7 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.forward_context import forward_context
+from pagoda.worker.kv_pool import KVCachePool
 from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
@@ -32,11 +35,11 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
-                 kv_caches: list[torch.Tensor], max_batch_size: int, max_blocks_per_req: int,
+                 kv_pool: KVCachePool, max_batch_size: int, max_blocks_per_req: int,
                  device: torch.device) -> None:
         if not backend.supports_cuda_graphs():
             raise ValueError(f"attention backend {backend.name} does not support CUDA graphs")
-        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.model, self.backend, self.kv_pool = model, backend, kv_pool
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
@@ -50,18 +53,19 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        self.backend.init_cuda_graph_state(self.max_batch_size, self.max_blocks_per_req, self.device)
+        self.backend.init_cuda_graph_state(self.max_batch_size, self.max_blocks_per_req,
+                                           self.kv_pool.block_size, self.device)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             metadata = self.backend.metadata_for_capture(bs)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
             for _ in range(2):  # warm up: lazy caches, Triton compilation, cuBLAS handles
-                with forward_context(self.backend, metadata, self.kv_caches):
+                with forward_context(self.backend, metadata, self.kv_pool):
                     self.model(ids, pos)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                with forward_context(self.backend, metadata, self.kv_caches):
+                with forward_context(self.backend, metadata, self.kv_pool):
                     self.outputs[bs] = self.model(ids, pos)
             self.graphs[bs] = graph
         # Replay each graph once: the first launch of an instantiated graph uploads it

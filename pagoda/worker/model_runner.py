@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model, the KV cache tensors and the per-request state on one device.
+"""ModelRunner: owns the model, the KV cache pool and the per-request state on one device.
 
 The worker of the executor interface (pagoda.executor.base). A step is two calls, both
 returning without waiting for the device:
@@ -24,8 +24,10 @@ import torch
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
 from pagoda.executor.base import ModelInfo
+from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
                                     make_generator, token_seed)
@@ -39,7 +41,7 @@ from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInpu
                                        single_row_index)
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
-from pagoda.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+from pagoda.worker.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_pool: Optional[KVCachePool] = None  # set by initialize_kv_cache
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
         # The running requests' block ids on the device (CUDA; set with the KV cache).
@@ -106,16 +108,15 @@ class ModelRunner:
 
     # ---- start-up -------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int) -> int:
-        arch, cache = self.arch, self.config.cache
-        per_block = bytes_per_block(arch.num_hidden_layers, self.block_size,
-                                    arch.num_key_value_heads, arch.head_dim, self.dtype)
+        cache = self.config.cache
+        specs = kv_cache_specs(self.model, self.block_size, self.dtype)
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         else:
             budget = self._profile_kv_budget()
-        return num_blocks_for_budget(budget, per_block, self.block_size, max_model_len)
+        return num_blocks_for_budget(budget, specs, max_model_len)
 
     def _profile_kv_budget(self) -> int:
         """GPU: what is left of gpu_memory_utilization after weights and a peak forward."""
@@ -125,11 +126,9 @@ class ModelRunner:
         return profile_kv_budget(self)
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        arch = self.arch
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(arch.num_hidden_layers, num_blocks, self.block_size,
-                                            arch.num_key_value_heads, arch.head_dim, self.dtype,
-                                            self.device)
+        specs = kv_cache_specs(self.model, self.block_size, self.dtype)
+        self.kv_pool = KVCachePool(KVCacheConfig(num_blocks, specs), self.device)
         if self.device.type == "cuda":
             self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
                                                 -(-max_model_len // self.block_size), self.device)
@@ -141,7 +140,7 @@ class ModelRunner:
         if self._use_cuda_graphs():
             from pagoda.worker.cuda_graph import CudaGraphRunner
             max_blocks = -(-max_model_len // self.block_size)
-            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.kv_caches,
+            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.kv_pool,
                                                 self.config.scheduler.max_num_seqs, max_blocks,
                                                 self.device)
             self.graph_runner.capture()
@@ -189,7 +188,8 @@ class ModelRunner:
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             output_rows = self._output_rows(inputs)
-            with forward_context(self.backend, inputs.metadata, self.kv_caches):
+            step_metadata = self.backend.build_metadata(inputs.metadata)  # once per step
+            with forward_context(self.backend, step_metadata, self.kv_pool):
                 hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
         self._launched = _LaunchedForward(inputs, hidden, output_rows is not None)
 

@@ -12,14 +12,16 @@ import torch
 
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
-from pagoda.worker.kv_cache import allocate_kv_caches
+from pagoda.core.kv_cache_spec import KVCacheConfig
+from pagoda.model.layers.attention import kv_cache_specs
+from pagoda.worker.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
 def profile_kv_budget(runner) -> int:
-    config, arch = runner.config, runner.arch
+    config = runner.config
     device = runner.device
     num_tokens = config.scheduler.max_num_batched_tokens
     num_seqs = max(1, min(config.scheduler.max_num_seqs, num_tokens))
@@ -35,20 +37,20 @@ def profile_kv_budget(runner) -> int:
     torch.cuda.synchronize(device)
     free_before, total = torch.cuda.mem_get_info(device)
     weights_bytes = torch.cuda.memory_allocated(device)
-    caches = allocate_kv_caches(arch.num_hidden_layers, next_block, bs, arch.num_key_value_heads,
-                                arch.head_dim, runner.dtype, device)
+    pool = KVCachePool(KVCacheConfig(next_block, kv_cache_specs(runner.model, bs, runner.dtype)),
+                       device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     md = build_attention_metadata(lens, lens, tables, bs, device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(n, device=device) for n in lens])
-    with forward_context(runner.backend, md, caches):
+    with forward_context(runner.backend, runner.backend.build_metadata(md), pool):
         hidden = runner.model(ids, pos)
     last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=device)
     runner.model.compute_logits(hidden[last])
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - base
-    del caches, hidden
+    del pool, hidden
     torch.cuda.empty_cache()
     used = total - free_before  # weights, the CUDA context, other processes
     budget = int(total * config.cache.gpu_memory_utilization - used - activation_peak)

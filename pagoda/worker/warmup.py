@@ -58,7 +58,8 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
         num_tokens = sum(query_lens)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
-        with forward_context(runner.backend, metadata, runner.kv_caches):
+        with forward_context(runner.backend, runner.backend.build_metadata(metadata),
+                             runner.kv_pool):
             hidden = runner.model(ids, pos)
         runner.model.compute_logits(hidden[-1:])
     if device.type == "cuda":

@@ -1,0 +1,139 @@
+"""KVCachePool: every attention layer's KV storage, allocated from the layers' specs, and
+the writes into it.
+
+The layers' specs (pagoda/core/kv_cache_spec.py) say what each layer keeps per token;
+a KVLayout per spec kind says how that is held in memory and written. The pool
+allocates layer i's storage from spec i (zero-initialised: a masked-out slot must
+never hold NaN/Inf, since 0 * NaN poisons a sum) and checks it takes exactly the bytes
+the spec sized it at, so the start-up sizing and the allocation cannot drift apart.
+
+Per layer and step, the Attention layer calls ``pool.store(layer_idx, metadata, ...)``
+with what that layer's kind stores (full attention: k and v), then the backend attends
+to ``pool.cache(layer_idx)``. Layouts are looked up by the spec's exact class: a
+subclass is a different kind and needs its own layout.
+
+Full attention keeps the layout [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). Its writes: on CUDA the Triton kernel (kernels/store_kv.py),
+which skips padding rows (slot -1) on the device; on CPU an index_copy of the first
+num_actual_tokens rows, which on an eager step are all real (padding rows exist only
+for CUDA-graph buffers and padded CUDA steps; graph-mode metadata, without host copies,
+is filtered by slot).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping, Optional
+
+import torch
+
+from pagoda.attention.backend import AttentionMetadata
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+
+
+class KVLayout(ABC):
+    """How one kind of KV cache spec is held in memory and written."""
+
+    @abstractmethod
+    def allocate(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """Zeroed storage for num_blocks blocks of one layer."""
+
+    @abstractmethod
+    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
+              *entries: torch.Tensor) -> None:
+        """Writes this step's rows of entries into cache at metadata.slot_mapping."""
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   metadata: AttentionMetadata) -> None:
+    """Writes the step's real k/v rows into a full-attention cache with index_copy."""
+    n = metadata.num_actual_tokens
+    slots = metadata.slot_mapping[:n]
+    if k.shape[0] != n:
+        k, v = k[:n], v[:n]
+    if not metadata.has_host_copies:  # graph buffers: padding requests among the rows
+        real = slots >= 0
+        slots, k, v = slots[real], k[real], v[real]
+    if k.dtype != kv_cache.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+class FullAttentionLayout(KVLayout):
+    """Storage [2, num_blocks, block_size, num_kv_heads, head_dim]; stores (k, v).
+    use_triton: write with the Triton kernel (CUDA, or the interpreter in tests)."""
+
+    def __init__(self, use_triton: bool) -> None:
+        self.use_triton = use_triton
+        if use_triton:  # imported here, not at module level: the CPU path needs no Triton
+            from pagoda.kernels.store_kv import store_kv
+            self._store_kv_triton = store_kv
+
+    def allocate(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                           dtype=getattr(torch, spec.dtype), device=device)
+
+    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
+              *entries: torch.Tensor) -> None:
+        k, v = entries
+        if self.use_triton:
+            self._store_kv_triton(k, v, cache, metadata.slot_mapping)
+        else:
+            store_kv_torch(k, v, cache, metadata)
+
+
+def default_kv_layouts(device: torch.device | str) -> dict[type[KVCacheSpec], KVLayout]:
+    """The layouts of the spec kinds Pagoda implements, writing as suits the device."""
+    return {FullAttentionSpec: FullAttentionLayout(use_triton=torch.device(device).type == "cuda")}
+
+
+class KVCachePool:
+    """Every layer's KV storage: layer i is stored as config.layer_specs[i] says."""
+
+    def __init__(self, config: KVCacheConfig, device: torch.device | str,
+                 layouts: Optional[Mapping[type[KVCacheSpec], KVLayout]] = None) -> None:
+        layouts = default_kv_layouts(device) if layouts is None else layouts
+        self.config = config
+        self._layouts: list[KVLayout] = []
+        self.caches: list[torch.Tensor] = []
+        for layer_idx, spec in enumerate(config.layer_specs):
+            layout = layouts.get(type(spec))
+            if layout is None:
+                raise ValueError(f"layer {layer_idx}: no KV storage layout for "
+                                 f"{type(spec).__name__} (known: "
+                                 f"{', '.join(t.__name__ for t in layouts)})")
+            cache = layout.allocate(spec, config.num_blocks, torch.device(device))
+            expected = spec.page_size_bytes * config.num_blocks
+            if cache.numel() * cache.element_size() != expected:
+                raise RuntimeError(f"layer {layer_idx}: {type(layout).__name__} allocated "
+                                   f"{cache.numel() * cache.element_size()} bytes, its spec "
+                                   f"sizes {expected}")
+            self._layouts.append(layout)
+            self.caches.append(cache)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.config.total_bytes
+
+    def cache(self, layer_idx: int) -> torch.Tensor:
+        """Layer layer_idx's storage, as its layout shapes it."""
+        return self.caches[layer_idx]
+
+    def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor) -> None:
+        """Writes this step's entries of one layer (full attention: k, v, each
+        [num_tokens, num_kv_heads, head_dim]) at metadata.slot_mapping."""
+        self._layouts[layer_idx].store(self.caches[layer_idx], metadata, *entries)
