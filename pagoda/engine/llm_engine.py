@@ -18,16 +18,15 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.outputs import SchedulerOutput
+from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.core.outputs import RunnerOutputFuture
-from pagoda.executor.base import ModelInfo, get_executor_class
+from pagoda.executor.base import Executor, ModelInfo, get_executor_class
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -56,12 +55,19 @@ def resolve_model_path(model: Optional[str]) -> str:
     return model
 
 
+ExecutorFactory = Callable[[EngineConfig, str], Executor]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 executor_factory: Optional[ExecutorFactory] = None) -> None:
+        """executor_factory(config, model_path) builds the executor (default: the one
+        get_executor_class picks for the parallel config)."""
         self.config = config
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model.model)
-        self.executor = get_executor_class(config)(config, self.model_path)
+        factory = executor_factory or get_executor_class(config)
+        self.executor = factory(config, self.model_path)
         info = self.executor.model_info
         self.model_info = info
         self.max_model_len = self._resolve_max_model_len(config, info)
@@ -265,6 +271,14 @@ class LLMEngine:
 
     def audit_kv_cache(self):
         return self.kv_cache_manager.audit()
+
+    def check_health(self) -> None:
+        """Raises pagoda.executor.base.ExecutorDeadError when the workers cannot serve."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Releases the executor's workers; the engine takes no steps afterwards."""
+        self.executor.shutdown()
 
 
 def _looks_like_path(source: str) -> bool:

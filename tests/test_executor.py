@@ -1,0 +1,153 @@
+"""The executor contract, driven by the real engine with a fake worker (no model).
+
+The fake worker learns tokens only from the SchedulerOutput diffs (plus, under async
+scheduling, the token its own previous step sampled, as the real worker takes it from
+the device) and samples a deterministic function of the tokens so far. The engine's
+outputs must equal that function applied directly, with async scheduling on and off,
+through the two-call step (execute_model, then sample_tokens); the executor's rpc,
+pairing and health checks are asserted exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from pagoda.config import EngineArgs
+from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.executor.base import ExecutorDeadError, ModelInfo
+from pagoda.executor.uniproc import UniProcExecutor
+from pagoda.sampling_params import SamplingParams
+
+VOCAB = 97
+EOS = 5
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % VOCAB
+
+
+class _Done:
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class FakeWorker:
+    def __init__(self, config, model_path: str) -> None:
+        self.model_path = model_path
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.last_sampled: dict[str, int] = {}
+        self.launched: list[SchedulerOutput] = []
+        self.extras: list[StepExtras] = []
+        self.kv_initialised = None
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("FakeForCausalLM", VOCAB, 256, EOS)
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        return 64
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.kv_initialised = (num_blocks, max_model_len)
+
+    def execute_model(self, out: SchedulerOutput) -> None:
+        assert len(self.launched) == len(self.extras), "a forward was launched twice"
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+        for cached in out.scheduled_cached_reqs:
+            self.tokens[cached.req_id].extend(cached.new_token_ids)
+            self.computed[cached.req_id] = cached.num_computed_tokens
+        self.launched.append(out)
+
+    def sample_tokens(self, extras: StepExtras) -> _Done:
+        assert len(self.launched) == len(self.extras) + 1, "sampling without a forward"
+        self.extras.append(extras)
+        out = self.launched[-1]
+        req_ids, sampled, now = [], [], {}
+        for rid, n in out.num_scheduled_tokens.items():
+            tokens = self.tokens[rid]
+            end = self.computed[rid] + n
+            if end == len(tokens) + 1:  # the previous step's token, "on the device"
+                tokens = tokens + [self.last_sampled[rid]]
+            assert end <= len(tokens)
+            req_ids.append(rid)
+            if end == len(tokens):
+                now[rid] = fake_next_token(tokens)
+            sampled.append([now[rid]] if rid in now else [])
+        self.last_sampled = now
+        return _Done(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
+
+
+def make_engine(async_scheduling: bool) -> LLMEngine:
+    args = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                      max_num_batched_tokens=32, max_num_seqs=4, block_size=8,
+                      async_scheduling=async_scheduling)
+    factory = functools.partial(UniProcExecutor, worker_factory=FakeWorker)
+    return LLMEngine(args.create_engine_config(), executor_factory=factory)
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = fake_next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token == EOS:
+            break
+    return out
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    done: dict[str, list[int]] = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            return done
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_through_the_executor_equals_the_direct_rule(async_scheduling):
+    engine = make_engine(async_scheduling)
+    worker = engine.executor.runner
+    assert engine.model_info == ModelInfo("FakeForCausalLM", VOCAB, 256, EOS)
+    assert worker.kv_initialised == (64, 256)
+    prompts = [[3 + i + j for j in range(7 + 9 * i)] for i in range(6)]  # chunked: budget 32
+    done = run(engine, prompts, max_tokens=12)
+    assert done == {str(i): expected(p, 12) for i, p in enumerate(prompts)}
+    # Every forward was sampled, once, with StepExtras.
+    assert len(worker.launched) == len(worker.extras)
+    assert all(isinstance(e, StepExtras) and e.grammar_bitmasks == {} for e in worker.extras)
+    assert engine.audit_kv_cache().in_use == 0
+
+
+def test_collective_rpc_health_and_shutdown():
+    engine = make_engine(async_scheduling=False)
+    executor = engine.executor
+    assert executor.collective_rpc("determine_num_blocks", (100,)) == [64]
+    assert executor.collective_rpc("model_info")[0].vocab_size == VOCAB
+    engine.check_health()
+    engine.shutdown()
+    with pytest.raises(ExecutorDeadError, match="shut down"):
+        engine.check_health()
+    with pytest.raises(ExecutorDeadError):
+        executor.collective_rpc("model_info")
+
+
+def test_tensor_parallel_above_one_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                   tensor_parallel_size=2).create_engine_config()
