@@ -14,7 +14,10 @@ Failure isolation:
 - a request the engine finishes with an error (`RequestOutput.error`, or a sample's
   finish_reason "error") fails alone, with RequestFailedError;
 - an exception escaping `engine.step()` fails every in-flight request (their state
-  may be half-updated) and aborts them in the engine, and the loop keeps serving.
+  may be half-updated) and aborts them in the engine, and the loop keeps serving -
+  unless `engine.check_health()` then raises (its executor's workers are gone): the
+  loop stops, so `is_running` turns False and /health answers 503.
+The loop shuts the engine down (`engine.shutdown()`) when it ends.
 
 The loop blocks on a Condition while it has nothing to do: no busy spin, no polling.
 """
@@ -283,6 +286,10 @@ class AsyncEngine:
             self._loop()
         finally:
             self._fail_all(EngineNotReadyError("the engine loop has stopped"))
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("shutting the engine down failed")
 
     def _loop(self) -> None:
         engine = self.engine
@@ -297,8 +304,8 @@ class AsyncEngine:
                 self._handle(command)
             if stop:
                 return
-            if engine.has_unfinished_requests():
-                self._step()
+            if engine.has_unfinished_requests() and not self._step():
+                return
 
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Add):
@@ -331,13 +338,15 @@ class AsyncEngine:
         except Exception:
             logger.exception("aborting request %s failed", request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its outputs delivered; False when the engine is dead (its
+        executor's workers can no longer run steps) and the loop must stop."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(EngineStepError(f"the engine step failed: {exc!r}"), abort=True)
-            return
+            return self._healthy()
         self._note_scheduled(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:
@@ -356,6 +365,15 @@ class AsyncEngine:
             by_loop[stream.loop].append((stream, item))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver_many, items)
+        return True
+
+    def _healthy(self) -> bool:
+        try:
+            self.engine.check_health()
+        except Exception:
+            logger.exception("the engine is dead; stopping its loop")
+            return False
+        return True
 
     def _note_scheduled(self, outputs: list[RequestOutput]) -> None:
         """Records when each new request was first scheduled (for the queue-time metric),

@@ -32,6 +32,9 @@ class FakeEngine:
         self.threads: set[str] = set()
         # A step fails (once) when every request named here has emitted a token.
         self.fail_once_all_emitted: set[str] = set()
+        self.dead_after_failure = False  # check_health raises once a step failed
+        self.failed = False
+        self.shut_down = False
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0,
                     output_kind="cumulative"):
@@ -52,10 +55,18 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.remaining)
 
+    def check_health(self) -> None:
+        if self.dead_after_failure and self.failed:
+            raise RuntimeError("the workers are gone")
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
         if self.fail_once_all_emitted and all(self.emitted.get(r) for r in self.fail_once_all_emitted):
             self.fail_once_all_emitted = set()
+            self.failed = True
             raise RuntimeError("boom")
         outputs = []
         for request_id in list(self.remaining):
@@ -132,6 +143,25 @@ def test_failed_step_fails_in_flight_requests_and_the_loop_keeps_serving():
             assert sorted(fake.aborted) == ["a", "b"]
             after = await _run(engine, "p", "c", 2)
             assert after[-1].finished
+    asyncio.run(main())
+
+
+def test_a_dead_engine_stops_the_loop_and_fails_what_comes_next():
+    async def main():
+        fake = FakeEngine()
+        fake.fail_once_all_emitted = {"a"}
+        fake.dead_after_failure = True
+        async with running(fake) as engine:
+            gen = engine.generate("p", SamplingParams(max_tokens=10**6), "a")
+            await gen.__anext__()
+            with pytest.raises(EngineStepError):
+                while True:
+                    await gen.__anext__()
+            await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 5.0)
+            assert not engine.is_running
+            assert fake.shut_down
+            with pytest.raises(EngineNotReadyError, match="stopped"):
+                await _run(engine, "p", "b", 2)
     asyncio.run(main())
 
 

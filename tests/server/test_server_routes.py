@@ -30,6 +30,12 @@ class _FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return False
 
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
     def get_stats(self) -> EngineStats:
         return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=8,
                            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
