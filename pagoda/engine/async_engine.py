@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from typing import Any, AsyncIterator, Callable, Optional
 
+from pagoda.engine import trace
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -75,6 +76,7 @@ class _Stream:
     num_prompt_tokens: int = 0
     # Set on the loop thread when the scheduler first runs the request.
     first_scheduled_time: Optional[float] = None
+    trace: Optional[trace.RequestTrace] = None  # only with PAGODA_TTFT_TRACE
 
 
 # Inbox commands, handled on the loop thread in the order they were posted.
@@ -203,6 +205,9 @@ class AsyncEngine:
         arrival = time.monotonic()
         timing = _TimingTracker(request_id, arrival, stream.num_prompt_tokens)
         self._note_in_flight(+1)
+        stream.trace = trace.register(request_id)
+        if stream.trace is not None:
+            stream.trace.mark("posted")
         self._post(_Add(request_id, prompt, params, priority, arrival, stream))
         finish_reason = "abort"
         try:
@@ -212,6 +217,8 @@ class AsyncEngine:
                     finish_reason = "error"
                     raise item
                 timing.observe(item)
+                if stream.trace is not None:
+                    stream.trace.mark("consumed")
                 if item.finished:
                     finish_reason = _overall_finish_reason(item)
                 yield item
@@ -311,6 +318,8 @@ class AsyncEngine:
                     command.future.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
+        if command.stream.trace is not None:
+            command.stream.trace.mark("picked_up")
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, priority=command.priority,
@@ -320,6 +329,8 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = command.stream
         self._unscheduled[command.request_id] = command.stream
+        if command.stream.trace is not None:
+            command.stream.trace.mark("added")
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -412,6 +423,8 @@ def _deliver(stream: _Stream, items: list) -> None:
 def _deliver_many(items: list) -> None:
     """Runs on the event loop: puts each item on its request's queue."""
     for stream, item in items:
+        if stream.trace is not None:
+            stream.trace.mark("delivered")
         stream.queue.put_nowait(item)
 
 
