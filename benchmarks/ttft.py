@@ -149,7 +149,28 @@ def run_workload(args, url: str, trace_path: str, seen: int, name: str) -> tuple
     return {"workload": name, "prompt_len": sum(WORKLOADS[name]),
             "bench": {k: report.get(k) for k in keys},
             "server_metrics": report.get("server_metrics"),
-            "stage_median_ms": stage_medians(traces), "traces": traces}, seen_after
+            "stage_median_ms": stage_medians(traces),
+            "gaps_median_ms": gap_medians(traces, (report.get("requests") or {}).get("ttft_ms")),
+            "traces": traces}, seen_after
+
+
+def gap_medians(traces: list[dict], client_ttfts) -> dict:
+    """Where client and server disagree: empty-text chunks, and time outside the server.
+
+    At concurrency 1 the traces and the client's requests are in the same order.
+    """
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    empty = [t["ms"]["first_text"] - t["ms"]["first_body"] for t in traces
+             if "first_text" in t["ms"] and "first_body" in t["ms"]]
+    outside = []
+    if client_ttfts and len(client_ttfts) == len(traces):
+        outside = [c - t["ms"]["first_text"] for c, t in zip(client_ttfts, traces)
+                   if c is not None and "first_text" in t["ms"]]
+    return {"first_body_to_first_text": median(empty),
+            "requests_with_empty_first_chunk": sum(1 for e in empty if e > 0),
+            "client_ttft_minus_server_first_text": median(outside)}
 
 
 def print_summary(results: list[dict]) -> None:
@@ -158,6 +179,7 @@ def print_summary(results: list[dict]) -> None:
         print(f"\n== {r['workload']} ({r['prompt_len']} prompt tokens): TTFT median "
               f"{b['median_ttft_ms']:.2f} ms (p90 {b['p90_ttft_ms']:.2f}), TPOT median "
               f"{(b['median_tpot_ms'] or float('nan')):.2f} ms, {b['completed']} requests")
+        print(f"   gaps (median ms): {json.dumps(r['gaps_median_ms'])}")
         previous = 0.0
         for stage, ms in r["stage_median_ms"].items():
             print(f"   {stage:<22} {ms:9.3f} ms   (+{ms - previous:8.3f})")
