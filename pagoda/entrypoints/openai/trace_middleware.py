@@ -12,6 +12,8 @@ weights of a larger vocabulary) come in chunks with empty text before it.
 
 from __future__ import annotations
 
+import time
+
 from pagoda.engine import trace
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -35,9 +37,10 @@ class TTFTTraceMiddleware:
                 request_trace.mark("headers_sent")
             elif message["type"] == "http.response.body" and message.get("body"):
                 await send(message)
-                request_trace.mark("first_body")
+                written = time.monotonic()
+                request_trace.mark("first_body", written)
                 if "first_text" not in request_trace.times and _has_text(message["body"]):
-                    request_trace.mark("first_text")
+                    request_trace.mark("first_text", written)
                 return
             await send(message)
 
