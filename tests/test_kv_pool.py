@@ -133,7 +133,7 @@ def test_engine_builds_the_attention_plan_once_per_step(monkeypatch):
                                        arch.head_dim, "float32")] * arch.num_hidden_layers
     assert runner.num_blocks == (4 << 20) // bytes_per_block(specs)
     counts = {"steps": 0, "build_metadata": 0, "step_plans": 0}
-    launch, build = runner.execute_model_async, runner.backend.build_metadata
+    launch, build = runner.execute_model, runner.backend.build_metadata
     plan_step = torch_ref.build_step_plan
 
     def counted(key, fn, when=lambda *a: True):
@@ -142,7 +142,7 @@ def test_engine_builds_the_attention_plan_once_per_step(monkeypatch):
             return fn(*args)
         return wrapper
 
-    monkeypatch.setattr(runner, "execute_model_async", counted(
+    monkeypatch.setattr(runner, "execute_model", counted(
         "steps", launch, lambda out: out.total_num_scheduled_tokens > 0))
     monkeypatch.setattr(runner.backend, "build_metadata", counted("build_metadata", build))
     monkeypatch.setattr(torch_ref, "build_step_plan", counted("step_plans", plan_step))

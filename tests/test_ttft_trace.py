@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from pagoda.engine import async_engine, trace
-from pagoda.entrypoints.openai.trace_middleware import _has_text
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -22,8 +21,7 @@ def trace_file(tmp_path):
 
 def _output(request_id: str, token_ids: list[int]) -> RequestOutput:
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[1],
-                         outputs=[CompletionOutput(index=0, text="", token_ids=token_ids)],
-                         finished=False)
+                         outputs=[CompletionOutput(index=0, text="", token_ids=token_ids)])
 
 
 def test_off_by_default_records_nothing():
@@ -33,14 +31,16 @@ def test_off_by_default_records_nothing():
     assert trace.StepClock.start() is trace.NULL_CLOCK
     trace.mark("parsed")
     trace.mark_id("r1", "picked_up")
+    assert trace.lookup("r1") is None
 
 
 def test_stages_keep_their_first_time_and_are_written_once(trace_file):
     request_trace = trace.open_trace("/v1/completions")
     trace.mark("parsed")
     assert trace.register("r1") is request_trace
-    trace.mark_id("r1", "picked_up", at=request_trace.times["arrival"] + 0.002)
-    trace.mark_id("r1", "picked_up", at=request_trace.times["arrival"] + 0.009)
+    arrival = request_trace.times["arrival"]
+    trace.mark_id("r1", "picked_up", at=arrival + 0.002)
+    trace.mark_id("r1", "picked_up", at=arrival + 0.009)
     clock = trace.StepClock.start()
     clock.lap("step_launched")
     clock.first_tokens([_output("r1", []), _output("other", [5])])
@@ -67,6 +67,8 @@ def test_a_request_that_sent_nothing_is_not_written(trace_file):
 
 
 def test_first_text_needs_non_empty_text_or_content():
+    pytest.importorskip("fastapi")
+    from pagoda.entrypoints.openai.trace_middleware import _has_text
     assert _has_text(b'data: {"choices":[{"index":0,"text":" hi"}]}\n\n')
     assert not _has_text(b'data: {"choices":[{"index":0,"text":""}]}\n\n')
     assert _has_text(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')

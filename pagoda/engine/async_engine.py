@@ -28,15 +28,26 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 from collections import defaultdict
 from typing import Any, AsyncIterator, Callable, Optional
 
+from pagoda.engine import trace
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The loop thread and the event loop share one interpreter. A thread that wants the
+# GIL gets it when the holder blocks, or else only after the switch interval (Python's
+# default: 5 ms); every hand-off on a request's path (output posted to the event loop,
+# the next step starting meanwhile) can pay that wait. A short interval bounds it; the
+# cost is more frequent forced switches while both threads are busy.
+DEFAULT_SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_ENV = "PAGODA_SWITCH_INTERVAL"  # seconds; 0 keeps the interpreter's own
 
 
 class EngineNotReadyError(RuntimeError):
@@ -79,6 +90,7 @@ class _Stream:
     num_prompt_tokens: int = 0
     # Set on the loop thread from the first output whose metrics carry it.
     first_scheduled_time: Optional[float] = None
+    trace: Optional[trace.RequestTrace] = None  # only with PAGODA_TTFT_TRACE
 
 
 # Inbox commands, handled on the loop thread in the order they were posted.
@@ -139,6 +151,7 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
+        _shorten_switch_interval()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
         self._thread.start()
 
@@ -208,6 +221,9 @@ class AsyncEngine:
         arrival = time.monotonic()
         timing = _TimingTracker(request_id, arrival, stream.num_prompt_tokens)
         self._note_in_flight(+1)
+        stream.trace = trace.register(request_id)
+        if stream.trace is not None:
+            stream.trace.mark("posted")
         self._post(_Add(request_id, prompt, params, priority, arrival, stream))
         finish_reason = "abort"
         try:
@@ -217,6 +233,8 @@ class AsyncEngine:
                     finish_reason = "error"
                     raise item
                 timing.observe(item)
+                if stream.trace is not None:
+                    stream.trace.mark("consumed")
                 if item.finished:
                     finish_reason = _overall_finish_reason(item)
                 yield item
@@ -320,6 +338,8 @@ class AsyncEngine:
                     command.future.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
+        if command.stream.trace is not None:
+            command.stream.trace.mark("picked_up")
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, priority=command.priority,
@@ -329,6 +349,8 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = command.stream
         self._unscheduled[command.request_id] = command.stream
+        if command.stream.trace is not None:
+            command.stream.trace.mark("added")
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -406,6 +428,13 @@ class AsyncEngine:
 # ---------------------------------------------------------------------- helpers
 
 
+def _shorten_switch_interval() -> None:
+    """Lowers the GIL switch interval for the serving process (never raises it)."""
+    wanted = float(os.environ.get(SWITCH_INTERVAL_ENV, DEFAULT_SWITCH_INTERVAL_S))
+    if 0 < wanted < sys.getswitchinterval():
+        sys.setswitchinterval(wanted)
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -420,6 +449,8 @@ def _deliver(stream: _Stream, items: list) -> None:
 def _deliver_many(items: list) -> None:
     """Runs on the event loop: puts each item on its request's queue."""
     for stream, item in items:
+        if stream.trace is not None:
+            stream.trace.mark("delivered")
         stream.queue.put_nowait(item)
 
 

@@ -25,6 +25,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine import trace
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.executor.base import Executor, ModelInfo, get_executor_class
 from pagoda.outputs import RequestOutput
@@ -87,7 +88,7 @@ class LLMEngine:
             async_scheduling=sched.async_scheduling)
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
-        self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture]] = None
+        self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
@@ -229,27 +230,38 @@ class LLMEngine:
         step's forward launch and its sampling launch: the host works while the device
         runs the forward, and whatever that processing teaches the engine (StepExtras)
         still reaches this step's sampler."""
+        clock = trace.StepClock.start()
         scheduler_output = self.scheduler.schedule()
+        clock.lap("step_scheduled")
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         self.executor.execute_model(scheduler_output)
+        clock.lap("step_forward_launched")
         if not self.async_scheduling:
-            return self._process_step(scheduler_output, self.executor.sample_tokens().result())
+            launched = self.executor.sample_tokens()
+            clock.lap("step_launched")
+            return self._process_step(scheduler_output, launched, clock)
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         try:
             if previous is not None:
-                outputs = self._process_step(previous[0], previous[1].result())
+                previous[2].lap("next_step_launched")
+                outputs = self._process_step(*previous)
         finally:
             # Launched even when processing the previous step raised: every launched
             # forward is paired with its sampling, and its output is taken next step.
             launched = self.executor.sample_tokens()
+            clock.lap("step_launched")
             if not scheduler_output.is_empty:
-                self._in_flight = (scheduler_output, launched)
+                self._in_flight = (scheduler_output, launched, clock)
         return outputs
 
-    def _process_step(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+    def _process_step(self, scheduler_output: SchedulerOutput, launched: RunnerOutputFuture,
+                      clock: trace.StepClock) -> list[RequestOutput]:
         """Applies one executed step: scheduler update, then detokenize and stop strings."""
+        runner_output = launched.result()
+        clock.lap("step_result_ready")
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        clock.lap("step_updated")
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         request_outputs, stopped_ids = self.output_processor.process_outputs(core_outputs)
         if stopped_ids:
@@ -257,6 +269,8 @@ class LLMEngine:
         for out in request_outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        clock.lap("step_processed")
+        clock.first_tokens(request_outputs)
         return request_outputs
 
     # ---- introspection ----------------------------------------------------------------

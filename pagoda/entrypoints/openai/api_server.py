@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 import pagoda
+from pagoda.engine import trace
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.auth import APIKeyMiddleware
@@ -36,6 +37,7 @@ from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, Serve
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.trace_middleware import TTFTTraceMiddleware
 from pagoda.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,8 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
     app.add_middleware(ServerStateMiddleware, state=state)
     public = {"/health"} | ({"/metrics"} if settings.metrics_public else set())
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
+    if trace.ENABLED:  # outermost, so the arrival is stamped before any other work
+        app.add_middleware(TTFTTraceMiddleware)
     return app
 
 
@@ -119,11 +123,13 @@ def _respond(result: Any) -> Response:
 def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions", response_model=protocol.CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: protocol.CompletionRequest, request: Request):
+        trace.mark("parsed")
         return _respond(await create_completion(ctx, body, request.receive))
 
     @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
+        trace.mark("parsed")
         return _respond(await create_chat_completion(ctx, body, request.receive))
 
     @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)

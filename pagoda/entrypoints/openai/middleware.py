@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from pagoda.engine import trace
 from pagoda.entrypoints.openai.errors import error_bytes
 
 
@@ -53,6 +54,7 @@ class BodySizeLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        trace.mark("body_read")
         await self.app(scope, _replay(b"".join(chunks), disconnected, receive), send)
 
     async def _too_large(self, send) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator, Optional
 
+from pagoda.engine import trace
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (GenerationJob, SSEStream, cancel_on_disconnect,
                                                   collect, stream_chunks)
@@ -59,6 +60,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> GenerationJ
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     check_caps(ctx, req.n, num_top, "top_logprobs")
     token_ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    trace.mark("tokenized")
     check_prompt(ctx, token_ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -72,6 +74,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> GenerationJ
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, receive):
     """The JSON response (non-streaming) or an SSEStream (streaming)."""
     job = prepare_chat(ctx, req)
+    trace.mark("prepared")
     if ctx.settings.log_requests:
         logger.info("chat %s: %d prompt tokens, %s", job.request_id, job.prompt_tokens, job.params)
     if req.stream:

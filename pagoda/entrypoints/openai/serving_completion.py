@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator, Optional
 
+from pagoda.engine import trace
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (ChoiceResult, GenerationJob, SSEStream,
                                                   cancel_on_disconnect, collect, stream_chunks)
@@ -50,6 +51,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Generatio
     reject_unsupported(req.unsupported_parameters())
     check_caps(ctx, req.n, req.logprobs, "logprobs")
     prompts = _prompt_list(ctx, req.prompt)
+    trace.mark("tokenized")
     for p in prompts:
         check_room(ctx, len(p["prompt_token_ids"]), req.max_tokens, "max_tokens")
     params = build_sampling_params(ctx, req, req.max_tokens, req.logprobs)
@@ -60,6 +62,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Generatio
 async def create_completion(ctx: ServingContext, req: CompletionRequest, receive):
     """The JSON response (non-streaming) or an SSEStream (streaming)."""
     job = prepare_completion(ctx, req)
+    trace.mark("prepared")
     if ctx.settings.log_requests:
         logger.info("completion %s: %d prompt(s), %d prompt tokens, %s", job.request_id,
                     len(job.prompts), job.prompt_tokens, job.params)
