@@ -76,7 +76,8 @@ def server_flags(args, workdir: str) -> list[str]:
 
 def start_server(flags: list[str], trace_path: str, log_path: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "PAGODA_TTFT_TRACE": trace_path}
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PAGODA_TTFT_TRACE": trace_path}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
          "--port", str(port), "--disable-uvicorn-access-log", "--disable-log-requests",
