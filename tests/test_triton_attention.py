@@ -176,6 +176,34 @@ def test_graph_buffers_replay_a_smaller_batch():
     assert case.cache_tri[:, ~case.used].isnan().all()
 
 
+def test_mixed_graph_buffers_replay_prefill_chunks_beside_decodes():
+    """A mixed graph (16 rows over up to 5 requests, captured with no host copies) replays
+    a chunk after a context, a decode and a fresh prompt: the real rows equal torch_ref,
+    padding rows and the padding request write nothing."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 1, 64, 16
+    backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
+    backend.init_cuda_graph_state(max_batch_size=6, max_blocks_per_req=8, block_size=block_size,
+                                  device=DEVICE, max_num_tokens=16)
+    capture_md = backend.metadata_for_capture(5, num_tokens=16)
+    common = capture_md.common
+    assert (common.num_reqs, common.num_actual_tokens, common.max_query_len) == (5, 16, 16)
+    assert (capture_md.num_decodes, capture_md.zero_padding_rows) == (5, False)
+    case = Case([(40, 5), (3, 1), (0, 6)], num_heads, num_kv_heads, head_dim, block_size,
+                torch.float16, pad_rows=4, seed=3)
+    backend.prepare_replay(case.md, batch_size=5, num_tokens=16)
+    ref = store_and_attend(TorchRefBackend(num_heads, num_kv_heads, head_dim, 1 / 8),
+                           case.pool_ref, 0, case.q, case.k, case.v, case.md)
+    out = store_and_attend(backend, case.pool_tri, 0, case.q, case.k, case.v, common,
+                           plan=capture_md)
+    torch.testing.assert_close(out[:12].float(), ref[:12].float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(case.cache_tri[:, case.used], case.cache_ref[:, case.used])
+    assert case.cache_tri[:, ~case.used].isnan().all()
+    with pytest.raises(ValueError, match="does not fit"):
+        backend.prepare_replay(case.md, batch_size=2, num_tokens=16)
+    with pytest.raises(ValueError, match="num_tokens"):
+        backend.metadata_for_capture(5, num_tokens=32)
+
+
 def test_graph_hooks_reject_bad_batches():
     backend = TritonBackend(4, 1, 64, 1 / 8)
     with pytest.raises(RuntimeError, match="init_cuda_graph_state"):

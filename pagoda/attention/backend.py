@@ -99,12 +99,19 @@ class AttentionBackend(ABC):
         return False
 
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
-                              block_size: int, device) -> None:
+                              block_size: int, device, max_num_tokens: int = 0) -> None:
+        """Buffers for graphs of up to max_batch_size requests and max(max_batch_size,
+        max_num_tokens) query rows."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def metadata_for_capture(self, batch_size: int) -> BackendMetadata:
-        """The plan a graph is captured with: launches sized from capture-time values only."""
+    def metadata_for_capture(self, batch_size: int,
+                             num_tokens: Optional[int] = None) -> BackendMetadata:
+        """The plan a graph is captured with: launches sized from capture-time values only.
+        num_tokens None: a decode graph (one query row per request); else a mixed graph
+        of num_tokens rows over up to batch_size requests of any query lengths."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
+    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
+                       num_tokens: Optional[int] = None) -> None:
+        """Copies a real batch into the buffers of the graph (batch_size, num_tokens)."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")

@@ -10,9 +10,11 @@ output are zeroed. Per layer, after the KV pool has stored the step's k/v:
 2. requests with one query row (decodes) go through the split-K decode kernel and its
    merge.
 
-CUDA graphs (decode-only batches). `init_cuda_graph_state` allocates metadata buffers
-of the largest size; `metadata_for_capture(bs)` plans over views of them with no host
-copies (query_start_loc_cpu / seq_lens_cpu = None). A plan built without host copies
+CUDA graphs: decode graphs (one query row per request) and mixed graphs (a fixed
+number of rows over up to a fixed number of requests of any query lengths: small
+prefills, prefill chunks beside decodes). `init_cuda_graph_state` allocates metadata
+buffers of the largest size; `metadata_for_capture(bs[, num_tokens])` plans over views
+of them with no host copies (query_start_loc_cpu / seq_lens_cpu = None). A plan built without host copies
 sizes its launches from fixed values only: the number of slices is chosen for the
 longest context the block table can hold, and the kernels read the real lengths from
 the tensors, so programs past a request's end exit at once. `prepare_replay`
@@ -43,7 +45,7 @@ class _GraphBuffers:
     query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
     seq_lens: torch.Tensor  # int32 [max_batch_size]
     block_tables: torch.Tensor  # int32 [max_batch_size, max_blocks_per_req]
-    slot_mapping: torch.Tensor  # int64 [max_batch_size]
+    slot_mapping: torch.Tensor  # int64 [max(max_batch_size, max mixed-graph rows)]
 
     @property
     def max_batch_size(self) -> int:
@@ -148,43 +150,53 @@ class TritonBackend(AttentionBackend):
         return True
 
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
-                              block_size: int, device) -> None:
+                              block_size: int, device, max_num_tokens: int = 0) -> None:
         if max_batch_size < 1 or max_blocks_per_req < 1 or block_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}), max_blocks_per_req "
                              f"({max_blocks_per_req}) and block_size ({block_size}) must be >= 1")
+        rows = max(max_batch_size, max_num_tokens)
         self._graph = _GraphBuffers(
             block_size=block_size,
             query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
             seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
             block_tables=torch.zeros(max_batch_size, max_blocks_per_req, dtype=torch.int32, device=device),
-            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
         )
 
-    def metadata_for_capture(self, batch_size: int) -> TritonMetadata:
-        """Decode-only metadata over the persistent buffers (one query row per request),
-        planned from capture-time values only (no host copies)."""
-        g = self._graph_buffers(batch_size)
+    def metadata_for_capture(self, batch_size: int,
+                             num_tokens: Optional[int] = None) -> TritonMetadata:
+        """Metadata over the persistent buffers, planned from capture-time values only (no
+        host copies). Decode graph (num_tokens None): one query row per request. Mixed
+        graph: num_tokens rows over batch_size requests; the chunk kernel's grid covers
+        num_tokens rows (requests read their real query lengths on the device) and the
+        decode kernel serves the requests whose query length is 1."""
+        g = self._graph_buffers(batch_size, num_tokens)
+        rows = batch_size if num_tokens is None else num_tokens
         return self.build_metadata(AttentionMetadata(
             num_reqs=batch_size,
-            num_actual_tokens=batch_size,
+            num_actual_tokens=rows,
             query_start_loc=g.query_start_loc[: batch_size + 1],
             seq_lens=g.seq_lens[:batch_size],
             block_tables=g.block_tables[:batch_size],
-            slot_mapping=g.slot_mapping[:batch_size],
-            max_query_len=1,
+            slot_mapping=g.slot_mapping[:rows],
+            max_query_len=1 if num_tokens is None else num_tokens,
             max_seq_len=1,  # not used to size launches: there are no host copies
             block_size=g.block_size,
         ))
 
-    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int) -> None:
-        """Copies a real decode-only batch (num_reqs <= batch_size) into the buffers."""
-        g = self._graph_buffers(batch_size)
+    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
+                       num_tokens: Optional[int] = None) -> None:
+        """Copies a real batch (num_reqs <= batch_size; decode-only for a decode graph,
+        at most num_tokens rows for a mixed one) into the buffers."""
+        g = self._graph_buffers(batch_size, num_tokens)
         n = metadata.num_reqs
-        if metadata.max_query_len > 1:
-            raise ValueError(f"CUDA graphs serve decode-only batches; max_query_len is {metadata.max_query_len}")
-        if n > batch_size or metadata.num_actual_tokens > batch_size:
+        rows = batch_size if num_tokens is None else num_tokens
+        if num_tokens is None and metadata.max_query_len > 1:
+            raise ValueError(f"decode graphs serve decode-only batches; max_query_len is "
+                             f"{metadata.max_query_len}")
+        if n > batch_size or metadata.num_actual_tokens > rows:
             raise ValueError(f"batch of {n} requests / {metadata.num_actual_tokens} tokens does not "
-                             f"fit the graph of batch_size {batch_size}")
+                             f"fit the graph of batch_size {batch_size} / {rows} rows")
         if metadata.block_size != g.block_size:
             raise ValueError(f"batch has block_size {metadata.block_size}, the graph buffers "
                              f"{g.block_size}")
@@ -198,14 +210,17 @@ class TritonBackend(AttentionBackend):
         g.seq_lens[:n].copy_(metadata.seq_lens[:n], non_blocking=True)
         g.seq_lens[n:batch_size].fill_(0)
         g.block_tables[:n, :width].copy_(metadata.block_tables[:n], non_blocking=True)
-        rows = min(metadata.slot_mapping.shape[0], batch_size)
-        g.slot_mapping[:rows].copy_(metadata.slot_mapping[:rows], non_blocking=True)
-        g.slot_mapping[rows:batch_size].fill_(-1)
+        real = min(metadata.slot_mapping.shape[0], rows)
+        g.slot_mapping[:real].copy_(metadata.slot_mapping[:real], non_blocking=True)
+        g.slot_mapping[real:rows].fill_(-1)
 
-    def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
+    def _graph_buffers(self, batch_size: int, num_tokens: Optional[int] = None) -> _GraphBuffers:
         if self._graph is None:
             raise RuntimeError("call init_cuda_graph_state() before capturing or replaying")
         if not 1 <= batch_size <= self._graph.max_batch_size:
             raise ValueError(f"batch_size {batch_size} is outside [1, {self._graph.max_batch_size}]")
+        rows = self._graph.slot_mapping.shape[0]
+        if num_tokens is not None and not batch_size <= num_tokens <= rows:
+            raise ValueError(f"num_tokens {num_tokens} is outside [batch_size, {rows}]")
         return self._graph
 

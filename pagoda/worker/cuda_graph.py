@@ -1,18 +1,27 @@
-"""CUDA graphs for decode-only steps: captured once at start-up, replayed every step.
+"""CUDA graphs for steps: captured once at start-up, replayed every step.
 
-Captured at padded batch sizes (1, 2, 4, 8, then every 16 up to max_num_seqs) in one
-memory pool, largest first so smaller graphs reuse its blocks. Inputs live in static
-buffers; the attention backend keeps its metadata at fixed addresses
-(init_cuda_graph_state / metadata_for_capture / prepare_replay). Each graph records
-the backend's plan from metadata_for_capture (launches sized from capture-time values
-only), so replay plans nothing; the KV pool's writes are recorded with it. Padding rows have
-slot -1 and context length 0: they write no KV and every kernel skips them.
+Two kinds, in one memory pool, largest first so smaller graphs reuse its blocks:
+- decode graphs, at padded batch sizes (the LM head's row buckets up to max_num_seqs):
+  one query row per request, the split-K decode kernel only;
+- mixed graphs, at padded row counts (MIXED_GRAPH_TOKENS up to the step's token
+  budget), each over up to min(rows, max_num_seqs) requests of any query lengths:
+  small prefills and prefill chunks beside decodes. An eager forward of such a step
+  costs far more host time launching its kernels than the device spends running them,
+  which is what a short prompt's time to first token pays.
+Inputs live in static buffers; the attention backend keeps its metadata at fixed
+addresses (init_cuda_graph_state / metadata_for_capture / prepare_replay). Each graph
+records the backend's plan from metadata_for_capture (launches sized from capture-time
+values only), so replay plans nothing; the KV pool's writes are recorded with it.
+Padding rows have slot -1 and padding requests query length 0: they write no KV and
+every kernel skips them; every other layer works row by row, so padding rows do not
+touch the real ones.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 
@@ -33,32 +42,52 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+# Row counts of the mixed graphs (capped by the step's token budget).
+MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
+
+GraphKey = tuple[int, Optional[int]]  # (requests, rows): rows None for a decode graph
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_pool: KVCachePool, max_batch_size: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_num_tokens: int = 0) -> None:
+        """max_num_tokens: the step's token budget; mixed graphs are captured for the
+        MIXED_GRAPH_TOKENS up to it (0: decode graphs only)."""
         if not backend.supports_cuda_graphs():
             raise ValueError(f"attention backend {backend.name} does not support CUDA graphs")
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
+        self.mixed_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_tokens]
+        self.max_mixed_tokens = max(self.mixed_sizes, default=0)
         self.max_blocks_per_req = max_blocks_per_req
-        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        rows = max(self.max_batch_size, self.max_mixed_tokens)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.capture_seconds = 0.0
+
+    def _keys(self) -> list[GraphKey]:
+        """Every graph to capture, the largest (in rows) first."""
+        keys = [(bs, None) for bs in self.sizes]
+        keys += [(min(t, self.max_batch_size), t) for t in self.mixed_sizes]
+        return sorted(keys, key=lambda k: (k[1] or k[0], k[1] is not None), reverse=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         self.backend.init_cuda_graph_state(self.max_batch_size, self.max_blocks_per_req,
-                                           self.kv_pool.block_size, self.device)
+                                           self.kv_pool.block_size, self.device,
+                                           max_num_tokens=self.max_mixed_tokens)
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):
-            metadata = self.backend.metadata_for_capture(bs)
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
+        for key in self._keys():
+            num_reqs, num_tokens = key
+            metadata = self.backend.metadata_for_capture(num_reqs, num_tokens)
+            rows = num_tokens or num_reqs
+            ids, pos = self.input_ids[:rows], self.positions[:rows]
             for _ in range(2):  # warm up: lazy caches, Triton compilation, cuBLAS handles
                 with forward_context(self.backend, metadata, self.kv_pool):
                     self.model(ids, pos)
@@ -66,42 +95,46 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 with forward_context(self.backend, metadata, self.kv_pool):
-                    self.outputs[bs] = self.model(ids, pos)
-            self.graphs[bs] = graph
+                    self.outputs[key] = self.model(ids, pos)
+            self.graphs[key] = graph
         # Replay each graph once: the first launch of an instantiated graph uploads it
-        # to the device, which would otherwise land on the first real step of each size
-        # (the suspect behind slow first steps per size on the H200: 27 ms for the
-        # first batch-256 decode step against 15, 32 ms when the batch shrank). The
-        # buffers still hold the capture metadata: slots -1 (no KV is written), and
-        # one token of context in block 0 (only read).
-        for bs in self.sizes:
-            self.graphs[bs].replay()
+        # to the device, which would otherwise land on the first real step of each size.
+        # The buffers still hold the capture metadata: slots -1 (no KV is written), and
+        # at most one token of context in block 0 (only read).
+        for graph in self.graphs.values():
+            graph.replay()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs),
-                    self.sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-step rows %s) in "
+                    "%.1fs", len(self.graphs), self.sizes, self.mixed_sizes, self.capture_seconds)
+
+    def graph_for(self, num_tokens: int, num_reqs: int) -> Optional[GraphKey]:
+        """The graph a step of num_reqs requests and num_tokens rows replays, if any: a
+        decode graph for a decode-only step, else the smallest mixed graph that fits."""
+        if num_tokens == num_reqs and num_tokens <= self.max_batch_size:
+            return next(s for s in self.sizes if s >= num_tokens), None
+        if num_tokens <= self.max_mixed_tokens:
+            rows = next(t for t in self.mixed_sizes if t >= num_tokens)
+            return min(rows, self.max_batch_size), rows
+        return None
 
     def takes(self, num_tokens: int, num_reqs: int) -> bool:
-        """Whether a step of num_reqs requests and num_tokens rows fits a graph: decode
-        only (one token per request), at most the largest captured batch."""
-        return num_tokens == num_reqs and num_tokens <= self.max_batch_size
+        return self.graph_for(num_tokens, num_reqs) is not None
 
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         return (self.takes(num_tokens, metadata.num_reqs)
                 and metadata.block_tables.shape[1] <= self.max_blocks_per_req)
 
-    def padded_size(self, num_tokens: int) -> int:
-        return next(s for s in self.sizes if s >= num_tokens)
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = self.padded_size(n)
+        key = self.graph_for(n, metadata.num_reqs)
+        rows = key[1] or key[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-        self.backend.prepare_replay(metadata, bs)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        if rows > n:
+            self.input_ids[n:rows].zero_()
+            self.positions[n:rows].zero_()
+        self.backend.prepare_replay(metadata, *key)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

@@ -4,7 +4,7 @@ The worker of the executor interface (pagoda.executor.base). A step is two calls
 returning without waiting for the device:
 - execute_model(SchedulerOutput): apply the scheduler's diff, build the flattened step
   inputs, run the forward inside the forward context (a CUDA graph for decode-only
-  steps);
+  steps and for steps of up to 512 rows, worker/cuda_graph.py);
 - sample_tokens(StepExtras) -> AsyncRunnerOutput: compute the sampled rows' logits,
   apply what the engine learned after the launch (grammar bitmasks), sample, and queue
   one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
@@ -142,7 +142,8 @@ class ModelRunner:
             max_blocks = -(-max_model_len // self.block_size)
             self.graph_runner = CudaGraphRunner(self.model, self.backend, self.kv_pool,
                                                 self.config.scheduler.max_num_seqs, max_blocks,
-                                                self.device)
+                                                self.device,
+                                                self.config.scheduler.max_num_batched_tokens)
             self.graph_runner.capture()
 
     def _use_cuda_graphs(self) -> bool:
@@ -215,7 +216,7 @@ class ModelRunner:
 
     def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
         """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);
-        None for CPU and for decode-only steps a CUDA graph takes (it pads itself)."""
+        None for CPU and for steps a CUDA graph takes (it pads itself)."""
         if self.device.type != "cuda":
             return None
         n = out.total_num_scheduled_tokens
