@@ -192,3 +192,11 @@ def test_bad_gguf_magic_is_rejected(tmp_path):
     bad.write_bytes(b"NOPE" + b"\0" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):
         tokenizer_module.read_gguf_metadata(bad)
+
+
+@pytest.mark.parametrize("text", ["The capital of France is", "  naïve café – 東京 🚀\n\tx",
+                                  "<|im_start|>user\nhi<|im_end|>", "", "12345 67"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_fast_encode_equals_the_tokenizer_call(tok, text, add_special_tokens):
+    from pagoda.model.tokenizer import encode
+    assert encode(tok, text, add_special_tokens) == tok(text, add_special_tokens=add_special_tokens).input_ids

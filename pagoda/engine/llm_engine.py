@@ -148,7 +148,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or set tokenizer=")
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            from pagoda.model.tokenizer import encode
+            return prompt, encode(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise TypeError("a prompt must be a string, a list of token ids, or a dict with "

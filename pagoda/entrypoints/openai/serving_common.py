@@ -19,6 +19,7 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.openai.admission import AdmissionController
 from pagoda.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from pagoda.metrics.prometheus import ServerMetrics
+from pagoda.model.tokenizer import encode
 from pagoda.sampling_params import SamplingParams
 
 
@@ -76,7 +77,7 @@ class ServingContext:
 def encode_text(ctx: ServingContext, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text` as LLM.generate makes them; text the tokenizer cannot take -> 400."""
     try:
-        return list(ctx.tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
+        return encode(ctx.tokenizer(), text, add_special_tokens)
     except APIError:
         raise
     except Exception as exc:  # e.g. a lone UTF-16 surrogate from a JSON escape
