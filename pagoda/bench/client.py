@@ -121,7 +121,11 @@ async def _read_stream(response: aiohttp.ClientResponse, backend: str,
             result.output_tokens = usage.get("completion_tokens", result.output_tokens)
             result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
         text = _chunk_text(event, backend)
-        if text:
+        if text or (backend == "openai" and event.get("choices")):
+            # A completion chunk carries generated tokens even when their text is empty
+            # (held back mid-character, or a token the tokenizer prints as nothing): it
+            # counts, as vLLM's benchmark counts it. A chat chunk counts by its content,
+            # so the opening role-only chunk does not.
             result.chunk_times.append(now)
             pieces.append(text)
     result.generated_text = "".join(pieces)

@@ -152,6 +152,8 @@ class FakeOpenAIServer:
         while sent < n:
             k = min(per_chunk, n - sent)
             text = "".join(WORDS[(sent + j) % len(WORDS)] for j in range(k))
+            if model == "heldback" and sent == 0:
+                text = ""  # a token whose text the server holds back
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await response.write(_sse({"choices": [choice]}))
             sent += k

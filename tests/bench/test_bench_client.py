@@ -49,6 +49,16 @@ def test_recorded_stream_is_timed_chunk_by_chunk(fake_server, backend):
     assert m.ttft(r) == r.chunk_times[0] - r.start
 
 
+def test_a_completion_chunk_with_empty_text_still_carries_a_token(fake_server):
+    """The first token's text is held back: the completion chunk still times the first
+    token (vLLM's rule); the chat stream counts content chunks only."""
+    r = send_one(target_for(fake_server, "heldback"), SampleRequest("the river", 2, 5))
+    assert r.success and r.generated_text == " upon a time there"
+    assert len(r.chunk_times) == 5 and m.ttft(r) == r.chunk_times[0] - r.start
+    chat = send_one(target_for(fake_server, "heldback", "openai-chat"), SampleRequest("the river", 2, 5))
+    assert chat.success and len(chat.chunk_times) == 4
+
+
 def test_payload_is_openai_shaped_and_streams_usage(fake_server):
     target = target_for(fake_server, "ok", ignore_eos=True, sampling={"temperature": 0.0, "top_k": 5})
     body = build_payload(target, SampleRequest("hello", 1, 7))
