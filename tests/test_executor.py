@@ -15,6 +15,7 @@ import functools
 import pytest
 
 from pagoda.config import EngineArgs
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.executor.base import ExecutorDeadError, ModelInfo
@@ -50,11 +51,11 @@ class FakeWorker:
     def model_info(self) -> ModelInfo:
         return ModelInfo("FakeForCausalLM", VOCAB, 256, EOS)
 
-    def determine_num_blocks(self, max_model_len: int) -> int:
-        return 64
+    def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
+        return KVCacheConfig(64, [FullAttentionSpec(8, 2, 16, "float32")] * 2)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.kv_initialised = (num_blocks, max_model_len)
+    def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
+        self.kv_initialised = (kv_config.num_blocks, max_model_len)
 
     def execute_model(self, out: SchedulerOutput) -> None:
         assert len(self.launched) == len(self.extras), "a forward was launched twice"
@@ -137,7 +138,9 @@ def test_engine_through_the_executor_equals_the_direct_rule(async_scheduling):
 def test_collective_rpc_health_and_shutdown():
     engine = make_engine(async_scheduling=False)
     executor = engine.executor
-    assert executor.collective_rpc("determine_num_blocks", (100,)) == [64]
+    assert executor.determine_kv_cache_config(100) == KVCacheConfig(
+        64, [FullAttentionSpec(8, 2, 16, "float32")] * 2)
+    assert engine.kv_cache_manager.block_size == 8
     assert executor.collective_rpc("model_info")[0].vocab_size == VOCAB
     engine.check_health()
     engine.shutdown()

@@ -74,10 +74,12 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(config, info)
         self.tokenizer = self._load_tokenizer(config)
         self.eos_token_id = self._eos_token_id(info)
-        num_blocks = self.executor.determine_num_blocks(self.max_model_len)
-        self.executor.initialize_kv_cache(num_blocks, self.max_model_len)
-        self.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+        kv_config = self.executor.determine_kv_cache_config(self.max_model_len)
+        self.executor.initialize_kv_cache(kv_config, self.max_model_len)
+        self.kv_cache_config = kv_config
+        num_blocks = self.num_blocks = kv_config.num_blocks
+        # The block manager's blocks are the pool's: the size the layers' specs declare.
+        self.kv_cache_manager = KVCacheManager(num_blocks, kv_config.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
         sched = config.scheduler
         self.scheduler = Scheduler(
@@ -104,7 +106,7 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.startup_seconds, info.architecture, num_blocks,
-                    config.cache.block_size, self.max_model_len)
+                    kv_config.block_size, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -9,8 +9,8 @@ same methods, since everything here goes through `collective_rpc`, whose argumen
 (SchedulerOutput, StepExtras) are plain picklable data.
 
 A worker is any object with the methods named below (`ModelRunner` is the one the
-engine builds): `model_info()`, `determine_num_blocks(max_model_len)`,
-`initialize_kv_cache(num_blocks, max_model_len)`, `execute_model(scheduler_output)`,
+engine builds): `model_info()`, `determine_kv_cache_config(max_model_len)`,
+`initialize_kv_cache(kv_config, max_model_len)`, `execute_model(scheduler_output)`,
 `sample_tokens(step_extras) -> RunnerOutputFuture`. Each rank's worker builds its own
 share of the model (`TensorParallel(rank, size)`).
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput, StepExtras
 
 
@@ -69,12 +70,17 @@ class Executor(ABC):
     def model_info(self) -> ModelInfo:
         return self.collective_rpc("model_info")[0]
 
-    def determine_num_blocks(self, max_model_len: int) -> int:
-        """KV blocks every worker can hold (the smallest, so all ranks agree)."""
-        return min(self.collective_rpc("determine_num_blocks", (max_model_len,)))
+    def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
+        """The KV pool every worker allocates: rank 0's layer specs (each rank stores
+        its share of the heads, at the same block size) and the fewest blocks any rank
+        can hold, so that one block id means the same tokens on every rank."""
+        configs = self.collective_rpc("determine_kv_cache_config", (max_model_len,))
+        num_blocks = min(c.num_blocks for c in configs)
+        return KVCacheConfig(num_blocks, configs[0].layer_specs)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks, max_model_len))
+    def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
+        """Every worker allocates its pool with kv_config's block count (its own specs)."""
+        self.collective_rpc("initialize_kv_cache", (kv_config, max_model_len))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launches the step's forward on every worker."""

@@ -107,16 +107,18 @@ class ModelRunner:
         return self.arch.vocab_size
 
     # ---- start-up -------------------------------------------------------------------
-    def determine_num_blocks(self, max_model_len: int) -> int:
+    def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
+        """The KV pool this worker can hold: its layers' specs, and as many blocks as
+        the byte budget (kv_cache_memory, or the GPU memory profile) allows."""
         cache = self.config.cache
         specs = kv_cache_specs(self.model, self.block_size, self.dtype)
         if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
+            return KVCacheConfig(cache.num_gpu_blocks_override, specs)
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         else:
             budget = self._profile_kv_budget()
-        return num_blocks_for_budget(budget, specs, max_model_len)
+        return KVCacheConfig(num_blocks_for_budget(budget, specs, max_model_len), specs)
 
     def _profile_kv_budget(self) -> int:
         """GPU: what is left of gpu_memory_utilization after weights and a peak forward."""
@@ -125,10 +127,9 @@ class ModelRunner:
         from pagoda.worker.profiling import profile_kv_budget
         return profile_kv_budget(self)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.num_blocks = num_blocks
-        specs = kv_cache_specs(self.model, self.block_size, self.dtype)
-        self.kv_pool = KVCachePool(KVCacheConfig(num_blocks, specs), self.device)
+    def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
+        self.num_blocks = kv_config.num_blocks
+        self.kv_pool = KVCachePool(kv_config, self.device)
         if self.device.type == "cuda":
             self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
                                                 -(-max_model_len // self.block_size), self.device)
