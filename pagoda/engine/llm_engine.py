@@ -99,8 +99,8 @@ class LLMEngine:
         self.last_num_scheduled_tokens = 0
         # Everything built so far (the block pool's blocks, the model's modules) lives
         # as long as the engine: freezing it keeps the cyclic GC from walking it on
-        # every full collection. With a 54k-block pool a full collection walks ~300k
-        # objects in ~200 ms (measured on CPU); one such pause stalled a GPU step.
+        # every full collection; with a large block pool one such pause stalls a step
+        # (docs/performance.md, "measured reasons").
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - start

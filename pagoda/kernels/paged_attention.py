@@ -102,7 +102,7 @@ def _find_request(tile, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# Step-varying ints are not specialised: each new value class would recompile (~2 s).
+# Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _chunk_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -168,10 +168,8 @@ def _chunk_kernel(
 def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes and launch options of the chunk kernel: BLOCK_Q * GROUP_PAD query rows.
 
-    Measured on an H200 (bf16, 32/8 heads, D=128, triton 3.6, `benchmarks/attention_kernels.py
-    --sweep`, 2026-11-29), 8 x 2048-token / 16 x 1024-token prefills: 256 rows x 64 keys,
-    8 warps, 3 stages: 801 / 488 us (343 / 282 TFLOP/s); 128 rows, 4 warps, 3 stages:
-    845 / 513 us; 128 rows, 8 warps: 961 / 587 us; 128-key tiles: as fast or slower.
+    16-bit heads up to 128: 256 query rows x 64 keys, 8 warps, 3 stages, the fastest of
+    the tiles swept on the H200 (docs/performance.md, "measured reasons").
     """
     group_pad = triton.next_power_of_2(group)
     if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: smaller tiles

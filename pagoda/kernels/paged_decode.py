@@ -33,7 +33,7 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 
 
-# Step-varying ints are not specialised: each new value class would recompile (~2 s).
+# Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -127,9 +127,8 @@ def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
 def decode_tile_config(dtype: torch.dtype) -> dict:
     """Key tile and launch options of the decode kernel.
 
-    Measured on an H200 (bf16, 32/8 heads, D=128, block 16, triton 3.6): 64-key tiles,
-    4 warps, 3 stages read 4.27 TB/s at batch 64 x 8k and 256 x 2k (2 stages: 3.8-3.9;
-    32-key tiles: 3.3-3.9; 128-key tiles: 3.6-4.2).
+    16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
+    (docs/performance.md, "measured reasons").
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)

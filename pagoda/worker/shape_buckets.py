@@ -1,11 +1,10 @@
 """Row-count buckets for the GEMMs of eager steps and of the LM head, on CUDA.
 
-cuBLAS pays a large first-call cost for every new (M, N, K): measured on the H200
-(torch 2.11, CUDA 13), 3-5 ms of host time with an idle device, and on a busy device
-the call also waits for the queued work to finish. That undoes async scheduling's
-overlap on the step that meets the new shape: in the 256 x 1024/128 workload each
-step where 16 requests finished (a new LM-head row count) took 15-25 ms of host time
-instead of ~1, and the device idled behind it.
+cuBLAS pays a large first-call cost in host time for every new (M, N, K), and on a
+busy device the call also waits for the queued work to finish. That undoes async
+scheduling's overlap on the step that meets the new shape: every step where some
+requests finished (a new LM-head row count) stalled, and the device idled behind it
+(figures in docs/performance.md, "measured reasons").
 
 So row counts are rounded up to a small set of sizes, each met once per process:
 - LM head rows (one per sampling request): 1, 2, 4, 8, then multiples of 16, the

@@ -3,8 +3,8 @@
 Triton compiles a kernel the first time it meets a new set of compile-time constants:
 a pure prefill batch, a mixed batch (prefill chunks beside decode rows, which the
 decode kernel takes) and a decode-only eager batch with or without context splits.
-Met mid-run, each costs a second or two on the step that meets it (measured on the
-H200: a 2 s step in the middle of a prefill). Here they are met at start-up, on KV
+Met mid-run, each compilation stalls the step that meets it (docs/performance.md,
+"measured reasons"). Here they are met at start-up, on KV
 blocks no request holds yet; what they write there is overwritten before it is read.
 
 `warm_up_logits` does the same for cuBLAS: the LM head at every bucketed row count
