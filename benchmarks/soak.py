@@ -471,7 +471,8 @@ def _rss_growth(samples: list, baseline_s: float, load_end: Optional[int]) -> di
     end = samples[-1][1]
     growth = max((rss - base) / base for rss in (end, load_end) if rss is not None)
     return {"baseline_s": base_s, "rss_1min_bytes": base, "rss_load_end_bytes": load_end,
-            "rss_end_bytes": end, "rss_peak_bytes": max(rss for _, rss in samples), "growth": growth}
+            "rss_end_bytes": end, "rss_peak_bytes": max([rss for _, rss in samples] + [load_end or 0]),
+            "growth": growth}
 
 
 def summarize(run: dict, stopped: dict, args) -> dict:
