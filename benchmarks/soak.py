@@ -233,12 +233,6 @@ def _check_answer(spec: Spec, finish_reason, tokens) -> str:
     return ""
 
 
-def _chunk_text(spec: Spec, choice: dict) -> str:
-    if spec.chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
 async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
     spec, chunks, finish, tokens, done = res.spec, 0, None, None, False
     async for raw in resp.content:
@@ -260,7 +254,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
             res.outcome, res.detail = "stream_error", json.dumps(event["error"])[:200]
             return
         for choice in event.get("choices") or []:
-            if _chunk_text(spec, choice):
+            if (choice.get("delta") or {}).get("content") if spec.chat else choice.get("text"):
                 chunks += 1
                 if res.ttft is None:
                     res.ttft = time.monotonic() - res.start
@@ -433,7 +427,6 @@ async def run_soak(server: ServerProcess, args) -> dict:
         sampler = asyncio.create_task(sample_rss(server, t0, samples, args.rss_interval, stop))
         try:
             tasks, sending_s = await send_poisson(session, server.url, rate, args, rng)
-            rss_load_end = server.rss_bytes()  # still under load: compares like with like
             results = list(await asyncio.gather(*tasks))
             load_s = time.monotonic() - t0
             final = await settle(session, server.url, args.settle_timeout)
@@ -445,7 +438,7 @@ async def run_soak(server: ServerProcess, args) -> dict:
             samples.append((time.monotonic() - t0, end_rss))
     return {"startup_s": startup_s, "calibration": calibration, "target_rate": rate,
             "sending_s": sending_s, "load_s": load_s, "results": results,
-            "rss_samples": samples, "rss_load_end": rss_load_end, **final}
+            "rss_samples": samples, **final}
 
 
 # ----------------------------------------------------------------------------- report
@@ -462,17 +455,22 @@ def _describe(r: Result) -> dict:
             "max_tokens": s.max_tokens, "latency_s": round(r.end - r.start, 3)}
 
 
-def _rss_growth(samples: list, baseline_s: float, load_end: Optional[int]) -> dict:
-    """Growth from the first sample at `baseline_s` (1 min) of load to the end: the larger
-    of the growth to the last sample under load and to the final one, after settling."""
-    if not samples:
+def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
+    """Growth from the first minute of load (`baseline_s`) to the end, the larger of two:
+    to the end of the load and to the final sample, after settling. Under load RSS moves
+    by a few % between samples, so each figure under load is the median of the samples
+    in the `baseline_s / 2` before it."""
+    def median(lo: float, hi: float) -> Optional[int]:
+        values = [rss for t, rss in samples[:-1] if lo <= t <= hi]
+        return int(np.median(values)) if values else None
+
+    if len(samples) < 2:
         return {"rss_1min_bytes": None, "rss_end_bytes": None, "growth": None}
-    base_s, base = next(((t, rss) for t, rss in samples if t >= baseline_s), samples[-1])
-    end = samples[-1][1]
+    base = median(baseline_s / 2, baseline_s) or samples[0][1]
+    load_end, end = median(sending_s - baseline_s / 2, sending_s), samples[-1][1]
     growth = max((rss - base) / base for rss in (end, load_end) if rss is not None)
-    return {"baseline_s": base_s, "rss_1min_bytes": base, "rss_load_end_bytes": load_end,
-            "rss_end_bytes": end, "rss_peak_bytes": max([rss for _, rss in samples] + [load_end or 0]),
-            "growth": growth}
+    return {"baseline_s": baseline_s, "rss_1min_bytes": base, "rss_load_end_bytes": load_end,
+            "rss_end_bytes": end, "rss_peak_bytes": max(rss for _, rss in samples), "growth": growth}
 
 
 def summarize(run: dict, stopped: dict, args) -> dict:
@@ -483,7 +481,7 @@ def summarize(run: dict, stopped: dict, args) -> dict:
     aborted = Counter(r.detail for r in results if r.outcome == "aborted")
     ms = lambda xs, q: None if not xs else round(1000 * _pct(xs, q), 1)  # noqa: E731
     e2e, ttft = [r.end - r.start for r in completed], [r.ttft for r in completed if r.ttft is not None]
-    rss = _rss_growth(run.get("rss_samples", []), min(60.0, args.duration / 2), run.get("rss_load_end"))
+    rss = _rss_growth(run.get("rss_samples", []), min(60.0, args.duration / 2), run.get("sending_s", 0.0))
     failures = sum(outcomes[f] for f in FAILURES) + sum(
         n for o, n in run.get("calibration", {}).get("outcomes", {}).items() if o in FAILURES)
     checks = {
@@ -517,7 +515,7 @@ def print_table(summary: dict, run: dict) -> None:
     rows = [("calibrated capacity", f"{fmt(cal.get('completed_per_s'))} req/s"),
             ("target / achieved rate",
              f"{fmt(summary['target_rate'])} / {fmt(summary['achieved_rate'])} req/s"),
-            ("completed per s", fmt(summary["completed_per_s"])),
+            ("completed per s (load + tail)", fmt(summary["completed_per_s"])),
             ("requests sent", str(summary["requests_sent"]))]
     for outcome, n in sorted(summary["outcomes"].items()):
         rows.append((f"  {outcome}", str(n)))
@@ -526,8 +524,9 @@ def print_table(summary: dict, run: dict) -> None:
     growth = None if rss["growth"] is None else 100 * rss["growth"]
     rows += [("E2EL p50 / p99 (completed)", pair("e2el")), ("TTFT p50 / p99 (streams)", pair("ttft")),
              ("429 latency p50 / p99", pair("reject")),
-             (f"RSS at {fmt(rss.get('baseline_s'))} s / load end / settled", f"{mib(rss['rss_1min_bytes'])}"
-              f" / {mib(rss.get('rss_load_end_bytes'))} / {mib(rss['rss_end_bytes'])}"),
+             (f"RSS median at {fmt(rss.get('baseline_s'))} s / load end; settled",
+              f"{mib(rss['rss_1min_bytes'])} / {mib(rss.get('rss_load_end_bytes'))}; "
+              f"{mib(rss['rss_end_bytes'])}"),
              ("RSS growth / peak", f"{fmt(growth)} % / {mib(rss.get('rss_peak_bytes'))}"),
              ("KV audit after settle", json.dumps(run.get("audit"))),
              ("settle time", f"{fmt(run.get('settle_s'))} s")]
