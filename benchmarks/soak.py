@@ -62,6 +62,7 @@ PROMPTS = ("Name three colours.", "What is the capital of France?", "Write a hai
            "What is 7 times 8?", "Say hello in Spanish.", "Tell me a fun fact.", "Name a planet.")
 MAX_TOKENS = (8, 16, 32, 64)
 RSS_GROWTH_LIMIT = 0.05
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30)  # /health and /debug/kv_audit calls
 FAILURES = ("http_error", "bad_429", "malformed", "stream_error", "connection_error", "hung")
 
 
@@ -107,7 +108,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                async with session.get(f"{self.url}/health") as r:
+                async with session.get(f"{self.url}/health", timeout=PROBE_TIMEOUT) as r:
                     if r.status == 200:
                         return time.monotonic() - start
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -383,9 +384,9 @@ async def settle(session, url: str, timeout_s: float) -> dict:
     audit: dict = {}
     while True:
         try:
-            async with session.get(f"{url}/debug/kv_audit") as r:
+            async with session.get(f"{url}/debug/kv_audit", timeout=PROBE_TIMEOUT) as r:
                 audit = await r.json() if r.status == 200 else {"status": r.status, "body": await r.text()}
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             audit = {"error": f"{type(exc).__name__}: {exc}"}
         clean = (audit.get("in_use") == 0 and audit.get("num_running") == 0
                  and audit.get("num_waiting") == 0 and audit.get("num_in_flight") == 0
@@ -394,9 +395,9 @@ async def settle(session, url: str, timeout_s: float) -> dict:
             break
         await asyncio.sleep(0.2)  # audit poll interval
     try:
-        async with session.get(f"{url}/health") as r:
+        async with session.get(f"{url}/health", timeout=PROBE_TIMEOUT) as r:
             health = r.status
-    except (aiohttp.ClientError, OSError) as exc:
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
         health = f"{type(exc).__name__}: {exc}"
     return {"audit": audit, "audit_clean": clean, "settle_s": time.monotonic() - start,
             "health_status": health}
