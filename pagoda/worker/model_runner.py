@@ -45,6 +45,7 @@ from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInpu
                                        apply_scheduler_output, build_step_inputs,
                                        single_row_index)
 from pagoda.worker.penalty_state import PenaltyState, StepPenalties
+from pagoda.worker.staging import StagingRing
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_pool import KVCachePool
@@ -105,6 +106,8 @@ class ModelRunner:
         # The running requests' block ids on the device (CUDA; set with the KV cache).
         # On CPU the attention reads block tables on the host, so they are built there.
         self.block_table: Optional[DeviceBlockTable] = None
+        # Reused pinned buffers for the step inputs' uploads (nothing on CPU).
+        self.staging = StagingRing(self.device)
         self.warmup_seconds = 0.0
         # The last step's sampled ids, on the device, for tokens the host lacks yet.
         self._prev_sampled: Optional[PrevSampled] = None
@@ -192,7 +195,7 @@ class ModelRunner:
             return
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
                                    pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
-                                   block_table=self.block_table)
+                                   block_table=self.block_table, staging=self.staging)
         graphs = self.graph_runner
         output_rows = None
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
