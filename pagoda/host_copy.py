@@ -4,6 +4,7 @@ On CUDA a copy from pageable memory synchronises with the stream (the host would
 for every queued kernel); from pinned memory with non_blocking=True it is queued like
 a kernel. The step path (input building, sampling metadata, logprob rows) copies
 through here, so launching a step never blocks the host: what async scheduling needs.
+(The step inputs' uploads reuse pinned buffers instead: pagoda/worker/staging.py.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ def host_to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
         tensor = torch.from_numpy(data).to(dtype)
     else:
         tensor = torch.tensor(data, dtype=dtype)
+    return tensor_to_device(tensor, device)
+
+
+def tensor_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`: through a fresh pinned copy on CUDA (the caller may
+    reuse `tensor` at once); the tensor itself on CPU."""
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -2,17 +2,19 @@
 
 Used by the model runner every step and by tests that drive a model or a kernel
 directly. Host-side arrays are built with plain Python / torch CPU ops, then copied to
-the device once.
+the device once: through a fresh pinned copy each, or through the caller's `upload`
+(the runner's reused pinned buffers, pagoda/worker/staging.py).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
+from pagoda.host_copy import tensor_to_device
 
 
 def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],
@@ -43,10 +45,13 @@ def build_attention_metadata(
     pad_to: Optional[int] = None,
     max_blocks_per_req: Optional[int] = None,
     device_block_tables: Optional[torch.Tensor] = None,
+    upload: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> AttentionMetadata:
     """Metadata for a flattened batch. pad_to adds padding rows (slot -1) at the end.
     device_block_tables: the block tables already on the device (the worker's
-    persistent DeviceBlockTable), used instead of uploading block_tables."""
+    persistent DeviceBlockTable), used instead of uploading block_tables.
+    upload: host tensor -> its copy on `device`, queued without making the host wait
+    (default: a fresh pinned copy on CUDA); the host tensors stay the caller's."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
     for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
@@ -72,20 +77,17 @@ def build_attention_metadata(
                               dtype=torch.int32).reshape(len(block_tables), width)
     qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     seq = torch.tensor(list(seq_lens), dtype=torch.int32)
-    if torch.device(device).type == "cuda":  # pinned: the copies below do not block the host
-        qsl, seq = qsl.pin_memory(), seq.pin_memory()
-        if device_block_tables is None:
-            tables = tables.pin_memory()
-        slot_tensor = torch.tensor(slots, dtype=torch.int64).pin_memory()
-    else:
-        slot_tensor = torch.tensor(slots, dtype=torch.int64)
+    if upload is None:
+        upload = lambda tensor: tensor_to_device(tensor, device)  # noqa: E731
+    if device_block_tables is None:
+        tables = upload(tables)
     return AttentionMetadata(
         num_reqs=len(query_lens),
         num_actual_tokens=num_tokens,
-        query_start_loc=qsl.to(device, non_blocking=True),
-        seq_lens=seq.to(device, non_blocking=True),
-        block_tables=tables.to(device, non_blocking=True),
-        slot_mapping=slot_tensor.to(device, non_blocking=True),
+        query_start_loc=upload(qsl),
+        seq_lens=upload(seq),
+        block_tables=tables,
+        slot_mapping=upload(torch.tensor(slots, dtype=torch.int64)),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         block_size=block_size,

@@ -8,13 +8,17 @@ Every tensor that no row needs is left as None so the sampler can skip the work:
 an all-greedy batch without penalties, bias or bans reduces to one argmax.
 Building happens on the host from Python lists; the copies to the device are
 host-to-device only (pinned + non_blocking on CUDA), never device-to-host.
+
+The penalties' history (output-token counts, prompt masks) is either counted here
+from the rows' token lists (the reference path) or handed in by a `PenaltyHistory`
+that keeps it on the device between steps (pagoda.worker.penalty_state).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +55,22 @@ class PendingOutputs:
 
     def token_ids(self, device: torch.device) -> torch.Tensor:
         return self.sampled_ids.index_select(0, host_to_device(self.sources, torch.int64, device))
+
+
+class PenaltyHistory(Protocol):
+    """The penalties' history of a batch's rows, kept elsewhere (e.g. on the device)."""
+
+    def tensors(self, with_prompt_mask: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """([B, V] float32 output-token counts, [B, V] bool prompt mask or None).
+
+        Rows whose params use no penalty may hold any finite values: neutral penalties
+        leave their logits bit-identical whatever the counts (apply_penalties)."""
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    """Whether a row's repetition, frequency or presence penalty departs from neutral."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -156,16 +176,9 @@ def _token_positions(
     return host_to_device(row_indices, torch.int64, device), host_to_device(token_ids, torch.int64, device)
 
 
-def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
-                     pending: Optional[PendingOutputs]) -> Optional[PenaltyTensors]:
-    repetition = [r.params.repetition_penalty for r in rows]
-    frequency = [r.params.frequency_penalty for r in rows]
-    presence = [r.params.presence_penalty for r in rows]
-    use_repetition = any(x != 1.0 for x in repetition)
-    use_frequency = any(x != 0.0 for x in frequency)
-    use_presence = any(x != 0.0 for x in presence)
-    if not (use_repetition or use_frequency or use_presence):
-        return None
+def _count_history(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
+                   pending: Optional[PendingOutputs], use_repetition: bool):
+    """(output-token counts, prompt mask or None) counted from the rows' token lists."""
     shape = (len(rows), vocab_size)
     row_indices, token_ids = _token_positions([r.output_token_ids for r in rows], vocab_size, "output_token_ids", device)
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -180,6 +193,24 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch
         row_indices, token_ids = _token_positions([r.prompt_token_ids for r in rows], vocab_size, "prompt_token_ids", device)
         prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
         prompt_mask.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.bool))
+    return counts, prompt_mask
+
+
+def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
+                     pending: Optional[PendingOutputs],
+                     history: Optional[PenaltyHistory]) -> Optional[PenaltyTensors]:
+    if not any(uses_penalties(r.params) for r in rows):
+        return None
+    repetition = [r.params.repetition_penalty for r in rows]
+    frequency = [r.params.frequency_penalty for r in rows]
+    presence = [r.params.presence_penalty for r in rows]
+    use_repetition = any(x != 1.0 for x in repetition)
+    use_frequency = any(x != 0.0 for x in frequency)
+    use_presence = any(x != 0.0 for x in presence)
+    if history is not None:
+        counts, prompt_mask = history.tensors(use_repetition)
+    else:
+        counts, prompt_mask = _count_history(rows, vocab_size, device, pending, use_repetition)
     return PenaltyTensors(
         repetition=host_to_device(repetition, torch.float32, device) if use_repetition else None,
         frequency=host_to_device(frequency, torch.float32, device) if use_frequency else None,
@@ -239,13 +270,16 @@ def build_sampling_metadata(
     device: torch.device | str,
     generator: Optional[torch.Generator] = None,
     pending_outputs: Optional[PendingOutputs] = None,
+    penalty_history: Optional[PenaltyHistory] = None,
 ) -> SamplingMetadata:
     """Packs the rows of one step into tensors on `device`.
 
     `generator` draws the noise of rows without their own generator (None: torch's
     default generator of that device). `pending_outputs` are output tokens of some
-    rows known only on the device (counted by the penalties). Raises ValueError for a
-    token id outside the vocabulary or a seeded row without its generator.
+    rows known only on the device (counted by the penalties). `penalty_history`, when
+    given, supplies the penalties' counts and prompt masks instead of counting them
+    here from the rows' lists (`pending_outputs` is then unused). Raises ValueError
+    for a token id outside the vocabulary or a seeded row without its generator.
     """
     device = torch.device(device)
     if not rows:
@@ -272,7 +306,7 @@ def build_sampling_metadata(
         max_top_k=max(enabled_top_k) if enabled_top_k else None,
         top_p=_random_row_tensor([p.top_p for p in params], 1.0, is_random, torch.float32, device),
         min_p=_random_row_tensor([p.min_p for p in params], 0.0, is_random, torch.float32, device),
-        penalties=_build_penalties(rows, vocab_size, device, pending_outputs),
+        penalties=_build_penalties(rows, vocab_size, device, pending_outputs, penalty_history),
         logit_bias=_build_logit_bias(rows, vocab_size, device),
         min_tokens_bans=_build_min_tokens_bans(rows, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,

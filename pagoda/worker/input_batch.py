@@ -12,6 +12,7 @@ previous step.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,9 +21,10 @@ import torch
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.outputs import SchedulerOutput
-from pagoda.host_copy import host_to_device
+from pagoda.host_copy import tensor_to_device
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.block_table import DeviceBlockTable
+from pagoda.worker.staging import StagingRing
 
 
 @dataclass
@@ -159,9 +161,11 @@ def single_row_index(sample_req_ids: list[str]) -> dict[str, int]:
 def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutput,
                       block_size: int, device, pad_to: Optional[int] = None,
                       prev: Optional[PrevSampled] = None,
-                      block_table: Optional[DeviceBlockTable] = None) -> StepInputs:
+                      block_table: Optional[DeviceBlockTable] = None,
+                      staging: Optional[StagingRing] = None) -> StepInputs:
     """The step's flattened inputs. With a device block table the metadata's block
     tables are gathered on the device from it; otherwise built and uploaded whole.
+    staging: the worker's pinned buffers for the uploads (None: fresh ones).
 
     A request whose chunk reaches its last known token samples there, and once more
     after each draft of the chunk (a verify step): rows last .. end - 1."""
@@ -200,18 +204,23 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
                 prompt_rows[req_id] = (row, wanted)
         row += n
     device_tables = None if block_table is None else block_table.gather(req_ids)
-    metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device, pad_to,
-                                        device_block_tables=device_tables)
     pad = (pad_to or row) - row
-    ids_pos = host_to_device([token_ids + [0] * pad, positions + [0] * pad], torch.long, device)
-    if pending_dst:
-        _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, device)
+    uploads = (staging.step() if staging is not None
+               else nullcontext(lambda tensor: tensor_to_device(tensor, device)))
+    with uploads as upload:
+        metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device,
+                                            pad_to, device_block_tables=device_tables,
+                                            upload=upload)
+        ids_pos = upload(torch.tensor([token_ids + [0] * pad, positions + [0] * pad],
+                                      dtype=torch.long))
+        if pending_dst:
+            _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, upload)
     return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
                       prompt_rows, pending_output, verified)
 
 
 def _fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], sources: list[int],
-                         prev: PrevSampled, device) -> None:
+                         prev: PrevSampled, upload) -> None:
     """input_ids[rows] = prev.token_ids[sources], on the device (no host sync)."""
-    index = host_to_device([rows, sources], torch.long, device)
+    index = upload(torch.tensor([rows, sources], dtype=torch.long))
     input_ids.index_copy_(0, index[0], prev.token_ids.index_select(0, index[1]))

@@ -10,6 +10,11 @@ returning without waiting for the device:
   one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
 A request verifying draft tokens samples one row per draft plus one; the host keeps
 the longest matching prefix (pagoda.sample.verify). execute_step() is both, waited for.
+
+The penalties' history lives on the device between steps (worker/penalty_state.py):
+created when a request enters, counted on the device after each single-row sample,
+caught up from the host's kept tokens after a verify step. With `penalty_state` set
+to None it is counted from the host's lists every step instead (the reference path).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
                                        apply_scheduler_output, build_step_inputs,
                                        single_row_index)
+from pagoda.worker.penalty_state import PenaltyState, StepPenalties
+from pagoda.worker.staging import StagingRing
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
 from pagoda.worker.kv_pool import KVCachePool
@@ -90,12 +97,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
+        # Penalty history on the device; None: rebuilt from the host's lists each step.
+        self.penalty_state: Optional[PenaltyState] = PenaltyState(self.arch.vocab_size,
+                                                                  self.device)
         self.kv_pool: Optional[KVCachePool] = None  # set by initialize_kv_cache
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
         # The running requests' block ids on the device (CUDA; set with the KV cache).
         # On CPU the attention reads block tables on the host, so they are built there.
         self.block_table: Optional[DeviceBlockTable] = None
+        # Reused pinned buffers for the step inputs' uploads (nothing on CPU).
+        self.staging = StagingRing(self.device)
         self.warmup_seconds = 0.0
         # The last step's sampled ids, on the device, for tokens the host lacks yet.
         self._prev_sampled: Optional[PrevSampled] = None
@@ -178,12 +190,14 @@ class ModelRunner:
             raise RuntimeError("execute_model() called twice without sample_tokens(): "
                                "every launched forward must be sampled")
         apply_scheduler_output(self.states, out, self._make_generator, self.block_table)
+        if self.penalty_state is not None:
+            self.penalty_state.apply(out, self.states)
         if out.total_num_scheduled_tokens == 0:
             self._launched = _LaunchedForward(None, None, False)
             return
         inputs = build_step_inputs(self.states, out, self.block_size, self.device,
                                    pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
-                                   block_table=self.block_table)
+                                   block_table=self.block_table, staging=self.staging)
         graphs = self.graph_runner
         output_rows = None
         if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
@@ -255,9 +269,13 @@ class ModelRunner:
             apply_token_bitmask(logits, stack_row_bitmasks(
                 extras.grammar_bitmasks, inputs.sample_req_ids, self.vocab_size), self.device)
         rows = self._sampling_rows(inputs)
+        step_penalties = self._step_penalties(inputs)
+        pending = None if self.penalty_state is not None else self._pending_outputs(inputs)
         metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,
-                                           pending_outputs=self._pending_outputs(inputs))
+                                           pending_outputs=pending, penalty_history=step_penalties)
         out = self.sampler(logits, metadata)
+        if step_penalties is not None:
+            step_penalties.record_sampled(out.sampled_token_ids)
         wanted = [r.params.logprobs for r in rows]
         if out.logprobs is None:
             return out.sampled_token_ids, None, wanted
@@ -290,6 +308,17 @@ class ModelRunner:
                 generator.manual_seed(seed)
         return SamplingRow(state.params, state.prompt_token_ids, outputs, generator,
                            num_pending_outputs=num_pending)
+
+    def _step_penalties(self, inputs: StepInputs) -> Optional[StepPenalties]:
+        """This step's rows of the device penalty history (None: no row has one, or
+        the history is rebuilt from the host's lists)."""
+        state = self.penalty_state
+        if state is None:
+            return None
+        num_known = {req_id: len(self.states[req_id].output_token_ids)
+                     + int(req_id in inputs.pending_output)
+                     for req_id in set(inputs.sample_req_ids) if req_id in state}
+        return state.begin_step(inputs.sample_req_ids, inputs.verified_drafts, num_known)
 
     def _pending_outputs(self, inputs: StepInputs) -> Optional[PendingOutputs]:
         """The rows' output tokens that only the previous step's sampled ids hold."""
