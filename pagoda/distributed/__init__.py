@@ -1,0 +1,1 @@
+"""pagoda.distributed: the tensor-parallel process group and its collectives."""

@@ -1,0 +1,82 @@
+"""The tensor-parallel group of this process, and the collectives layers call.
+
+One process per rank (GPU); `init_distributed` joins the group through torch.distributed
+(NCCL on CUDA, gloo on CPU). Until it is called, or with a group of one, the world is
+this process alone and every collective is the identity, so a model built with
+tp_size 1 runs with no group at all.
+
+NVLink multicast (NVLS) must stay off in every process that joins a group: it can take
+a shared host's GPUs out of service. `MULTICAST_OFF_ENV` holds the variables that keep
+it off; `init_distributed` sets them before the first collective and refuses a value
+that turns it on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
+
+_world_size = 1
+_rank = 0
+
+
+def keep_multicast_off(environ: Optional[dict] = None) -> None:
+    """Sets the variables that keep NVLink multicast off (in os.environ by default);
+    raises if one is already set to turn it on."""
+    env = os.environ if environ is None else environ
+    for name, value in MULTICAST_OFF_ENV.items():
+        if env.get(name, value) != value:
+            raise RuntimeError(f"{name}={env[name]!r} would turn NVLink multicast on; Pagoda "
+                               f"requires {name}={value}")
+        env[name] = value
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+    """Joins the tensor-parallel group as `rank` of `world_size` (backend "nccl" or
+    "gloo"; init_method e.g. "tcp://127.0.0.1:PORT")."""
+    global _world_size, _rank
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got {rank}, {world_size}")
+    keep_multicast_off()
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size)
+    _world_size, _rank = world_size, rank
+
+
+def destroy_distributed() -> None:
+    global _world_size, _rank
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _world_size, _rank = 1, 0
+
+
+def tp_world_size() -> int:
+    return _world_size
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums x over the group, in place; returns x (the identity for a group of one)."""
+    if _world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenates every rank's x along dim, in rank order (x itself for a group of one)."""
+    if _world_size == 1:
+        return x
+    dim = dim % x.dim()
+    parts = torch.empty((_world_size, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(parts, x.contiguous())
+    return torch.cat(parts.unbind(0), dim=dim)
