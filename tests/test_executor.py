@@ -22,20 +22,14 @@ from pagoda.executor.base import ExecutorDeadError, ModelInfo
 from pagoda.executor.uniproc import UniProcExecutor
 from pagoda.sampling_params import SamplingParams
 
+from drafting_helpers import Done
+
 VOCAB = 97
 EOS = 5
 
 
 def fake_next_token(tokens: list[int]) -> int:
     return (sum(tokens) * 31 + len(tokens)) % VOCAB
-
-
-class _Done:
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
 
 
 class FakeWorker:
@@ -69,7 +63,7 @@ class FakeWorker:
             self.computed[cached.req_id] = cached.num_computed_tokens
         self.launched.append(out)
 
-    def sample_tokens(self, extras: StepExtras) -> _Done:
+    def sample_tokens(self, extras: StepExtras) -> Done:
         assert len(self.launched) == len(self.extras) + 1, "sampling without a forward"
         self.extras.append(extras)
         out = self.launched[-1]
@@ -85,7 +79,7 @@ class FakeWorker:
                 now[rid] = fake_next_token(tokens)
             sampled.append([now[rid]] if rid in now else [])
         self.last_sampled = now
-        return _Done(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
+        return Done(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
 
 
 def make_engine(async_scheduling: bool) -> LLMEngine:

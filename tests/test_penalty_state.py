@@ -27,6 +27,8 @@ from pagoda.sample.verify import accept_draft_tokens
 from pagoda.worker.input_batch import apply_scheduler_output
 from pagoda.worker.penalty_state import PenaltyState
 
+from drafting_helpers import DraftingExecutor
+
 VOCAB = 23
 KINDS = [
     SamplingParams(),
@@ -327,38 +329,6 @@ def test_engine_incremental_equals_rebuilt_with_preemption(async_scheduling, mon
     assert engine.audit_kv_cache().in_use == 0
 
 
-class Drafting:
-    """After each step, proposes the next tokens of a reference run as drafts (with
-    one wrong token for odd requests), as test_verify_step.py's executor does."""
-
-    def __init__(self, executor, reference: dict[str, list[int]], monkeypatch) -> None:
-        self.inner, self.reference = executor.sample_tokens, reference
-        self.produced = {rid: 0 for rid in reference}
-        self.kept_several = 0
-        monkeypatch.setattr(executor, "sample_tokens", self.sample_tokens)
-
-    def sample_tokens(self, extras=None):
-        output = self.inner(extras).result()
-        for rid, kept in zip(output.req_ids, output.sampled_token_ids):
-            if not kept:
-                continue
-            self.kept_several += len(kept) > 1
-            self.produced[rid] += len(kept)
-            drafts = self.reference[rid][self.produced[rid]:self.produced[rid] + 3]
-            if int(rid) % 2 and len(drafts) > 1:
-                drafts[1] = (drafts[1] + 1) % 512
-            output.spec_token_ids[rid] = drafts
-        return _Done(output)
-
-
-class _Done:
-    def __init__(self, output) -> None:
-        self.output = output
-
-    def result(self):
-        return self.output
-
-
 def test_engine_verify_steps_incremental_equals_rebuilt(monkeypatch):
     params = [p for p in engine_params() if p.temperature == 0] * 2
     plain = token_ids(make_llm(False, True, blocks=64).generate(prompts(len(params)), params,
@@ -368,8 +338,9 @@ def test_engine_verify_steps_incremental_equals_rebuilt(monkeypatch):
         llm = make_llm(False, incremental, blocks=64)
         engine = llm.llm_engine
         engine._ids = iter(range(100))  # request ids "0", "1", ...
-        drafting = Drafting(engine.executor, {str(i): r for i, r in enumerate(plain)},
-                            monkeypatch)
+        drafting = DraftingExecutor(engine.executor, {str(i): r for i, r in enumerate(plain)},
+                                    monkeypatch, num_drafts=3,
+                                    wrong=lambda rid: int(rid) % 2 == 1, vocab_size=512)
         if incremental:
             check = PenaltyCheck(engine.executor.runner, monkeypatch)
         results.append(token_ids(llm.generate(prompts(len(params)), params, use_tqdm=False)))

@@ -18,6 +18,8 @@ from pagoda.core.outputs import StepExtras
 from pagoda.sample.token_bitmask import bitmask_words
 from pagoda.sample.verify import accept_draft_tokens
 
+from drafting_helpers import DraftingExecutor
+
 NUM_DRAFTS = 3
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 4 * i)] for i in range(4)]
 MAX_TOKENS = 14
@@ -34,55 +36,13 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-class DraftingExecutor:
-    """Wraps the executor's sample_tokens: after each step, proposes drafts from the
-    reference (request 1's second draft is made wrong) and records what came back."""
-
-    def __init__(self, executor, reference: dict[str, list[int]]) -> None:
-        self.inner = executor.sample_tokens
-        self.reference = reference
-        self.produced = {rid: 0 for rid in reference}
-        self.steps: list[tuple[str, list[int], list[int]]] = []  # (rid, drafts, kept)
-        self.launched = None
-
-    def execute_model(self, inner):
-        def execute(out):
-            self.launched = out
-            return inner(out)
-        return execute
-
-    def sample_tokens(self, extras=None):
-        output = self.inner(extras).result()
-        drafts_of = self.launched.scheduled_spec_decode_tokens
-        for rid, kept in zip(output.req_ids, output.sampled_token_ids):
-            if not kept:
-                continue
-            self.steps.append((rid, list(drafts_of.get(rid, [])), list(kept)))
-            self.produced[rid] += len(kept)
-            ref = self.reference[rid]
-            drafts = ref[self.produced[rid]:self.produced[rid] + NUM_DRAFTS]
-            if rid == "1" and len(drafts) > 1:
-                drafts[1] = (drafts[1] + 1) % 256
-            output.spec_token_ids[rid] = drafts
-        return _Done(output)
-
-
-class _Done:
-    def __init__(self, output) -> None:
-        self.output = output
-
-    def result(self):
-        return self.output
-
-
 def test_verify_steps_keep_exactly_the_matching_drafts(monkeypatch):
     llm = make_llm()
     reference = greedy(llm)
     engine = llm.llm_engine
-    drafting = DraftingExecutor(engine.executor, {str(i): r for i, r in enumerate(reference)})
-    monkeypatch.setattr(engine.executor, "execute_model",
-                        drafting.execute_model(engine.executor.execute_model))
-    monkeypatch.setattr(engine.executor, "sample_tokens", drafting.sample_tokens)
+    drafting = DraftingExecutor(engine.executor, {str(i): r for i, r in enumerate(reference)},
+                                monkeypatch, NUM_DRAFTS, wrong=lambda rid: rid == "1",
+                                vocab_size=256)
     # Request ids "0".."3": the engine numbers requests from its own counter.
     engine._ids = iter(range(100))
     assert greedy(llm) == reference
