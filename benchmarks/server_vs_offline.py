@@ -22,16 +22,15 @@ import gc
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+
+from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
 
 PARAGRAPH = ("The old lighthouse keeper climbed the spiral stairs every evening, counting each "
              "step as the waves broke against the rocks below. Ships passed in the distance, "
@@ -82,47 +81,6 @@ async def _run_streams(url: str, model: str, prompts, max_tokens: int) -> dict:
         elapsed = time.perf_counter() - start
     total = sum(tokens)
     return {"seconds": elapsed, "output_tokens": total, "output_tokens_per_s": total / elapsed}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(engine_flags: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port), "--disable-uvicorn-access-log", "--disable-log-requests",
-         "--uvicorn-log-level", "warning", *engine_flags], stdout=log, stderr=subprocess.STDOUT,
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
-    url = f"http://127.0.0.1:{port}"
-    import urllib.error
-    import urllib.request
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)  # readiness poll
-    proc.kill()
-    raise TimeoutError("the server did not become ready in 600 s")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
 
 
 def main(argv=None) -> int:

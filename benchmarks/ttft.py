@@ -28,19 +28,15 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+
+from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
 
 # name -> (random input len, shared prefix len); prompt length = input + prefix
 WORKLOADS = {"short": (64, 0), "long": (2112, 0), "cached": (64, 2048)}
@@ -51,12 +47,6 @@ TINY_CONFIG = {  # ~1 ms forward on CPU, so the host-side overheads show
     "intermediate_size": 128, "vocab_size": 49152, "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_flags(args, workdir: str) -> list[str]:
@@ -72,40 +62,6 @@ def server_flags(args, workdir: str) -> list[str]:
         from pagoda.model.tokenizer import embedded_model_path
         flags += ["--tokenizer", str(embedded_model_path())]
     return flags
-
-
-def start_server(flags: list[str], trace_path: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PAGODA_TTFT_TRACE": trace_path}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port), "--disable-uvicorn-access-log", "--disable-log-requests",
-         "--uvicorn-log-level", "warning", *flags],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return proc, url
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)  # readiness poll of a separate process: nothing to await
-    proc.kill()
-    raise TimeoutError(f"the server was not ready in 900 s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def bench_args(args, url: str, name: str):
@@ -218,7 +174,7 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="pagoda-ttft-")
     trace_path, log_path = os.path.join(workdir, "trace.jsonl"), os.path.join(workdir, "serve.log")
     flags = server_flags(args, workdir)
-    proc, url = start_server(flags, trace_path, log_path)
+    proc, url = start_server(flags, log_path, {"PAGODA_TTFT_TRACE": trace_path})
     results, seen = [], 0
     try:
         for name in names:
