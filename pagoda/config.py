@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 BLOCK_SIZES = (8, 16, 32, 64)
+# "mp": one worker process per GPU on this host; "ray" is vLLM's name for workers placed
+# by Ray (several hosts): accepted here, refused when the engine starts (not available).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_KV_CACHE_MEMORY = 1 << 30
@@ -90,12 +93,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
+    """Only the names and ranges are checked here. Whether the model's heads split over
+    tensor_parallel_size is checked once its shape is known
+    (pagoda.model.parallel.check_tensor_parallel); whether the machine has that many
+    GPUs, by EngineArgs.create_engine_config."""
+
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise _fail("tensor_parallel_size", "1 (tensor parallelism is not supported yet)",
-                        self.tensor_parallel_size)
+        if self.tensor_parallel_size is None:
+            raise _fail("tensor_parallel_size", "an integer >= 1", None)
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_choice("distributed_executor_backend", self.distributed_executor_backend,
+                      DISTRIBUTED_EXECUTOR_BACKENDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+def _check_gpus_for_tp(tensor_parallel_size: int) -> None:
+    """On CUDA, one GPU per tensor-parallel rank must be visible to this process."""
+    if tensor_parallel_size > 1:
+        present = _cuda_device_count()
+        if tensor_parallel_size > present:
+            raise ValueError(f"tensor_parallel_size is {tensor_parallel_size} but only "
+                             f"{present} CUDA GPU(s) are visible (one GPU per rank)")
+
+
 @dataclass
 class EngineArgs:
     """Flat keyword arguments (vLLM's names), turned into an EngineConfig."""
@@ -149,6 +174,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -179,6 +205,9 @@ class EngineArgs:
         if self.async_scheduling not in (None, True, False):
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        if device == "cuda":
+            _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory
         if kv_memory is None and device == "cpu":
             kv_memory = CPU_KV_CACHE_MEMORY
@@ -190,6 +219,6 @@ class EngineArgs:
                               self.enable_prefix_caching, self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
                                       self.enable_chunked_prefill, async_scheduling),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=parallel,
             device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
         )

@@ -27,14 +27,16 @@ def smollm2_gguf():
     return embedded_model_path()
 
 
-def save_tiny_hf_model(path, arch: str, seed: int = 0):
-    """A randomly initialised tiny transformers model saved as a safetensors directory."""
+def save_tiny_hf_model(path, arch: str, seed: int = 0, **overrides):
+    """A randomly initialised tiny transformers model saved as a safetensors directory
+    (overrides: config fields replacing the tiny defaults, e.g. num_key_value_heads)."""
     import torch
     import transformers
 
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    common.update(overrides)
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)
         cls = transformers.LlamaForCausalLM

@@ -72,11 +72,28 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
+# older torch (the GPU machines run 2.11) has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenates every rank's x along dim, in rank order (x itself for a group of one)."""
+    """Concatenates every rank's x along dim, in rank order (x itself for a group of one).
+
+    One collective into one flat buffer [world * x.shape[0], ...] (the "concatenated"
+    output form, the one both gloo and NCCL accept), then the rank blocks are moved to
+    dim. No host sync and shapes fixed by x's, so a CUDA graph can capture it.
+    """
     if _world_size == 1:
         return x
     dim = dim % x.dim()
-    parts = torch.empty((_world_size, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(parts, x.contiguous())
-    return torch.cat(parts.unbind(0), dim=dim)
+    flat = torch.empty((_world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                       device=x.device)
+    _all_gather_flat(flat, x.contiguous())
+    parts = flat.view(_world_size, *x.shape)
+    if dim == 0:
+        return flat
+    # [world, d0, .., d_dim, ..] -> [d0, .., world, d_dim, ..] -> merge world into dim.
+    shape = list(x.shape)
+    shape[dim] *= _world_size
+    return parts.movedim(0, dim).reshape(shape)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, LOAD_FORMATS,
-                           POLICIES, EngineArgs)
+from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
+                           DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES,
+                           EngineArgs)
 from pagoda.sampling_params import SamplingParams
 
 
@@ -43,7 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="number of GPUs for tensor parallelism (only 1 is supported)")
+                   help="number of GPUs (one process each) the model is split across; the "
+                        "model's attention heads must split evenly over them")
+    g.add_argument("--distributed-executor-backend", default="mp",
+                   choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                   help="how tensor-parallel workers are started: mp (one process per GPU "
+                        "on this machine); ray is not available yet")
     g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: triton on GPU, torch_ref on CPU)")

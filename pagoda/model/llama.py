@@ -196,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, the full
+        vocabulary on every tensor-parallel rank (the LM head all-gathers its shards)."""
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

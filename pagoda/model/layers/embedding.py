@@ -1,8 +1,11 @@
 """Vocab-parallel token embedding and LM head.
 
 The vocabulary is split into tp_size contiguous ranges of ceil(vocab / tp_size) rows;
-the last range is zero-padded. With tp_size > 1 the embedding would mask out-of-range
-ids and all-reduce, and the head would all-gather logits: not implemented yet.
+the last range is zero-padded (and a rank past the end of a tiny vocabulary owns only
+padding). With tp_size > 1 the embedding reads zeros for ids outside its range and
+all-reduces, so every rank gets every token's row; the LM head computes the logits of
+its rows and all-gathers them along the vocab dim, trimmed to vocab_size, so every rank
+(the sampler on rank 0 included) sees the full [N, vocab] logits.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.layers.linear import (LayerWeightLoader, ShardId, check_tp, copy_checked,
-                                        tp_collective_unsupported)
+from pagoda.distributed.parallel_state import tp_all_gather, tp_all_reduce
+from pagoda.model.layers.linear import (LayerWeightLoader, ShardId, check_tp, check_tp_group,
+                                        copy_checked)
 from pagoda.model.layers.matmul import linear
 
 
@@ -24,7 +28,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.rows_per_rank = -(-num_embeddings // tp_size)
-        self.vocab_start = tp_rank * self.rows_per_rank
+        # [vocab_start, vocab_end): the ids this rank owns (empty past a tiny vocab's end).
+        self.vocab_start = min(tp_rank * self.rows_per_rank, num_embeddings)
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim),
                                    requires_grad=False)
@@ -44,15 +49,26 @@ class VocabParallelEmbedding(nn.Module):
             param.data[owned:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            raise tp_collective_unsupported(type(self).__name__)
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        check_tp_group(type(self).__name__, self.tp_rank, self.tp_size)
+        # Masked, not indexed by the owned ids: the shapes stay those of input_ids and
+        # nothing waits on the host, so a CUDA graph can capture it.
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
+        rows = F.embedding(local_ids, self.weight)
+        rows.masked_fill_(~owned.unsqueeze(-1), 0)
+        return tp_all_reduce(rows)  # exactly one rank contributes each row: a copy
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab] (no bias)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            raise tp_collective_unsupported(type(self).__name__)
-        return linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return linear(hidden, self.weight)
+        check_tp_group(type(self).__name__, self.tp_rank, self.tp_size)
+        logits = tp_all_gather(linear(hidden, self.weight), dim=-1)  # [N, size * rows]
+        if logits.shape[-1] != self.num_embeddings:  # drop the last rank's padded rows
+            logits = logits[:, :self.num_embeddings].contiguous()
+        return logits

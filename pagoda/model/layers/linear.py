@@ -2,14 +2,15 @@
 
 Each parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: it is
 given the *full* checkpoint tensor and copies the slice that belongs to this layer's
-``tp_rank`` of ``tp_size``. Only tp_size == 1 runs today; layers built with a larger
-tp_size load their shards correctly but refuse to run the collectives they would need.
+``tp_rank`` of ``tp_size``. With tp_size > 1 the row-parallel layer all-reduces its
+partial sums through pagoda.distributed (the identity in a group of one).
 
 - ColumnParallelLinear: output dim split across ranks (no gather; the next layer is
   row-parallel).
 - MergedColumnParallelLinear: several column-parallel outputs in one matmul (gate_up).
 - QKVParallelLinear: q, k, v in one matmul, split by heads; shard ids "q", "k", "v".
-- RowParallelLinear: input dim split; the partial sums would be all-reduced.
+- RowParallelLinear: input dim split; the partial sums are all-reduced, then the
+  (replicated) bias is added once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
 from pagoda.model.layers.matmul import linear
 
 ShardId = Union[int, str, None]
@@ -44,6 +46,15 @@ class LayerWeightLoader:
 def check_tp(tp_rank: int, tp_size: int) -> None:
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+
+
+def check_tp_group(layer: str, rank: int, size: int) -> None:
+    """Raises unless this process joined the group the layer was built for: without it
+    the collectives would be the identity and the layer's output silently a partial."""
+    if tp_world_size() != size or tp_rank() != rank:
+        raise RuntimeError(f"{layer} was built for tp rank {rank} of {size}, but this process "
+                           f"is rank {tp_rank()} of {tp_world_size()}: call "
+                           f"pagoda.distributed.parallel_state.init_distributed first")
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -93,11 +104,6 @@ def materialize_module(module: nn.Module, device: torch.device | str,
         for name, buf in list(sub._buffers.items()):
             if buf is not None:
                 sub._buffers[name] = torch.empty_like(buf, device=device)
-
-
-def tp_collective_unsupported(layer: str) -> NotImplementedError:
-    return NotImplementedError(f"{layer} with tp_size > 1 needs a collective "
-                               f"(all-reduce/all-gather), which is not implemented yet")
 
 
 class LinearBase(nn.Module):
@@ -199,8 +205,9 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; each rank's partial sum would be all-reduced (the
-    bias, replicated, must then be added once, after the reduce)."""
+    """Input dim split across ranks: x is this rank's shard of the input (the output of
+    a column-parallel layer, or of this rank's attention heads); each rank's partial
+    product is all-reduced, and the bias, replicated, is added once, after the reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -220,6 +227,10 @@ class RowParallelLinear(LinearBase):
                      "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            raise tp_collective_unsupported("RowParallelLinear")
-        return linear(x, self.weight, self.bias)
+        if self.tp_size == 1:  # no collective, the bias fused in the matmul: as before TP
+            return linear(x, self.weight, self.bias)
+        check_tp_group("RowParallelLinear", self.tp_rank, self.tp_size)
+        out = tp_all_reduce(linear(x, self.weight))
+        if self.bias is not None:
+            out += self.bias  # added to the sum, not to each partial (that would add it N times)
+        return out

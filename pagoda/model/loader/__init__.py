@@ -1,6 +1,8 @@
 """Model loading: pick the weight format, build the model on meta, materialise, fill.
 
-``load_model(model_path_or_preset, load_format, dtype, device, seed) -> (model, arch)``
+``load_model(model_path_or_preset, load_format, dtype, device, seed, tp) -> (model, arch)``
+(tp: this rank's TensorParallel; the loaders shard while loading);
+``load_arch_config(model_path_or_preset, load_format) -> arch`` without the weights.
 
 Formats:
 - "gguf": a .gguf file, or a directory holding exactly one.
@@ -26,7 +28,7 @@ from torch import nn
 
 from pagoda.config import LOAD_FORMATS
 from pagoda.model.arch_config import ArchConfig
-from pagoda.model.parallel import SINGLE_RANK, TensorParallel
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel, check_tensor_parallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.registry import get_model_class
 
@@ -68,10 +70,29 @@ def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.d
     """The model for arch, this rank's share of it (tp), with uninitialised weights of
     dtype on device (built on meta, so nothing is allocated or initialised twice)."""
     cls = get_model_class(arch.architecture)
+    check_tensor_parallel(arch, tp.size)  # a clear message before any layer's own check
     with torch.device("meta"):
         model = cls(arch, tp)
     model.materialize(device, dtype)
     return model.eval()
+
+
+def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> ArchConfig:
+    """The ArchConfig load_model would build, read without touching any weight (for
+    checks made before workers start, e.g. check_tensor_parallel)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load_format {load_format!r}; supported: "
+                         f"{', '.join(LOAD_FORMATS)}")
+    name = str(model_path_or_preset)
+    fmt = detect_load_format(name) if load_format == "auto" else load_format
+    if fmt == "gguf":
+        from pagoda.model.loader.gguf import read_gguf_arch_config
+        return read_gguf_arch_config(Path(name))
+    if fmt == "safetensors":
+        from pagoda.model.loader.safetensors import read_arch_config
+        return read_arch_config(Path(name))
+    from pagoda.model.loader.dummy import dummy_arch_config
+    return dummy_arch_config(name)
 
 
 def load_model(model_path_or_preset: str, load_format: str = "auto",

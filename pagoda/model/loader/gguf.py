@@ -101,6 +101,16 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[st
         yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
 
 
+def read_gguf_arch_config(path: Path) -> ArchConfig:
+    """The ArchConfig in the metadata of the .gguf file at path (no tensor is read)."""
+    from pagoda.model.loader import find_gguf_file
+
+    file = find_gguf_file(path)
+    if file is None:
+        raise ValueError(f"no .gguf file at {path}")
+    return ArchConfig.from_gguf_metadata(FastGGUFReader(str(file)))
+
+
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     device: Union[str, torch.device],
                     tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
