@@ -57,6 +57,7 @@ def make_engine(async_scheduling: bool = False, **worker_kwargs) -> LLMEngine:
 
 
 def assert_all_gone(processes) -> None:
+    assert len(processes) == 2
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     for p in processes:
         assert not p.is_alive() and p.exitcode is not None
@@ -79,6 +80,10 @@ def test_engine_through_two_processes_equals_the_direct_rule(async_scheduling):
         seen = executor.collective_rpc("steps_seen")
         assert len(executor.sent) > 6 and seen == [executor.sent, executor.sent]
         assert engine.audit_kv_cache().in_use == 0
+        # rank 0 holds 64 blocks, rank 1 54: one block id must mean the same on both.
+        assert engine.num_blocks == 54
+        assert executor.determine_kv_cache_config(100) == KVCacheConfig(
+            54, engine.kv_cache_config.layer_specs)
         engine.check_health()
     finally:
         engine.shutdown()
@@ -88,18 +93,6 @@ def test_engine_through_two_processes_equals_the_direct_rule(async_scheduling):
     with pytest.raises(ExecutorDeadError, match="shut down"):
         executor.collective_rpc("whoami")
     engine.shutdown()  # idempotent
-
-
-def test_kv_cache_config_takes_the_fewest_blocks_of_any_rank():
-    engine = make_engine()
-    try:
-        # rank 0 holds 64 blocks, rank 1 54: one block id must mean the same on both.
-        assert engine.executor.determine_kv_cache_config(100) == KVCacheConfig(
-            54, engine.kv_cache_config.layer_specs)
-        assert engine.num_blocks == 54
-        assert engine.executor.collective_rpc("model_info")[1].vocab_size == 97
-    finally:
-        engine.shutdown()
 
 
 def test_a_killed_worker_fails_the_step_in_flight_and_the_executor():
@@ -235,3 +228,29 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
                 os.kill(pid, signal.SIGKILL)
                 _wait_exit(pid, timeout=10)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def test_the_executor_class_follows_the_parallel_config():
+    from types import SimpleNamespace
+
+    from pagoda.executor.base import get_executor_class
+    from pagoda.executor.uniproc import UniProcExecutor
+
+    def config(tp: int, backend=None):
+        parallel = SimpleNamespace(tensor_parallel_size=tp)
+        if backend is not None:
+            parallel.distributed_executor_backend = backend
+        return SimpleNamespace(parallel=parallel)
+
+    assert get_executor_class(config(1)) is UniProcExecutor
+    assert get_executor_class(config(2)) is MultiprocExecutor
+    assert get_executor_class(config(2, "mp")) is MultiprocExecutor
+    with pytest.raises(ValueError, match="'ray' is not available yet"):
+        get_executor_class(config(2, "ray"))
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        get_executor_class(config(2, "dask"))
+
+
+def test_the_model_runner_is_not_started_in_a_group_of_another_size():
+    with pytest.raises(ValueError, match="world_size 2 differs from tensor_parallel_size 1"):
+        MultiprocExecutor(engine_config(), "unused", world_size=2)
