@@ -4,7 +4,8 @@ It is tests/test_executor.py's FakeWorker (tokens only from the SchedulerOutput 
 a deterministic next-token rule) plus: its rank, its pid, a digest of every step it
 saw, a gloo all-reduce per step that checks every rank runs the same step in lockstep,
 a KV block count that shrinks with the rank, and switches to fail at start-up, fail
-in a step, or never finish a step's sampling.
+in a step, never finish a step's sampling, or finish it only after the next step was
+launched (async scheduling's overlap, which the worker process must keep).
 """
 
 from __future__ import annotations
@@ -37,8 +38,22 @@ class _Never:
         threading.Event().wait()
 
 
+class _AfterNextLaunch:
+    """A step output that is ready only once the next step was launched: a worker
+    whose main loop waited for it before receiving the next step would deadlock."""
+
+    def __init__(self, done, next_launched: threading.Event) -> None:
+        self.done = done
+        self.next_launched = next_launched
+
+    def result(self):
+        self.next_launched.wait()
+        return self.done.result()
+
+
 class RankedFakeWorker(FakeWorker):
-    def __init__(self, config, model_path: str, rank: int, fail_at_start_rank: int = -1) -> None:
+    def __init__(self, config, model_path: str, rank: int, fail_at_start_rank: int = -1,
+                 results_after_next_launch: bool = False) -> None:
         if rank == fail_at_start_rank:
             raise ValueError(f"fake worker rank {rank} refuses to start")
         super().__init__(config, model_path)
@@ -47,6 +62,8 @@ class RankedFakeWorker(FakeWorker):
         self.seen: list[tuple] = []
         self.hang_sampling = False
         self.fail_next_step = False
+        self.results_after_next_launch = results_after_next_launch
+        self.next_launched: threading.Event = threading.Event()
 
     # ---- what the tests ask every rank ------------------------------------------------
     def whoami(self) -> tuple[int, int, bool]:
@@ -68,6 +85,7 @@ class RankedFakeWorker(FakeWorker):
     def execute_model(self, out: SchedulerOutput) -> None:
         if self.fail_next_step:
             raise RuntimeError(f"injected failure on rank {self.rank}")
+        self.next_launched.set()  # the previous step's output may now be ready
         self.seen.append(step_digest(out))
         if tp_world_size() > 1:  # every rank is at the same step with the same batch
             mine = torch.tensor([len(self.seen), out.total_num_scheduled_tokens])
@@ -78,4 +96,9 @@ class RankedFakeWorker(FakeWorker):
 
     def sample_tokens(self, extras: StepExtras):
         done = super().sample_tokens(extras)
-        return _Never() if self.hang_sampling else done
+        if self.hang_sampling:
+            return _Never()
+        if self.results_after_next_launch and not self.launched[-1].is_empty:
+            self.next_launched = threading.Event()
+            return _AfterNextLaunch(done, self.next_launched)
+        return done

@@ -66,7 +66,10 @@ def assert_all_gone(processes) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_through_two_processes_equals_the_direct_rule(async_scheduling):
-    engine = make_engine(async_scheduling)
+    # Under async scheduling each step's output is ready only after the next step was
+    # launched on that rank: this passes only if a worker's main loop receives and
+    # launches step N+1 while step N's output is awaited (off the main loop).
+    engine = make_engine(async_scheduling, results_after_next_launch=async_scheduling)
     executor = engine.executor
     try:
         whoami = executor.collective_rpc("whoami")
