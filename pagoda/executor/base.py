@@ -3,9 +3,9 @@
 The engine talks to its model only through this (and through `pagoda.core` types):
 initialise, size and build the KV cache, launch a step's forward, launch its sampling
 and get a future for its output, call a method on every worker, check health, shut
-down. The in-process executor (`uniproc`) is the first implementation; one process
-per GPU (tensor parallelism) and Ray placement (several machines) plug in behind the
-same methods, since everything here goes through `collective_rpc`, whose arguments
+down. The in-process executor (`uniproc`) runs tp size 1; `multiproc` runs one worker
+process per GPU (tensor parallelism); Ray placement (several machines) would plug in
+behind the same methods, since everything here goes through `collective_rpc`, whose arguments
 (SchedulerOutput, StepExtras) are plain picklable data.
 
 A worker is any object with the methods named below (`ModelRunner` is the one the
@@ -92,9 +92,19 @@ class Executor(ABC):
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor for the parallel config (one in-process worker at tp size 1)."""
-    if config.parallel.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size > 1 needs a multi-process executor, "
-                         "which is not available yet")
-    from pagoda.executor.uniproc import UniProcExecutor
-    return UniProcExecutor
+    """The executor for the parallel config: one in-process worker at tp size 1, one
+    worker process per rank above ("mp", the default distributed_executor_backend)."""
+    backend = getattr(config.parallel, "distributed_executor_backend", None) or "mp"
+    if backend == "ray":
+        raise ValueError("distributed_executor_backend='ray' is not available yet; "
+                         "use 'mp' (one process per GPU on this machine)")
+    if backend not in ("mp", "uni"):
+        raise ValueError(f"distributed_executor_backend must be 'mp' or 'uni', got {backend!r}")
+    if config.parallel.tensor_parallel_size == 1:
+        from pagoda.executor.uniproc import UniProcExecutor
+        return UniProcExecutor
+    if backend == "uni":
+        raise ValueError("distributed_executor_backend='uni' runs one worker in process: "
+                         "it needs tensor_parallel_size 1")
+    from pagoda.executor.multiproc import MultiprocExecutor
+    return MultiprocExecutor
