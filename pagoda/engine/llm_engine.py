@@ -69,6 +69,24 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model.model)
         factory = executor_factory or get_executor_class(config)
         self.executor = factory(config, self.model_path)
+        try:
+            self._start(config)
+        except BaseException:
+            self.executor.shutdown()  # worker processes must not outlive a failed start
+            raise
+        # Everything built so far (the block pool's blocks, the model's modules) lives
+        # as long as the engine: freezing it keeps the cyclic GC from walking it on
+        # every full collection; with a large block pool one such pause stalls a step
+        # (docs/performance.md, "measured reasons").
+        gc.collect()
+        gc.freeze()
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.startup_seconds, self.model_info.architecture, self.num_blocks,
+                    self.kv_cache_config.block_size, self.max_model_len)
+
+    def _start(self, config: EngineConfig) -> None:
+        """Everything after the executor: model facts, tokenizer, KV cache, scheduler."""
         info = self.executor.model_info
         self.model_info = info
         self.max_model_len = self._resolve_max_model_len(config, info)
@@ -77,9 +95,9 @@ class LLMEngine:
         kv_config = self.executor.determine_kv_cache_config(self.max_model_len)
         self.executor.initialize_kv_cache(kv_config, self.max_model_len)
         self.kv_cache_config = kv_config
-        num_blocks = self.num_blocks = kv_config.num_blocks
+        self.num_blocks = kv_config.num_blocks
         # The block manager's blocks are the pool's: the size the layers' specs declare.
-        self.kv_cache_manager = KVCacheManager(num_blocks, kv_config.block_size,
+        self.kv_cache_manager = KVCacheManager(kv_config.num_blocks, kv_config.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
         sched = config.scheduler
         self.scheduler = Scheduler(
@@ -97,16 +115,6 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
-        # Everything built so far (the block pool's blocks, the model's modules) lives
-        # as long as the engine: freezing it keeps the cyclic GC from walking it on
-        # every full collection; with a large block pool one such pause stalls a step
-        # (docs/performance.md, "measured reasons").
-        gc.collect()
-        gc.freeze()
-        self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.startup_seconds, info.architecture, num_blocks,
-                    kv_config.block_size, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -148,6 +148,14 @@ class _StepFuture:
         return self._executor._wait_for(self._call, ranks=(0,))[0]
 
 
+def _check_model_splits(config: EngineConfig, model_path: str, tp_size: int) -> None:
+    """Refuses, before any process starts, a model whose heads or columns do not split
+    over tp_size ranks (the shape is read without loading a weight)."""
+    from pagoda.model.loader import load_arch_config
+    from pagoda.model.parallel import check_tensor_parallel
+    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size)
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str,
                  worker_factory: Optional[WorkerFactory] = None,
@@ -168,6 +176,7 @@ class MultiprocExecutor(Executor):
                                  f"tensor_parallel_size {tp_size}: the model runner "
                                  f"shards by tensor_parallel_size")
             worker_factory = default_worker_factory
+            _check_model_splits(config, model_path, tp_size)
         self._dead_reasons: list[str] = []
         self._failed_ranks: set[int] = set()  # ranks whose failure is recorded
         self._shut_down = False
