@@ -8,6 +8,7 @@ async scheduling; a model whose heads do not split is refused before any process
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import save_tiny_hf_model
 
@@ -17,9 +18,10 @@ PROMPTS = [[(5 * i + 3 * j) % 300 + 3 for j in range(9 + 7 * i)] for i in range(
 PROMPTS.append(PROMPTS[4][:30] + [7, 8, 9])  # shares a cached prefix with prompt 4
 
 
-def generate(path: str, tp: int, async_scheduling: bool) -> list[list[int]]:
-    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp, skip_tokenizer_init=True,
-              kv_cache_memory=1 << 22, max_model_len=256, max_num_batched_tokens=32,
+def generate(path: str, tp: int, async_scheduling: bool, device: str = "cpu") -> list[list[int]]:
+    memory = {"kv_cache_memory": 1 << 22} if device == "cpu" else {"gpu_memory_utilization": 0.3}
+    llm = LLM(path, device=device, dtype="float32", tensor_parallel_size=tp, skip_tokenizer_init=True,
+              max_model_len=256, max_num_batched_tokens=32, **memory,
               block_size=8, async_scheduling=async_scheduling)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -40,6 +42,14 @@ def tiny_llama(tmp_path_factory):
 def test_tp2_engine_generates_the_tp1_greedy_tokens(tiny_llama):
     reference = generate(tiny_llama, 1, async_scheduling=False)
     assert generate(tiny_llama, 2, async_scheduling=True) == reference
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_tp2_on_two_gpus_generates_the_tp1_greedy_tokens(tiny_llama):
+    """NCCL, CUDA graphs capturing the collectives, async scheduling: float32 weights so
+    the two reduction orders cannot flip a greedy choice."""
+    reference = generate(tiny_llama, 1, async_scheduling=True, device="cuda")
+    assert generate(tiny_llama, 2, async_scheduling=True, device="cuda") == reference
 
 
 def test_heads_that_do_not_split_are_refused_before_workers_start(tmp_path):
