@@ -82,6 +82,9 @@ def main() -> None:
     p.add_argument("--static-in", type=int, default=1024)
     p.add_argument("--static-out", type=int, default=128)
     p.add_argument("--out", default="bench_results/tp_compare.json")
+    p.add_argument("--allreduce", action="store_true",
+                   help="also time NCCL all-reduce of one token's hidden state")
+    p.add_argument("--child-timeout", type=float, default=1500.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -102,14 +105,19 @@ def main() -> None:
         per_rank = (info["weight_bytes"] - info["embedding_bytes"]) / int(tp)
         entry = {"config": config, "roofline_batch1_ms":
                  per_rank / report["ceilings"]["copy_bytes_per_s"] * 1e3}
-        if int(tp) > 1:
+        if int(tp) > 1 and args.allreduce:
             entry["allreduce"] = allreduce_times(int(tp), arch.hidden_size)
         argv = [sys.executable, os.path.abspath(__file__), "--child", config,
                 *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                  if k not in ("configs", "out", "child")]]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=1500)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-        entry["result"] = json.loads(lines[-1]) if lines else {"error": out.stderr[-3000:]}
+                  if k not in ("configs", "out", "child", "allreduce", "child_timeout")]]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=args.child_timeout)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            entry["result"] = json.loads(lines[-1]) if lines else {"error": out.stderr[-3000:]}
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+            entry["result"] = {"error": f"timed out after {args.child_timeout:.0f} s",
+                               "stderr_tail": (err or "")[-3000:]}
         report["configs"].append(entry)
         print(json.dumps(entry)[:600], flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
