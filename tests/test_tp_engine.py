@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_hf_model
+from tiny_models import save_tiny_hf_model
 
 from pagoda import LLM, SamplingParams
 

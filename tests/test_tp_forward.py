@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import save_tiny_hf_model
+from tiny_models import save_tiny_hf_model
 from tp_helpers import free_port, paged_forward, run_ranks
 
 from pagoda.distributed.parallel_state import (destroy_distributed, init_distributed,
