@@ -9,7 +9,7 @@ returning without waiting for the device:
   apply what the engine learned after the launch (grammar bitmasks), sample, and queue
   one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
 A request verifying draft tokens samples one row per draft plus one; the host keeps
-the longest matching prefix (pagoda.sample.verify). execute_step() is both, waited for.
+the longest matching prefix (pagoda.sample.verify).
 
 The penalties' history lives on the device between steps (worker/penalty_state.py):
 created when a request enters, counted on the device after each single-row sample,
@@ -171,12 +171,6 @@ class ModelRunner:
         arch = self.arch
         return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
                          arch.eos_token_id)
-
-    def execute_step(self, out: SchedulerOutput,
-                     extras: Optional[StepExtras] = None) -> ModelRunnerOutput:
-        """The whole step, waited for: execute_model, sample_tokens, result()."""
-        self.execute_model(out)
-        return self.sample_tokens(extras).result()
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
