@@ -30,7 +30,7 @@ from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
-from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
+from pagoda.core.outputs import SchedulerOutput, StepExtras
 from pagoda.executor.base import ModelInfo
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
