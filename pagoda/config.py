@@ -9,7 +9,7 @@ Stdlib only.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
