@@ -77,14 +77,19 @@ def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.d
     return model.eval()
 
 
-def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> ArchConfig:
-    """The ArchConfig load_model would build, read without touching any weight (for
-    checks made before workers start, e.g. check_tensor_parallel)."""
+def _resolve_format(model_path_or_preset, load_format: str) -> tuple[str, str]:
+    """(the model as a string, its concrete format); "auto" is detected from the path."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; supported: "
                          f"{', '.join(LOAD_FORMATS)}")
     name = str(model_path_or_preset)
-    fmt = detect_load_format(name) if load_format == "auto" else load_format
+    return name, detect_load_format(name) if load_format == "auto" else load_format
+
+
+def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> ArchConfig:
+    """The ArchConfig load_model would build, read without touching any weight (for
+    checks made before workers start, e.g. check_tensor_parallel)."""
+    name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
         from pagoda.model.loader.gguf import read_gguf_arch_config
         return read_gguf_arch_config(Path(name))
@@ -99,11 +104,7 @@ def load_model(model_path_or_preset: str, load_format: str = "auto",
                dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                seed: int = 0, tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
     """The model (this rank's share: loaders shard while loading) and its ArchConfig."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unsupported load_format {load_format!r}; supported: "
-                         f"{', '.join(LOAD_FORMATS)}")
-    name = str(model_path_or_preset)
-    fmt = detect_load_format(name) if load_format == "auto" else load_format
+    name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
         from pagoda.model.loader.gguf import load_gguf_model
         return load_gguf_model(Path(name), dtype, device, tp)
