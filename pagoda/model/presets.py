@@ -7,26 +7,25 @@ from __future__ import annotations
 
 from pagoda.model.arch_config import ArchConfig
 
+# What every Llama 3.1 size shares: vocabulary, rotary scaling, context, special ids.
+_LLAMA_31_COMMON = dict(
+    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+    bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+)
+
 _PRESETS: dict[str, ArchConfig] = {
     "llama-3.1-8b": ArchConfig(
         architecture="LlamaForCausalLM",
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, intermediate_size=14336, vocab_size=128256,
-        rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        head_dim=128, intermediate_size=14336, **_LLAMA_31_COMMON,
     ),
     "llama-3.1-70b": ArchConfig(
         architecture="LlamaForCausalLM",
         hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, intermediate_size=28672, vocab_size=128256,
-        rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        head_dim=128, intermediate_size=28672, **_LLAMA_31_COMMON,
     ),
     "qwen3-8b": ArchConfig(
         architecture="Qwen3ForCausalLM",
