@@ -109,3 +109,17 @@ def test_llm_generates_from_a_hub_id(offline_hub):
 
 def test_engine_args_name_the_new_fields():
     assert {"revision", "download_dir"} <= EngineArgs.field_names()
+
+
+def test_a_repo_without_safetensors(offline_hub, tmp_path):
+    """Weights are checked by repo name; dummy weights need only config.json."""
+    import shutil
+    snapshot = tmp_path / "models--pagoda-test--shape-only" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    shutil.copy(offline_hub[1] / "config.json", snapshot)
+    (tmp_path / "models--pagoda-test--shape-only" / "refs").mkdir()
+    (tmp_path / "models--pagoda-test--shape-only" / "refs" / "main").write_text(COMMIT)
+    repo, cache = "pagoda-test/shape-only", str(tmp_path)
+    with pytest.raises(HubModelError, match=f"^{repo} has no \\*.safetensors weights"):
+        resolve_hub_model(repo, download_dir=cache)
+    assert resolve_hub_model(repo, download_dir=cache, use="config") == str(snapshot)

@@ -118,6 +118,8 @@ def _snapshot(repo_id: str, revision: Optional[str], cache: str, files: tuple[st
     from huggingface_hub import errors as hub_errors
     offline = hub_offline()
     what = repo_id if revision is None else f"{repo_id} (revision {revision})"
+    logger.info("%s: %s in %s", what, "cache only (HF_HUB_OFFLINE)" if offline else
+                "looking it up on the Hugging Face hub", cache)
     try:
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                  allow_patterns=list(files), local_files_only=offline)
@@ -136,7 +138,8 @@ def _snapshot(repo_id: str, revision: Optional[str], cache: str, files: tuple[st
         raise HubModelError(f"{repo_id} is gated on the Hugging Face hub: accept its terms on "
                             f"huggingface.co and set HF_TOKEN") from None
     except hub_errors.RevisionNotFoundError:
-        raise HubModelError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
+        raise HubModelError(f"{repo_id} has no revision {revision!r} on the Hugging Face "
+                            f"hub") from None
     except hub_errors.RepositoryNotFoundError:
         raise HubModelError(f"no local path {repo_id!r} and no model {repo_id} on the Hugging Face "
                             f"hub (a private one needs HF_TOKEN)") from None
