@@ -51,6 +51,10 @@ class ModelConfig:
     served_model_name: Optional[str] = None
     chat_template: Optional[str] = None
     skip_tokenizer_init: bool = False  # token ids in, token ids out
+    # For a Hugging Face hub id: the branch, tag or commit (None: main), and the cache
+    # directory to find or download it in (None: HF_HUB_CACHE / $HF_HOME/hub).
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -164,6 +168,8 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     chat_template: Optional[str] = None
     skip_tokenizer_init: bool = False
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: Optional[int] = None
@@ -214,7 +220,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.max_model_len,
                               self.seed, self.load_format, self.served_model_name,
-                              self.chat_template, self.skip_tokenizer_init),
+                              self.chat_template, self.skip_tokenizer_init, self.revision,
+                              self.download_dir),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
                               self.enable_prefix_caching, self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,

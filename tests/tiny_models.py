@@ -33,3 +33,22 @@ def save_tiny_hf_model(path, arch: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def save_tiny_hub_repo(hub_cache, repo_id: str, commit: str, ref: str = "main"):
+    """A tiny random Llama with the embedded SmolLM2 tokenizer, laid out as
+    huggingface_hub caches a download: <hub_cache>/models--org--name/snapshots/<commit>/
+    and refs/<ref> holding the commit. Returns the snapshot directory."""
+    from pathlib import Path
+
+    from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
+
+    repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    # The vocabulary matches the tokenizer's 49152 ids; tied embeddings keep it small.
+    save_tiny_hf_model(snapshot, "llama", vocab_size=49152, tie_word_embeddings=True)
+    load_tokenizer(embedded_model_path()).save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return snapshot

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, ModelConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput
 from pagoda.core.request import Request, RequestStatus
@@ -49,7 +49,10 @@ class EngineStats:
     generation_tokens: int
 
 
-def resolve_model_path(model: Optional[str]) -> str:
+def resolve_model_path(model_config: ModelConfig) -> str:
+    """The model's local path (a hub id becomes its cached snapshot) or preset name."""
+    from pagoda.model.hub import resolve_model
+    model = resolve_model(model_config)
     if model is None:
         from pagoda.model.tokenizer import embedded_model_path
         return str(embedded_model_path())
@@ -66,7 +69,7 @@ class LLMEngine:
         get_executor_class picks for the parallel config)."""
         self.config = config
         start = time.perf_counter()
-        self.model_path = resolve_model_path(config.model.model)
+        self.model_path = resolve_model_path(config.model)
         factory = executor_factory or get_executor_class(config)
         self.executor = factory(config, self.model_path)
         try:
@@ -134,9 +137,10 @@ class LLMEngine:
 
     def _load_tokenizer(self, config: EngineConfig):
         from pagoda.model.tokenizer import load_tokenizer
-        source = config.model.tokenizer or self.model_path
         if config.model.skip_tokenizer_init:
             return None
+        from pagoda.model.hub import resolve_tokenizer
+        source = resolve_tokenizer(config.model) or self.model_path
         if config.model.tokenizer is None and not _looks_like_path(source):
             return None  # a preset shape (dummy weights) has no tokenizer: token ids only
         return load_tokenizer(source, chat_template=config.model.chat_template)

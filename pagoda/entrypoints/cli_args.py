@@ -13,9 +13,16 @@ from pagoda.sampling_params import SamplingParams
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face directory, or a preset name with --load-format "
-                        "dummy (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+                   help="GGUF file, Hugging Face directory or hub id (org/name), or a preset "
+                        "name with --load-format dummy (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a hub model (default: main)")
+    g.add_argument("--download-dir", default=None,
+                   help="cache directory for hub models (default: $HF_HUB_CACHE, else "
+                        "$HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer path or hub id (default: the model's)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts and outputs are token ids only")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -59,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device runs this one "
                         "(default: on with CUDA, off on CPU)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: the model path's name)")
+                   help="model name in the API (default: --model as given, e.g. its hub id)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file path or inline) instead of the model's")
 
