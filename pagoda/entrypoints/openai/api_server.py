@@ -149,7 +149,8 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         engine = ctx.require_ready()
         ctx.check_model(body.model)
         if isinstance(body, protocol.TokenizeChatRequest):
-            tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
+            tokens = render_chat(ctx, body.messages, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
         else:
             tokens = encode_text(ctx, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}

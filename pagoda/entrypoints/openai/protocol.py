@@ -133,6 +133,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=1024, description="needs logprobs=true (cap 20)")
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra chat template variables, e.g. {\"enable_thinking\": false}")
     # Declared so they are documented and rejected by name when used.
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -183,6 +185,7 @@ class TokenizeChatRequest(StrictModel):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
