@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: chat through the model's chat template, streaming or not.
 
 The conversation is rendered with the model's template (or --chat-template) and
-tokenized once; the template writes its own special tokens. Streaming follows
+tokenized once; the template writes its own special tokens, and the request's
+`chat_template_kwargs` become extra template variables (e.g. Qwen3's
+`enable_thinking`). Streaming follows
 OpenAI: each choice's first chunk carries `delta.role`, later chunks
 `delta.content`, the last one `finish_reason`; with stream_options.include_usage
 every chunk has `usage: null` and a final chunk with no choices carries the usage.
