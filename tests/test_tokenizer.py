@@ -146,6 +146,17 @@ def test_chat_template_override(tok):
     assert tok.decode(ids) == "Q: Hi"
 
 
+def test_chat_template_kwargs_are_template_variables(tok):
+    template = "Q: {{ messages[0]['content'] }}{% if enable_thinking is false %} /no_think{% endif %}"
+    hi = [{"role": "user", "content": "Hi"}]
+    off = apply_chat_template(tok, hi, chat_template=template, template_kwargs={"enable_thinking": False})
+    assert tok.decode(off) == "Q: Hi /no_think"
+    assert tok.decode(apply_chat_template(tok, hi, chat_template=template)) == "Q: Hi"
+    for name in ("tokenize", "chat_template", "messages", "add_generation_prompt", "not-a-name"):
+        with pytest.raises(ValueError, match=repr(name)):
+            apply_chat_template(tok, hi, chat_template=template, template_kwargs={name: 1})
+
+
 def test_load_from_directory_with_gguf_file_and_template_override(gguf_path, tok):
     loaded = load_tokenizer(gguf_path.parent, gguf_file=gguf_path.name, chat_template="T={{ messages[0]['content'] }}")
     assert loaded.encode("a  1") == tok.encode("a  1")

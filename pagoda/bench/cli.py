@@ -16,6 +16,7 @@ import math
 import sys
 from typing import Optional
 
+from pagoda.bench.backends import ALIASES, resolve_backend
 from pagoda.bench.datasets import DATASETS
 from pagoda.bench.metrics import GOODPUT_METRICS, LATENCY_METRICS
 
@@ -78,6 +79,15 @@ def parse_goodput(items: Optional[list[str]]) -> Optional[dict[str, float]]:
     return slos
 
 
+def _backend(text: str) -> str:
+    # Resolved at parse time: everything downstream (payload, endpoint, report) sees
+    # the protocol name, so an alias can never reach a code path as an unknown name.
+    try:
+        return resolve_backend(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -116,8 +126,9 @@ def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target (the only server this command talks to)")
-    g.add_argument("--backend", choices=("openai", "openai-chat"), default="openai",
-                   help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    g.add_argument("--backend", type=_backend, default="openai", metavar="NAME",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; "
+                        f"vLLM's OpenAI-compatible names are aliases of openai ({', '.join(ALIASES)})")
     g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)

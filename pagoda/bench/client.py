@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import aiohttp
 
 from pagoda.bench import metrics as m
+from pagoda.bench.backends import BACKENDS
 from pagoda.bench.datasets import SampleRequest
 
-BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 MAX_ERROR_CHARS = 500
 

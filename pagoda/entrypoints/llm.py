@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptInput
@@ -53,15 +53,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the model's chat template to each conversation, then generates;
+        `chat_template_kwargs` are extra template variables (e.g. enable_thinking)."""
         from pagoda.model.tokenizer import apply_chat_template
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt,
-                                                            chat_template)}
+                                                            chat_template, chat_template_kwargs)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

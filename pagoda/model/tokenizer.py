@@ -20,7 +20,9 @@ transformers' converter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import logging
 import mmap
 import os
@@ -307,16 +309,41 @@ def get_chat_template(tokenizer: PreTrainedTokenizerFast) -> Optional[str]:
     return template or None
 
 
+def check_template_kwargs(tokenizer: PreTrainedTokenizerFast, template_kwargs: dict[str, Any]) -> None:
+    """ValueError if a template variable would collide with the call's own parameters.
+
+    Extra keyword arguments of `apply_chat_template` become template variables (e.g.
+    Qwen3's `enable_thinking`); a name that is one of its parameters (`tokenize`,
+    `chat_template`, ...) or the `messages` variable would change the call instead.
+    """
+    reserved = _call_parameters(type(tokenizer))
+    for name in template_kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat template variable names must be identifiers, got {name!r}")
+        if name in reserved:
+            raise ValueError(f"{name!r} cannot be a chat template variable: it is a parameter "
+                             f"of the template call, or set from the request")
+
+
+@functools.lru_cache(maxsize=8)
+def _call_parameters(tokenizer_class: type) -> frozenset[str]:
+    signature = inspect.signature(tokenizer_class.apply_chat_template)
+    names = {name for name, p in signature.parameters.items()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+    return frozenset(names | {"messages"})
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerFast,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: Optional[str] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[int]:
     """Renders chat messages with the (given or model's) template and returns token ids.
 
     The template writes its own special tokens (e.g. <|im_start|>), so the text is
-    encoded without adding any more.
+    encoded without adding any more. `template_kwargs` are extra template variables.
     """
     template = chat_template if chat_template is not None else get_chat_template(tokenizer)
     if template is None:
@@ -324,9 +351,11 @@ def apply_chat_template(
             "this model has no chat template; pass chat_template (Jinja text or a file path) "
             "or use a plain completion prompt"
         )
+    template_kwargs = template_kwargs or {}
+    check_template_kwargs(tokenizer, template_kwargs)
     text = tokenizer.apply_chat_template(
         messages, chat_template=_read_chat_template(template),
-        add_generation_prompt=add_generation_prompt, tokenize=False,
+        add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

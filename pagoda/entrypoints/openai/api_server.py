@@ -32,6 +32,7 @@ from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.auth import APIKeyMiddleware
 from pagoda.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from pagoda.entrypoints.openai.generation import SSEStream
+from pagoda.entrypoints.openai.ignored_fields import note_ignored
 from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, ServerState,
                                                   ServerStateMiddleware)
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
@@ -50,9 +51,10 @@ class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body and runs `on_close`, even when the
     client went away before the first byte (so aborts and admission releases happen)."""
 
-    def __init__(self, stream: SSEStream) -> None:
+    def __init__(self, stream: SSEStream, headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(stream.body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
         self._on_close = stream.close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -114,23 +116,25 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
     return app
 
 
-def _respond(result: Any) -> Response:
+def _respond(result: Any, headers: dict[str, str]) -> Response:
     if isinstance(result, SSEStream):
-        return ClosingStreamingResponse(result)
-    return JSONResponse(result)
+        return ClosingStreamingResponse(result, headers)
+    return JSONResponse(result, headers=headers)
 
 
 def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions", response_model=protocol.CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: protocol.CompletionRequest, request: Request):
         trace.mark("parsed")
-        return _respond(await create_completion(ctx, body, request.receive))
+        headers = note_ignored(body.ignored_fields())
+        return _respond(await create_completion(ctx, body, request.receive), headers)
 
     @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         trace.mark("parsed")
-        return _respond(await create_chat_completion(ctx, body, request.receive))
+        headers = note_ignored(body.ignored_fields())
+        return _respond(await create_chat_completion(ctx, body, request.receive), headers)
 
     @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)
     async def models():
@@ -145,7 +149,8 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         engine = ctx.require_ready()
         ctx.check_model(body.model)
         if isinstance(body, protocol.TokenizeChatRequest):
-            tokens = render_chat(ctx, body.messages, body.add_generation_prompt)
+            tokens = render_chat(ctx, body.messages, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
         else:
             tokens = encode_text(ctx, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}

@@ -2,7 +2,9 @@
 
 Owns `APIError` (raised by handlers for any client or server condition), the
 mapping of framework errors onto it (pydantic validation -> 400, unknown route ->
-404, wrong method -> 405), and a last-resort handler that turns a bug into a 500
+404, wrong method -> 405), the messages for a body that is not JSON at all (no
+JSON content type, malformed JSON with its line and column, empty, not an object),
+and a last-resort handler that turns a bug into a 500
 without leaking a traceback. Bad input must never reach that last handler: every
 check a client can fail raises APIError with a 4xx first.
 """
@@ -89,19 +91,67 @@ def from_value_error(exc: Exception) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+_SEND_JSON = "send a JSON object with the header 'Content-Type: application/json'"
+
+
+def _is_json_content_type(value: Optional[str]) -> bool:
+    media_type = (value or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
+
+
+def _json_syntax_message(doc: Any, pos: int, reason: str) -> str:
+    """json's own wording: the reason, then line, column and character offset."""
+    text = doc if isinstance(doc, str) else bytes(doc or b"").decode("utf-8", "replace")
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return (f"the request body is not valid JSON: {reason}: line {line} column {column} "
+            f"(char {pos})")
+
+
+def body_problem(exc: RequestValidationError, content_type: Optional[str]) -> Optional[str]:
+    """The message when the body as a whole is unusable (not JSON, empty, not an object);
+    None when the error is about one field, which the usual message names."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg")
+        return _json_syntax_message(exc.body, pos, reason)
+    if loc != ("body",):
+        return None
+    if first.get("type") == "missing":
+        return f"the request body is empty: {_SEND_JSON}"
+    if not _is_json_content_type(content_type):
+        # FastAPI parses JSON only under a JSON content type (e.g. curl -d sends a form type).
+        got = f"is {content_type!r}" if content_type else "is missing"
+        return f"the request's Content-Type {got}: {_SEND_JSON}"
+    return f"the request body must be a JSON object, not {_json_type(first.get('input'))}"
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (str, "a string"), ((int, float), "a number"),
+                       (list, "an array")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _validation_message(exc: RequestValidationError,
+                        content_type: Optional[str] = None) -> tuple[str, Optional[str]]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
+    problem = body_problem(exc, content_type)
+    if problem is not None:
+        return problem, None
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
         message = (f"unsupported parameter: {param!r} is not a parameter Pagoda accepts "
                    f"for this route")
-    elif first.get("type") == "json_invalid":
-        message = f"the request body is not valid JSON: {first.get('msg')}"
-        param = None
     else:
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
@@ -115,8 +165,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc, request.headers.get("content-type"))
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,6 +8,9 @@ ones a request actually set. Numeric fields are bounded here so no value can rea
 the engine that it cannot handle (e.g. a seed beyond 64 bits, NaN, infinity).
 vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, ...) are accepted as top-level fields, as vLLM does.
+Fields that only mean something on OpenAI's platform (store, metadata, user, ...)
+are declared too, and `ignored_fields()` names the ones a request set: they are
+accepted and ignored, never used (ignored_fields.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda.entrypoints.openai.ignored_fields import PLATFORM_FIELDS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Bounds that keep every integer representable in the engine's int64 tensors.
@@ -26,8 +31,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+_IGNORED = "accepted and ignored: it only means something on OpenAI's platform"
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    include_obfuscation: Optional[Any] = Field(None, description=_IGNORED)
 
 
 class SamplingRequestFields(StrictModel):
@@ -54,7 +63,14 @@ class SamplingRequestFields(StrictModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(None, description="an end-user id; recorded nowhere")
+    # OpenAI platform fields (ignored_fields.PLATFORM_FIELDS); any value is accepted.
+    store: Optional[Any] = Field(None, description=_IGNORED)
+    metadata: Optional[Any] = Field(None, description=_IGNORED)
+    service_tier: Optional[Any] = Field(None, description=_IGNORED)
+    user: Optional[Any] = Field(None, description=_IGNORED)
+    safety_identifier: Optional[Any] = Field(None, description=_IGNORED)
+    prompt_cache_key: Optional[Any] = Field(None, description=_IGNORED)
+    prompt_cache_retention: Optional[Any] = Field(None, description=_IGNORED)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
                           description="lower runs first with --scheduling-policy priority")
     best_of: Optional[int] = Field(None, ge=1, le=1024, description="only best_of == n is supported")
@@ -66,6 +82,14 @@ class SamplingRequestFields(StrictModel):
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this request set that are accepted and ignored, in a stable order."""
+        names = [name for name in PLATFORM_FIELDS if name in self.model_fields_set]
+        options = self.stream_options
+        if options is not None and "include_obfuscation" in options.model_fields_set:
+            names.append("stream_options.include_obfuscation")
+        return names
 
 
 class CompletionRequest(SamplingRequestFields):
@@ -109,10 +133,13 @@ class ChatCompletionRequest(SamplingRequestFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=1024, description="needs logprobs=true (cap 20)")
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra chat template variables, e.g. {\"enable_thinking\": false}")
     # Declared so they are documented and rejected by name when used.
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[Any] = Field(None, description="ignored: tools are not supported")
+    modalities: Optional[list[str]] = Field(None, description="only ['text']")
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[ResponseFormat] = None
@@ -123,8 +150,9 @@ class ChatCompletionRequest(SamplingRequestFields):
             problems.append(("tools", "tools (function calling) are not supported"))
         if self.tool_choice not in (None, "none"):
             problems.append(("tool_choice", "tool_choice other than 'none' is not supported"))
-        if self.parallel_tool_calls:
-            problems.append(("parallel_tool_calls", "parallel_tool_calls is not supported"))
+        if self.modalities is not None and self.modalities != ["text"]:
+            problems.append(("modalities", f"modalities {self.modalities} are not supported "
+                                           f"(only ['text'])"))
         if self.functions:
             problems.append(("functions", "functions (function calling) are not supported"))
         if self.function_call not in (None, "none"):
@@ -139,6 +167,13 @@ class ChatCompletionRequest(SamplingRequestFields):
             problems.append(("max_tokens", "max_tokens and max_completion_tokens disagree; send one"))
         return problems
 
+    def ignored_fields(self) -> list[str]:
+        names = super().ignored_fields()
+        # With tools it is moot: tools themselves are rejected (unsupported_parameters).
+        if "parallel_tool_calls" in self.model_fields_set and not self.tools:
+            names.append("parallel_tool_calls")
+        return names
+
 
 class TokenizeCompletionRequest(StrictModel):
     model: Optional[str] = None
@@ -150,6 +185,7 @@ class TokenizeChatRequest(StrictModel):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]

@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: chat through the model's chat template, streaming or not.
 
 The conversation is rendered with the model's template (or --chat-template) and
-tokenized once; the template writes its own special tokens. Streaming follows
+tokenized once; the template writes its own special tokens, and the request's
+`chat_template_kwargs` become extra template variables (e.g. Qwen3's
+`enable_thinking`). Streaming follows
 OpenAI: each choice's first chunk carries `delta.role`, later chunks
 `delta.content`, the last one `finish_reason`; with stream_options.include_usage
 every chunk has `usage: null` and a final chunk with no choices carries the usage.
@@ -10,7 +12,7 @@ every chunk has `usage: null` and a final chunk with no choices carries the usag
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from pagoda.engine import trace
 from pagoda.entrypoints.openai.errors import bad_request
@@ -38,13 +40,19 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
     """Token ids of the conversation; a template that fails on these messages -> 400."""
-    from pagoda.model.tokenizer import apply_chat_template
+    from pagoda.model.tokenizer import apply_chat_template, check_template_kwargs
     engine = ctx.require_ready()
+    tokenizer = ctx.tokenizer()
     try:
-        return apply_chat_template(ctx.tokenizer(), messages_to_dicts(messages), add_generation_prompt,
-                                   engine.config.model.chat_template)
+        check_template_kwargs(tokenizer, template_kwargs or {})
+    except ValueError as exc:
+        raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
+    try:
+        return apply_chat_template(tokenizer, messages_to_dicts(messages), add_generation_prompt,
+                                   engine.config.model.chat_template, template_kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     except Exception as exc:  # Jinja raises its own errors (e.g. a template's raise_exception)
@@ -59,7 +67,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> GenerationJ
     reject_unsupported(req.unsupported_parameters())
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     check_caps(ctx, req.n, num_top, "top_logprobs")
-    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     trace.mark("tokenized")
     check_prompt(ctx, token_ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
