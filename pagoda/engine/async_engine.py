@@ -171,6 +171,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def wait_loaded(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until loading ended (check `load_error`); False on timeout."""
+        return self._ready.wait(timeout)
+
     async def wait_ready(self) -> None:
         """Returns once the engine loaded; raises the load error if it failed."""
         await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
@@ -295,7 +299,10 @@ class AsyncEngine:
         try:
             self.engine = self._engine_factory()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-            logger.exception("engine failed to load")
+            # A ValueError is the user's to fix (a bad path, a bad flag) and the waiter
+            # reports it in one line; a traceback only helps with anything else.
+            logger.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,
+                       "engine failed to load", exc_info=True)
             self.load_error = exc
             self._ready.set()
             return
