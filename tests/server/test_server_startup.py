@@ -56,3 +56,11 @@ def test_bad_model_path_fails_before_the_port_is_bound():
     # The port was never taken: binding it now succeeds.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_request_logging_is_on_by_default_and_the_flag_turns_it_off():
+    from pagoda.entrypoints.cli import build_parser
+    from pagoda.entrypoints.openai.api_server import settings_from_args
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args(["serve"])).log_requests is True
+    assert settings_from_args(parser.parse_args(["serve", "--disable-log-requests"])).log_requests is False
