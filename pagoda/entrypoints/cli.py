@@ -55,38 +55,10 @@ def check_context(engine, prompt, max_tokens) -> None:
 
 
 def cmd_chat(ns) -> int:
-    """An interactive REPL that streams the reply token by token. /reset clears history."""
+    """An interactive REPL that streams the reply token by token (entrypoints/chat.py)."""
+    from pagoda.entrypoints.chat import run_chat
     llm = _make_llm(ns)
-    params = sampling_params_from_namespace(ns)
-    from pagoda.model.tokenizer import apply_chat_template
-    tokenizer = llm.get_tokenizer()
-    history: list[dict] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if ns.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        ids = apply_chat_template(tokenizer, history, True, llm.llm_engine.config.model.chat_template)
-        reply = []
-        for out in llm.stream({"prompt_token_ids": ids}, params):
-            piece = out.outputs[0].text
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return run_chat(llm, sampling_params_from_namespace(ns), ns.system)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,101 @@
+"""`pagoda chat` driven through a pseudo-terminal, as a person at a keyboard would:
+Ctrl-C during a reply stops it and keeps the conversation, the next message gets a
+reply, and Ctrl-C at the prompt exits 0, with no traceback anywhere."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from pagoda.entrypoints.chat import BANNER, STOPPED
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOAD_DEADLINE_S = 240.0  # loading the model on a busy 2-core machine
+STEP_DEADLINE_S = 60.0
+CTRL_C = b"\x03"
+
+
+def _own_terminal() -> None:
+    # In the child: a new session whose controlling terminal is the pty, so the
+    # terminal turns Ctrl-C into SIGINT for it, as a shell's terminal would.
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Terminal:
+    def __init__(self, argv: list[str]) -> None:
+        self.master, slave = os.openpty()
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=_own_terminal)
+        os.close(slave)
+        self.output = b""
+
+    def read_until(self, needle: bytes, start: int, deadline_s: float) -> int:
+        """Reads until `needle` appears after offset `start`; returns the offset after it."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            found = self.output.find(needle, start)
+            if found >= 0:
+                return found + len(needle)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no {needle!r} within {deadline_s}s:\n{self.text()}")
+            ready, _, _ = select.select([self.master], [], [], remaining)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # the child closed the terminal
+                    chunk = b""
+                if not chunk:
+                    raise EOFError(f"the chat exited before {needle!r}:\n{self.text()}")
+                self.output += chunk
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        os.close(self.master)
+
+
+@pytest.fixture
+def chat():
+    term = Terminal([sys.executable, "-m", "pagoda.entrypoints.cli", "--log-level", "warning",
+                     "chat", "--device", "cpu", "--max-model-len", "512", "--temperature", "0",
+                     "--ignore-eos", "--max-tokens", "400"])
+    yield term
+    term.close()
+
+
+def test_ctrl_c_stops_the_reply_keeps_the_chat_and_exits_at_the_prompt(chat):
+    at = chat.read_until(BANNER.encode() + b"\r\n> ", 0, LOAD_DEADLINE_S)
+    chat.send(b"Tell me a long story about a dragon.\n")
+    at = chat.read_until(b"\n", at, STEP_DEADLINE_S)  # the echoed message
+    # 400 tokens with --ignore-eos take far longer than this: the reply is mid-stream.
+    chat.read_until(b" ", at, STEP_DEADLINE_S)
+    chat.send(CTRL_C)
+    at = chat.read_until(STOPPED.encode() + b"\r\n> ", at, STEP_DEADLINE_S)
+    assert chat.proc.poll() is None  # still chatting
+
+    chat.send(b"/reset\n")  # the next reply must not take 400 tokens of history
+    at = chat.read_until(b"> ", at, STEP_DEADLINE_S)
+    chat.send(CTRL_C)  # at the prompt: exit
+    try:
+        code = chat.proc.wait(STEP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the chat did not exit on Ctrl-C at the prompt:\n{chat.text()}")
+    assert code == 0
+    assert "Traceback" not in chat.text() and "KeyboardInterrupt" not in chat.text()
