@@ -58,6 +58,17 @@ class Terminal:
                     raise EOFError(f"the chat exited before {needle!r}:\n{self.text()}")
                 self.output += chunk
 
+    def drain(self) -> None:
+        """After the child exited: reads what it left in the terminal."""
+        while select.select([self.master], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:  # EIO: every writer is gone
+                return
+            if not chunk:
+                return
+            self.output += chunk
+
     def send(self, data: bytes) -> None:
         os.write(self.master, data)
 
@@ -98,4 +109,5 @@ def test_ctrl_c_stops_the_reply_keeps_the_chat_and_exits_at_the_prompt(chat):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the chat did not exit on Ctrl-C at the prompt:\n{chat.text()}")
     assert code == 0
+    chat.drain()
     assert "Traceback" not in chat.text() and "KeyboardInterrupt" not in chat.text()
