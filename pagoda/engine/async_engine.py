@@ -115,6 +115,11 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclasses.dataclass
+class _FailAll:
+    message: str
+
+
 class AsyncEngine:
     """Drives an LLMEngine on a background thread; `generate()` streams delta outputs.
 
@@ -250,6 +255,11 @@ class AsyncEngine:
             self._note_in_flight(-1)
             self._report(timing.finish(finish_reason, stream.first_scheduled_time))
 
+    def fail_all_requests(self, message: str) -> None:
+        """From any thread: every request in flight is aborted and its stream raises
+        EngineDrainingError(message) (a server stopping before they finished)."""
+        self._post(_FailAll(message))
+
     def abort(self, request_id: str) -> None:
         """Aborts a request from any thread; unknown or finished ids are ignored."""
         self._post(_Abort(request_id))
@@ -337,6 +347,8 @@ class AsyncEngine:
             self._add(command)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
+        elif isinstance(command, _FailAll):
+            self._fail_all(EngineDrainingError(command.message), abort=True)
         elif isinstance(command, _Call):
             if command.future.set_running_or_notify_cancel():
                 try:

@@ -6,11 +6,12 @@ state (503 while draining, in-flight count) -> request-body size limit -> routes
 
 Lifecycle: `run_server` loads the engine before binding the port, so a model that
 cannot load fails with one line and a non-zero exit, and a client that connects
-finds a ready server; the port's first log line after loading is `ready: URL`.
+finds a ready server; once the port is bound it logs `ready: URL`.
 (An app built by `build_app` around an engine not yet started loads it at startup
 and answers 503 "loading" meanwhile.) SIGTERM/SIGINT start a drain - new requests get 503,
 requests in flight finish (up to --shutdown-timeout), then the server stops and the
-process exits 0. A second signal stops at once.
+process exits 0. A second signal ends the requests in flight with an error event
+(streams) or a 503, then stops; a third stops at once.
 """
 
 from __future__ import annotations
@@ -229,12 +230,21 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.drain_deadline is None:
-            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs)",
+            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs; "
+                           "signal again to stop now)",
                            sig, self.state.num_http_in_flight, self.shutdown_timeout)
             self.state.draining = True
             self.drain_deadline = time.monotonic() + self.shutdown_timeout
-        else:  # a second signal: stop now
+        elif not self.should_exit:
+            # A second signal: stop now, but cleanly. Requests in flight end with an
+            # error (an SSE error event for streams, a 503 otherwise) rather than a cut
+            # connection, and the ordinary shutdown (lifespan included, which joins the
+            # engine thread) runs: no CancelledError tracebacks, no thread killed in C++.
+            logger.warning("signal %d again: ending %d request(s) in flight and stopping",
+                           sig, self.state.num_http_in_flight)
+            self.engine_client.fail_all_requests("the server was stopped before this request finished")
             self.should_exit = True
+        else:  # a third signal: give up on a clean stop
             self.force_exit = True
 
     async def startup(self, sockets=None) -> None:
