@@ -40,6 +40,7 @@ def test_default_level_logs_startup_ready_line_and_requests():
     request_line = next(line for line in log.splitlines() if request_id in line)
     assert "1 prompt tokens" in request_line and "max_tokens=2" in request_line
     assert "Traceback" not in log
+    assert "loading weights" not in log  # no progress bar in a log file
 
 
 def test_bad_model_path_fails_before_the_port_is_bound():
