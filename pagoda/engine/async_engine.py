@@ -115,6 +115,11 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclasses.dataclass
+class _FailAll:
+    message: str
+
+
 class AsyncEngine:
     """Drives an LLMEngine on a background thread; `generate()` streams delta outputs.
 
@@ -170,6 +175,10 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def wait_loaded(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until loading ended (check `load_error`); False on timeout."""
+        return self._ready.wait(timeout)
 
     async def wait_ready(self) -> None:
         """Returns once the engine loaded; raises the load error if it failed."""
@@ -246,6 +255,11 @@ class AsyncEngine:
             self._note_in_flight(-1)
             self._report(timing.finish(finish_reason, stream.first_scheduled_time))
 
+    def fail_all_requests(self, message: str) -> None:
+        """From any thread: every request in flight is aborted and its stream raises
+        EngineDrainingError(message) (a server stopping before they finished)."""
+        self._post(_FailAll(message))
+
     def abort(self, request_id: str) -> None:
         """Aborts a request from any thread; unknown or finished ids are ignored."""
         self._post(_Abort(request_id))
@@ -295,7 +309,10 @@ class AsyncEngine:
         try:
             self.engine = self._engine_factory()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-            logger.exception("engine failed to load")
+            # A ValueError is the user's to fix (a bad path, a bad flag) and the waiter
+            # reports it in one line; a traceback only helps with anything else.
+            logger.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,
+                       "engine failed to load", exc_info=True)
             self.load_error = exc
             self._ready.set()
             return
@@ -330,6 +347,8 @@ class AsyncEngine:
             self._add(command)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
+        elif isinstance(command, _FailAll):
+            self._fail_all(EngineDrainingError(command.message), abort=True)
         elif isinstance(command, _Call):
             if command.future.set_running_or_notify_cancel():
                 try:

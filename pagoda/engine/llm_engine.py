@@ -49,6 +49,10 @@ class EngineStats:
     generation_tokens: int
 
 
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
+
+
 def resolve_model_path(model_config: ModelConfig) -> str:
     """The model's local path (a hub id becomes its cached snapshot) or preset name."""
     from pagoda.model.hub import resolve_model
@@ -70,6 +74,7 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
+        logger.info("loading %s on %s", self.model_path, config.device.device)
         factory = executor_factory or get_executor_class(config)
         self.executor = factory(config, self.model_path)
         try:
@@ -84,9 +89,18 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.startup_seconds, self.model_info.architecture, self.num_blocks,
-                    self.kv_cache_config.block_size, self.max_model_len)
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        """The start-up summary a user reads before the first request (INFO, the default)."""
+        info, kv = self.model_info, self.kv_cache_config
+        logger.info("model %s: %s, %s on %s, weights %s", self.model_path, info.architecture,
+                    info.dtype or self.config.model.dtype, self.config.device.device,
+                    _gib(info.weight_bytes))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+                    self.num_blocks, kv.block_size, self.num_blocks * kv.block_size,
+                    self.max_model_len)
+        logger.info("engine ready in %.1fs", self.startup_seconds)
 
     def _start(self, config: EngineConfig) -> None:
         """Everything after the executor: model facts, tokenizer, KV cache, scheduler."""

@@ -1,14 +1,21 @@
-"""The `pagoda` command: generate, chat, serve, bench."""
+"""The `pagoda` command: generate, chat, serve, bench.
+
+Usage errors name the subcommand's usage (cli_parser.py); errors a user can fix
+(a bad model path, a prompt too long, no GPU) end in one `error: ...` line and exit
+status 2, not a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
 
+import pagoda
 from pagoda.entrypoints.cli_args import (add_engine_args, add_sampling_args,
                                          engine_args_from_namespace, sampling_params_from_namespace)
+from pagoda.entrypoints.cli_parser import (PagodaArgumentParser, add_log_level_everywhere,
+                                           configure_logging)
 
 
 def _make_llm(ns):
@@ -20,6 +27,8 @@ def _make_llm(ns):
 def cmd_generate(ns) -> int:
     llm = _make_llm(ns)
     params = sampling_params_from_namespace(ns)
+    for prompt in ns.prompts:  # all checked before any output, as the server would
+        check_context(llm.llm_engine, prompt, params.max_tokens)
     for prompt in ns.prompts:
         if ns.stream:
             sys.stdout.write(prompt)
@@ -33,44 +42,28 @@ def cmd_generate(ns) -> int:
     return 0
 
 
+def check_context(engine, prompt, max_tokens) -> None:
+    """The server's rule (serving_common.check_room): prompt + --max-tokens must fit
+    the context, rather than silently stopping at max_model_len."""
+    _, token_ids = engine.tokenize_prompt(prompt)
+    limit = engine.max_model_len
+    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+        raise ValueError(
+            f"this model's maximum context length is {limit} tokens, but "
+            f"{len(token_ids) + max_tokens} were requested ({len(token_ids)} in the prompt, "
+            f"{max_tokens} for the completion): shorten the prompt or lower --max-tokens")
+
+
 def cmd_chat(ns) -> int:
-    """An interactive REPL that streams the reply token by token. /reset clears history."""
+    """An interactive REPL that streams the reply token by token (entrypoints/chat.py)."""
+    from pagoda.entrypoints.chat import run_chat
     llm = _make_llm(ns)
-    params = sampling_params_from_namespace(ns)
-    from pagoda.model.tokenizer import apply_chat_template
-    tokenizer = llm.get_tokenizer()
-    history: list[dict] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if ns.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        ids = apply_chat_template(tokenizer, history, True, llm.llm_engine.config.model.chat_template)
-        reply = []
-        for out in llm.stream({"prompt_token_ids": ids}, params):
-            piece = out.outputs[0].text
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return run_chat(llm, sampling_params_from_namespace(ns), ns.system)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    parser = PagodaArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"pagoda {pagoda.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts given on the command line")
@@ -94,18 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagoda.bench.cli import add_bench_subparsers  # imports no server stack
     add_bench_subparsers(sub)
+    add_log_level_everywhere(parser)  # last: it walks every subcommand added above
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.log_level)
     try:
         return int(ns.func(ns) or 0)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 
 from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
                            DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES,
-                           EngineArgs)
+                           EngineArgs, _cuda_available)
 from pagoda.sampling_params import SamplingParams
 
 
@@ -72,6 +72,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the parsed flags; a flag the machine cannot honour is a ValueError
+    that names the flag to use instead (the CLI prints it as one line)."""
+    if getattr(ns, "device", None) == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda: no CUDA GPU is available on this machine; "
+                         "use --device cpu (or leave --device out to pick automatically)")
     chat_template = ns.chat_template
     if chat_template is not None:
         import os

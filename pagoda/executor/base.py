@@ -34,6 +34,9 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_id: Union[int, list[int], None]
+    # For the start-up log only: the weights' dtype and bytes this rank holds.
+    dtype: str = ""
+    weight_bytes: int = 0
 
 
 class ExecutorDeadError(RuntimeError):

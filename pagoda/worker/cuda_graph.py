@@ -27,6 +27,7 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.forward_context import forward_context
+from pagoda.progress import progress
 from pagoda.worker.kv_pool import KVCachePool
 from pagoda.worker.shape_buckets import logits_row_buckets
 
@@ -83,7 +84,9 @@ class CudaGraphRunner:
                                            self.kv_pool.block_size, self.device,
                                            max_num_tokens=self.max_mixed_tokens)
         pool = torch.cuda.graph_pool_handle()
-        for key in self._keys():
+        keys = self._keys()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        for key in progress(keys, "capturing CUDA graphs", len(keys), "graph", rank):
             num_reqs, num_tokens = key
             metadata = self.backend.metadata_for_capture(num_reqs, num_tokens)
             rows = num_tokens or num_reqs

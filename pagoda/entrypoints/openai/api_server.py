@@ -4,10 +4,14 @@ Owns the route table and the process lifecycle. Middlewares, outermost first:
 API key (every route but /health, and /metrics with --metrics-public) -> server
 state (503 while draining, in-flight count) -> request-body size limit -> routes.
 
-Lifecycle: the engine loads on its own thread while uvicorn already answers
-(/health 503 "loading"); SIGTERM/SIGINT start a drain - new requests get 503,
+Lifecycle: `run_server` loads the engine before binding the port, so a model that
+cannot load fails with one line and a non-zero exit, and a client that connects
+finds a ready server; once the port is bound it logs `ready: URL`.
+(An app built by `build_app` around an engine not yet started loads it at startup
+and answers 503 "loading" meanwhile.) SIGTERM/SIGINT start a drain - new requests get 503,
 requests in flight finish (up to --shutdown-timeout), then the server stops and the
-process exits 0. A second signal stops at once.
+process exits 0. A second signal ends the requests in flight with an error event
+(streams) or a 503, then stops; a third stops at once.
 """
 
 from __future__ import annotations
@@ -138,10 +142,12 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)
     async def models():
-        engine = ctx.engine.engine if ctx.engine.is_ready else None
+        # 503 while loading (only an app whose engine loads at startup answers then):
+        # a card without the real max_model_len would mislead clients that size by it.
+        engine = ctx.require_ready()
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagoda",
-             "root": name, "max_model_len": engine.max_model_len if engine else None}
+             "root": name, "max_model_len": engine.max_model_len}
             for name in ctx.settings.served_model_names]}
 
     @app.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERROR_RESPONSES)
@@ -229,13 +235,27 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.drain_deadline is None:
-            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs)",
+            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs; "
+                           "signal again to stop now)",
                            sig, self.state.num_http_in_flight, self.shutdown_timeout)
             self.state.draining = True
             self.drain_deadline = time.monotonic() + self.shutdown_timeout
-        else:  # a second signal: stop now
+        elif not self.should_exit:
+            # A second signal: stop now, but cleanly. Requests in flight end with an
+            # error (an SSE error event for streams, a 503 otherwise) rather than a cut
+            # connection, and the ordinary shutdown (lifespan included, which joins the
+            # engine thread) runs: no CancelledError tracebacks, no thread killed in C++.
+            logger.warning("signal %d again: ending %d request(s) in flight and stopping",
+                           sig, self.state.num_http_in_flight)
+            self.engine_client.fail_all_requests("the server was stopped before this request finished")
             self.should_exit = True
+        else:  # a third signal: give up on a clean stop
             self.force_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # uvicorn exits on a bind failure; this is after a good bind
+            logger.info("ready: %s (OpenAI API at /v1)", _listening_url(self))
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s; the drain ends when nothing is in flight.
@@ -254,15 +274,33 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def _listening_url(server: uvicorn.Server) -> str:
+    host, port = server.config.host, server.config.port
+    for srv in getattr(server, "servers", []):  # the bound port, should --port be 0
+        for sock in srv.sockets:
+            port = sock.getsockname()[1]
+            break
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _load_engine(engine: AsyncEngine) -> None:
+    """Starts the engine's thread and waits until the model loaded; re-raises its load
+    error (a ValueError such as a bad model path reaches the CLI as one line)."""
+    engine.start()
+    engine.wait_loaded()
+    if engine.load_error is not None:
+        raise engine.load_error
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Serves until SIGTERM/SIGINT; returns the process exit code."""
+    """Loads the model, then serves until SIGTERM/SIGINT; returns the process exit code."""
     from pagoda.entrypoints.cli_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
     metrics = ServerMetrics(served_model_name(args))
     engine = AsyncEngine.from_engine_args(engine_args, timings_listener=metrics.observe_request)
     app = build_app(engine, args, metrics=metrics)
-    engine.start()  # load while uvicorn comes up: /health says 503 until ready
+    _load_engine(engine)  # before the port is bound: a failure leaves no half-up server
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)

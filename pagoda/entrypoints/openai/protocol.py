@@ -270,7 +270,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagoda"
     root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    max_model_len: int
 
 
 class ModelList(BaseModel):

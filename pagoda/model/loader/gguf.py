@@ -22,6 +22,7 @@ from torch import nn
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
+from pagoda.progress import progress
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
 _BLOCK_NAMES = {
@@ -88,9 +89,12 @@ def dequantized(tensor) -> np.ndarray:
     return data.reshape(shape)
 
 
-def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted."""
-    for tensor in reader.tensors:
+def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig,
+                      rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted
+    (with a progress bar on a terminal, for rank 0)."""
+    tensors = progress(reader.tensors, "loading weights", len(reader.tensors), "tensor", rank)
+    for tensor in tensors:
         name = hf_name(tensor.name)
         data = dequantized(tensor)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
@@ -122,5 +126,5 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
-    model.load_weights(iter_gguf_weights(reader, arch))
+    model.load_weights(iter_gguf_weights(reader, arch, tp.rank))
     return model, arch

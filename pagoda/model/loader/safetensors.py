@@ -17,6 +17,7 @@ from torch import nn
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
+from pagoda.progress import progress, progress_enabled
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -37,7 +38,20 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(files: list[Path], rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every file in turn, with a progress bar on a terminal for rank 0
+    (its total counts tensors: only the files' headers are read for it)."""
+    total = None
+    if progress_enabled(rank):
+        total = 0
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                total += len(f.keys())
+    bar = progress(_tensors_of(files), "loading weights", total, "tensor", rank)
+    yield from bar
+
+
+def _tensors_of(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -58,5 +72,5 @@ def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
 
     arch = read_arch_config(model_dir)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
-    model.load_weights(iter_safetensors_weights(safetensors_files(model_dir)))
+    model.load_weights(iter_safetensors_weights(safetensors_files(model_dir), tp.rank))
     return model, arch
