@@ -5,6 +5,7 @@ is bound (one `error:` line, non-zero exit, no traceback)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,3 +66,24 @@ def test_request_logging_is_on_by_default_and_the_flag_turns_it_off():
     parser = build_parser()
     assert settings_from_args(parser.parse_args(["serve"])).log_requests is True
     assert settings_from_args(parser.parse_args(["serve", "--disable-log-requests"])).log_requests is False
+
+
+def test_ctrl_c_while_loading_exits_without_a_traceback():
+    # A shell's Ctrl-C reaches a foreground process with SIGINT's default disposition;
+    # restore it (a test runner's child may inherit it ignored).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--device", "cpu",
+         "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = proc.stdout.readline().decode()
+        assert "loading" in first  # the engine is loading now; the port is not bound
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert rest.strip() == "interrupted"
