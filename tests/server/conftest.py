@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from server_harness import API_KEY, MAIN_SERVER_FLAGS, launch_server
 
@@ -21,3 +22,10 @@ def main_server():
 def tokenizer():
     from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
     return load_tokenizer(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def http(main_server):
+    """An HTTP client of the session's server, with its API key."""
+    with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as client:
+        yield client

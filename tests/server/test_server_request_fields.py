@@ -15,12 +15,6 @@ HI = [{"role": "user", "content": "hi"}]
 HEADER = "x-pagoda-ignored-fields"
 
 
-@pytest.fixture(scope="module")
-def http(main_server):
-    with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as client:
-        yield client
-
-
 def _error(r: httpx.Response, status: int, param=None) -> str:
     assert r.status_code == status, r.text
     body = r.json()["error"]

@@ -99,12 +99,6 @@ def test_route_table_is_fully_guarded_on_real_server(main_server):
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.fixture(scope="module")
-def http(main_server):
-    with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as client:
-        yield client
-
-
 def _error(r: httpx.Response, status: int, param=None) -> str:
     assert r.status_code == status, r.text
     body = r.json()["error"]
