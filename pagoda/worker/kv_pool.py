@@ -114,14 +114,6 @@ class KVCachePool:
             self.caches.append(cache)
 
     @property
-    def num_layers(self) -> int:
-        return len(self.caches)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_blocks
-
-    @property
     def block_size(self) -> int:
         return self.config.block_size
 
