@@ -65,6 +65,35 @@ class FullAttentionSpec(KVCacheSpec):
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
+@dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention: one latent entry per token, shared by every head:
+    kv_lora_rank values (compressed keys and values) then qk_rope_head_dim (the rotated
+    key part); no separate K and V. Storage [num_blocks, block_size, entry_size] in
+    ``dtype``."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive(self, kv_lora_rank=self.kv_lora_rank,
+                          qk_rope_head_dim=self.qk_rope_head_dim)
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"MLAAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, "
+                             f"got {self.dtype!r}")
+
+    @property
+    def entry_size(self) -> int:
+        """Values one token keeps in one layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.entry_size * DTYPE_BYTES[self.dtype]
+
+
 def common_block_size(specs: Sequence[KVCacheSpec]) -> int:
     """The block size every layer shares; raises if there are no layers or they differ."""
     if not specs:

@@ -3,7 +3,8 @@
 Owns parsing a Hugging Face ``config.json`` dict, GGUF metadata and named presets into
 one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
 model code does not implement: unknown architectures, rope scaling types other than
-default/llama3, activations other than silu, sliding-window attention.
+default/llama3/yarn, activations other than silu, sliding-window attention. DeepSeek
+architectures carry their attention's shape in ``mla`` (pagoda/model/mla_config.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig
+
 # Architecture name -> flags the Llama-family model code switches on. Qwen2 always has
 # a bias on its q/k/v projections; Qwen3 always normalises q and k per head.
 _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
@@ -19,17 +22,22 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "DeepseekV2ForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_DEFAULTS)
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # Fields a llama3 rope_scaling dict must carry.
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings")
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
 # HF model_type -> architecture, for config.json files without an "architectures" list.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "deepseek_v2": "DeepseekV2ForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 _GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
 
 
@@ -50,9 +58,9 @@ def normalize_rope_scaling(rope_scaling: Optional[dict]) -> Optional[dict]:
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return None
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    missing = [k for k in _ROPE_KEYS[rope_type] if scaling.get(k) is None]
     if missing:
-        raise ValueError(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
+        raise ValueError(f"rope_scaling of type {rope_type} lacks {', '.join(missing)}")
     scaling["rope_type"] = rope_type
     return scaling
 
@@ -69,7 +77,7 @@ class ArchConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None (plain rotary) or a dict with rope_type "llama3" and its four fields.
+    # None (plain rotary) or a dict with rope_type "llama3" / "yarn" and its fields.
     rope_scaling: Optional[dict] = field(default=None, hash=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -79,6 +87,9 @@ class ArchConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, used when dtype="auto"
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list[int], None] = field(default=None, hash=False)
+    # Multi-head latent attention's shape: set exactly for the DeepSeek architectures,
+    # whose head_dim is then the rotary width (qk_rope_head_dim).
+    mla: Optional[MLAConfig] = None
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -94,6 +105,7 @@ class ArchConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
+        _check_mla(self)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -123,13 +135,15 @@ class ArchConfig:
         _reject_unsupported_biases(arch, config)
         heads = config["num_attention_heads"]
         rope_theta, rope_scaling = _hf_rope(config)
+        mla = _hf_mla(arch, config)
         return cls(
             architecture=arch,
             hidden_size=config["hidden_size"],
             num_hidden_layers=config["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=(mla.qk_rope_head_dim if mla is not None
+                      else config.get("head_dim") or config["hidden_size"] // heads),
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -144,6 +158,7 @@ class ArchConfig:
             torch_dtype=_hf_dtype(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            mla=mla,
         )
 
     @classmethod
@@ -170,6 +185,29 @@ def _hf_architecture(config: dict) -> str:
                          f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     check_architecture(arch)
     return arch
+
+
+def _check_mla(arch: ArchConfig) -> None:
+    is_mla = arch.architecture in MLA_ARCHITECTURES
+    if is_mla != (arch.mla is not None):
+        raise ValueError(f"{arch.architecture} {'needs' if is_mla else 'takes no'} an MLA config "
+                         f"(mla=...)")
+    if is_mla and arch.head_dim != arch.mla.qk_rope_head_dim:
+        raise ValueError(f"{arch.architecture}: head_dim ({arch.head_dim}) must be the rotary "
+                         f"width qk_rope_head_dim ({arch.mla.qk_rope_head_dim})")
+
+
+def _hf_mla(arch: str, config: dict) -> Optional[MLAConfig]:
+    """The MLA shape of a DeepSeek config (None for other architectures)."""
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    first_dense = config.get("first_k_dense_replace", 0)
+    if config.get("n_routed_experts") and first_dense < config["num_hidden_layers"]:
+        raise ValueError(f"{arch}: MoE layers (n_routed_experts={config['n_routed_experts']}, "
+                         f"first_k_dense_replace={first_dense} < num_hidden_layers="
+                         f"{config['num_hidden_layers']}) are not supported yet; only "
+                         f"configs whose every layer is dense load")
+    return MLAConfig.from_hf_config(arch, config)
 
 
 def _reject_sliding_window(arch: str, config: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagoda.model.arch_config import SUPPORTED_ARCHITECTURES
+from pagoda.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagoda.model.llama import LlamaForCausalLM
 
 # Qwen2/Qwen3/Mistral run on the Llama code; ArchConfig flags select their differences.
@@ -13,6 +14,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 if set(_MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):
     raise RuntimeError("the model registry and ArchConfig's supported architectures disagree")

@@ -8,8 +8,8 @@ never hold NaN/Inf, since 0 * NaN poisons a sum) and checks it takes exactly the
 the spec sized it at, so the start-up sizing and the allocation cannot drift apart.
 
 Per layer and step, the Attention layer calls ``pool.store(layer_idx, metadata, ...)``
-with what that layer's kind stores (full attention: k and v), then the backend attends
-to ``pool.cache(layer_idx)``. Layouts are looked up by the spec's exact class: a
+with what that layer's kind stores (full attention: k and v; MLA: one latent row per
+token), then the backend attends to ``pool.cache(layer_idx)``. Layouts are looked up by the spec's exact class: a
 subclass is a different kind and needs its own layout.
 
 Full attention keeps the layout [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -18,6 +18,10 @@ which skips padding rows (slot -1) on the device; on CPU an index_copy of the fi
 num_actual_tokens rows, which on an eager step are all real (padding rows exist only
 for CUDA-graph buffers and padded CUDA steps; graph-mode metadata, without host copies,
 is filtered by slot).
+
+MLA keeps [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent entry
+per token, written by the Triton kernel kernels/mla_store.py on CUDA (padding rows
+skipped on the device), by index_copy on CPU, under the same rules.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Mapping, Optional
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
-from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from pagoda.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
+                                       MLAAttentionSpec)
 
 
 class KVLayout(ABC):
@@ -84,9 +89,40 @@ class FullAttentionLayout(KVLayout):
             store_kv_torch(k, v, cache, metadata)
 
 
+class MLALatentLayout(KVLayout):
+    """Storage [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; stores one
+    latent row per token. use_triton: write with kernels/mla_store.py."""
+
+    def __init__(self, use_triton: bool) -> None:
+        self.use_triton = use_triton
+        if use_triton:
+            from pagoda.kernels.mla_store import store_latent
+            self._store_triton = store_latent
+
+    def allocate(self, spec: MLAAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_blocks, spec.block_size, spec.entry_size,
+                           dtype=getattr(torch, spec.dtype), device=device)
+
+    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
+              *entries: torch.Tensor) -> None:
+        (latent,) = entries
+        if self.use_triton:
+            self._store_triton(latent, cache, metadata.slot_mapping)
+            return
+        n = metadata.num_actual_tokens
+        slots = metadata.slot_mapping[:n]
+        latent = latent[:n]
+        if not metadata.has_host_copies:  # graph buffers: padding requests among the rows
+            real = slots >= 0
+            slots, latent = slots[real], latent[real]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latent.to(cache.dtype))
+
+
 def default_kv_layouts(device: torch.device | str) -> dict[type[KVCacheSpec], KVLayout]:
     """The layouts of the spec kinds Pagoda implements, writing as suits the device."""
-    return {FullAttentionSpec: FullAttentionLayout(use_triton=torch.device(device).type == "cuda")}
+    use_triton = torch.device(device).type == "cuda"
+    return {FullAttentionSpec: FullAttentionLayout(use_triton=use_triton),
+            MLAAttentionSpec: MLALatentLayout(use_triton=use_triton)}
 
 
 class KVCachePool:
@@ -127,5 +163,6 @@ class KVCachePool:
 
     def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor) -> None:
         """Writes this step's entries of one layer (full attention: k, v, each
-        [num_tokens, num_kv_heads, head_dim]) at metadata.slot_mapping."""
+        [num_tokens, num_kv_heads, head_dim]; MLA: latent [num_tokens, entry_size]) at
+        metadata.slot_mapping."""
         self._layouts[layer_idx].store(self.caches[layer_idx], metadata, *entries)

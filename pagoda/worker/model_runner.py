@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 def make_attention_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:
     """The backend for this rank's heads (tp: its TensorParallel; None for all heads)."""
+    if arch.mla is not None:  # DeepSeek: latent attention (pagoda/attention/mla_backend.py)
+        from pagoda.attention.mla_backend import make_mla_backend
+        return make_mla_backend(name, device, arch, tp)
     scale = arch.head_dim ** -0.5
     size = 1 if tp is None else tp.size
     args = (arch.num_attention_heads // size, max(1, arch.num_key_value_heads // size),

@@ -1,10 +1,17 @@
-"""Rotary position embedding (HF rotate_half / neox layout) with optional llama3 scaling.
+"""Rotary position embedding (HF rotate_half / neox layout) with optional llama3 or
+YaRN scaling.
 
 One RotaryEmbedding serves every layer of a model: the model looks up cos/sin for the
 step's positions once, and each attention layer applies them to q and k. The cache
 holds cos and sin of every position below max_position in float32, half the head
 dim wide (the two halves of a head share a frequency); it is a non-persistent buffer,
 rebuilt by ``reset_cache`` after a model built on the meta device is materialised.
+
+YaRN (as transformers computes it) blends interpolated and extrapolated frequencies
+along a linear ramp between two correction dimensions and multiplies cos and sin by an
+attention factor (mscale / mscale_all_dim). Checkpoints that rotate interleaved pairs
+(DeepSeek) have their weight rows permuted at load time (``interleaved_to_half``) so
+that this one layout serves them too.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from pagoda.model.mla_config import yarn_mscale
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -37,14 +46,79 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, interpolated, scaled)
 
 
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor cos and sin are multiplied by: attention_factor when given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+    mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN frequencies: dimensions rotating more than beta_fast times over the original
+    context keep their frequency, those rotating fewer than beta_slow times are divided
+    by factor, a linear ramp blends the ones between (bounds rounded out unless
+    truncate is false)."""
+    factor = float(scaling["factor"])
+    original_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original_len / (num_rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = default_inv_freq(head_dim, base)
+    interpolated = extrapolated / factor
+    keep = 1 - ramp  # 1 where the original frequency is kept
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
 def compute_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
-    inv_freq = default_inv_freq(head_dim, base)
     if scaling is None:
-        return inv_freq
-    if scaling.get("rope_type") != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {scaling.get('rope_type')!r}; "
-                         f"supported: default, llama3")
-    return llama3_inv_freq(inv_freq, scaling)
+        return default_inv_freq(head_dim, base)
+    rope_type = scaling.get("rope_type")
+    if rope_type == "llama3":
+        return llama3_inv_freq(default_inv_freq(head_dim, base), scaling)
+    if rope_type == "yarn":
+        return yarn_inv_freq(head_dim, base, scaling)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
+                     f"supported: default, llama3, yarn")
+
+
+def attention_factor(scaling: Optional[dict]) -> float:
+    """What cos and sin are multiplied by (YaRN's magnitude correction; else 1)."""
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        return yarn_attention_factor(scaling)
+    return 1.0
+
+
+def interleaved_to_half(weight: torch.Tensor, rotary_dim: int, row_start: int,
+                        group: int) -> torch.Tensor:
+    """Weight rows reordered for a checkpoint that rotates adjacent pairs (2i, 2i+1):
+    in every group of `group` rows, the rotary_dim rows starting at row_start become
+    [even rows, odd rows], the half-split layout apply_rotary rotates. Only q.k dot
+    products see these rows, and q and k are permuted alike, so attention is unchanged."""
+    rows = weight.shape[0]
+    if rows % group or row_start + rotary_dim > group:
+        raise ValueError(f"cannot permute rotary rows [{row_start}, {row_start + rotary_dim}) "
+                         f"in groups of {group} of a {rows}-row weight")
+    order = torch.arange(rows).view(rows // group, group)
+    seg = order[:, row_start:row_start + rotary_dim]
+    order[:, row_start:row_start + rotary_dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
+    return weight.index_select(0, order.flatten())
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,8 +142,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(self.head_dim, self.base, self.scaling).to(device)
         positions = torch.arange(self.max_position, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.cos_cache = freqs.cos()
-        self.sin_cache = freqs.sin()
+        factor = attention_factor(self.scaling)
+        self.cos_cache = freqs.cos() * factor
+        self.sin_cache = freqs.sin() * factor
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for the given positions, each [T, head_dim // 2] float32."""

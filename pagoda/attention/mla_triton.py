@@ -1,0 +1,208 @@
+"""The Triton MLA backend: latent rows through kernels/mla_decode.py, on the GPU.
+
+Owns `MLATritonBackend`. Eager steps are planned as the reference plans them
+(pagoda/attention/mla_backend.py: decodes on the latent path, prefill chunks
+decompressed); the latent kernel's context slices are chosen on the host from the
+step's host copies. Prefill chunks run torch's scaled_dot_product_attention on the
+decompressed K/V in the model's dtype, one request at a time: query/key width 192
+and value width 128 (DeepSeek's shape) fit neither the existing paged kernels (one
+power-of-two head width for K and V) nor a cache layout, and a prefill step is
+dominated by its GEMMs, not by these launches.
+
+CUDA graphs (decode graphs and mixed graphs, as the CudaGraphRunner captures them):
+a plan without host copies sends every row of the step through the latent kernel,
+which serves any query length (a row's context ends at its own position). The
+metadata lives in buffers at fixed addresses: `init_cuda_graph_state` allocates them,
+`metadata_for_capture` plans over views of them (slices chosen for the longest
+context the block table holds), `prepare_replay` copies a real batch in and computes
+each row's request and context length on the device. Padding rows get length 0:
+the kernel writes zeros for them and the KV pool skips their slot -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagoda.attention.backend import AttentionMetadata
+from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, prefill_attention
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class _GraphBuffers:
+    block_size: int
+    query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
+    seq_lens: torch.Tensor  # int32 [max_batch_size]
+    block_tables: torch.Tensor  # int32 [max_batch_size, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [rows]
+    row_req: torch.Tensor  # int32 [rows]
+    row_len: torch.Tensor  # int32 [rows]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def row_context(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int,
+                num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, context length) of rows 0..num_rows-1, on the device, without a sync:
+    row j of a request of query length q and seq_len s sees s - q + j + 1 tokens;
+    rows past the last request's end get length 0."""
+    device = query_start_loc.device
+    rows = torch.arange(num_rows, dtype=torch.int32, device=device)
+    ends = query_start_loc[1:num_reqs + 1]
+    req = torch.searchsorted(ends, rows, right=True).clamp_(max=num_reqs - 1)
+    length = seq_lens[req] - (ends[req] - rows) + 1
+    length = torch.where(rows < query_start_loc[num_reqs], length, 0).clamp_(min=0)
+    return req.to(torch.int32), length.to(torch.int32)
+
+
+@dataclass
+class MLATritonPlan(MLAPlan):
+    num_splits: int = 1
+
+
+class MLATritonBackend(MLATorchBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 scale: float, *, num_decode_splits: Optional[int] = None) -> None:
+        """num_decode_splits fixes the latent kernel's context slices (tests, tuning);
+        None chooses them per batch."""
+        super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
+        if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
+            raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
+        self.num_decode_splits = num_decode_splits
+        self._graph: Optional[_GraphBuffers] = None
+        self._num_sms: dict[int, int] = {}
+
+    def build_metadata(self, common: AttentionMetadata) -> MLATritonPlan:
+        if common.has_host_copies:
+            plan = plan_eager(common, self.latent_rows)
+            longest = plan.max_row_len
+        else:  # graph mode: every row latent, launches sized from capture-time values
+            req, length = row_context(common.query_start_loc, common.seq_lens,
+                                      common.num_reqs, common.slot_mapping.shape[0])
+            plan = MLAPlan(common, None, common.slot_mapping.shape[0], req, length)
+            longest = common.block_tables.shape[1] * common.block_size
+        return MLATritonPlan(**vars(plan), num_splits=self._num_splits(plan, longest))
+
+    def _num_splits(self, plan: MLAPlan, longest: int) -> int:
+        from pagoda.kernels.mla_decode import mla_tile_config
+        from pagoda.kernels.paged_decode import choose_num_splits
+
+        if self.num_decode_splits is not None:
+            return self.num_decode_splits
+        device = plan.common.query_start_loc.device
+        head_blocks = -(-self.num_heads // mla_tile_config(torch.bfloat16)["BLOCK_H"])
+        return choose_num_splits(plan.num_latent_rows, head_blocks, longest,
+                                 self._sm_count(device))
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: MLATritonPlan) -> torch.Tensor:
+        from pagoda.kernels.mla_decode import mla_decode
+        from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS
+
+        if q.dtype not in _SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
+            raise ValueError(f"q ({q.dtype}) and the latent cache ({kv_cache.dtype}) must share "
+                             f"one of float16, bfloat16, float32")
+        out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
+        min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
+        mla_decode(out, q, kv_cache, metadata.common.block_tables, metadata.row_req,
+                   metadata.row_len, self.scale, self.kv_lora_rank, metadata.num_splits,
+                   min_split_tokens=min_split)
+        return out
+
+    def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        metadata: MLAPlan) -> torch.Tensor:
+        return prefill_attention(q, k, v, metadata.prefill_chunks, self.scale, upcast=False)
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 4  # the interpreter: any value gives the same result
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._num_sms:
+            self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._num_sms[index]
+
+    # ---- CUDA graphs -------------------------------------------------------------------
+
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
+                              block_size: int, device, max_num_tokens: int = 0) -> None:
+        if max_batch_size < 1 or max_blocks_per_req < 1 or block_size < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}), max_blocks_per_req "
+                             f"({max_blocks_per_req}) and block_size ({block_size}) must be >= 1")
+        rows = max(max_batch_size, max_num_tokens)
+        self._graph = _GraphBuffers(
+            block_size=block_size,
+            query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_batch_size, max_blocks_per_req, dtype=torch.int32,
+                                     device=device),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
+            row_req=torch.zeros(rows, dtype=torch.int32, device=device),
+            row_len=torch.zeros(rows, dtype=torch.int32, device=device))
+
+    def metadata_for_capture(self, batch_size: int,
+                             num_tokens: Optional[int] = None) -> MLATritonPlan:
+        g = self._graph_buffers(batch_size, num_tokens)
+        rows = batch_size if num_tokens is None else num_tokens
+        common = AttentionMetadata(
+            num_reqs=batch_size, num_actual_tokens=rows,
+            query_start_loc=g.query_start_loc[: batch_size + 1], seq_lens=g.seq_lens[:batch_size],
+            block_tables=g.block_tables[:batch_size], slot_mapping=g.slot_mapping[:rows],
+            max_query_len=1 if num_tokens is None else num_tokens,
+            max_seq_len=1,  # not used to size launches: there are no host copies
+            block_size=g.block_size)
+        plan = MLAPlan(common, None, rows, g.row_req[:rows], g.row_len[:rows])
+        longest = g.block_tables.shape[1] * g.block_size
+        return MLATritonPlan(**vars(plan), num_splits=self._num_splits(plan, longest))
+
+    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
+                       num_tokens: Optional[int] = None) -> None:
+        """Copies a real batch (num_reqs <= batch_size, at most the graph's rows) into
+        the buffers and computes each row's request and context length."""
+        g = self._graph_buffers(batch_size, num_tokens)
+        n = metadata.num_reqs
+        rows = batch_size if num_tokens is None else num_tokens
+        if num_tokens is None and metadata.max_query_len > 1:
+            raise ValueError(f"decode graphs serve decode-only batches; max_query_len is "
+                             f"{metadata.max_query_len}")
+        if n > batch_size or metadata.num_actual_tokens > rows:
+            raise ValueError(f"batch of {n} requests / {metadata.num_actual_tokens} tokens does "
+                             f"not fit the graph of batch_size {batch_size} / {rows} rows")
+        if metadata.block_size != g.block_size:
+            raise ValueError(f"batch has block_size {metadata.block_size}, the graph buffers "
+                             f"{g.block_size}")
+        width = metadata.block_tables.shape[1]
+        if width > g.block_tables.shape[1]:
+            raise ValueError(f"block_tables has {width} columns, graph buffers hold "
+                             f"{g.block_tables.shape[1]} (max_blocks_per_req)")
+        g.query_start_loc[: n + 1].copy_(metadata.query_start_loc[: n + 1], non_blocking=True)
+        g.query_start_loc[n + 1: batch_size + 1].fill_(metadata.num_actual_tokens)
+        g.seq_lens[:n].copy_(metadata.seq_lens[:n], non_blocking=True)
+        g.seq_lens[n:batch_size].fill_(0)
+        g.block_tables[:n, :width].copy_(metadata.block_tables[:n], non_blocking=True)
+        real = min(metadata.slot_mapping.shape[0], rows)
+        g.slot_mapping[:real].copy_(metadata.slot_mapping[:real], non_blocking=True)
+        g.slot_mapping[real:rows].fill_(-1)
+        req, length = row_context(metadata.query_start_loc, metadata.seq_lens, n, rows)
+        g.row_req[:rows].copy_(req)
+        g.row_len[:rows].copy_(length)
+
+    def _graph_buffers(self, batch_size: int, num_tokens: Optional[int] = None) -> _GraphBuffers:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state() before capturing or replaying")
+        if not 1 <= batch_size <= self._graph.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} is outside [1, {self._graph.max_batch_size}]")
+        rows = self._graph.slot_mapping.shape[0]
+        if num_tokens is not None and not batch_size <= num_tokens <= rows:
+            raise ValueError(f"num_tokens {num_tokens} is outside [batch_size, {rows}]")
+        return self._graph

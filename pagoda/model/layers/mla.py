@@ -1,0 +1,152 @@
+"""Multi-head latent attention (DeepSeek V2/V3): projections, latent cache, both paths.
+
+``MLAAttention`` holds the projections, named as in Hugging Face checkpoints:
+q_proj (or q_a_proj -> q_a_layernorm -> q_b_proj), kv_a_proj_with_mqa (-> the
+compressed KV c and the shared rotary key k_rope), kv_a_layernorm (on c), kv_b_proj
+(c -> per head k_nope and v) and o_proj. ``MLALatentAttention`` is its Attention
+layer: it declares the latent KV spec (one entry of kv_lora_rank + qk_rope_head_dim
+values per token), stores [norm(c), rope(k_rope)] through the KV pool and runs the
+rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
+
+- latent rows (decodes; every row in a CUDA graph): q_lat = q_nope W_UK per head,
+  attention over the cached entries, o = o_lat W_UV^T; W_UK / W_UV are views of
+  kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied;
+- prefill rows: the contexts' latents gathered from the cache (the cached prefix and
+  this step's rows alike), decompressed by kv_b_proj into K = [k_nope, k_rope] and V,
+  then causal attention.
+
+Tensor parallelism: heads split across ranks (q_proj / q_b_proj and kv_b_proj
+column-parallel by head, o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the
+latent cache are replicated on every rank (the latent is shared by all heads).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagoda.attention.forward_context import get_forward_context
+from pagoda.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.attention import Attention
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import ColumnParallelLinear, RowParallelLinear, divide
+from pagoda.model.layers.rotary import apply_rotary
+from pagoda.model.mla_config import MLAConfig, mla_softmax_scale
+from pagoda.model.parallel import TensorParallel
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the
+# config's rms_norm_eps (as in the reference implementation and transformers).
+_LORA_NORM_EPS = 1e-6
+
+
+def replicated_linear(input_size: int, output_size: int) -> ColumnParallelLinear:
+    """A projection every rank holds whole: a column-parallel layer of one rank."""
+    return ColumnParallelLinear(input_size, output_size, bias=False, tp_rank=0, tp_size=1)
+
+
+class MLALatentAttention(Attention):
+    """The attention of one MLA layer: latent KV spec, store, and the plan's two paths."""
+
+    def __init__(self, layer_idx: int, num_heads: int, mla: MLAConfig, scale: float) -> None:
+        super().__init__(layer_idx, num_heads, 1, mla.latent_dim, scale)
+        self.mla = mla
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return MLAAttentionSpec(block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
+                                str(dtype).removeprefix("torch."))
+
+    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                kv_b_proj: ColumnParallelLinear) -> torch.Tensor:
+        """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope], latent [T, kv_lora_rank +
+        qk_rope] (this step's entries) -> [T, H * v_head_dim]; stores the latents."""
+        ctx = get_forward_context()
+        plan = ctx.metadata
+        ctx.kv_pool.store(self.layer_idx, plan.common, latent)
+        cache = ctx.kv_pool.cache(self.layer_idx)
+        mla, num_tokens, heads = self.mla, q_nope.shape[0], self.num_heads
+        w = kv_b_proj.weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        w_uk, w_uv = w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
+        rows = plan.latent_rows
+        if rows is None and not plan.prefill_chunks:  # every row latent (decode, graphs)
+            out = self._latent(q_nope, q_rope, cache, w_uk, w_uv, ctx)
+            return out.reshape(num_tokens, heads * mla.v_head_dim)
+        out = q_nope.new_zeros(num_tokens, heads, mla.v_head_dim)
+        if plan.num_latent_rows:
+            out[rows] = self._latent(q_nope[rows], q_rope[rows], cache, w_uk, w_uv, ctx)
+        if plan.prefill_chunks:
+            out[plan.prefill_rows] = self._prefill(q_nope, q_rope, cache, kv_b_proj, ctx)
+        return out.reshape(num_tokens, heads * mla.v_head_dim)
+
+    def _latent(self, q_nope, q_rope, cache, w_uk, w_uv, ctx) -> torch.Tensor:
+        """The absorbed path: [N, H, *] queries -> [N, H, v_head_dim]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
+        q = torch.cat((q_lat, q_rope), dim=-1)
+        o_lat = ctx.backend.forward(q, cache, ctx.metadata)  # [N, H, kv_lora_rank]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _prefill(self, q_nope, q_rope, cache, kv_b_proj, ctx) -> torch.Tensor:
+        """The decompressed path for the plan's prefill rows -> [P, H, v_head_dim]."""
+        plan, mla = ctx.metadata, self.mla
+        entries = cache.view(-1, mla.latent_dim).index_select(0, plan.prefill_slots)
+        num_ctx = entries.shape[0]
+        kv = kv_b_proj(entries[:, :mla.kv_lora_rank]).view(
+            num_ctx, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k_rope = entries[:, None, mla.kv_lora_rank:].expand(num_ctx, self.num_heads,
+                                                            mla.qk_rope_head_dim)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        rows = plan.prefill_rows
+        q = torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
+        return ctx.backend.forward_prefill(q, k, v, plan)
+
+
+class MLAAttention(nn.Module):
+    """One DeepSeek attention block: hidden [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        mla = arch.mla
+        if mla is None:
+            raise ValueError(f"{arch.architecture} has no MLA config")
+        self.mla = mla
+        heads = arch.num_attention_heads
+        self.num_heads = divide(heads, tp.size, "num_attention_heads")
+        column = dict(bias=False, tp_rank=tp.rank, tp_size=tp.size)
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(arch.hidden_size, heads * mla.qk_head_dim, **column)
+        else:
+            self.q_a_proj = replicated_linear(arch.hidden_size, mla.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * mla.qk_head_dim,
+                                                 **column)
+        self.kv_a_proj_with_mqa = replicated_linear(arch.hidden_size, mla.latent_dim)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LORA_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), **column)
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, arch.hidden_size, **column)
+        self.attn = MLALatentAttention(layer_idx, self.num_heads, mla,
+                                       mla_softmax_scale(mla, arch.rope_scaling))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or [len(output_rows), hidden] for those rows only
+        (attention still runs, and stores its latent, for every row)."""
+        mla, num_tokens = self.mla, hidden.shape[0]
+        if mla.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_rope = q.view(num_tokens, self.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rotary(q_rope, cos, sin)
+        c, k_rope = self.kv_a_proj_with_mqa(hidden).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
+        latent = torch.cat((self.kv_a_layernorm(c.contiguous()), k_rope), dim=-1)
+        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj)
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
+        return self.o_proj(out)
