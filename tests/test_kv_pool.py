@@ -99,7 +99,7 @@ def test_graph_mode_metadata_skips_padding_requests_on_the_torch_path():
 
 def test_pool_rejects_unknown_kinds_and_layouts_that_disagree_with_their_spec():
     with pytest.raises(ValueError, match=r"layer 1: no KV storage layout for LatentSpec "
-                                         r"\(known: FullAttentionSpec\)"):
+                                         r"\(known: FullAttentionSpec, MLAAttentionSpec\)"):
         KVCachePool(KVCacheConfig(NUM_BLOCKS, [FULL, LATENT]), "cpu")
 
     class TooSmall(LatentLayout):

@@ -175,6 +175,20 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
     assert (got - hf_logits(hf, tokens)).abs().max().item() < 1e-4
 
 
+def test_yarn_rope_scaling_matches_hf(tmp_path):
+    # YaRN as transformers computes it for Llama: blended frequencies (original length
+    # 64, head_dim 16), cos and sin scaled by the attention factor mscale / mscale_all_dim.
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}
+    hf = make_hf("llama", seed=12, rope_scaling=scaling)
+    hf.save_pretrained(tmp_path)
+    model, arch = load_model(str(tmp_path), dtype="float32")
+    assert arch.rope_scaling["rope_type"] == "yarn"
+    tokens = torch.randint(3, 512, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = pagoda_logits(model, arch, tokens, [70, 20])
+    assert (got - hf_logits(hf, tokens)).abs().max().item() < 1e-4
+
+
 # ---- the embedded SmolLM2 GGUF against transformers' GGUF conversion ----
 
 def _smollm2_gguf() -> pathlib.Path:

@@ -79,3 +79,32 @@ def test_kv_cache_config():
     assert config.total_bytes == 10 * (65536 + 18432)
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheConfig(num_blocks=0, layer_specs=specs)
+
+
+def test_mla_spec_sizes_one_latent_entry_per_token():
+    from pagoda.core.kv_cache_spec import MLAAttentionSpec
+
+    # DeepSeek-V2-Lite: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token
+    # and layer, no separate K and V; bf16 blocks of 16 tokens: 16 * 576 * 2 bytes.
+    lite = MLAAttentionSpec(16, kv_lora_rank=512, qk_rope_head_dim=64, dtype="bfloat16")
+    assert lite.entry_size == 576
+    assert lite.page_size_bytes == 18432
+    # The same 27 layers as a GQA cache of 16 KV heads x 128 (as its 16 heads would
+    # need): 2 * 16 * 128 = 4096 values per token per layer, 7.11x the latent's.
+    gqa = FullAttentionSpec(16, 16, 128, "bfloat16")
+    assert bytes_per_block([gqa] * 27) * 576 == bytes_per_block([lite] * 27) * 4096
+    assert num_blocks_for_budget(27 * 18432 * 100, [lite] * 27, max_model_len=1600) == 100
+    assert MLAAttentionSpec(4, 32, 16, "float32").page_size_bytes == 4 * 48 * 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=16, kv_lora_rank=0, qk_rope_head_dim=64, dtype="bfloat16"), "kv_lora_rank"),
+    (dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=None, dtype="bfloat16"),
+     "qk_rope_head_dim"),
+    (dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype="int8"), "dtype"),
+])
+def test_mla_spec_rejects_bad_fields(kwargs, match):
+    from pagoda.core.kv_cache_spec import MLAAttentionSpec
+
+    with pytest.raises(ValueError, match=match):
+        MLAAttentionSpec(**kwargs)

@@ -1,0 +1,142 @@
+"""The MLA Triton kernels (latent decode, latent store) against their torch references,
+and the Triton MLA backend's graph-mode plan against the eager one.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set before Triton is imported,
+by conftest or here) on small shapes in float16 and float32. Cache slots no request
+uses hold NaN in the kernel's cache: a kernel reading past a context would poison its
+output.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
+from pagoda.attention.mla_backend import latent_attention_ref, plan_eager  # noqa: E402
+from pagoda.attention.mla_triton import MLATritonBackend, row_context  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _kernels():
+    """The kernel modules, re-decorated for the interpreter if imported compiled."""
+    from pagoda.kernels import mla_decode, mla_store
+    if not ON_GPU:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(mla_decode._mla_decode_kernel, InterpretedFunction):
+            importlib.reload(mla_decode)
+            importlib.reload(mla_store)
+    return mla_decode, mla_store
+
+
+MLA_DECODE, MLA_STORE = _kernels()
+BLOCK_SIZE = 4
+
+
+class LatentCase:
+    """Requests given as (seq_len, query_len), their latent cache (scrambled blocks) and
+    each query row's (request, context length); cache_nan has NaN in unused slots."""
+
+    def __init__(self, reqs, kv_lora_rank, rope, dtype, num_heads=4, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.kv_lora_rank, self.entry = kv_lora_rank, kv_lora_rank + rope
+        blocks_needed = [-(-s // BLOCK_SIZE) for s, _ in reqs]
+        num_blocks = sum(blocks_needed) + 3
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        tables, self.lens, self.row_req, self.row_len = [], [], [], []
+        used = torch.zeros(num_blocks, BLOCK_SIZE, dtype=torch.bool)
+        for i, ((seq_len, qlen), n) in enumerate(zip(reqs, blocks_needed)):
+            table = [order.pop() for _ in range(n)]
+            tables.append(table)
+            for pos in range(seq_len):
+                used[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = True
+            self.row_req += [i] * qlen
+            self.row_len += list(range(seq_len - qlen + 1, seq_len + 1))
+        width = max(blocks_needed)
+        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.cache = (torch.randn(num_blocks, BLOCK_SIZE, self.entry, generator=gen) * 0.5).to(dtype)
+        self.cache_nan = self.cache.clone()
+        self.cache_nan[~used] = float("nan")
+        self.q = torch.randn(len(self.row_req), num_heads, self.entry, generator=gen).to(dtype)
+
+    def tensors(self, device):
+        return (self.q.to(device), self.cache_nan.to(device), self.tables.to(device),
+                torch.tensor(self.row_req, dtype=torch.int32, device=device),
+                torch.tensor(self.row_len, dtype=torch.int32, device=device))
+
+
+# Context lengths across block boundaries (BLOCK_SIZE 4): 1, 3, 4, 5, 17, 38; a
+# request of 3 query rows; and a padding row (length 0).
+REQS = [(1, 1), (3, 1), (4, 1), (5, 1), (17, 3), (38, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_lora_rank,rope", [(32, 16), (24, 8)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_kernel_matches_reference(dtype, kv_lora_rank, rope, num_splits):
+    case = LatentCase(REQS, kv_lora_rank, rope, dtype)
+    q, cache, tables, row_req, row_len = case.tensors(DEVICE)
+    row_len = torch.cat([row_len, row_len.new_zeros(1)])  # a padding row
+    row_req = torch.cat([row_req, row_req.new_zeros(1)])
+    q = torch.cat([q, q[:1]])
+    scale = 0.3
+    expected = latent_attention_ref(q.cpu(), case.cache, case.tables, row_req.cpu(),
+                                    row_len.cpu(), scale, kv_lora_rank)
+    out = torch.full((q.shape[0], q.shape[1], kv_lora_rank), float("nan"), dtype=dtype,
+                     device=DEVICE)
+    MLA_DECODE.mla_decode(out, q, cache, tables, row_req, row_len, scale, kv_lora_rank,
+                          num_splits, min_split_tokens=1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert not out.isnan().any()
+    assert torch.allclose(out.float().cpu(), expected, atol=tol, rtol=tol)
+    assert torch.equal(out[-1].float().cpu(), torch.zeros_like(expected[-1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_latent_kernel_matches_index_copy(dtype):
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(5, BLOCK_SIZE, 40, generator=gen).to(dtype)
+    latent = torch.randn(6, 40, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, -1, 0, 19, -1])
+    expected = cache.clone()
+    real = slots >= 0
+    expected.view(-1, 40).index_copy_(0, slots[real], latent[real])
+    got = cache.to(DEVICE)
+    MLA_STORE.store_latent(latent.to(DEVICE), got, slots.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_graph_mode_rows_match_eager_plan():
+    """row_context (the device computation graphs replay) gives every row the request
+    and context length the eager plan gives it, and length 0 to padding rows."""
+    query_lens, seq_lens = [1, 5, 1, 3], [9, 5, 2, 12]
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(4)]
+    md = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
+    eager = plan_eager(md, "all")
+    req, length = row_context(md.query_start_loc, md.seq_lens, md.num_reqs, 13)
+    assert eager.latent_rows is None  # every row, in order
+    assert req[:10].tolist() == eager.row_req.tolist()
+    assert length[:10].tolist() == eager.row_len.tolist()
+    assert length[10:].tolist() == [0, 0, 0]
+
+
+def test_triton_backend_graph_buffers_replay_a_batch():
+    """prepare_replay fills the graph buffers so that the captured plan's rows are the
+    real batch's (padding requests and rows get length 0)."""
+    backend = MLATritonBackend(4, 32, 16, 0.3, num_decode_splits=2)
+    backend.init_cuda_graph_state(8, 6, BLOCK_SIZE, DEVICE, max_num_tokens=16)
+    plan = backend.metadata_for_capture(4, 16)
+    md = build_attention_metadata([1, 3], [7, 10], [[0, 1], [2, 3, 4]], BLOCK_SIZE, DEVICE)
+    backend.prepare_replay(md, 4, 16)
+    assert plan.num_splits == 2
+    assert plan.row_len.tolist() == [7, 8, 9, 10] + [0] * 12
+    assert plan.row_req[:4].tolist() == [0, 1, 1, 1]
+    assert plan.common.slot_mapping[4:].tolist() == [-1] * 12
