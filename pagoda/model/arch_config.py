@@ -3,7 +3,8 @@
 Owns parsing a Hugging Face ``config.json`` dict, GGUF metadata and named presets into
 one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
 model code does not implement: unknown architectures, rope scaling types other than
-default/llama3, activations other than silu, sliding-window attention.
+default/llama3, activations other than silu, sliding-window attention. MoE fields are parsed by pagoda.model.moe_config into the
+``moe`` field (None for dense architectures).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from pagoda.model.moe_config import MOE_ARCHITECTURES, MoEConfig
+
 # Architecture name -> flags the Llama-family model code switches on. Qwen2 always has
 # a bias on its q/k/v projections; Qwen3 always normalises q and k per head.
 _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
@@ -19,6 +22,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True},
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_DEFAULTS)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
@@ -29,7 +33,8 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 # HF model_type -> architecture, for config.json files without an "architectures" list.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
 
 
@@ -79,6 +84,7 @@ class ArchConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, used when dtype="auto"
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list[int], None] = field(default=None, hash=False)
+    moe: Optional[MoEConfig] = None  # experts and routing; None for dense models
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -93,6 +99,9 @@ class ArchConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} " + ("needs an MoE config (moe=MoEConfig(...))"
+                             if self.moe is None else "has no experts: moe must be None"))
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
 
     @property
@@ -144,6 +153,7 @@ class ArchConfig:
             torch_dtype=_hf_dtype(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            moe=MoEConfig.from_hf_config(config, arch),
         )
 
     @classmethod
