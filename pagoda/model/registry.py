@@ -6,6 +6,7 @@ from torch import nn
 
 from pagoda.model.arch_config import SUPPORTED_ARCHITECTURES
 from pagoda.model.llama import LlamaForCausalLM
+from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM
 
 # Qwen2/Qwen3/Mistral run on the Llama code; ArchConfig flags select their differences.
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,6 +14,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 if set(_MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):
     raise RuntimeError("the model registry and ArchConfig's supported architectures disagree")
