@@ -104,8 +104,13 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # MoE models: experts split whole across the tensor-parallel ranks (refused, once
+    # the model is known, for a model without experts).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise _fail("enable_expert_parallel", "True or False", self.enable_expert_parallel)
         if self.tensor_parallel_size is None:
             raise _fail("tensor_parallel_size", "an integer >= 1", None)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -181,6 +186,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    enable_expert_parallel: bool = False
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -211,7 +217,8 @@ class EngineArgs:
         if self.async_scheduling not in (None, True, False):
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                  self.enable_expert_parallel)
         if device == "cuda":
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory

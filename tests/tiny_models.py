@@ -23,6 +23,13 @@ def save_tiny_hf_model(path, arch: str, seed: int = 0, **overrides):
     elif arch == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=16, rope_theta=10000.0)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        # 8 experts, top 2, renormalised; layer 1 keeps a dense MLP (mlp_only_layers).
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   norm_topk_prob=True, mlp_only_layers=[1])
+        moe.update({k: common.pop(k) for k in list(common) if k in moe})
+        config = transformers.Qwen3MoeConfig(**common, **moe, head_dim=16, rope_theta=10000.0)
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch in ("deepseek_v2", "deepseek_v3"):
         config, cls = tiny_deepseek_config(arch, **overrides)
     else:

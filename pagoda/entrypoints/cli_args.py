@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                    help="how tensor-parallel workers are started: mp (one process per GPU "
                         "on this machine); ray is not available yet")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts whole across the tensor-parallel "
+                        "ranks instead of splitting every expert (refused for dense models)")
     g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: triton on GPU, torch_ref on CPU)")

@@ -153,7 +153,8 @@ def _check_model_splits(config: EngineConfig, model_path: str, tp_size: int) -> 
     over tp_size ranks (the shape is read without loading a weight)."""
     from pagoda.model.loader import load_arch_config
     from pagoda.model.parallel import check_tensor_parallel
-    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size)
+    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size,
+                          config.parallel.enable_expert_parallel)
 
 
 class MultiprocExecutor(Executor):

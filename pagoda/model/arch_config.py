@@ -3,8 +3,10 @@
 Owns parsing a Hugging Face ``config.json`` dict, GGUF metadata and named presets into
 one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
 model code does not implement: unknown architectures, rope scaling types other than
-default/llama3/yarn, activations other than silu, sliding-window attention. DeepSeek
-architectures carry their attention's shape in ``mla`` (pagoda/model/mla_config.py).
+default/llama3/yarn, activations other than silu, sliding-window attention. MoE
+fields are parsed by pagoda.model.moe_config into the ``moe`` field (None for dense
+architectures); DeepSeek architectures carry their attention's shape in ``mla``
+(pagoda/model/mla_config.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig
+from pagoda.model.moe_config import MOE_ARCHITECTURES, MoEConfig
 
 # Architecture name -> flags the Llama-family model code switches on. Qwen2 always has
 # a bias on its q/k/v projections; Qwen3 always normalises q and k per head.
@@ -22,6 +25,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True},
     "DeepseekV2ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
@@ -36,6 +40,7 @@ _ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
 # HF model_type -> architecture, for config.json files without an "architectures" list.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM",
                        "deepseek_v2": "DeepseekV2ForCausalLM",
                        "deepseek_v3": "DeepseekV3ForCausalLM"}
 _GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
@@ -87,6 +92,7 @@ class ArchConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, used when dtype="auto"
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list[int], None] = field(default=None, hash=False)
+    moe: Optional[MoEConfig] = None  # experts and routing; None for dense models
     # Multi-head latent attention's shape: set exactly for the DeepSeek architectures,
     # whose head_dim is then the rotary width (qk_rope_head_dim).
     mla: Optional[MLAConfig] = None
@@ -104,6 +110,9 @@ class ArchConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} " + ("needs an MoE config (moe=MoEConfig(...))"
+                             if self.moe is None else "has no experts: moe must be None"))
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
         _check_mla(self)
 
@@ -158,6 +167,7 @@ class ArchConfig:
             torch_dtype=_hf_dtype(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            moe=MoEConfig.from_hf_config(config, arch),
             mla=mla,
         )
 
@@ -201,12 +211,6 @@ def _hf_mla(arch: str, config: dict) -> Optional[MLAConfig]:
     """The MLA shape of a DeepSeek config (None for other architectures)."""
     if arch not in MLA_ARCHITECTURES:
         return None
-    first_dense = config.get("first_k_dense_replace", 0)
-    if config.get("n_routed_experts") and first_dense < config["num_hidden_layers"]:
-        raise ValueError(f"{arch}: MoE layers (n_routed_experts={config['n_routed_experts']}, "
-                         f"first_k_dense_replace={first_dense} < num_hidden_layers="
-                         f"{config['num_hidden_layers']}) are not supported yet; only "
-                         f"configs whose every layer is dense load")
     return MLAConfig.from_hf_config(arch, config)
 
 

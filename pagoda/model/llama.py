@@ -17,7 +17,7 @@ never initialised on the CPU first.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -117,10 +117,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel,
+                 mlp: Optional[nn.Module] = None) -> None:
+        """mlp: the feed-forward block [T, H] -> [T, H] (all-reduced) replacing the dense
+        LlamaMLP (e.g. a mixture of experts)."""
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_idx, tp)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -141,12 +144,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallel,
+                 make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None) -> None:
+        """make_mlp(layer_idx): that layer's feed-forward block, or None for LlamaMLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
                                                    tp_rank=tp.rank, tp_size=tp.size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp)
-                                    for i in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, tp, make_mlp(i) if make_mlp is not None else None)
+            for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Shared by every layer: cos/sin are looked up once per forward.
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
@@ -171,10 +177,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp
-        self.model = LlamaModel(arch, tp)
+        self.model = LlamaModel(arch, tp, self.make_mlp)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size,
                                       tp_rank=tp.rank, tp_size=tp.size)
         self.tie_weights()
+
+    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+        """Subclasses' hook: layer layer_idx's feed-forward block (None: LlamaMLP)."""
+        return None
 
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head when the architecture ties them."""
@@ -210,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints store the head too; the embedding wins
-            name, shard_id = _map_hf_name(hf_name)
+            name, shard_id = self.map_hf_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
                                  f"{self.arch.architecture}")
@@ -224,12 +234,20 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(params, loaded)
         return loaded
 
+    def map_hf_name(self, hf_name: str) -> tuple[str, ShardId]:
+        """HF checkpoint name -> (parameter name, shard id or None); subclasses extend it."""
+        return _map_hf_name(hf_name)
+
+    def expected_loads(self, name: str) -> list[str]:
+        """What load_weights records for parameter name once a checkpoint filled it:
+        name[shard] for each shard of a merged parameter, else name."""
+        merged = [shard for merged, _, shard in _STACKED_PARAMS if f".{merged}." in name]
+        return [f"{name}[{s}]" for s in merged] or [name]
+
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
         for name in params:
-            merged = [shard for merged, _, shard in _STACKED_PARAMS if f".{merged}." in name]
-            expected = [f"{name}[{s}]" for s in merged] or [name]
-            missing += [e for e in expected if e not in loaded]
+            missing += [e for e in self.expected_loads(name) if e not in loaded]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")

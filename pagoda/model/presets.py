@@ -6,6 +6,7 @@ A preset is only a shape (an ArchConfig); its weights come from the dummy loader
 from __future__ import annotations
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.moe_config import MoEConfig
 
 # What every Llama 3.1 size shares: vocabulary, rotary scaling, context, special ids.
 _LLAMA_31_COMMON = dict(
@@ -35,6 +36,17 @@ _PRESETS: dict[str, ArchConfig] = {
         tie_word_embeddings=False, qk_norm=True, torch_dtype="bfloat16",
         bos_token_id=151643, eos_token_id=151645,
     ),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 active per token (about 3.3B active parameters).
+    "qwen3-30b-a3b": ArchConfig(
+        architecture="Qwen3MoeForCausalLM",
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True, torch_dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=151645,
+        moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                      renormalize=True),
+    ),
     "smollm2-135m": ArchConfig(
         architecture="LlamaForCausalLM",
         hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -48,6 +60,17 @@ _PRESETS: dict[str, ArchConfig] = {
         head_dim=16, intermediate_size=128, vocab_size=512,
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False, torch_dtype="float32", bos_token_id=1, eos_token_id=2,
+    ),
+    # 8 experts, top 2, layer 1 dense (mlp_only_layers), as tests/tiny_models.py's qwen3_moe.
+    "tiny-qwen3-moe": ArchConfig(
+        architecture="Qwen3MoeForCausalLM",
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=512,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=512,
+        tie_word_embeddings=False, qk_norm=True, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2,
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      renormalize=True, mlp_only_layers=(1,)),
     ),
     # head_dim * heads (128) != hidden_size (64), as in real Qwen3 models.
     "tiny-qwen3": ArchConfig(

@@ -7,6 +7,7 @@ from torch import nn
 from pagoda.model.arch_config import SUPPORTED_ARCHITECTURES
 from pagoda.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagoda.model.llama import LlamaForCausalLM
+from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM
 
 # Qwen2/Qwen3/Mistral run on the Llama code; ArchConfig flags select their differences.
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -14,6 +15,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }

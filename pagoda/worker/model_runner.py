@@ -91,7 +91,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
-        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size)
+        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size,
+                                 config.parallel.enable_expert_parallel)
         self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
                                            self.device, config.model.seed, self.tp)
         self.load_seconds = time.perf_counter() - start

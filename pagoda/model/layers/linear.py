@@ -87,7 +87,9 @@ def materialize_module(module: nn.Module, device: torch.device | str,
 
     Unlike Module.to_empty, this keeps the attributes a parameter carries (its
     weight_loader) and keeps tied parameters tied: each distinct tensor is replaced
-    once and the replacement is reused wherever the original was registered.
+    once and the replacement is reused wherever the original was registered. A
+    parameter marked ``param.keep_dtype = True`` keeps its own dtype (e.g. a float32
+    router whose choices must not depend on the model's dtype).
     """
     replaced: dict[int, torch.Tensor] = {}
     for sub in module.modules():
@@ -95,7 +97,9 @@ def materialize_module(module: nn.Module, device: torch.device | str,
             if param is None:
                 continue
             if id(param) not in replaced:
-                want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+                cast = (dtype is not None and param.is_floating_point()
+                        and not getattr(param, "keep_dtype", False))
+                want = dtype if cast else param.dtype
                 new = nn.Parameter(torch.empty_like(param, device=device, dtype=want),
                                    requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)
@@ -207,11 +211,17 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input dim split across ranks: x is this rank's shard of the input (the output of
     a column-parallel layer, or of this rank's attention heads); each rank's partial
-    product is all-reduced, and the bias, replicated, is added once, after the reduce."""
+    product is all-reduced, and the bias, replicated, is added once, after the reduce.
+    reduce_results=False returns the partial product (no bias allowed): the caller sums
+    it with other partials in one all-reduce (an MoE's shared and routed experts)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
         check_tp(tp_rank, tp_size)
+        if bias and not reduce_results:
+            raise ValueError("RowParallelLinear without reduce_results cannot add a bias "
+                             "(it would be added once per rank)")
+        self.reduce_results = reduce_results
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias,
                          tp_rank, tp_size)
 
@@ -227,7 +237,7 @@ class RowParallelLinear(LinearBase):
                      "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:  # no collective, the bias fused in the matmul: as before TP
+        if self.tp_size == 1 or not self.reduce_results:  # no collective, bias fused
             return linear(x, self.weight, self.bias)
         check_tp_group("RowParallelLinear", self.tp_rank, self.tp_size)
         out = tp_all_reduce(linear(x, self.weight))

@@ -70,7 +70,7 @@ def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.d
     """The model for arch, this rank's share of it (tp), with uninitialised weights of
     dtype on device (built on meta, so nothing is allocated or initialised twice)."""
     cls = get_model_class(arch.architecture)
-    check_tensor_parallel(arch, tp.size)  # a clear message before any layer's own check
+    check_tensor_parallel(arch, tp.size, tp.expert_parallel)  # a clear message before any layer's own check
     with torch.device("meta"):
         model = cls(arch, tp)
     model.materialize(device, dtype)

@@ -1,0 +1,176 @@
+"""Fused mixture-of-experts on the GPU: Triton grouped GEMMs over expert-sorted tokens.
+
+``fused_moe(hidden, w13, w2, topk_weights, topk_ids)`` computes what
+``fused_moe_reference`` (pagoda.kernels.fused_moe_ref, re-exported here) computes:
+
+1. ``moe_align_block_size``: the T*k (token, choice) pairs are sorted by expert into
+   groups each padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
+   belongs to one expert. Pairs routed to experts of another rank (id -1) form one more
+   group whose blocks carry expert id -1: the GEMMs write zeros for them.
+2. a grouped GEMM: row block of pairs x w13[expert]^T -> [T*k, 2I] (A rows gathered by
+   token = pair // k);
+3. SiLU-and-mul (pagoda.kernels.fused_ops) -> [T*k, I];
+4. a grouped GEMM x w2[expert]^T, each row multiplied by its routing weight in the
+   kernel -> [T*k, H];
+5. the sum over the k choices -> [T, H].
+
+No host sync: the sorted buffer has a fixed upper bound (T*k + (E+1)*(BLOCK_M-1), rounded
+up to BLOCK_M) and the number of used rows stays on the device, read by the kernels (the
+programs past it return at once). So the whole call is CUDA-graph capturable; its
+shapes depend only on T.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
+
+__all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] (ids in [0, num_experts), or -1 for another rank's expert) ->
+
+    - sorted_ids int32 [max_padded]: flat pair indices (t * k + j) grouped by expert in
+      ascending expert order (-1's group last), stable within a group; padding rows
+      hold T*k;
+    - expert_ids int32 [max_padded // block_m]: each block's expert (-1: the other ranks'
+      group, or a block past the end);
+    - num_post_padded int32 [1]: how many rows of sorted_ids are used.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs, num_buckets = flat.numel(), num_experts + 1
+    bucket = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    counts = torch.zeros(num_buckets, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    first_of_bucket = counts.cumsum(0) - counts
+    rank_in_bucket = torch.arange(num_pairs, device=device) - first_of_bucket[sorted_bucket]
+    dest = starts[sorted_bucket] + rank_in_bucket
+    max_padded = triton.cdiv(num_pairs + num_buckets * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_bucket = torch.searchsorted(ends, block_starts, right=True)
+    expert_ids = torch.where(block_bucket < num_experts, block_bucket,
+                             torch.full_like(block_bucket, -1)).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def pick_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+    """Tile sizes by the expected rows per expert: small blocks when each expert sees a
+    few rows (decode: the weights' bytes dominate), large ones for prefill."""
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 128:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=4)
+    if rows_per_expert <= 512:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    N, K, num_pairs, max_padded,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr,  # pairs per A row: k for the first GEMM (A = tokens), else 1
+    MUL_WEIGHT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert(pair), n, k] (* weight[pair]).
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: GROUP_M row blocks share each weight tile while it is in L2.
+    pids_in_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_in_group) % group_m
+    pid_n = (pid % pids_in_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # another rank's experts: they add nothing here
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
+              + offs_k[:, None] * stride_bk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE_FP32:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_WEIGHT:
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                  num_post_padded: torch.Tensor, a_row_div: int, mul_weight: bool,
+                  config: dict[str, int]) -> None:
+    num_experts, n, k = b.shape
+    max_padded = sorted_ids.shape[0]
+    grid = (triton.cdiv(max_padded, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, b, out, weights, sorted_ids, expert_ids, num_post_padded,
+        n, k, out.shape[0], max_padded,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE_FP32=a.dtype == torch.float32,
+        **config)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
+    -> [T, H] in hidden's dtype."""
+    from pagoda.kernels.fused_ops import silu_and_mul
+
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden.contiguous()
+    config = pick_config(num_pairs, w13.shape[0])
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
+        topk_ids, config["BLOCK_M"], w13.shape[0])
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids, num_post_padded,
+                  top_k, False, config)
+    act = silu_and_mul(gate_up)
+    down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, num_post_padded,
+                  1, True, config)
+    return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,159 @@
+"""FusedMoE: a layer's routed experts, stacked, sharded over the tensor-parallel group,
+with the weight loaders that take Hugging Face's per-expert tensors.
+
+Parameters (this rank's share):
+- ``w13_weight [E_local, 2 * I_local, H]``: each expert's gate rows then up rows;
+- ``w2_weight [E_local, H, I_local]``: each expert's down projection;
+- ``e_score_correction_bias [E]`` (float32, noaux_tc routing only).
+
+Sharding, chosen at construction:
+- tensor parallel (default): every rank holds every expert, I split across ranks
+  (gate/up rows and down columns, as a dense MLP's column/row-parallel pair);
+- expert parallel: rank r holds experts [r * E / tp, (r + 1) * E / tp) whole; a token's
+  choices of other ranks' experts add nothing here (routing ids mapped to -1).
+Either way each rank's output is a partial sum over its shards: with reduce_results
+the layer all-reduces it; without, the caller does (one all-reduce for several sums).
+
+Loading: ``map_expert_weight_name`` turns ``...mlp.experts.{e}.{gate,up,down}_proj.weight``
+into (``...mlp.experts.w13_weight`` or ``w2_weight``, shard id ``(e, "gate"|"up"|"down")``)
+and the parameter's ``weight_loader(param, full_tensor, shard_id)`` copies this rank's
+slice (nothing for another rank's expert). ``expected_shard_ids`` lists every shard id a
+complete checkpoint provides, for the model's completeness check.
+
+Compute: the Triton kernel (pagoda.kernels.fused_moe) on CUDA, the torch reference on
+the CPU (it never imports triton there).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagoda.distributed.parallel_state import tp_all_reduce
+from pagoda.kernels.fused_moe_ref import fused_moe_reference
+from pagoda.model.layers.linear import (LayerWeightLoader, check_tp_group, copy_checked,
+                                        default_weight_loader)
+from pagoda.model.layers.moe.routing import select_experts
+from pagoda.model.moe_config import MoEConfig
+from pagoda.model.parallel import TensorParallel
+
+_EXPERT_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\."
+                        r"(?P<proj>gate|up|down)_proj\.weight$")
+
+ExpertShardId = tuple[int, str]
+
+
+def map_expert_weight_name(hf_name: str) -> Optional[tuple[str, ExpertShardId]]:
+    """'model.layers.3.mlp.experts.7.up_proj.weight' ->
+    ('model.layers.3.mlp.experts.w13_weight', (7, 'up')); None for other names."""
+    m = _EXPERT_RE.match(hf_name)
+    if m is None:
+        return None
+    param = "w2_weight" if m["proj"] == "down" else "w13_weight"
+    return f"{m['prefix']}.{param}", (int(m["expert"]), m["proj"])
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 moe_config: MoEConfig, tp: TensorParallel, params_dtype: torch.dtype,
+                 reduce_results: bool = True, expert_parallel: bool = False) -> None:
+        super().__init__()
+        if (num_experts, top_k) != (moe_config.num_experts, moe_config.num_experts_per_tok):
+            raise ValueError(f"FusedMoE({num_experts} experts, top {top_k}) disagrees with its "
+                             f"MoEConfig ({moe_config.num_experts}, "
+                             f"top {moe_config.num_experts_per_tok})")
+        self.cfg, self.tp = moe_config, tp
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.reduce_results, self.expert_parallel = reduce_results, expert_parallel
+        if expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(f"expert parallel: {num_experts} experts do not split over "
+                                 f"{tp.size} ranks")
+            self.num_local_experts, self.local_intermediate = num_experts // tp.size, intermediate_size
+            self.first_expert = tp.rank * self.num_local_experts
+        else:
+            if intermediate_size % tp.size:
+                raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible "
+                                 f"by tensor_parallel_size ({tp.size}); enable expert "
+                                 f"parallelism to keep experts whole")
+            self.num_local_experts, self.first_expert = num_experts, 0
+            self.local_intermediate = intermediate_size // tp.size
+        e, i = self.num_local_experts, self.local_intermediate
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=params_dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=params_dtype),
+                                      requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = LayerWeightLoader(self)
+        if moe_config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.e_score_correction_bias.weight_loader = default_weight_loader
+            self.e_score_correction_bias.keep_dtype = True
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def expected_shard_ids(self, param_name: str) -> list[ExpertShardId]:
+        """Every shard id a complete checkpoint gives param_name ("w13_weight" or
+        "w2_weight"): all experts', including the ones another rank keeps."""
+        projs = ("down",) if param_name.endswith("w2_weight") else ("gate", "up")
+        return [(e, p) for e in range(self.num_experts) for p in projs]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: ExpertShardId) -> None:
+        if (not isinstance(shard_id, tuple) or len(shard_id) != 2
+                or shard_id[1] not in ("gate", "up", "down")):
+            raise ValueError(f"FusedMoE needs shard_id (expert, 'gate'|'up'|'down'), "
+                             f"got {shard_id!r}")
+        expert, proj = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (the layer has {self.num_experts})")
+        if (proj == "down") != (param is self.w2_weight):
+            raise ValueError(f"{proj}_proj does not belong in this parameter")
+        full = ((self.hidden_size, self.intermediate_size) if proj == "down"
+                else (self.intermediate_size, self.hidden_size))
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(f"expert {expert} {proj}_proj: checkpoint shape "
+                             f"{tuple(loaded_weight.shape)}, expected {full}")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        i = self.local_intermediate
+        start = 0 if self.expert_parallel else self.tp.rank * i
+        if proj == "down":  # [H, I]: this rank's columns
+            copy_checked(param.data[local], loaded_weight.narrow(1, start, i),
+                         f"expert {expert} down_proj")
+        else:  # [I, H]: this rank's rows, into the gate or the up half
+            offset = 0 if proj == "gate" else i
+            copy_checked(param.data[local].narrow(0, offset, i),
+                         loaded_weight.narrow(0, start, i), f"expert {expert} {proj}_proj")
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's indices, -1 for another rank's experts
+        (arithmetic, not a lookup buffer: nothing to rebuild after materialising)."""
+        local = topk_ids - self.first_expert
+        return torch.where((local >= 0) & (local < self.num_local_experts), local,
+                           torch.full_like(local, -1))
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], router_logits [T, E] -> [T, H]: the weighted sum of each
+        token's chosen experts (this rank's part when reduce_results is False)."""
+        topk_weights, topk_ids = select_experts(router_logits, self.cfg,
+                                                self.e_score_correction_bias)
+        if self.expert_parallel and self.tp.size > 1:
+            topk_ids = self._local_ids(topk_ids)
+        if hidden_states.is_cuda:
+            from pagoda.kernels.fused_moe import fused_moe  # imports triton: CUDA only
+            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
+                            topk_ids)
+        else:
+            out = fused_moe_reference(hidden_states, self.w13_weight, self.w2_weight,
+                                      topk_weights, topk_ids)
+        if self.reduce_results and self.tp.size > 1:
+            check_tp_group("FusedMoE", self.tp.rank, self.tp.size)
+            out = tp_all_reduce(out)
+        return out

@@ -1,0 +1,85 @@
+"""Expert routing: router logits -> each token's top-k experts and their weights.
+
+``select_experts(router_logits, cfg, correction_bias)`` computes what transformers'
+routers compute (Qwen3MoeTopKRouter, DeepseekV2TopkRouter, DeepseekV3TopkRouter):
+
+- scores: softmax or sigmoid of the float32 logits;
+- greedy: the k best scores;
+- group_limited_greedy (DeepSeek-V2): experts fall in n_group equal groups; a group's
+  score is its best expert's; only the topk_group best groups' experts compete;
+- noaux_tc (DeepSeek-V3): the choice is made on scores + correction_bias, a group's score
+  is the sum of its two best biased scores, and the weights are the chosen experts'
+  un-biased scores;
+- renormalisation (norm_topk_prob): the k weights divided by their sum (+1e-20);
+- routed_scaling_factor: multiplies the weights last.
+
+Everything stays on the device with fixed shapes (no host sync): CUDA-graph capturable.
+The order of the k choices within a row is topk's; it does not change the MoE output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagoda.model.moe_config import MoEConfig
+
+
+def _scores(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    logits = router_logits.float()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    raise ValueError(f"unknown scoring_func {scoring_func!r}")
+
+
+def _grouped_choice(choice: torch.Tensor, group_scores: torch.Tensor, cfg: MoEConfig
+                    ) -> torch.Tensor:
+    """Top-k ids of choice [T, E] among the experts of the topk_group best groups."""
+    num_tokens = choice.shape[0]
+    group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+    group_mask.scatter_(1, group_idx, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(
+        num_tokens, cfg.n_group, cfg.num_experts // cfg.n_group).reshape(num_tokens, -1)
+    # -inf, not 0: an excluded expert can never be chosen (softmax and sigmoid scores are
+    # > 0, so transformers' 0 fill chooses the same experts).
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    return torch.topk(masked, k=cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+
+
+def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
+                   correction_bias: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]).
+
+    correction_bias [E]: DeepSeek-V3's e_score_correction_bias, required by noaux_tc and
+    refused by the other methods (it would be silently unused)."""
+    if router_logits.dim() != 2 or router_logits.shape[1] != cfg.num_experts:
+        raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got "
+                         f"{tuple(router_logits.shape)}")
+    if (correction_bias is not None) != (cfg.topk_method == "noaux_tc"):
+        raise ValueError(f"topk_method {cfg.topk_method!r} "
+                         + ("needs an e_score_correction_bias" if correction_bias is None
+                            else "takes no e_score_correction_bias"))
+    scores = _scores(router_logits, cfg.scoring_func)
+    num_tokens, k = scores.shape[0], cfg.num_experts_per_tok
+    if cfg.topk_method == "greedy":
+        weights, ids = torch.topk(scores, k=k, dim=-1)
+    else:
+        grouped_shape = (num_tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
+        if cfg.topk_method == "group_limited_greedy":
+            choice = scores
+            group_scores = scores.view(grouped_shape).amax(dim=-1)
+        else:  # noaux_tc
+            choice = scores + correction_bias.float()
+            group_scores = choice.view(grouped_shape).topk(2, dim=-1).values.sum(dim=-1)
+        ids = _grouped_choice(choice, group_scores, cfg)
+        weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids.to(torch.int32)
