@@ -1,6 +1,8 @@
-"""DeepSeek V2 / V3 (multi-head latent attention) against Hugging Face transformers.
+"""DeepSeek V2 / V3 (multi-head latent attention, dense and MoE layers) against Hugging
+Face transformers.
 
-Tiny random checkpoints (tests/tiny_models.py: DEEPSEEK_TINY) are saved as safetensors
+Tiny random checkpoints (tests/tiny_models.py: DEEPSEEK_TINY: layer 0 dense, layer 1
+MoE; V2 greedy and group-limited routing, V3 noaux_tc) are saved as safetensors
 and loaded by Pagoda; the references are transformers' own DeepseekV2/V3ForCausalLM in
 float32, eager attention. Pagoda runs through the paged latent cache:
 - logits, step by step (chunked prefill with a cached prefix, decodes, a decode beside
@@ -30,7 +32,7 @@ torch.set_num_threads(1)
 # kind -> (transformers architecture, config overrides)
 KINDS = {
     "v2": ("deepseek_v2", {}),
-    "v2_q_lora": ("deepseek_v2", dict(q_lora_rank=24)),
+    "v2_q_lora": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy")),
     "v3": ("deepseek_v3", dict(q_lora_rank=24)),
     "v3_no_interleave": ("deepseek_v3", dict(rope_interleave=False)),
 }
@@ -45,6 +47,9 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(seed)
         hf = cls(config).eval()
         randomize(hf, seed)
+        for name, buf in hf.named_buffers():  # V3's routing bias: loaded, and it matters
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)))
         path = tmp_path_factory.mktemp(f"deepseek-{kind}")
         hf.save_pretrained(path, safe_serialization=True)
         saved[kind] = (str(path), hf)
@@ -133,14 +138,18 @@ def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(chec
 
 
 def test_multi_token_prediction_layers_are_skipped_with_one_log_line(checkpoints, caplog):
+    from pathlib import Path
+
+    from pagoda.model.loader.safetensors import iter_safetensors_weights, safetensors_files
+
     path, hf = checkpoints["v3"]
     model, arch = load_model(path, dtype="float32")
-    state = dict(hf.state_dict())
+    weights = list(iter_safetensors_weights(safetensors_files(Path(path))))
     # An MTP layer's tensors sit at index num_hidden_layers (here 2).
-    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
-    state["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(40, 64)
+    weights += [("model.layers.2.eh_proj.weight", torch.zeros(64, 128)),
+                ("model.layers.2.self_attn.kv_a_proj_with_mqa.weight", torch.zeros(40, 64))]
     with caplog.at_level(logging.INFO, logger="pagoda.model.deepseek"):
-        model.load_weights(state.items())
+        model.load_weights(weights)
     lines = [r.getMessage() for r in caplog.records if "multi-token prediction" in r.getMessage()]
     assert lines == ["skipped 2 checkpoint tensors of layers >= 2 (multi-token prediction "
                      "layers, not run by Pagoda)"]
@@ -159,8 +168,7 @@ def test_arch_config_parses_mla_and_rejects_what_is_not_implemented():
     # 1/sqrt(24) * (0.1 * 0.5 * ln 4 + 1)^2
     assert mla_softmax_scale(arch.mla, arch.rope_scaling) == pytest.approx(
         24 ** -0.5 * (0.05 * 1.3862943611198906 + 1) ** 2, rel=1e-12)
-    with pytest.raises(ValueError, match="MoE layers"):
-        ArchConfig.from_hf_config(dict(hf, first_k_dense_replace=1))
+    assert (arch.moe.first_k_dense_replace, arch.moe.num_experts, arch.moe.n_shared_experts) == (1, 4, 1)
     with pytest.raises(ValueError, match="lacks kv_lora_rank"):
         ArchConfig.from_hf_config(dict(hf, kv_lora_rank=None))
     with pytest.raises(ValueError, match="attention_bias=true is not supported"):

@@ -47,14 +47,15 @@ def save_tiny_hf_model(path, arch: str, seed: int = 0, **overrides):
 # Multi-head latent attention at a tiny scale: 4 heads, latent 32 + 8 rotary values, q/k
 # heads 16 + 8 wide, values 16; YaRN rope whose mscale_all_dim sharpens the softmax and
 # whose mscale / mscale_all_dim ratio scales cos and sin, with positions past the
-# original 32. MoE fields are set, but every layer is dense (first_k_dense_replace).
+# original 32. Layer 0 is dense, layer 1 an MoE block: 4 routed experts (top 2) in 2
+# groups, one shared expert.
 DEEPSEEK_TINY = dict(
     vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
     rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    n_shared_experts=1, first_k_dense_replace=2,
+    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                      "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                      "mscale": 1.0, "mscale_all_dim": 0.5},
@@ -69,8 +70,6 @@ def tiny_deepseek_config(arch: str, **overrides):
     if arch == "deepseek_v2":
         config, cls = transformers.DeepseekV2Config(**fields), transformers.DeepseekV2ForCausalLM
     else:
-        fields.setdefault("n_group", 2)
-        fields.setdefault("topk_group", 1)
         config, cls = transformers.DeepseekV3Config(**fields), transformers.DeepseekV3ForCausalLM
     config._attn_implementation = "eager"
     return config, cls

@@ -1,10 +1,13 @@
 """DeepSeek V2 / V3 decoders: multi-head latent attention, dense or MoE MLPs.
 
 ``DeepseekV2ForCausalLM`` serves both versions (``DeepseekV3ForCausalLM`` is the same
-code; where they differ, the config says how). Layers are the Llama layout (pre-norm,
-residual fused into the next norm) with MLAAttention (pagoda/model/layers/mla.py)
-instead of grouped-query attention, and the dense gate/up/down MLP (LlamaMLP, the
-checkpoint's gate_proj / up_proj folded into gate_up_proj).
+code; where they differ, the config says how: V2's softmax greedy / group-limited
+routing, V3's sigmoid noaux_tc routing with its score-correction bias, both in
+arch.moe). Layers are the Llama layout (pre-norm, residual fused into the next norm)
+with MLAAttention (pagoda/model/layers/mla.py) instead of grouped-query attention;
+the feed-forward block is the dense gate/up/down MLP (LlamaMLP) on the first
+first_k_dense_replace layers and DeepseekMoE (routed + shared experts,
+pagoda/model/layers/moe/deepseek_moe.py) on the layers is_moe_layer names.
 
 Loading (``load_weights``) takes Hugging Face names, and:
 - skips the multi-token-prediction layers (index >= num_hidden_layers; V3 ships
@@ -13,7 +16,8 @@ Loading (``load_weights``) takes Hugging Face names, and:
 - when the checkpoint rotates interleaved pairs (mla.rope_interleave), permutes the
   rotary rows of q_proj / q_b_proj (per head) and of kv_a_proj_with_mqa into the
   half-split layout apply_rotary uses (rotary.interleaved_to_half);
-- folds gate_proj / up_proj into gate_up_proj.
+- maps per-expert tensors (mlp.experts.{e}.{gate,up,down}_proj) into the fused expert
+  weights, and folds gate_proj / up_proj (dense and shared experts) into gate_up_proj.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import default_weight_loader, materialize_module
 from pagoda.model.layers.mla import MLAAttention
+from pagoda.model.layers.moe.deepseek_moe import DeepseekMoE, is_moe_layer
+from pagoda.model.layers.moe.fused_moe import map_expert_weight_name
 from pagoda.model.layers.rotary import RotaryEmbedding, interleaved_to_half
 from pagoda.model.llama import LlamaMLP
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
@@ -46,7 +52,12 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = MLAAttention(arch, layer_idx, tp)
-        self.mlp = LlamaMLP(arch, tp)
+        if is_moe_layer(arch, layer_idx):
+            # Built on the meta device; materialize() gives the experts the model's dtype
+            # (the router keeps float32).
+            self.mlp = DeepseekMoE(arch, tp, torch.get_default_dtype())
+        else:
+            self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -132,7 +143,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"loading {hf_name!r}: {e}") from e
             loaded.add(name if shard_id is None else f"{name}[{shard_id}]")
-        missing = [e for name in params for e in _expected_entries(name) if e not in loaded]
+        missing = [e for name in params for e in self._expected_loads(name) if e not in loaded]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
@@ -166,18 +177,25 @@ class DeepseekV2ForCausalLM(nn.Module):
                         "prediction layers, not run by Pagoda)", skipped, arch.num_hidden_layers)
 
 
+    def _expected_loads(self, name: str) -> list[str]:
+        """What load_weights records once the checkpoint filled parameter name."""
+        if name.endswith(("experts.w13_weight", "experts.w2_weight")):
+            experts = self.get_submodule(name.rsplit(".", 1)[0])
+            return [f"{name}[{shard}]" for shard in experts.expected_shard_ids(name)]
+        shards = [shard for merged, _, shard in _STACKED_PARAMS if f".{merged}." in name]
+        return [f"{name}[{s}]" for s in shards] or [name]
+
+
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """The same decoder; V3's differences (sigmoid noaux_tc routing, rope_interleave
     flag) come from its config."""
 
 
 def _map_hf_name(hf_name: str):
+    expert = map_expert_weight_name(hf_name)  # before gate_proj/up_proj folding
+    if expert is not None:
+        return expert
     for merged, proj, shard_id in _STACKED_PARAMS:
         if f".{proj}." in hf_name:
             return hf_name.replace(f".{proj}.", f".{merged}."), shard_id
     return hf_name, None
-
-
-def _expected_entries(name: str) -> list[str]:
-    shards = [shard for merged, _, shard in _STACKED_PARAMS if f".{merged}." in name]
-    return [f"{name}[{s}]" for s in shards] or [name]

@@ -6,6 +6,7 @@ A preset is only a shape (an ArchConfig); its weights come from the dummy loader
 from __future__ import annotations
 
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.mla_config import MLAConfig
 from pagoda.model.moe_config import MoEConfig
 
 # What every Llama 3.1 size shares: vocabulary, rotary scaling, context, special ids.
@@ -46,6 +47,37 @@ _PRESETS: dict[str, ArchConfig] = {
         bos_token_id=151643, eos_token_id=151645,
         moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                       renormalize=True),
+    ),
+    # DeepSeek-V2-Lite: MLA (no q LoRA, latent 512 + rope 64), 64 routed experts of 1408
+    # (6 active) and 2 shared, layer 0 dense; YaRN rope as in its config.json.
+    "deepseek-v2-lite": ArchConfig(
+        architecture="DeepseekV2ForCausalLM",
+        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, intermediate_size=10944, vocab_size=102400,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        max_position_embeddings=163840, tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=100000, eos_token_id=100001,
+        mla=MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                      n_shared_experts=2, first_k_dense_replace=1),
+    ),
+    # tests/tiny_models.py's DeepSeek-V2 shape (layer 0 dense, layer 1 MoE), for smoke runs.
+    "tiny-deepseek-v2": ArchConfig(
+        architecture="DeepseekV2ForCausalLM",
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, intermediate_size=128, vocab_size=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                      "mscale": 1.0, "mscale_all_dim": 0.5},
+        max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2,
+        mla=MLAConfig(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16),
+        moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      n_shared_experts=1, first_k_dense_replace=1),
     ),
     "smollm2-135m": ArchConfig(
         architecture="LlamaForCausalLM",
