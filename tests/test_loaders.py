@@ -98,12 +98,17 @@ def test_unknown_architecture_lists_supported():
 
 
 @pytest.mark.parametrize("rope_fields", [
-    {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+    {"rope_scaling": {"type": "longrope", "factor": 4.0}},
     {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
 ])
 def test_unsupported_rope_type_rejected(rope_fields):
-    with pytest.raises(ValueError, match="unsupported rope_scaling type .*supported: default, llama3"):
+    with pytest.raises(ValueError, match="unsupported rope_scaling type .*supported: default, llama3, yarn"):
         ArchConfig.from_hf_config({**HF_LLAMA, **rope_fields})
+
+
+def test_yarn_without_its_original_length_rejected():
+    with pytest.raises(ValueError, match="yarn lacks original_max_position_embeddings"):
+        ArchConfig.from_hf_config({**HF_LLAMA, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 
 
 def test_rope_fields_in_both_transformers_layouts():

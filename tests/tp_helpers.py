@@ -57,12 +57,14 @@ def rank_heads(model) -> tuple[int, int, int]:
 
 
 def paged_forward(model, steps: Sequence[dict[str, list[int]]], block_size: int = 4,
-                  num_blocks: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_blocks: int = 32, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs each step (request -> its next tokens, all flattened into one forward) through
-    a paged KV cache and the torch_ref backend with this rank's heads; returns every
-    step's final hidden states and logits, concatenated in row order."""
-    heads, kv_heads, head_dim = rank_heads(model)
-    backend = TorchRefBackend(heads, kv_heads, head_dim, head_dim ** -0.5)
+    a paged KV cache and the torch_ref backend with this rank's heads (or the backend
+    given); returns every step's final hidden states and logits, concatenated in row
+    order."""
+    if backend is None:
+        heads, kv_heads, head_dim = rank_heads(model)
+        backend = TorchRefBackend(heads, kv_heads, head_dim, head_dim ** -0.5)
     dtype = next(model.parameters()).dtype
     pool = KVCachePool(KVCacheConfig(num_blocks, kv_cache_specs(model, block_size, dtype)), "cpu")
     # Blocks handed out back to front, so block tables are not the identity.
