@@ -104,6 +104,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # Small all-reduces on CUDA go one-shot over peer-mapped symmetric memory unless
+    # this is set (then NCCL carries every size), as vLLM's flag of the same name.
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size is None:
@@ -111,6 +114,8 @@ class ParallelConfig:
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("distributed_executor_backend", self.distributed_executor_backend,
                       DISTRIBUTED_EXECUTOR_BACKENDS)
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise _fail("disable_custom_all_reduce", "True or False", self.disable_custom_all_reduce)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    disable_custom_all_reduce: bool = False
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -211,7 +217,8 @@ class EngineArgs:
         if self.async_scheduling not in (None, True, False):
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                  self.disable_custom_all_reduce)
         if device == "cuda":
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory

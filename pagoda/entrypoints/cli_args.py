@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                    help="how tensor-parallel workers are started: mp (one process per GPU "
                         "on this machine); ray is not available yet")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="send every tensor-parallel all-reduce through NCCL (by default "
+                        "small ones on CUDA go one-shot over peer-mapped GPU memory)")
     g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: triton on GPU, torch_ref on CPU)")
