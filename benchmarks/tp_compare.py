@@ -4,11 +4,12 @@ tensor-parallel sizes, each configuration in its own process, in one run.
     python3 benchmarks/tp_compare.py --configs llama-3.1-8b:1,llama-3.1-8b:2,llama-3.1-70b:2 \\
         --out tp.json
 
-Per configuration (preset:tp): batch-1 decode ms/token (median gap between tokens
+Per configuration (preset:tp, or preset:tp:nccl for NCCL carrying every all-reduce,
+i.e. --disable-custom-all-reduce): batch-1 decode ms/token (median gap between tokens
 reaching the host, 128-token prompt) and 256 requests x 1024 in / 128 out (output
 tok/s), plus the roofline of a batch-1 step per rank: (weight bytes / tp + KV bytes)
-/ measured copy bandwidth, and NCCL all-reduce times of a decode-sized message (eager
-and inside a CUDA graph) for tp > 1. Prints a table; writes JSON.
+/ measured copy bandwidth, and (--allreduce) all-reduce times from a decode-sized
+message up, NCCL and one-shot, eager and inside a CUDA graph, for tp > 1. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ from gpu_compare import (measure_ceilings, model_bytes_and_flops, random_prompts
                          token_arrival_times)
 
 
-def run_config(preset: str, tp: int, args) -> dict:
+def run_config(preset: str, tp: int, args, nccl_only: bool = False) -> dict:
     import numpy as np
     from pagoda import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(preset, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch)
+              max_model_len=args.max_model_len, max_num_seqs=args.batch,
+              disable_custom_all_reduce=nccl_only)
     engine = llm.llm_engine
-    result = {"preset": preset, "tp": tp, "startup_s": time.perf_counter() - t0,
-              "num_kv_blocks": engine.num_blocks}
+    result = {"preset": preset, "tp": tp, "all_reduce": "nccl" if nccl_only else "auto",
+              "startup_s": time.perf_counter() - t0, "num_kv_blocks": engine.num_blocks}
     vocab, rng = engine.model_info.vocab_size, np.random.default_rng(0)
     prompt = random_prompts(rng, [128], vocab)[0]
     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -63,12 +65,14 @@ def run_config(preset: str, tp: int, args) -> dict:
 
 
 def allreduce_times(tp: int, hidden: int) -> dict:
-    """NCCL all-reduce of one decode token's hidden state (bf16), eager and in a graph,
-    measured in tp processes: {"eager_us", "graph_us"}."""
-    cmd = [sys.executable, "-c", (
-        "import sys; sys.path.insert(0, %r); import tp_allreduce; tp_allreduce.main(%d, %d)"
-        % (BENCH_DIR, tp, hidden))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    """All-reduce times of bf16 messages from one decode token's hidden state up, NCCL and
+    the one-shot path, eager and in a CUDA graph (benchmarks/tp_allreduce.py)."""
+    cmd = [sys.executable, os.path.join(BENCH_DIR, "tp_allreduce.py"), "--tp", str(tp),
+           "--hidden", str(hidden)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": "timed out after 300 s", "stderr_tail": str(exc.stderr)[-2000:]}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"error": out.stderr[-2000:]}
 
@@ -88,8 +92,8 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        preset, tp = args.child.split(":")
-        print(json.dumps(run_config(preset, int(tp), args)))
+        preset, tp, *flags = args.child.split(":")
+        print(json.dumps(run_config(preset, int(tp), args, nccl_only="nccl" in flags)))
         return
     import torch
     from pagoda.model.presets import get_preset
@@ -99,13 +103,13 @@ def main() -> None:
               "args": vars(args), "ceilings": measure_ceilings(torch.device("cuda")),
               "configs": []}
     for config in args.configs.split(","):
-        preset, tp = config.split(":")
+        preset, tp, *_ = config.split(":")
         arch = get_preset(preset)
         info = model_bytes_and_flops(arch)
         per_rank = (info["weight_bytes"] - info["embedding_bytes"]) / int(tp)
         entry = {"config": config, "roofline_batch1_ms":
                  per_rank / report["ceilings"]["copy_bytes_per_s"] * 1e3}
-        if int(tp) > 1 and args.allreduce:
+        if int(tp) > 1 and args.allreduce and "nccl" not in config:
             entry["allreduce"] = allreduce_times(int(tp), arch.hidden_size)
         argv = [sys.executable, os.path.abspath(__file__), "--child", config,
                 *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()

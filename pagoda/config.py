@@ -104,6 +104,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # Small all-reduces on CUDA go one-shot over peer-mapped symmetric memory unless
+    # this is set (then NCCL carries every size), as vLLM's flag of the same name.
+    disable_custom_all_reduce: bool = False
     # MoE models: experts split whole across the tensor-parallel ranks (refused, once
     # the model is known, for a model without experts).
     enable_expert_parallel: bool = False
@@ -116,6 +119,8 @@ class ParallelConfig:
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_choice("distributed_executor_backend", self.distributed_executor_backend,
                       DISTRIBUTED_EXECUTOR_BACKENDS)
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise _fail("disable_custom_all_reduce", "True or False", self.disable_custom_all_reduce)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +191,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    disable_custom_all_reduce: bool = False
     enable_expert_parallel: bool = False
     device: str = "auto"
     attention_backend: str = "auto"
@@ -218,7 +224,8 @@ class EngineArgs:
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                  self.enable_expert_parallel)
+                                  disable_custom_all_reduce=self.disable_custom_all_reduce,
+                                  enable_expert_parallel=self.enable_expert_parallel)
         if device == "cuda":
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory

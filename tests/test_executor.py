@@ -150,3 +150,15 @@ def test_invalid_tensor_parallel_size_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
                    tensor_parallel_size=0).create_engine_config()
+
+
+def test_disable_custom_all_reduce_flag_reaches_the_parallel_config():
+    import argparse
+
+    from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, expected in (([], False), (["--disable-custom-all-reduce"], True)):
+        ns = parser.parse_args(["--model", "tiny-llama", "--device", "cpu", *argv])
+        config = engine_args_from_namespace(ns).create_engine_config()
+        assert config.parallel.disable_custom_all_reduce is expected

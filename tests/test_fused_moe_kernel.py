@@ -64,10 +64,12 @@ def _align_by_hand(ids: torch.Tensor, block_m: int, experts: int):
     return rows, blocks
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])  # torch ops / one Triton program
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_align_block_size_exact(fm, block_m):
+def test_align_block_size_exact(fm, block_m, use_kernel):
     ids = torch.tensor([[2, 0], [2, -1], [1, 2], [4, 2], [0, -1]], dtype=torch.int32)
-    sorted_ids, expert_ids, used = fm.moe_align_block_size(ids.to(DEVICE), block_m, 5)
+    sorted_ids, expert_ids, used = fm.moe_align_block_size(ids.to(DEVICE), block_m, 5,
+                                                           use_kernel)
     rows, blocks = _align_by_hand(ids, block_m, 5)
     assert int(used) == len(rows)
     assert sorted_ids[:len(rows)].tolist() == rows
@@ -77,6 +79,16 @@ def test_align_block_size_exact(fm, block_m):
     # The fixed bound: T*k + (E+1)*(block_m-1), rounded up to block_m.
     bound = ids.numel() + 6 * (block_m - 1)
     assert sorted_ids.numel() == -(-bound // block_m) * block_m
+
+
+@pytest.mark.parametrize("pairs,experts", [(1, 3), (40, 6), (256, 128)])
+def test_align_kernel_matches_torch_ops(fm, pairs, experts):
+    gen = torch.Generator().manual_seed(pairs)
+    ids = torch.randint(-1, experts, (pairs, 1), generator=gen, dtype=torch.int32).to(DEVICE)
+    ids[: pairs // 2] = ids[: pairs // 2] % 2  # uneven: half the pairs on experts 0 and 1
+    for got, want in zip(fm.moe_align_block_size(ids, 16, experts, use_kernel=True),
+                         fm.moe_align_block_size(ids, 16, experts, use_kernel=False)):
+        assert torch.equal(got, want)
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

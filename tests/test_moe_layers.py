@@ -202,3 +202,30 @@ def test_is_moe_layer():
                     mlp_only_layers=(0,))
     arch = dense.replace(architecture="Qwen3MoeForCausalLM", moe=moe)
     assert [is_moe_layer(arch, i) for i in range(3)] == [False, True, True]
+
+
+def test_expert_parallel_config_flag_and_split_checks():
+    import argparse
+
+    from pagoda.config import EngineArgs, ParallelConfig
+    from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+    from pagoda.model.parallel import check_tensor_parallel, valid_tp_sizes
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--enable-expert-parallel", "-tp", "2", "--device", "cpu"])
+    assert engine_args_from_namespace(ns).create_engine_config().parallel.enable_expert_parallel
+    assert not EngineArgs(device="cpu").create_engine_config().parallel.enable_expert_parallel
+    with pytest.raises(ValueError, match="enable_expert_parallel must be True or False"):
+        ParallelConfig(enable_expert_parallel="yes")
+    # 8 experts of 12: tp 8 splits the experts, not their 12 columns.
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12)
+    arch = ArchConfig.from_preset("tiny-qwen3").replace(architecture="Qwen3MoeForCausalLM",
+                                                        moe=moe, num_key_value_heads=4)
+    check_tensor_parallel(arch, 4, expert_parallel=True)
+    check_tensor_parallel(arch, 4)  # 12 / 4
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(12\) is not divisible"):
+        check_tensor_parallel(arch, 8)
+    assert valid_tp_sizes(arch) == [1, 2, 4] and valid_tp_sizes(arch, expert_parallel=True) == [1, 2, 4]
+    with pytest.raises(ValueError, match="has no experts"):
+        check_tensor_parallel(ArchConfig.from_preset("tiny-qwen3"), 1, expert_parallel=True)

@@ -9,6 +9,10 @@ NVLink multicast (NVLS) must stay off in every process that joins a group: it ca
 a shared host's GPUs out of service. `MULTICAST_OFF_ENV` holds the variables that keep
 it off; `init_distributed` sets them before the first collective and refuses a value
 that turns it on.
+
+On CUDA, small all-reduces take a one-shot path over peer-mapped symmetric memory
+(fast_all_reduce.py) unless `custom_all_reduce=False`; larger ones, and every all-reduce
+on CPU, go through torch.distributed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 _world_size = 1
 _rank = 0
+_fast_all_reduce = None  # a SymmMemAllReduce once set up (CUDA, world > 1), else None
 
 
 def keep_multicast_off(environ: Optional[dict] = None) -> None:
@@ -37,10 +42,13 @@ def keep_multicast_off(environ: Optional[dict] = None) -> None:
         env[name] = value
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     custom_all_reduce: bool = True,
+                     dtype: torch.dtype = torch.bfloat16) -> None:
     """Joins the tensor-parallel group as `rank` of `world_size` (backend "nccl" or
-    "gloo"; init_method e.g. "tcp://127.0.0.1:PORT")."""
-    global _world_size, _rank
+    "gloo"; init_method e.g. "tcp://127.0.0.1:PORT"). With NCCL and custom_all_reduce,
+    also sets up the one-shot path for small all-reduces of `dtype` (the model's)."""
+    global _world_size, _rank, _fast_all_reduce
     if not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got {rank}, {world_size}")
     keep_multicast_off()
@@ -48,13 +56,22 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size)
     _world_size, _rank = world_size, rank
+    if world_size > 1 and backend == "nccl" and custom_all_reduce:
+        from pagoda.distributed.fast_all_reduce import SymmMemAllReduce
+        device = torch.device("cuda", torch.cuda.current_device())
+        _fast_all_reduce = SymmMemAllReduce.create(dist.group.WORLD, device, dtype)
 
 
 def destroy_distributed() -> None:
-    global _world_size, _rank
+    global _world_size, _rank, _fast_all_reduce
+    _fast_all_reduce = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _world_size, _rank = 1, 0
+
+
+def fast_all_reduce_enabled() -> bool:
+    return _fast_all_reduce is not None
 
 
 def tp_world_size() -> int:
@@ -66,9 +83,13 @@ def tp_rank() -> int:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums x over the group, in place; returns x (the identity for a group of one)."""
-    if _world_size > 1:
-        dist.all_reduce(x)
+    """The sum of x over the group (x itself for a group of one). Use the returned
+    tensor: the NCCL path sums x in place, the one-shot path returns a new tensor."""
+    if _world_size == 1:
+        return x
+    if _fast_all_reduce is not None and _fast_all_reduce.can_reduce(x):
+        return _fast_all_reduce.all_reduce(x)
+    dist.all_reduce(x)
     return x
 
 

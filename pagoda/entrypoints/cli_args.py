@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                    help="how tensor-parallel workers are started: mp (one process per GPU "
                         "on this machine); ray is not available yet")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="send every tensor-parallel all-reduce through NCCL (by default "
+                        "small ones on CUDA go one-shot over peer-mapped GPU memory)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts whole across the tensor-parallel "
                         "ranks instead of splitting every expert (refused for dense models)")

@@ -83,7 +83,11 @@ def _build_worker(spec: WorkerSpec) -> Any:
     if spec.config.device.device == "cuda":
         import torch
         torch.cuda.set_device(spec.rank)
-    init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)
+    from pagoda.model.dtypes import resolve_dtype
+    config = spec.config
+    init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend,
+                     custom_all_reduce=not config.parallel.disable_custom_all_reduce,
+                     dtype=resolve_dtype(config.model.dtype, config.device.device))
     return spec.worker_factory(spec.config, spec.model_path, spec.rank)
 
 

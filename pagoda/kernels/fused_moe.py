@@ -5,7 +5,7 @@
 
 1. ``moe_align_block_size``: the T*k (token, choice) pairs are sorted by expert into
    groups each padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
-   belongs to one expert. Pairs routed to experts of another rank (id -1) form one more
+   belongs to one expert (one Triton program for up to 256 pairs, torch ops above). Pairs routed to experts of another rank (id -1) form one more
    group whose blocks carry expert id -1: the GEMMs write zeros for them.
 2. a grouped GEMM: row block of pairs x w13[expert]^T -> [T*k, 2I] (A rows gathered by
    token = pair // k);
@@ -31,7 +31,13 @@ from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
 __all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+# Up to this many (token, choice) pairs, one Triton program aligns them (decode and
+# small batches: one launch instead of a dozen small torch ops per layer).
+_SMALL_ALIGN_PAIRS = 256
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                         use_kernel: bool | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] (ids in [0, num_experts), or -1 for another rank's expert) ->
 
@@ -41,7 +47,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     - expert_ids int32 [max_padded // block_m]: each block's expert (-1: the other ranks'
       group, or a block past the end);
     - num_post_padded int32 [1]: how many rows of sorted_ids are used.
+
+    use_kernel (None: when T*k <= _SMALL_ALIGN_PAIRS): one Triton program instead of
+    torch ops; both give the same result.
     """
+    if use_kernel is None:
+        use_kernel = topk_ids.numel() <= _SMALL_ALIGN_PAIRS
+    if use_kernel:
+        return _align_small(topk_ids, block_m, num_experts)
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs, num_buckets = flat.numel(), num_experts + 1
@@ -56,7 +69,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     first_of_bucket = counts.cumsum(0) - counts
     rank_in_bucket = torch.arange(num_pairs, device=device) - first_of_bucket[sorted_bucket]
     dest = starts[sorted_bucket] + rank_in_bucket
-    max_padded = triton.cdiv(num_pairs + num_buckets * (block_m - 1), block_m) * block_m
+    max_padded = _max_padded(num_pairs, num_experts, block_m)
     sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     block_starts = torch.arange(0, max_padded, block_m, device=device)
@@ -64,6 +77,64 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     expert_ids = torch.where(block_bucket < num_experts, block_bucket,
                              torch.full_like(block_bucket, -1)).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def _max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted buffer: every group (experts and the -1 group) padded."""
+    return triton.cdiv(num_pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_small_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                        num_pairs, num_experts, max_padded, num_blocks,
+                        BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BUCKETS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # One program. Buckets 0..E-1 are the experts, bucket E the other ranks' (-1).
+    pairs = tl.arange(0, PAIRS)
+    pair_ok = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=pair_ok, other=0)
+    bucket = tl.where(ids < 0, num_experts, ids)
+    bucket = tl.where(pair_ok, bucket, -2)  # lanes past the pairs match no bucket
+    buckets = tl.arange(0, BUCKETS)
+    onehot = (bucket[None, :] == buckets[:, None]).to(tl.int32)  # [BUCKETS, PAIRS]
+    counts = tl.sum(onehot, axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # A pair's row: its bucket's start + how many earlier pairs share the bucket (stable).
+    earlier = (bucket[:, None] == bucket[None, :]) & (pairs[None, :] < pairs[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    dest = tl.sum(onehot * starts[:, None], axis=0) + rank
+    for off in range(0, max_padded, CHUNK):
+        rows = off + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
+                 mask=rows < max_padded)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their rows
+    tl.store(sorted_ids_ptr + dest, pairs, mask=pair_ok)
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+    # A block's bucket: how many buckets end at or before its first row.
+    for off in range(0, num_blocks, CHUNK):
+        blocks = off + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[:, None] <= (blocks * BLOCK_M)[None, :]).to(tl.int32), axis=0)
+        tl.store(expert_ids_ptr + blocks, tl.where(owner < num_experts, owner, -1),
+                 mask=blocks < num_blocks)
+
+
+def _align_small(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    num_pairs = flat.numel()
+    max_padded = _max_padded(num_pairs, num_experts, block_m)
+    num_blocks = max_padded // block_m
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    used = torch.empty(1, dtype=torch.int32, device=flat.device)
+    _align_small_kernel[(1,)](flat, sorted_ids, expert_ids, used, num_pairs, num_experts,
+                              max_padded, num_blocks, BLOCK_M=block_m,
+                              PAIRS=max(16, triton.next_power_of_2(num_pairs)),
+                              BUCKETS=triton.next_power_of_2(num_experts + 1), CHUNK=256,
+                              num_warps=8)
+    return sorted_ids, expert_ids, used
 
 
 def pick_config(num_pairs: int, num_experts: int) -> dict[str, int]:

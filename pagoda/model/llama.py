@@ -11,6 +11,9 @@ keys and values are still computed and stored). In a 16k-token prefill step of a
 8B model that skips 1/32 of the step's GEMM work. Module names mirror Hugging Face's so that
 ``load_weights`` only has to fold q/k/v and gate/up into merged parameters.
 
+Subclasses swap the feed-forward block per layer (``make_mlp``, e.g. Qwen3-MoE's
+experts) and extend the checkpoint name mapping (``map_hf_name``, ``expected_loads``).
+
 Build on the meta device, then ``materialize(device)``: 8B shapes are allocated once,
 never initialised on the CPU first.
 """
