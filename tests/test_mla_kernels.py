@@ -188,7 +188,7 @@ def _run(model, backend, pool, steps, graphs=None):
     return torch.cat(out)
 
 
-STEPS = [{"a": list(range(3, 12)), "b": list(range(40, 45))},  # two prefills
+STEPS = [{"a": list(range(3, 10)), "b": list(range(40, 43))},  # two prefills
          {"a": list(range(50, 53)), "b": [7]},  # a chunk beside a decode
          {"a": [9], "b": [8]}, {"a": [10], "b": [11]}]  # decodes
 
@@ -215,7 +215,7 @@ def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
     expected = _run(model, MLATorchBackend(*args), pool(), STEPS)
     eager = _run(model, MLATritonBackend(*args, num_decode_splits=2), pool(), STEPS)
     assert (eager - expected).abs().max().item() < 1e-4
-    graphs = MLATritonBackend(*args, num_decode_splits=2)
-    graphs.init_cuda_graph_state(4, 8, BLOCK_SIZE, "cpu", max_num_tokens=16)
-    replayed = _run(model, graphs, pool(), STEPS, graphs=[(4, 16), (4, 16), (4, None), (2, None)])
+    graphs = MLATritonBackend(*args, num_decode_splits=1)
+    graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, "cpu", max_num_tokens=12)
+    replayed = _run(model, graphs, pool(), STEPS, graphs=[(3, 12), (2, 6), (3, None), (2, None)])
     assert (replayed - expected).abs().max().item() < 1e-4
