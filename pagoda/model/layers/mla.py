@@ -73,6 +73,8 @@ class MLALatentAttention(Attention):
         if rows is None and not plan.prefill_chunks:  # every row latent (decode, graphs)
             out = self._latent(q_nope, q_rope, cache, w_uk, w_uv, ctx)
             return out.reshape(num_tokens, heads * mla.v_head_dim)
+        # Here latent_rows is a tensor (None only when the whole step is latent, above);
+        # rows neither path names (padding) stay zero.
         out = q_nope.new_zeros(num_tokens, heads, mla.v_head_dim)
         if plan.num_latent_rows:
             out[rows] = self._latent(q_nope[rows], q_rope[rows], cache, w_uk, w_uv, ctx)
