@@ -122,8 +122,9 @@ def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(chec
     path, hf = checkpoints[kind]
     # 14 blocks of 16 tokens for 6 requests of up to 60 tokens: preemption; a budget of
     # 32 tokens: chunked prefill; a shared 32-token prefix: prefix-cache hits.
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=128, block_size=16,
-              num_gpu_blocks_override=14, max_num_batched_tokens=32, max_num_seqs=6)
+    llm = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=128,
+              block_size=16, num_gpu_blocks_override=14, max_num_batched_tokens=32,
+              max_num_seqs=6)
     gen = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 384, (32,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 384, (n,), generator=gen).tolist()

@@ -147,7 +147,7 @@ def _tiny_deepseek(tmp_path):
     from tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "deepseek_v2", seed=4, q_lora_rank=24)
-    return load_model(str(tmp_path), dtype="float32")
+    return load_model(str(tmp_path), dtype="float32", device=DEVICE)
 
 
 def _run(model, backend, pool, steps, graphs=None):
@@ -172,7 +172,7 @@ def _run(model, backend, pool, steps, graphs=None):
             slens.append(start + len(tokens))
             step_tables.append(table)
             lens[req] = start + len(tokens)
-        md = build_attention_metadata(qlens, slens, step_tables, BLOCK_SIZE, "cpu")
+        md = build_attention_metadata(qlens, slens, step_tables, BLOCK_SIZE, DEVICE)
         n = len(ids)
         if graphs is None:
             plan = backend.build_metadata(md)
@@ -183,8 +183,8 @@ def _run(model, backend, pool, steps, graphs=None):
             rows = graph[1] or graph[0]
             ids, pos = ids + [0] * (rows - n), pos + [0] * (rows - n)
         with torch.no_grad(), forward_context(backend, plan, pool):
-            hidden = model(torch.tensor(ids), torch.tensor(pos))
-            out.append(model.compute_logits(hidden[:n]))
+            hidden = model(torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE))
+            out.append(model.compute_logits(hidden[:n]).cpu())
     return torch.cat(out)
 
 
@@ -210,12 +210,13 @@ def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
             mla_softmax_scale(mla, arch.rope_scaling))
 
     def pool():
-        return KVCachePool(KVCacheConfig(32, kv_cache_specs(model, BLOCK_SIZE, torch.float32)), "cpu")
+        specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
+        return KVCachePool(KVCacheConfig(32, specs), DEVICE)
 
     expected = _run(model, MLATorchBackend(*args), pool(), STEPS)
     eager = _run(model, MLATritonBackend(*args, num_decode_splits=2), pool(), STEPS)
     assert (eager - expected).abs().max().item() < 1e-4
     graphs = MLATritonBackend(*args, num_decode_splits=1)
-    graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, "cpu", max_num_tokens=12)
+    graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, DEVICE, max_num_tokens=12)
     replayed = _run(model, graphs, pool(), STEPS, graphs=[(3, 12), (2, 6), (3, None), (2, None)])
     assert (replayed - expected).abs().max().item() < 1e-4
