@@ -176,7 +176,7 @@ def kernel_bench(arch, ceilings: dict, batches, contexts, ref_max_batch: int) ->
                     q, cache, tables, req, lens, scale, mla.kv_lora_rank, context),
                     return_mode="median")
             rows.append(row)
-            del cache
+            cache = None  # free this shape's cache before the next one is allocated
             torch.cuda.empty_cache()
     return rows
 
