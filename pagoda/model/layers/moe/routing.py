@@ -15,6 +15,10 @@ routers compute (Qwen3MoeTopKRouter, DeepseekV2TopkRouter, DeepseekV3TopkRouter)
 
 Everything stays on the device with fixed shapes (no host sync): CUDA-graph capturable.
 The order of the k choices within a row is topk's; it does not change the MoE output.
+
+On CUDA, up to ROUTING_KERNEL_MAX_TOKENS rows (decode and small batches), the same
+computation runs as one Triton kernel (pagoda.kernels.moe_routing; this torch code is
+its reference); larger batches take the torch ops, whose launch cost is amortised.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from typing import Optional
 import torch
 
 from pagoda.model.moe_config import MoEConfig
+
+# Rows up to which CUDA inputs are routed by the one-kernel path (0: never).
+ROUTING_KERNEL_MAX_TOKENS = 256
 
 
 def _scores(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -64,6 +71,18 @@ def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
         raise ValueError(f"topk_method {cfg.topk_method!r} "
                          + ("needs an e_score_correction_bias" if correction_bias is None
                             else "takes no e_score_correction_bias"))
+    if router_logits.is_cuda and router_logits.shape[0] <= ROUTING_KERNEL_MAX_TOKENS:
+        from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_topk  # triton
+        if cfg.num_experts <= MAX_KERNEL_EXPERTS:
+            return route_topk(router_logits, cfg, correction_bias)
+    return select_experts_torch(router_logits, cfg, correction_bias)
+
+
+def select_experts_torch(router_logits: torch.Tensor, cfg: MoEConfig,
+                         correction_bias: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in torch ops (the reference of the routing kernel); the
+    arguments are select_experts' after its checks."""
     scores = _scores(router_logits, cfg.scoring_func)
     num_tokens, k = scores.shape[0], cfg.num_experts_per_tok
     if cfg.topk_method == "greedy":
