@@ -2,7 +2,8 @@
 
 Without CUDA it runs under TRITON_INTERPRET=1 (set by conftest) in float32 and float16
 on small shapes: several token counts including 1, uneven expert loads, experts with
-no tokens, choices of another rank's experts (-1), and every tile configuration. The
+no tokens, choices of another rank's experts (-1), and every tile configuration; each
+path (GEMV decode kernels, grouped GEMMs with the SiLU-and-mul epilogue, unfused). The
 block alignment is checked exactly against a plain Python sort. With CUDA the same
 cases run compiled, plus bfloat16 at the Qwen3-30B-A3B layer shape and a CUDA graph.
 """
@@ -94,20 +95,64 @@ def test_align_kernel_matches_torch_ops(fm, pairs, experts):
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
+CASES = [(1, 8, 2, False, False), (7, 6, 3, True, False), (33, 4, 2, True, True),
+         (5, 8, 1, False, True)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,experts,top_k,skew,foreign", [
-    (1, 8, 2, False, False),
-    (7, 6, 3, True, False),
-    (33, 4, 2, True, True),
-    (5, 8, 1, False, True),
-])
-def test_fused_moe_matches_reference(fm, dtype, tokens, experts, top_k, skew, foreign):
+@pytest.mark.parametrize("path,tokens,experts,top_k,skew,foreign", [
+    (path, *case) for path in ("gemv", "fused", "unfused") for case in CASES
+    if path != "gemv" or case[0] < 33])  # GEMV: decode sizes (and the interpreter is slow)
+def test_fused_moe_matches_reference(fm, path, dtype, tokens, experts, top_k, skew, foreign):
+    """Every path: the GEMV decode kernels, the grouped GEMMs with the SiLU-and-mul in
+    the epilogue, and the unfused first version."""
     args = _case(tokens, experts, 32, 48, top_k, dtype, skew=skew, foreign=foreign)
-    got = fm.fused_moe(*args)
+    got = fm.fused_moe(*args, path=path)
     expected = fm.fused_moe_reference(*args)
     assert got.dtype == dtype and got.shape == (tokens, 32)
     scale = expected.float().abs().max().item()
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_epilogue_equals_unfused(fm, dtype):
+    """The SiLU-and-mul epilogue rounds as the unfused kernels do (gate and up to the
+    storage dtype, silu before the multiply): float16 results are the same bits; float32
+    ones differ only by the float32 summation order of differently shaped tiles."""
+    args = _case(9, 4, 32, 40, 2, dtype, seed=3, skew=True, foreign=True)
+    fused, unfused = fm.fused_moe(*args, path="fused"), fm.fused_moe(*args, path="unfused")
+    if dtype == torch.float16:
+        assert torch.equal(fused, unfused)
+    else:
+        torch.testing.assert_close(fused, unfused, rtol=1e-6, atol=1e-6)
+
+
+def test_default_path_choice(fm, monkeypatch):
+    calls = []
+    real = fm.fused_moe_gemv
+    monkeypatch.setattr(fm, "fused_moe_gemv", lambda *a: calls.append(a[3].shape) or real(*a))
+    small = _case(fm.DECODE_GEMV_MAX_PAIRS // 2, 4, 16, 16, 2, torch.float32)
+    large = _case(fm.DECODE_GEMV_MAX_PAIRS // 2 + 1, 4, 16, 16, 2, torch.float32)
+    fm.fused_moe(*small)
+    fm.fused_moe(*large)
+    assert calls == [small[3].shape]  # decode-sized only
+    monkeypatch.setattr(fm, "FUSED_EPILOGUES", False)
+    fm.fused_moe(*small)
+    assert len(calls) == 1  # the unfused comparison path takes no GEMV either
+    with pytest.raises(ValueError, match="unknown fused_moe path"):
+        fm.fused_moe(*small, path="atomic")
+
+
+def test_gemv_sum_is_deterministic_and_skips_foreign_choices(fm):
+    x, w13, w2, weights, ids = _case(3, 6, 24, 40, 3, torch.float32, seed=8)
+    first = fm.fused_moe(x, w13, w2, weights, ids, path="gemv")
+    assert torch.equal(first, fm.fused_moe(x, w13, w2, weights, ids, path="gemv"))
+    # Every choice of token 1 held by another rank: its row is exactly zero.
+    ids[1] = -1
+    got = fm.fused_moe(x, w13, w2, weights, ids, path="gemv")
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got, fm.fused_moe_reference(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_pairs", [8, 200, 1000, 5000])
@@ -117,8 +162,9 @@ def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs):
     config = fm.pick_config(num_pairs, 4)
     monkeypatch.setattr(fm, "pick_config", lambda *_: config)
     args = _case(9, 4, 24, 40, 2, torch.float32, seed=num_pairs, skew=True, foreign=True)
-    torch.testing.assert_close(fm.fused_moe(*args), fm.fused_moe_reference(*args),
-                               rtol=1e-5, atol=1e-5)
+    for path in ("fused", "unfused"):
+        torch.testing.assert_close(fm.fused_moe(*args, path=path),
+                                   fm.fused_moe_reference(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_no_tokens_and_shape_errors(fm):
@@ -133,18 +179,21 @@ def test_no_tokens_and_shape_errors(fm):
 
 @gpu
 def test_bfloat16_qwen3_30b_layer_shape_and_cuda_graph(fm):
-    for tokens in (1, 64, 4096):
+    for tokens in (1, 2, 64, 4096):
         args = _case(tokens, 128, 2048, 768, 8, torch.bfloat16, seed=tokens)
-        got, expected = fm.fused_moe(*args), fm.fused_moe_reference(*args)
+        expected = fm.fused_moe_reference(*args)
         scale = expected.float().abs().max().item()
-        assert (got.float() - expected.float()).abs().max().item() <= 2e-2 * scale
-    args = _case(4, 128, 2048, 768, 8, torch.bfloat16, seed=5)
-    fm.fused_moe(*args)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(*args)
-    fresh = _case(4, 128, 2048, 768, 8, torch.bfloat16, seed=6)
-    for dst, src in zip(args, fresh):
-        dst.copy_(src)
-    graph.replay()
-    torch.testing.assert_close(out, fm.fused_moe(*fresh))
+        for path in fm.PATHS if tokens <= 64 else ("fused", "unfused"):
+            got = fm.fused_moe(*args, path=path)
+            assert (got.float() - expected.float()).abs().max().item() <= 2e-2 * scale
+    for tokens in (1, 4):  # the GEMV path, then the grouped GEMMs
+        args = _case(tokens, 128, 2048, 768, 8, torch.bfloat16, seed=5)
+        fm.fused_moe(*args)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe(*args)
+        fresh = _case(tokens, 128, 2048, 768, 8, torch.bfloat16, seed=6)
+        for dst, src in zip(args, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.testing.assert_close(out, fm.fused_moe(*fresh))

@@ -7,12 +7,25 @@
    groups each padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
    belongs to one expert (one Triton program for up to 256 pairs, torch ops above). Pairs routed to experts of another rank (id -1) form one more
    group whose blocks carry expert id -1: the GEMMs write zeros for them.
-2. a grouped GEMM: row block of pairs x w13[expert]^T -> [T*k, 2I] (A rows gathered by
-   token = pair // k);
-3. SiLU-and-mul (pagoda.kernels.fused_ops) -> [T*k, I];
-4. a grouped GEMM x w2[expert]^T, each row multiplied by its routing weight in the
+2. a grouped GEMM: row block of pairs x w13[expert]^T (A rows gathered by token =
+   pair // k), each program computing the gate and the up columns of the same outputs
+   and storing silu(gate) * up -> [T*k, I] (the SiLU-and-mul is its epilogue);
+3. a grouped GEMM x w2[expert]^T, each row multiplied by its routing weight in the
    kernel -> [T*k, H];
-5. the sum over the k choices -> [T, H].
+4. the sum over the k choices -> [T, H] (one small reduction, in a fixed order).
+
+Up to DECODE_GEMV_MAX_PAIRS pairs (decode), pagoda.kernels.fused_moe_decode does it in
+two GEMV-style kernels instead, without the sort, the sum over the choices folded into
+the down projection (its docstring says why). The paths, by name (``path=``):
+"gemv" (that one), "fused" (the steps above), "unfused" (the GEMM to [T*k, 2I], then
+pagoda.kernels.fused_ops.silu_and_mul: the first version, kept for comparison in the
+tests and benchmarks/moe_bench.py). The default: FUSED_EPILOGUES picks "fused" over
+"unfused", and "gemv" for decode sizes.
+
+Why the k-sum is not folded into the grouped GEMM by fp32 atomics: it would need a
+zeroed fp32 [T, H] buffer and a cast kernel after it (no fewer launches than the sum),
+and its result would depend on the order the atomics land (greedy runs could differ
+from run to run). Where the fold pays, at decode, the GEMV path does it in registers.
 
 No host sync: the sorted buffer has a fixed upper bound (T*k + (E+1)*(BLOCK_M-1), rounded
 up to BLOCK_M) and the number of used rows stays on the device, read by the kernels (the
@@ -26,9 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
 
 __all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
+
+# The SiLU-and-mul in the gate/up GEMM's epilogue (False: the unfused first version).
+FUSED_EPILOGUES = True
+# Up to this many (token, choice) pairs the GEMV-style decode path runs (0: never);
+# batch-1 decode has k pairs (8 for Qwen3-30B-A3B, 6 for DeepSeek-V2-Lite).
+DECODE_GEMV_MAX_PAIRS = 16
+PATHS = ("gemv", "fused", "unfused")
 
 
 # Up to this many (token, choice) pairs, one Triton program aligns them (decode and
@@ -157,10 +178,13 @@ def _moe_gemm_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     A_ROW_DIV: tl.constexpr,  # pairs per A row: k for the first GEMM (A = tokens), else 1
     MUL_WEIGHT: tl.constexpr,
+    GATE_UP_ACT: tl.constexpr,  # B rows [0, N) gate, [N, 2N) up; C = silu(gate) * up
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert(pair), n, k] (* weight[pair]).
+    # With GATE_UP_ACT the program also accumulates the up rows (B rows N + n) of the
+    # same columns and stores silu(gate) * up: the [pairs, 2N] intermediate never exists.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -188,6 +212,7 @@ def _moe_gemm_kernel(
     b_ptrs = (b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
               + offs_k[:, None] * stride_bk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -196,8 +221,17 @@ def _moe_gemm_kernel(
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
+        if GATE_UP_ACT:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
+                           other=0.0)
+            if IEEE_FP32:
+                acc_up += tl.dot(a, b_up, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if GATE_UP_ACT:
+        acc = silu_mul_rounded(acc, acc_up, c_ptr.dtype.element_ty)
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]
@@ -207,8 +241,9 @@ def _moe_gemm_kernel(
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                   num_post_padded: torch.Tensor, a_row_div: int, mul_weight: bool,
-                  config: dict[str, int]) -> None:
+                  config: dict[str, int], gate_up_act: bool = False) -> None:
     num_experts, n, k = b.shape
+    n = n // 2 if gate_up_act else n
     max_padded = sorted_ids.shape[0]
     grid = (triton.cdiv(max_padded, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
@@ -216,31 +251,45 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
         n, k, out.shape[0], max_padded,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, IEEE_FP32=a.dtype == torch.float32,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATE_UP_ACT=gate_up_act,
+        IEEE_FP32=a.dtype == torch.float32,
         **config)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              path: str | None = None) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
-    -> [T, H] in hidden's dtype."""
-    from pagoda.kernels.fused_ops import silu_and_mul
-
+    -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice)."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    if path is None:
+        path = ("gemv" if FUSED_EPILOGUES and num_pairs <= DECODE_GEMV_MAX_PAIRS
+                else "fused" if FUSED_EPILOGUES else "unfused")
+    if path not in PATHS:
+        raise ValueError(f"unknown fused_moe path {path!r}; one of {', '.join(PATHS)}")
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
+    if path == "gemv":
+        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids)
     config = pick_config(num_pairs, w13.shape[0])
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
         topk_ids, config["BLOCK_M"], w13.shape[0])
     weights = topk_weights.reshape(-1).float().contiguous()
-    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids, num_post_padded,
-                  top_k, False, config)
-    act = silu_and_mul(gate_up)
+    inter = w2.shape[2]
+    if path == "fused":
+        act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+        _grouped_gemm(hidden, w13, act, weights, sorted_ids, expert_ids, num_post_padded,
+                      top_k, False, config, gate_up_act=True)
+    else:
+        from pagoda.kernels.fused_ops import silu_and_mul
+        gate_up = torch.empty(num_pairs, 2 * inter, dtype=hidden.dtype, device=hidden.device)
+        _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids,
+                      num_post_padded, top_k, False, config)
+        act = silu_and_mul(gate_up)
     down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, num_post_padded,
                   1, True, config)

@@ -1,0 +1,130 @@
+"""Fused MoE for decode-sized batches: two GEMV-style Triton kernels, no expert sort.
+
+``fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids)`` computes what
+pagoda.kernels.fused_moe_ref.fused_moe_reference computes, for a few (token, choice)
+pairs (a batch-1 decode step has k of them):
+
+1. gate/up: one program per (pair, block of I columns) reads the pair's token row and
+   the gate rows [n] and up rows [I + n] of its expert's w13, and stores
+   silu(gate) * up -> act [T*k, I] (the SiLU-and-mul is the epilogue);
+2. down: one program per (token, block of H columns) walks the token's k choices in
+   order, multiplies act[pair] by its expert's w2 rows, scales by the routing weight and
+   accumulates in float32 registers -> out [T, H]: the sum over the k choices is folded
+   into the down projection, written once, in the same order every time (deterministic,
+   no atomics, no zeroed buffer, no extra sum kernel).
+
+Why a GEMV rather than the grouped tl.dot GEMM at this size: when each expert sees about
+one row, a BLOCK_M = 16 tile (tl.dot's minimum) computes 15 padding rows for one real
+one, and the expert sort (moe_align_block_size) is a launch that only serves the tiles.
+Here the step is 2 launches and each chosen expert's weights are read once per pair
+(the weights' bytes are the whole cost at decode). Past a few pairs, pairs of the same
+expert would re-read its weights, so fused_moe switches to the grouped GEMM
+(DECODE_GEMV_MAX_PAIRS in pagoda.kernels.fused_moe).
+
+Roundings follow the reference: gate and up rounded to the storage dtype, silu rounded
+before the multiply (as torch), each choice's down output rounded before its weight is
+applied, the k-sum in float32, rounded once. A choice of -1 (another rank's expert)
+reads nothing and adds nothing. Outputs are allocated from shapes alone: CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile sizes of both kernels: columns per program, and the reduction chunk.
+GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """float32 gate / up accumulators -> silu(gate) * up in float32, with torch's
+    roundings of the unfused path: gate and up stored in dtype, silu rounded to dtype."""
+    g = gate.to(dtype).to(tl.float32)
+    u = up.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * u
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, w13_ptr, ids_ptr, act_ptr,
+    H, I, stride_xm, stride_we, stride_wn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:  # another rank's expert: down reads nothing of this row either
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (pair // TOP_K) * stride_xm
+    w_gate = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_up = w_gate + I * stride_wn
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(w_gate + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        acc_u += tl.load(w_up + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    act = silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1),
+                           act_ptr.dtype.element_ty)
+    tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_sum_kernel(
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
+    H, I, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # fixed order: the same sum every run
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        # -1 (another rank's expert): a reduction length of 0, so the masked loads read
+        # nothing and the choice adds 0.
+        length = tl.where(expert >= 0, I, 0)
+        w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
+                  + offs_k[None, :])
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = offs_k < length - k0
+            a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_ok, other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        total += y * tl.load(weights_ptr + pair)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
+    one pair) -> [T, H] in hidden's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    hidden_size, inter = w2.shape[1], w2.shape[2]
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_moe_gemv needs w13 and w2 contiguous along their last dim")
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    cfg = GEMV_CONFIG
+    _gemv_gate_up_kernel[(ids.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))](
+        hidden, w13, ids, act, hidden_size, inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), TOP_K=top_k, **cfg)
+    _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, cfg["BLOCK_N"]))](
+        act, w2, ids, weights, out, hidden_size, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, **cfg)
+    return out
