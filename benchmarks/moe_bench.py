@@ -10,6 +10,9 @@ and whole MoE models (dummy bf16 weights) through pagoda.LLM, with rooflines.
     kernel (eager, and replayed from a CUDA graph at T = 1) vs the torch reference
     (loop over experts), speedup, and the roofline: bytes of the experts actually hit
     (T = 1) or of all experts (T = 16384) / copy bandwidth, and FLOPs / bf16 matmul rate.
+    Side by side, each fused_moe path (gemv decode kernels, grouped GEMMs with the
+    SiLU-and-mul epilogue, the unfused first version), eager and in a CUDA graph, and the
+    routing (torch ops vs the one Triton kernel; graph replay times in the table).
 (b) models (each in its own process): batch-1 decode ms/token (median gap between
     tokens, 128-token prompt) and 256 requests x 1024 in / 128 out output tok/s, with
     rooflines: active-parameter bytes per decode step at batch 1, all weight bytes at
@@ -115,6 +118,8 @@ def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict
     out["speedup"] = out["reference_ms"] / out["fused_ms"]
     if device.type == "cuda" and tokens <= 64:
         out["fused_graph_ms"] = _graph_ms(lambda: fm.fused_moe(x, w13, w2, weights, ids), repeat)
+    out["paths"] = compare_paths(fm, (x, w13, w2, weights, ids), device, repeat)
+    out["routing"] = compare_routing(logits, moe, correction, device, repeat)
     expert_bytes = 3 * h * inter * x.element_size()
     read = out["experts_hit"] * expert_bytes
     flops = 2 * 3 * h * inter * tokens * moe.num_experts_per_tok
@@ -123,6 +128,39 @@ def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict
         out["roofline_ms"] = max(read / ceilings["copy_bytes_per_s"],
                                  flops / ceilings["bf16_matmul_flops"]) * 1e3
         out["fused_tflops"] = flops / out["fused_ms"] / 1e9
+    return out
+
+
+def compare_paths(fm, args, device, repeat: int) -> dict:
+    """Each fused_moe path (pagoda.kernels.fused_moe.PATHS) on the same inputs: eager ms,
+    CUDA-graph replay ms at decode sizes, and the largest difference from the default
+    path's output. The GEMV path only up to 64 tokens (it re-reads shared experts)."""
+    tokens = args[0].shape[0]
+    default = fm.fused_moe(*args)
+    paths = {}
+    for path in fm.PATHS:
+        if path == "gemv" and tokens > 64:
+            continue
+        run = (lambda p=path: fm.fused_moe(*args, path=p))
+        entry = {"ms": _time_ms(run, device, repeat),
+                 "max_abs_diff_vs_default": (run().float() - default.float()).abs().max().item()}
+        if device.type == "cuda" and tokens <= 64:
+            entry["graph_ms"] = _graph_ms(run, repeat)
+        paths[path] = entry
+    return paths
+
+
+def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
+    """select_experts: the torch ops against the one Triton kernel (CUDA, T <= 256)."""
+    from pagoda.model.layers.moe import routing
+    out = {"torch_ms": _time_ms(lambda: routing.select_experts_torch(logits, moe, correction),
+                                device, repeat)}
+    if device.type == "cuda" and logits.shape[0] <= routing.ROUTING_KERNEL_MAX_TOKENS:
+        from pagoda.kernels.moe_routing import route_topk
+        out["kernel_ms"] = _time_ms(lambda: route_topk(logits, moe, correction), device, repeat)
+        out["torch_graph_ms"] = _graph_ms(
+            lambda: routing.select_experts_torch(logits, moe, correction), repeat)
+        out["kernel_graph_ms"] = _graph_ms(lambda: route_topk(logits, moe, correction), repeat)
     return out
 
 
@@ -218,6 +256,16 @@ def print_table(report: dict) -> None:
         print(f"{k['tokens']:>9}{k['fused_ms']:>11.3f}{k.get('fused_graph_ms', float('nan')):>10.3f}"
               f"{k['reference_ms']:>10.3f}{k['speedup']:>9.1f}"
               f"{k.get('roofline_ms', float('nan')):>13.3f}")
+    print(f"\n{'kernel T':>9}{'path':>9}{'eager ms':>10}{'graph ms':>10}{'max diff':>10}"
+          f"{'route torch':>13}{'route kernel':>14}")
+    nan = float("nan")
+    for k in report["kernel"]:
+        r = k["routing"]
+        for path, e in k["paths"].items():
+            print(f"{k['tokens']:>9}{path:>9}{e['ms']:>10.3f}{e.get('graph_ms', nan):>10.3f}"
+                  f"{e['max_abs_diff_vs_default']:>10.2e}"
+                  f"{r.get('torch_graph_ms', r['torch_ms']):>13.4f}"
+                  f"{r.get('kernel_graph_ms', nan):>14.4f}")
     print(f"\n{'model':<20}{'b1 ms/tok':>11}{'roof b1 ms':>12}{'static tok/s':>14}"
           f"{'roof all ms':>13}")
     for e in report["models"]:

@@ -155,6 +155,20 @@ def test_gemv_sum_is_deterministic_and_skips_foreign_choices(fm):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
+    """Small GEMV tiles, so both kernels loop over several reduction chunks and column
+    blocks, the last ones partial (H = 40, I = 24: no multiple of 16 or 8)."""
+    from pagoda.kernels import fused_moe_decode as dec
+    monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
+    monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
+    args = _case(2, 5, 40, 24, 3, dtype, seed=11, foreign=True)
+    expected = fm.fused_moe_reference(*args)
+    got = fm.fused_moe(*args, path="gemv")
+    scale = expected.float().abs().max().item()
+    assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
+
+
 @pytest.mark.parametrize("num_pairs", [8, 200, 1000, 5000])
 def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs):
     """pick_config's four configurations, forced on one small case (the interpreter is
