@@ -10,7 +10,10 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
 
 - latent rows (decodes; every row in a CUDA graph): q_lat = q_nope W_UK per head,
   attention over the cached entries, o = o_lat W_UV^T; W_UK / W_UV are views of
-  kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied;
+  kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied. The query
+  [q_lat, rope(q_rope)] is one Triton kernel on CUDA (pagoda.kernels.mla_absorb, unless
+  PAGODA_FUSED_OPS=0), bmm + rotary + cat otherwise (its reference), so q_rope reaches
+  this layer un-rotated with the step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
   this step's rows alike), decompressed by kv_b_proj into K = [k_nope, k_rope] and V,
   then causal attention.
@@ -42,6 +45,19 @@ from pagoda.model.parallel import TensorParallel
 _LORA_NORM_EPS = 1e-6
 
 
+def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[q_nope W_UK per head, rope(q_rope)] -> [N, H, kv_lora_rank + qk_rope]: one
+    Triton kernel on CUDA, this torch code (its reference) elsewhere."""
+    if q_nope.is_cuda:
+        from pagoda.kernels import fused_ops  # imports triton: CUDA only
+        if fused_ops.FUSED_OPS_ENABLED:
+            from pagoda.kernels.mla_absorb import absorb_q
+            return absorb_q(q_nope, q_rope, w_uk, cos, sin)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
+    return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
+
+
 def replicated_linear(input_size: int, output_size: int) -> ColumnParallelLinear:
     """A projection every rank holds whole: a column-parallel layer of one rank."""
     return ColumnParallelLinear(input_size, output_size, bias=False, tp_rank=0, tp_size=1)
@@ -59,9 +75,11 @@ class MLALatentAttention(Attention):
                                 str(dtype).removeprefix("torch."))
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                kv_b_proj: ColumnParallelLinear) -> torch.Tensor:
-        """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope], latent [T, kv_lora_rank +
-        qk_rope] (this step's entries) -> [T, H * v_head_dim]; stores the latents."""
+                kv_b_proj: ColumnParallelLinear, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+        """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope] (not yet rotated; cos / sin
+        [T, qk_rope / 2]), latent [T, kv_lora_rank + qk_rope] (this step's entries, rope
+        applied) -> [T, H * v_head_dim]; stores the latents."""
         ctx = get_forward_context()
         plan = ctx.metadata
         ctx.kv_pool.store(self.layer_idx, plan.common, latent)
@@ -71,21 +89,22 @@ class MLALatentAttention(Attention):
         w_uk, w_uv = w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
         rows = plan.latent_rows
         if rows is None and not plan.prefill_chunks:  # every row latent (decode, graphs)
-            out = self._latent(q_nope, q_rope, cache, w_uk, w_uv, ctx)
+            out = self._latent(q_nope, q_rope, cos, sin, cache, w_uk, w_uv, ctx)
             return out.reshape(num_tokens, heads * mla.v_head_dim)
         # Here latent_rows is a tensor (None only when the whole step is latent, above);
         # rows neither path names (padding) stay zero.
         out = q_nope.new_zeros(num_tokens, heads, mla.v_head_dim)
         if plan.num_latent_rows:
-            out[rows] = self._latent(q_nope[rows], q_rope[rows], cache, w_uk, w_uv, ctx)
+            out[rows] = self._latent(q_nope[rows], q_rope[rows], cos[rows], sin[rows],
+                                     cache, w_uk, w_uv, ctx)
         if plan.prefill_chunks:
-            out[plan.prefill_rows] = self._prefill(q_nope, q_rope, cache, kv_b_proj, ctx)
+            out[plan.prefill_rows] = self._prefill(q_nope, apply_rotary(q_rope, cos, sin),
+                                                   cache, kv_b_proj, ctx)
         return out.reshape(num_tokens, heads * mla.v_head_dim)
 
-    def _latent(self, q_nope, q_rope, cache, w_uk, w_uv, ctx) -> torch.Tensor:
-        """The absorbed path: [N, H, *] queries -> [N, H, v_head_dim]."""
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
-        q = torch.cat((q_lat, q_rope), dim=-1)
+    def _latent(self, q_nope, q_rope, cos, sin, cache, w_uk, w_uv, ctx) -> torch.Tensor:
+        """The absorbed path: [N, H, *] queries (q_rope not rotated) -> [N, H, v_head_dim]."""
+        q = absorbed_query(q_nope, q_rope, w_uk, cos, sin)
         o_lat = ctx.backend.forward(q, cache, ctx.metadata)  # [N, H, kv_lora_rank]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -143,12 +162,11 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_rope = q.view(num_tokens, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rotary(q_rope, cos, sin)
         c, k_rope = self.kv_a_proj_with_mqa(hidden).split(
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         latent = torch.cat((self.kv_a_layernorm(c.contiguous()), k_rope), dim=-1)
-        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj)
+        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj, cos, sin)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
