@@ -212,7 +212,8 @@ class EngineArgs:
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        if device == "cuda":
+        if device == "cuda" and parallel.distributed_executor_backend != "ray":
+            # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory
         if kv_memory is None and device == "cpu":

@@ -51,7 +51,7 @@ from pagoda.executor.mp_protocol import (FAILED, PROTOCOL_VERSION, SHUTDOWN, STA
                                          Reply)
 from pagoda.executor.mp_worker import worker_main
 from pagoda.executor.timeouts import ExecutorTimeouts, remaining
-from pagoda.executor.worker_setup import WorkerFactory, WorkerSpec, default_worker_factory
+from pagoda.executor.worker_setup import WorkerFactory, WorkerSpec, choose_workers
 
 # How long shutdown() waits for workers to exit by themselves, then after SIGTERM.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -162,14 +162,6 @@ class _StepFuture:
         return output
 
 
-def _check_model_splits(config: EngineConfig, model_path: str, tp_size: int) -> None:
-    """Refuses, before any process starts, a model whose heads or columns do not split
-    over tp_size ranks (the shape is read without loading a weight)."""
-    from pagoda.model.loader import load_arch_config
-    from pagoda.model.parallel import check_tensor_parallel
-    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size)
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str,
                  worker_factory: Optional[WorkerFactory] = None,
@@ -180,17 +172,8 @@ class MultiprocExecutor(Executor):
         world_size: the number of processes (default: tensor_parallel_size; tests
         set it to run fake workers)."""
         super().__init__(config, model_path)
-        tp_size = config.parallel.tensor_parallel_size
-        self.world_size = tp_size if world_size is None else world_size
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if worker_factory is None:
-            if self.world_size != tp_size:
-                raise ValueError(f"world_size {self.world_size} differs from "
-                                 f"tensor_parallel_size {tp_size}: the model runner "
-                                 f"shards by tensor_parallel_size")
-            worker_factory = default_worker_factory
-            _check_model_splits(config, model_path, tp_size)
+        worker_factory, self.world_size = choose_workers(config, model_path, worker_factory,
+                                                         world_size)
         self.timeouts = ExecutorTimeouts.from_env()
         self._warm = False  # True once a step's output arrived (timeouts.limit)
         self._dead_reasons: list[str] = []

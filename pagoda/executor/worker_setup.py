@@ -24,6 +24,27 @@ def default_worker_factory(config: EngineConfig, model_path: str, rank: int) -> 
     return ModelRunner(config, model_path, rank)
 
 
+def choose_workers(config: EngineConfig, model_path: str, worker_factory: Optional[WorkerFactory],
+                   world_size: Optional[int]) -> tuple[WorkerFactory, int]:
+    """The worker factory and the number of ranks an executor starts. By default the
+    ModelRunner at tensor_parallel_size ranks, refused before any process starts if the
+    model's heads or columns do not split over them (its shape is read without loading
+    a weight); tests pass their own factory and world size to run fake workers."""
+    tp_size = config.parallel.tensor_parallel_size
+    world_size = tp_size if world_size is None else world_size
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if worker_factory is not None:
+        return worker_factory, world_size
+    if world_size != tp_size:
+        raise ValueError(f"world_size {world_size} differs from tensor_parallel_size "
+                         f"{tp_size}: the model runner shards by tensor_parallel_size")
+    from pagoda.model.loader import load_arch_config
+    from pagoda.model.parallel import check_tensor_parallel
+    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size)
+    return default_worker_factory, world_size
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker process needs to start (pickled into it)."""
