@@ -248,10 +248,46 @@ def test_the_executor_class_follows_the_parallel_config():
     assert get_executor_class(config(1)) is UniProcExecutor
     assert get_executor_class(config(2)) is MultiprocExecutor
     assert get_executor_class(config(2, "mp")) is MultiprocExecutor
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
-        get_executor_class(config(2, "ray"))
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         get_executor_class(config(2, "dask"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ray_is_chosen_at_any_size_and_its_absence_is_a_clear_error(tp, monkeypatch):
+    from types import SimpleNamespace
+
+    from pagoda.config import EngineArgs
+    from pagoda.executor.base import get_executor_class
+    config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=tp,
+                                                      distributed_executor_backend="ray"))
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from pagoda.executor.ray_executor import RayExecutor
+        assert get_executor_class(config) is RayExecutor
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    hint = r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'"
+    with pytest.raises(ValueError, match=hint):
+        get_executor_class(config)
+    # The engine refuses at start-up, before it loads anything.
+    args = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                      tensor_parallel_size=tp, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=hint):
+        LLMEngine(args.create_engine_config())
+
+
+def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys):
+    from pagoda.entrypoints.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)
+    code = main(["generate", "hi", "--model", "tiny-llama", "--load-format", "dummy",
+                 "--device", "cpu", "--tensor-parallel-size", "2",
+                 "--distributed-executor-backend", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.endswith("error: distributed_executor_backend='ray' needs Ray, which is not "
+                        "installed: pip install 'pagoda[ray]'\n"), err
 
 
 def test_the_model_runner_is_not_started_in_a_group_of_another_size():

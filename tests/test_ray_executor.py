@@ -32,6 +32,7 @@ from pagoda.executor.timeouts import TIMEOUT_ENV  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from test_executor import expected, run  # noqa: E402
 from test_multiproc_executor import engine_config  # noqa: E402
+from test_tp_engine import generate, tiny_llama  # noqa: E402,F401 - a fixture
 
 GONE_TIMEOUT_S = 60.0
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -173,3 +174,18 @@ def test_sampling_that_never_ends_fails_the_step_naming_the_rank(cluster, monkey
     finally:
         engine.shutdown()
     assert_gone(executor.pids)
+
+
+def test_tp2_on_a_ray_runtime_of_its_own_generates_the_tp1_greedy_tokens(tiny_llama):
+    """Real model runners (each rank its share of the heads, gloo all-reduces) in two
+    actors; Ray is not running, so the executor starts a local runtime and stops it."""
+    if ray.is_initialized():
+        ray.shutdown()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    reference = generate(tiny_llama, 1, async_scheduling=False)
+    tokens = generate(tiny_llama, 2, async_scheduling=True, distributed_executor_backend="ray")
+    assert not ray.is_initialized()
+    assert tokens == reference
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(started, timeout=GONE_TIMEOUT_S)
+    assert alive == []  # Ray's own processes and the actors
