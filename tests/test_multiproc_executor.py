@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import os
 import select
 import signal
@@ -260,11 +261,7 @@ def test_ray_is_chosen_at_any_size_and_its_absence_is_a_clear_error(tp, monkeypa
     from pagoda.executor.base import get_executor_class
     config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=tp,
                                                       distributed_executor_backend="ray"))
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        pass
-    else:
+    if importlib.util.find_spec("ray") is not None:
         from pagoda.executor.ray_executor import RayExecutor
         assert get_executor_class(config) is RayExecutor
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed

@@ -32,7 +32,8 @@ from pagoda.executor.timeouts import TIMEOUT_ENV  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from test_executor import expected, run  # noqa: E402
 from test_multiproc_executor import engine_config  # noqa: E402
-from test_tp_engine import generate, tiny_llama  # noqa: E402,F401 - a fixture
+from test_tp_engine import generate  # noqa: E402
+from tiny_models import save_tiny_hf_model  # noqa: E402
 
 GONE_TIMEOUT_S = 60.0
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -174,6 +175,13 @@ def test_sampling_that_never_ends_fails_the_step_naming_the_rank(cluster, monkey
     finally:
         engine.shutdown()
     assert_gone(executor.pids)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ray-tp-llama")
+    save_tiny_hf_model(path, "llama")  # 4 heads / 2 KV heads: one KV head per rank
+    return str(path)
 
 
 def test_tp2_on_a_ray_runtime_of_its_own_generates_the_tp1_greedy_tokens(tiny_llama):
