@@ -19,6 +19,7 @@ import signal
 
 import psutil
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagoda[ray]'")
 
@@ -197,3 +198,17 @@ def test_tp2_on_a_ray_runtime_of_its_own_generates_the_tp1_greedy_tokens(tiny_ll
     started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     _, alive = psutil.wait_procs(started, timeout=GONE_TIMEOUT_S)
     assert alive == []  # Ray's own processes and the actors
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_through_ray_on_two_gpus_generates_the_tp1_greedy_tokens(tiny_llama):
+    """NCCL between two actors, each shown both GPUs (peer to peer), CUDA graphs, async
+    scheduling; float32 weights so the reduction order cannot flip a greedy choice."""
+    import gc
+    if ray.is_initialized():
+        ray.shutdown()
+    reference = generate(tiny_llama, 1, async_scheduling=True, device="cuda")
+    gc.collect()  # the tp 1 engine's memory on GPU 0 would shrink rank 0's KV budget
+    torch.cuda.empty_cache()
+    assert generate(tiny_llama, 2, async_scheduling=True, device="cuda",
+                    distributed_executor_backend="ray") == reference

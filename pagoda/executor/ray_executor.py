@@ -173,11 +173,14 @@ class RayExecutor(Executor):
         call = self._send_each("rendezvous_address", lambda rank: () if rank == 0 else None)
         ip, port = self._wait_started(call, (0,))[0]
         backend = "nccl" if device == "cuda" else "gloo"
-        # Ray gives each actor its one GPU through CUDA_VISIBLE_DEVICES: device 0 there.
-        device_index = 0 if device == "cuda" else None
+        layout: list[tuple[Optional[str], Optional[int]]] = [(None, None)] * self.world_size
+        if device == "cuda":
+            call = self._send_each("node_and_gpus", lambda rank: ())
+            layout = cuda_layout(self._wait_started(call, range(self.world_size)))
         specs = [WorkerSpec(rank, self.world_size, self.config, self.model_path,
                             f"tcp://{_url_host(ip)}:{port}", backend, worker_factory,
-                            device_index) for rank in range(self.world_size)]
+                            device_index=layout[rank][1], cuda_visible_devices=layout[rank][0])
+                 for rank in range(self.world_size)]
         call = self._send_each("start", lambda rank: (specs[rank],))
         self.pids = list(self._wait_started(call, range(self.world_size)))
 
@@ -383,6 +386,22 @@ def _place(ray, world_size: int, device: str, timeout_s: float):
                                  f"{{{resource!r}: 1}} within {timeout_s:g} s (in use by "
                                  f"other jobs?)")
     return group
+
+
+def cuda_layout(placements: Sequence[tuple[str, list[str]]]) -> list[tuple[str, int]]:
+    """For each rank's (node id, its GPU ids) the CUDA_VISIBLE_DEVICES it should run with
+    (every GPU of the group on its node, in id order) and its own device's index there.
+    Each rank must hold exactly one GPU."""
+    on_node: dict[str, list[str]] = {}
+    for rank, (node, gpus) in enumerate(placements):
+        if len(gpus) != 1:
+            raise RuntimeError(f"Ray gave tensor-parallel rank {rank} the GPUs {gpus}; "
+                               f"each rank needs exactly one")
+        on_node.setdefault(node, []).extend(gpus)
+    for gpus in on_node.values():
+        gpus.sort(key=lambda g: (len(g), g))  # numeric order for plain indices
+    return [(",".join(on_node[node]), on_node[node].index(gpus[0]))
+            for node, gpus in placements]
 
 
 def _url_host(ip: str) -> str:

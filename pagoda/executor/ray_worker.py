@@ -58,6 +58,13 @@ class RayWorker:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
+    def node_and_gpus(self, seq: int) -> tuple[str, list[str]]:
+        """The Ray node this actor runs on and the ids of the GPUs Ray gave it."""
+        self._in_order(seq)
+        import ray
+        context = ray.get_runtime_context()
+        return context.get_node_id(), [str(i) for i in context.get_accelerator_ids().get("GPU", [])]
+
     def start(self, seq: int, spec: WorkerSpec) -> int:
         """Joins the group and builds this rank's worker; returns the process id."""
         self._in_order(seq)

@@ -9,6 +9,7 @@ a copy of it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -56,9 +57,12 @@ class WorkerSpec:
     init_method: str  # "tcp://HOST:PORT", the same for every rank
     backend: str  # "nccl" or "gloo"
     worker_factory: WorkerFactory
-    # The CUDA device index of this rank in its process (None: the rank). Ray gives each
-    # actor one GPU through CUDA_VISIBLE_DEVICES, so there it is always 0.
+    # The CUDA device index of this rank in its process (None: the rank), among the
+    # GPUs `cuda_visible_devices` shows it (None: leave CUDA_VISIBLE_DEVICES as it is).
+    # Ray gives each actor its own GPU; the executor shows it every GPU of the group on
+    # its node instead, so that NCCL can reach them directly (peer to peer).
     device_index: Optional[int] = None
+    cuda_visible_devices: Optional[str] = None
 
 
 def build_worker(spec: WorkerSpec) -> Any:
@@ -66,6 +70,8 @@ def build_worker(spec: WorkerSpec) -> Any:
     from pagoda.distributed.parallel_state import init_distributed, keep_multicast_off
     keep_multicast_off()  # already in the process's environment; checked again here
     if spec.config.device.device == "cuda":
+        if spec.cuda_visible_devices is not None:  # before CUDA starts in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
         import torch
         torch.cuda.set_device(spec.rank if spec.device_index is None else spec.device_index)
     init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)
