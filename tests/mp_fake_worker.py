@@ -74,6 +74,9 @@ class RankedFakeWorker(FakeWorker):
     def whoami(self) -> tuple[int, int, bool]:
         return self.rank, os.getpid(), "NCCL_NVLS_ENABLE" in os.environ
 
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
+
     def steps_seen(self) -> list[tuple]:
         return self.seen
 

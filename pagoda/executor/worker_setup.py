@@ -74,8 +74,29 @@ def build_worker(spec: WorkerSpec) -> Any:
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
         import torch
         torch.cuda.set_device(spec.rank if spec.device_index is None else spec.device_index)
+    else:
+        share_cpu_threads(spec.world_size)
     init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)
     return spec.worker_factory(spec.config, spec.model_path, spec.rank)
+
+
+def cpu_threads_per_rank(world_size: int, environ=None) -> Optional[int]:
+    """On CPU the ranks share the machine's cores: each gets its share (at least one),
+    unless OMP_NUM_THREADS sets the count (Ray sets it to an actor's CPUs). None: leave
+    torch's setting. Every rank taking all the cores oversubscribes them, and the
+    all-reduce then waits on descheduled peers (a step can take 30 times longer)."""
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+def share_cpu_threads(world_size: int) -> None:
+    threads = cpu_threads_per_rank(world_size)
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
 
 
 def leave_group() -> None:
