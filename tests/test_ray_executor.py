@@ -127,7 +127,7 @@ def test_a_killed_actor_fails_the_step_in_flight_and_the_executor(cluster):
         executor.collective_rpc("steps_seen")  # both ranks are past the step's collective
         future = executor.sample_tokens()
         os.kill(executor.pids[1], signal.SIGKILL)
-        with pytest.raises(ExecutorDeadError, match=r"rank 1 \(pid \d+\) died: The actor is dead"):
+        with pytest.raises(ExecutorDeadError, match=rf"rank 1 \(pid {executor.pids[1]}\) died: "):
             future.result()
         with pytest.raises(ExecutorDeadError, match="rank 1"):
             engine.check_health()

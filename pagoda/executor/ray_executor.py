@@ -192,7 +192,7 @@ class RayExecutor(Executor):
                 num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": env}, name=None).remote()
+                runtime_env={"env_vars": env}).remote()
             self._resources.actors.append(actor)
             self._seqs.append(itertools.count())
             watch = actor.watch.options(concurrency_group=WATCH_GROUP).remote()
