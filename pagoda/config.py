@@ -226,7 +226,8 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
                                   disable_custom_all_reduce=self.disable_custom_all_reduce,
                                   enable_expert_parallel=self.enable_expert_parallel)
-        if device == "cuda":
+        if device == "cuda" and parallel.distributed_executor_backend != "ray":
+            # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         kv_memory = self.kv_cache_memory
         if kv_memory is None and device == "cpu":

@@ -3,9 +3,10 @@
 It is tests/test_executor.py's FakeWorker (tokens only from the SchedulerOutput diffs,
 a deterministic next-token rule) plus: its rank, its pid, a digest of every step it
 saw, a gloo all-reduce per step that checks every rank runs the same step in lockstep,
-a KV block count that shrinks with the rank, and switches to fail at start-up, fail
-in a step, never finish a step's sampling, or finish it only after the next step was
-launched (async scheduling's overlap, which the worker process must keep).
+a KV block count that shrinks with the rank, and switches to fail or stall at
+start-up, fail in a step, stall in a step before its collective (so its peers wait in
+the collective forever), never finish a step's sampling, or finish it only after the
+next step was launched (async scheduling's overlap, which the worker process must keep).
 """
 
 from __future__ import annotations
@@ -53,21 +54,28 @@ class _AfterNextLaunch:
 
 class RankedFakeWorker(FakeWorker):
     def __init__(self, config, model_path: str, rank: int, fail_at_start_rank: int = -1,
-                 results_after_next_launch: bool = False) -> None:
+                 results_after_next_launch: bool = False,
+                 stall_at_start_ranks: tuple[int, ...] = ()) -> None:
         if rank == fail_at_start_rank:
             raise ValueError(f"fake worker rank {rank} refuses to start")
+        if rank in stall_at_start_ranks:
+            threading.Event().wait()  # a load that never ends
         super().__init__(config, model_path)
         assert (tp_rank(), tp_world_size()) == (rank, tp_world_size())
         self.rank = rank
         self.seen: list[tuple] = []
         self.hang_sampling = False
         self.fail_next_step = False
+        self.stall_next_step = False
         self.results_after_next_launch = results_after_next_launch
         self.next_launched: threading.Event = threading.Event()
 
     # ---- what the tests ask every rank ------------------------------------------------
     def whoami(self) -> tuple[int, int, bool]:
         return self.rank, os.getpid(), "NCCL_NVLS_ENABLE" in os.environ
+
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
 
     def steps_seen(self) -> list[tuple]:
         return self.seen
@@ -78,6 +86,9 @@ class RankedFakeWorker(FakeWorker):
     def set_fail_next_step(self, ranks: list[int]) -> None:
         self.fail_next_step = self.rank in ranks
 
+    def set_stall_next_step(self, ranks: list[int]) -> None:
+        self.stall_next_step = self.rank in ranks
+
     # ---- the worker interface ---------------------------------------------------------
     def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
         return KVCacheConfig(64 - 10 * self.rank, [SPEC] * 2)
@@ -85,6 +96,8 @@ class RankedFakeWorker(FakeWorker):
     def execute_model(self, out: SchedulerOutput) -> None:
         if self.fail_next_step:
             raise RuntimeError(f"injected failure on rank {self.rank}")
+        if self.stall_next_step:
+            threading.Event().wait()  # never reaches the collective below
         self.next_launched.set()  # the previous step's output may now be ready
         self.seen.append(step_digest(out))
         if tp_world_size() > 1:  # every rank is at the same step with the same batch

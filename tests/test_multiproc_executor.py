@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import os
 import select
 import signal
@@ -18,6 +19,7 @@ import textwrap
 
 import psutil
 import pytest
+import torch
 
 from mp_fake_worker import RankedFakeWorker, step_digest
 from pagoda.config import EngineArgs
@@ -25,6 +27,7 @@ from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.executor.base import ExecutorDeadError
 from pagoda.executor.multiproc import MultiprocExecutor, WorkerStartupError
+from pagoda.executor.worker_setup import cpu_threads_per_rank
 from pagoda.sampling_params import SamplingParams
 from test_executor import expected, run
 
@@ -76,6 +79,8 @@ def test_engine_through_two_processes_equals_the_direct_rule(async_scheduling):
         assert [w[0] for w in whoami] == [0, 1]
         assert all(w[2] for w in whoami), "multicast stays off in every worker"
         assert {w[1] for w in whoami} == {p.pid for p in executor.processes}
+        threads = cpu_threads_per_rank(2)  # each rank its share of the cores
+        assert executor.collective_rpc("num_threads") == [threads or torch.get_num_threads()] * 2
         prompts = [[3 + i + j for j in range(7 + 9 * i)] for i in range(6)]  # chunked
         done = run(engine, prompts, max_tokens=12)
         assert done == {str(i): expected(p, 12) for i, p in enumerate(prompts)}
@@ -248,10 +253,50 @@ def test_the_executor_class_follows_the_parallel_config():
     assert get_executor_class(config(1)) is UniProcExecutor
     assert get_executor_class(config(2)) is MultiprocExecutor
     assert get_executor_class(config(2, "mp")) is MultiprocExecutor
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
-        get_executor_class(config(2, "ray"))
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         get_executor_class(config(2, "dask"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ray_is_chosen_at_any_size_and_its_absence_is_a_clear_error(tp, monkeypatch):
+    from types import SimpleNamespace
+
+    from pagoda.config import EngineArgs
+    from pagoda.executor.base import get_executor_class
+    config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=tp,
+                                                      distributed_executor_backend="ray"))
+    if importlib.util.find_spec("ray") is not None:
+        from pagoda.executor.ray_executor import RayExecutor
+        assert get_executor_class(config) is RayExecutor
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    hint = r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'"
+    with pytest.raises(ValueError, match=hint):
+        get_executor_class(config)
+    # The engine refuses at start-up, before it loads anything.
+    args = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                      tensor_parallel_size=tp, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=hint):
+        LLMEngine(args.create_engine_config())
+
+
+def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys):
+    from pagoda.entrypoints.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)
+    code = main(["generate", "hi", "--model", "tiny-llama", "--load-format", "dummy",
+                 "--device", "cpu", "--tensor-parallel-size", "2",
+                 "--distributed-executor-backend", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.endswith("error: distributed_executor_backend='ray' needs Ray, which is not "
+                        "installed: pip install 'pagoda[ray]'\n"), err
+
+
+def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert cpu_threads_per_rank(1, {}) == cores
+    assert cpu_threads_per_rank(2, {}) == max(1, cores // 2)
+    assert cpu_threads_per_rank(4 * cores, {}) == 1
+    assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "3"}) is None
 
 
 def test_the_model_runner_is_not_started_in_a_group_of_another_size():

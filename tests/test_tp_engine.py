@@ -18,11 +18,12 @@ PROMPTS = [[(5 * i + 3 * j) % 300 + 3 for j in range(9 + 7 * i)] for i in range(
 PROMPTS.append(PROMPTS[4][:30] + [7, 8, 9])  # shares a cached prefix with prompt 4
 
 
-def generate(path: str, tp: int, async_scheduling: bool, device: str = "cpu") -> list[list[int]]:
+def generate(path: str, tp: int, async_scheduling: bool, device: str = "cpu",
+             **engine_kwargs) -> list[list[int]]:
     memory = {"kv_cache_memory": 1 << 22} if device == "cpu" else {"gpu_memory_utilization": 0.3}
     llm = LLM(path, device=device, dtype="float32", tensor_parallel_size=tp, skip_tokenizer_init=True,
               max_model_len=256, max_num_batched_tokens=32, **memory,
-              block_size=8, async_scheduling=async_scheduling)
+              block_size=8, async_scheduling=async_scheduling, **engine_kwargs)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

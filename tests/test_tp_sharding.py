@@ -171,7 +171,7 @@ def test_parallel_config_accepts_sizes_and_backend_names():
     cfg = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
                      tensor_parallel_size=2).create_engine_config()
     assert cfg.parallel == ParallelConfig(2, "mp")
-    # "ray" is a valid name here; the engine refuses it at start (not available yet).
+    # "ray" is a valid name here (the engine checks that Ray is installed when it starts).
     assert ParallelConfig(4, "ray").distributed_executor_backend == "ray"
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, ray"):
         ParallelConfig(2, "gloo")
@@ -187,6 +187,9 @@ def test_more_ranks_than_gpus_is_refused_on_cuda(monkeypatch):
     assert EngineArgs(**args, tensor_parallel_size=2).create_engine_config().parallel.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size is 4 but only 2 CUDA GPU"):
         EngineArgs(**args, tensor_parallel_size=4).create_engine_config()
+    # Ray's ranks may be on other machines: its executor counts the cluster's GPUs.
+    ray_args = dict(args, tensor_parallel_size=4, distributed_executor_backend="ray")
+    assert EngineArgs(**ray_args).create_engine_config().parallel.tensor_parallel_size == 4
 
 
 def test_cli_flags():

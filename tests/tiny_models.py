@@ -81,14 +81,21 @@ def save_tiny_hub_repo(hub_cache, repo_id: str, commit: str, ref: str = "main"):
     and refs/<ref> holding the commit. Returns the snapshot directory."""
     from pathlib import Path
 
-    from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
-
     repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    # The vocabulary matches the tokenizer's 49152 ids; tied embeddings keep it small.
-    save_tiny_hf_model(snapshot, "llama", vocab_size=49152, tie_word_embeddings=True)
-    load_tokenizer(embedded_model_path()).save_pretrained(snapshot)
+    save_tiny_servable_model(snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
     return snapshot
+
+
+def save_tiny_servable_model(path, **overrides):
+    """A tiny random Llama (4 heads, 2 KV heads: it splits over 2 tensor-parallel ranks)
+    with the embedded SmolLM2 tokenizer beside it: a directory `pagoda serve` can serve."""
+    from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
+
+    # The vocabulary matches the tokenizer's 49152 ids; tied embeddings keep it small.
+    save_tiny_hf_model(path, "llama", **{"vocab_size": 49152, "tie_word_embeddings": True,
+                                         **overrides})
+    load_tokenizer(embedded_model_path()).save_pretrained(path)

@@ -133,6 +133,9 @@ class AsyncEngine:
         self.timings_listener = timings_listener
         self.engine: Any = None
         self.load_error: Optional[BaseException] = None
+        # Why the loop stopped serving after a failed step (its executor's workers are
+        # gone), in one line; set before the failed requests hear of it.
+        self.dead_reason: Optional[str] = None
         self._ready = threading.Event()  # set when loading ended, successfully or not
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # guarded by _cond
@@ -174,7 +177,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
     def wait_loaded(self, timeout: Optional[float] = None) -> bool:
         """Blocks until loading ended (check `load_error`); False on timeout."""
@@ -285,7 +288,8 @@ class AsyncEngine:
             raise EngineNotReadyError("the model is still loading" if self.load_error is None
                                       else f"the model failed to load: {self.load_error}")
         if not self.is_running:
-            raise EngineNotReadyError("the engine loop has stopped")
+            raise EngineNotReadyError("the engine loop has stopped" + (
+                f": {self.dead_reason}" if self.dead_reason is not None else ""))
 
     def _report(self, timings: "RequestTimings") -> None:
         if self.timings_listener is None:
@@ -386,8 +390,11 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing every request in flight")
-            self._fail_all(EngineStepError(f"the engine step failed: {exc!r}"), abort=True)
-            return self._healthy()
+            # Health first: once a client sees its request fail, /health already says why.
+            healthy = self._healthy()
+            self._fail_all(EngineStepError(f"the engine step failed: {_one_line(exc)}"),
+                           abort=True)
+            return healthy
         self._note_scheduled(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:
@@ -411,8 +418,9 @@ class AsyncEngine:
     def _healthy(self) -> bool:
         try:
             self.engine.check_health()
-        except Exception:
+        except Exception as exc:
             logger.exception("the engine is dead; stopping its loop")
+            self.dead_reason = _one_line(exc)
             return False
         return True
 
@@ -452,6 +460,13 @@ def _shorten_switch_interval() -> None:
     wanted = float(os.environ.get(SWITCH_INTERVAL_ENV, DEFAULT_SWITCH_INTERVAL_S))
     if 0 < wanted < sys.getswitchinterval():
         sys.setswitchinterval(wanted)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's type and the first line of its message (a worker's traceback
+    stays in the log)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:

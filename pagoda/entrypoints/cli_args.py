@@ -56,7 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default="mp",
                    choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                    help="how tensor-parallel workers are started: mp (one process per GPU "
-                        "on this machine); ray is not available yet")
+                        "on this machine), or ray (one Ray actor per GPU, on the machines of "
+                        "the Ray cluster at $RAY_ADDRESS, else a local one; needs "
+                        "pip install 'pagoda[ray]')")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="send every tensor-parallel all-reduce through NCCL (by default "
                         "small ones on CUDA go one-shot over peer-mapped GPU memory)")

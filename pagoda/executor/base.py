@@ -4,9 +4,9 @@ The engine talks to its model only through this (and through `pagoda.core` types
 initialise, size and build the KV cache, launch a step's forward, launch its sampling
 and get a future for its output, call a method on every worker, check health, shut
 down. The in-process executor (`uniproc`) runs tp size 1; `multiproc` runs one worker
-process per GPU (tensor parallelism); Ray placement (several machines) would plug in
-behind the same methods, since everything here goes through `collective_rpc`, whose arguments
-(SchedulerOutput, StepExtras) are plain picklable data.
+process per GPU (tensor parallelism); `ray_executor` one Ray actor per rank, placed on
+the machines of a Ray cluster. Everything goes through `collective_rpc`-like calls
+whose arguments (SchedulerOutput, StepExtras) are plain picklable data.
 
 A worker is any object with the methods named below (`ModelRunner` is the one the
 engine builds): `model_info()`, `determine_kv_cache_config(max_model_len)`,
@@ -96,13 +96,17 @@ class Executor(ABC):
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
     """The executor for the parallel config: one in-process worker at tp size 1, one
-    worker process per rank above ("mp", the default distributed_executor_backend)."""
+    worker process per rank above ("mp", the default distributed_executor_backend);
+    one Ray actor per rank, at any tp size, with "ray" (an optional dependency: a
+    ValueError saying how to install it when it is missing)."""
     backend = getattr(config.parallel, "distributed_executor_backend", None) or "mp"
     if backend == "ray":
-        raise ValueError("distributed_executor_backend='ray' is not available yet; "
-                         "use 'mp' (one process per GPU on this machine)")
+        from pagoda.executor.ray_executor import RayExecutor, require_ray
+        require_ray()
+        return RayExecutor
     if backend not in ("mp", "uni"):
-        raise ValueError(f"distributed_executor_backend must be 'mp' or 'uni', got {backend!r}")
+        raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'uni', "
+                         f"got {backend!r}")
     if config.parallel.tensor_parallel_size == 1:
         from pagoda.executor.uniproc import UniProcExecutor
         return UniProcExecutor

@@ -1,9 +1,9 @@
 """The worker-process side of the multi-process executor: one process per rank.
 
-Owns what runs inside a spawned worker process: its start-up (NVLink multicast off,
-its CUDA device, joining the tensor-parallel group, building the worker object), the
-loop that serves the engine's requests (`mp_protocol`), the thread that sends the
-replies, and the watch on the engine process.
+Owns what runs inside a spawned worker process around the shared start-up
+(`worker_setup`: multicast off, device, group, worker object): the loop that serves
+the engine's requests (`mp_protocol`), the thread that sends the replies, and the
+watch on the engine process.
 
 Threads in a worker process and why:
 - main: receives a request, calls the worker's method, queues the result. It never
@@ -25,34 +25,12 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from pagoda.config import EngineConfig
 from pagoda.executor.mp_protocol import (FAILED, OK, PROTOCOL_VERSION, SHUTDOWN,
                                          STARTUP_SEQ, Reply)
-
-WorkerFactory = Callable[[EngineConfig, str, int], Any]
-
-
-def default_worker_factory(config: EngineConfig, model_path: str, rank: int) -> Any:
-    """The engine's worker: this rank's ModelRunner (module-level, so it pickles)."""
-    from pagoda.worker.model_runner import ModelRunner
-    return ModelRunner(config, model_path, rank)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker process needs to start (pickled into the spawned process)."""
-
-    rank: int
-    world_size: int
-    config: EngineConfig
-    model_path: str
-    init_method: str  # "tcp://127.0.0.1:PORT", the same for every rank
-    backend: str  # "nccl" or "gloo"
-    worker_factory: WorkerFactory
+from pagoda.executor.worker_setup import WorkerSpec, build_worker, leave_group, reply_payload
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, replies: Connection,
@@ -64,39 +42,17 @@ def worker_main(spec: WorkerSpec, requests: Connection, replies: Connection,
     _watch_engine_process(lifeline)
     sender = _ReplySender(spec.rank, replies)
     try:
-        worker = _build_worker(spec)
+        worker = build_worker(spec)
     except BaseException:  # noqa: BLE001 - reported to the engine, then exit
         sender.send_now((PROTOCOL_VERSION, STARTUP_SEQ, FAILED, (None, traceback.format_exc())))
         sys.exit(1)
     sender.send_now((PROTOCOL_VERSION, STARTUP_SEQ, OK, None))
     sender.start()
     failed = _serve(worker, requests, sender)
-    _leave_group()
+    leave_group()
     # A worker that failed exits non-zero; its sender thread is a daemon and is left
     # behind if it is still waiting for a device result nobody needs any more.
     sys.exit(1 if failed else 0)
-
-
-def _build_worker(spec: WorkerSpec) -> Any:
-    from pagoda.distributed.parallel_state import init_distributed, keep_multicast_off
-    keep_multicast_off()  # already inherited from the engine process; checked again here
-    if spec.config.device.device == "cuda":
-        import torch
-        torch.cuda.set_device(spec.rank)
-    from pagoda.model.dtypes import resolve_dtype
-    config = spec.config
-    init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend,
-                     custom_all_reduce=not config.parallel.disable_custom_all_reduce,
-                     dtype=resolve_dtype(config.model.dtype, config.device.device))
-    return spec.worker_factory(spec.config, spec.model_path, spec.rank)
-
-
-def _leave_group() -> None:
-    from pagoda.distributed.parallel_state import destroy_distributed
-    try:
-        destroy_distributed()
-    except Exception:  # noqa: BLE001 - exiting anyway; a peer may already be gone
-        pass
 
 
 def _serve(worker: Any, requests: Connection, sender: "_ReplySender") -> bool:
@@ -161,11 +117,8 @@ class _ReplySender:
         while True:
             seq, method, reply, result = self._queue.get()
             try:
-                if reply == Reply.RANK0_FUTURE:
-                    value = result.result()  # waits for this step's device results
-                    payload = value if self.rank == 0 else None
-                else:
-                    payload = result
+                # A future's .result() waits for this step's device results.
+                payload = reply_payload(self.rank, reply, result)
                 self.send_now((PROTOCOL_VERSION, seq, OK, payload))
             except OSError:
                 return  # the engine process is gone; the main loop sees EOF

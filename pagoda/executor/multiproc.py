@@ -16,7 +16,9 @@ Invariants:
   thread at a time receives (`_recv_lock`); the engine drives the executor from one
   thread anyway.
 - Any failure is terminal: a worker's exception (reported with its traceback), a
-  worker process that exits, a pipe that breaks. The executor is then dead: waiting
+  worker process that exits, a pipe that breaks, a reply that does not come within
+  the limit (`timeouts`: a rank stuck in a collective or on its device would otherwise
+  hang the engine forever). The executor is then dead: waiting
   calls and every later call raise ExecutorDeadError naming the rank, and so does
   `check_health()`. The ranks of a tensor-parallel group cannot go on without one
   of them.
@@ -29,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import os
 import pickle
@@ -46,8 +49,9 @@ from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
 from pagoda.executor.base import Executor, ExecutorDeadError
 from pagoda.executor.mp_protocol import (FAILED, PROTOCOL_VERSION, SHUTDOWN, STARTUP_SEQ,
                                          Reply)
-from pagoda.executor.mp_worker import (WorkerFactory, WorkerSpec, default_worker_factory,
-                                       worker_main)
+from pagoda.executor.mp_worker import worker_main
+from pagoda.executor.timeouts import ExecutorTimeouts, remaining
+from pagoda.executor.worker_setup import WorkerFactory, WorkerSpec, choose_workers
 
 # How long shutdown() waits for workers to exit by themselves, then after SIGTERM.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -78,6 +82,8 @@ class _Call:
     method: str
     results: list
     owed: set[int] = field(default_factory=set)
+    deadline: float = math.inf  # time.monotonic() by which every reply is due
+    limit: str = ""  # the limit that set the deadline, for the error message
 
 
 class _WorkerProcesses:
@@ -137,6 +143,12 @@ def _describe_exit(process: multiprocessing.process.BaseProcess) -> str:
     return f"exited with code {code}"
 
 
+def _ranks_text(ranks) -> str:
+    """'rank 1' or 'ranks 0, 1'."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 class _StepFuture:
     """One step's output: rank 0's reply to sample_tokens (a RunnerOutputFuture)."""
 
@@ -145,16 +157,9 @@ class _StepFuture:
         self._call = call
 
     def result(self) -> ModelRunnerOutput:
-        return self._executor._wait_for(self._call, ranks=(0,))[0]
-
-
-def _check_model_splits(config: EngineConfig, model_path: str, tp_size: int) -> None:
-    """Refuses, before any process starts, a model whose heads or columns do not split
-    over tp_size ranks (the shape is read without loading a weight)."""
-    from pagoda.model.loader import load_arch_config
-    from pagoda.model.parallel import check_tensor_parallel
-    check_tensor_parallel(load_arch_config(model_path, config.model.load_format), tp_size,
-                          config.parallel.enable_expert_parallel)
+        output = self._executor._wait_for(self._call, ranks=(0,))[0]
+        self._executor._warm = True  # a step completed: later replies get the step limit
+        return output
 
 
 class MultiprocExecutor(Executor):
@@ -167,17 +172,10 @@ class MultiprocExecutor(Executor):
         world_size: the number of processes (default: tensor_parallel_size; tests
         set it to run fake workers)."""
         super().__init__(config, model_path)
-        tp_size = config.parallel.tensor_parallel_size
-        self.world_size = tp_size if world_size is None else world_size
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if worker_factory is None:
-            if self.world_size != tp_size:
-                raise ValueError(f"world_size {self.world_size} differs from "
-                                 f"tensor_parallel_size {tp_size}: the model runner "
-                                 f"shards by tensor_parallel_size")
-            worker_factory = default_worker_factory
-            _check_model_splits(config, model_path, tp_size)
+        worker_factory, self.world_size = choose_workers(config, model_path, worker_factory,
+                                                         world_size)
+        self.timeouts = ExecutorTimeouts.from_env()
+        self._warm = False  # True once a step's output arrived (timeouts.limit)
         self._dead_reasons: list[str] = []
         self._failed_ranks: set[int] = set()  # ranks whose failure is recorded
         self._shut_down = False
@@ -239,11 +237,18 @@ class MultiprocExecutor(Executor):
         """Waits until every rank reported ready; raises WorkerStartupError for the
         first (lowest) rank that failed or died instead."""
         waiting = {r.rank: r for r in self._procs.ranks}
+        deadline = time.monotonic() + self.timeouts.startup_s
         while waiting:
             by_object = {r.replies: r for r in waiting.values()}
             by_object.update({r.process.sentinel: r for r in waiting.values()})
             failures: dict[int, str] = {}
-            for obj in wait(list(by_object)):
+            ready = wait(list(by_object), remaining(deadline, time.monotonic()))
+            if not ready:
+                raise WorkerStartupError(
+                    f"tensor-parallel worker {_ranks_text(waiting)} (of {self.world_size}) "
+                    f"not ready within {self.timeouts.describe(False)}: still loading, or "
+                    f"stuck joining the group?")
+            for obj in ready:
                 r = by_object[obj]
                 if r.rank in failures or r.rank not in waiting:
                     continue
@@ -275,7 +280,9 @@ class MultiprocExecutor(Executor):
         data = pickle.dumps((PROTOCOL_VERSION, seq, method, tuple(args), kwargs or {}, reply),
                             protocol=pickle.HIGHEST_PROTOCOL)
         owed = set() if reply == Reply.ERRORS_ONLY else {r.rank for r in self._procs.ranks}
-        call = _Call(method, [None] * self.world_size, owed)
+        call = _Call(method, [None] * self.world_size, owed,
+                     time.monotonic() + self.timeouts.limit(self._warm),
+                     self.timeouts.describe(self._warm))
         if owed:
             self._calls[seq] = call
         for r in self._procs.ranks:
@@ -291,13 +298,22 @@ class MultiprocExecutor(Executor):
     # ---- receiving --------------------------------------------------------------------
     def _wait_for(self, call: _Call, ranks: Sequence[int]) -> list[Any]:
         """Waits until `ranks` replied to `call`; returns its results by rank. Raises
-        ExecutorDeadError if the executor dies first."""
+        ExecutorDeadError if the executor dies first, or the call's deadline passes."""
         while any(rank in call.owed for rank in ranks):
             self._raise_if_dead()
             with self._recv_lock:
                 if any(rank in call.owed for rank in ranks):
-                    self._receive(timeout=None)
+                    self._receive(timeout=remaining(call.deadline, time.monotonic()))
+                    if call.owed and time.monotonic() >= call.deadline:
+                        self._note_overdue(call)
         return call.results
+
+    def _note_overdue(self, call: _Call) -> None:
+        """The call's deadline passed with replies still owed: the executor is dead
+        (the ranks may be stuck in a collective or on their device; shutdown kills them)."""
+        self._set_dead(f"tensor-parallel worker {_ranks_text(call.owed)} (of "
+                       f"{self.world_size}) sent no reply to {call.method!r} within "
+                       f"{call.limit}: stuck in a collective or on its device?")
 
     def _receive(self, timeout: Optional[float]) -> None:
         """Reads every reply that is ready (waiting up to `timeout` for one) and notes

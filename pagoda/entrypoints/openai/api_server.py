@@ -179,6 +179,8 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> No
             raise APIError(503, "the server is shutting down", code="server_draining")
         if ctx.engine.load_error is not None:
             raise APIError(503, f"the model failed to load: {ctx.engine.load_error}", code="load_failed")
+        if ctx.engine.dead_reason is not None:
+            raise APIError(503, f"the engine stopped: {ctx.engine.dead_reason}", code="engine_dead")
         if not ctx.engine.is_ready or not ctx.engine.is_running:
             raise APIError(503, "the model is loading", code="model_loading")
         return {"status": "ok"}

@@ -17,7 +17,7 @@ import logging
 from typing import Any, AsyncIterator, Callable, Optional
 
 from pagoda.engine.async_engine import (AsyncEngine, EngineDrainingError, EngineNotReadyError,
-                                        RequestFailedError)
+                                        EngineStepError, RequestFailedError)
 from pagoda.entrypoints.openai.admission import AdmissionTicket
 from pagoda.entrypoints.openai.errors import APIError, from_value_error
 from pagoda.entrypoints.openai.serving_common import SSE_DONE, sse, sse_error, usage
@@ -184,6 +184,8 @@ async def _translated(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Re
         raise from_value_error(exc) from None
     except RequestFailedError as exc:
         raise APIError(500, f"the engine failed this request: {exc}", code="request_failed") from None
+    except EngineStepError as exc:  # the whole step failed (e.g. a worker process died)
+        raise APIError(500, str(exc), code="engine_step_failed") from None
 
 
 async def wait_for_disconnect(receive) -> None:
