@@ -26,9 +26,9 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str,
     """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off."""
     if spec is None:
         return None, 0
-    if spec.method != "ngram":
-        raise ValueError(f"speculative_config method {spec.method!r} is not available yet; "
-                         "use method 'ngram'")
+    if spec.method == "draft_model":
+        raise ValueError("speculative_config method 'draft_model' is not available yet; "
+                         "use method 'ngram' or 'layer_skip'")
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
     budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive)
     if spec.method == "ngram":
