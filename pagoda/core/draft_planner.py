@@ -113,15 +113,17 @@ class DraftPlanner:
         return asked
 
     # ---- update_from_output() -----------------------------------------------------------
-    def after_step(self, request: Request, drafts: list[int], sampled: list[int],
-                   worker_drafts: Optional[list[int]]) -> list[int]:
-        """Records the step's acceptance; returns the drafts the request carries into its
-        next step (none while another step of it is in flight: they would be stale)."""
-        rid = request.request_id
+    def observe(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
+        """Records a step's acceptance (finished requests included)."""
         if drafts and sampled:
             accepted = len(sampled) - 1
             self.stats.record(len(drafts), accepted)
-            self.budget.observe(rid, len(drafts), accepted)
+            self.budget.observe(request.request_id, len(drafts), accepted)
+
+    def next_drafts(self, request: Request, worker_drafts: Optional[list[int]]) -> list[int]:
+        """The drafts an unfinished request carries into its next step, after a step
+        that sampled (none while another step of it is in flight: they would be stale)."""
+        rid = request.request_id
         if request.num_output_placeholders:
             # A later step of it is in flight: this step did not ask for drafts (it
             # would have waited), the later one may have; its update answers.

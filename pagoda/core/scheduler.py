@@ -471,6 +471,8 @@ class Scheduler:
         if sampled:
             # Accepted drafts + one bonus/sampled token: the rejected drafts' KV is invalid.
             request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+        if self.draft_planner is not None:
+            self.draft_planner.observe(request, drafts, sampled)
         new_token_ids = self._append_until_stop(request, sampled)
         new_logprobs = None
         if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
@@ -488,8 +490,8 @@ class Scheduler:
             self._free_request(request)
         elif sampled:
             if self.draft_planner is not None:
-                request.spec_token_ids = self.draft_planner.after_step(
-                    request, drafts, sampled, runner.spec_token_ids.get(rid))
+                request.spec_token_ids = self.draft_planner.next_drafts(
+                    request, runner.spec_token_ids.get(rid))
             else:
                 request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))
         if not new_token_ids and prompt_logprobs is None and finish_reason is None:
