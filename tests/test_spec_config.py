@@ -100,3 +100,26 @@ def test_cli_flag_refuses_bad_json(capsys, text, message):
         cli.build_parser().parse_args(["serve", "--speculative-config", text])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_planner_set_up_per_method():
+    from pagoda.engine.speculation import build_draft_planner
+    assert build_draft_planner(None, "cpu", 128, 30) == (None, 0)
+    ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    planner, lookahead = build_draft_planner(ngram, "cpu", 128, 30)
+    assert lookahead == 0 and planner.host_proposer is not None
+    assert (planner.budget.max_k, planner.budget.compute_bound_tokens) == (4, 16)
+    assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
+    # A layer-skip draft costs num_layers / layers of a forward: at 29 of 30 layers no
+    # draft can pay for itself, so the adaptive budget never drafts.
+    deep = SpeculativeConfig.from_dict({"method": "layer_skip", "num_layers": 29,
+                                        "num_speculative_tokens": 2, "compute_bound_tokens": 64})
+    planner, lookahead = build_draft_planner(deep, "cuda", 128, 30)
+    assert lookahead == 2 and planner.host_proposer is None
+    assert planner.budget.min_gain == pytest.approx(0.25 + 29 / 30)
+    assert planner.budget.choose(["new"], 1) == {"new": 0}
+    with pytest.raises(ValueError, match="must be smaller than the target's 29 layers"):
+        build_draft_planner(deep, "cpu", 128, 29)
+    draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'draft_model' is not available yet"):
+        build_draft_planner(draft, "cpu", 128, 30)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from pagoda.config import SpeculativeConfig
 from pagoda.core.draft_planner import DraftPlanner
-from pagoda.core.spec_budget import SpecBudget
+from pagoda.core.spec_budget import MIN_GAIN, SpecBudget
 
 # Tokens per step from which a forward is compute-bound, when speculative_config does
 # not say (compute_bound_tokens). GPU: an 8B model's decode GEMMs on an H200 reach the
@@ -21,8 +21,18 @@ from pagoda.core.spec_budget import SpecBudget
 COMPUTE_BOUND_TOKENS = {"cuda": 256, "cpu": 16}
 
 
-def build_draft_planner(spec: Optional[SpeculativeConfig], device: str,
-                        max_model_len: int) -> tuple[Optional[DraftPlanner], int]:
+def draft_cost(spec: SpeculativeConfig, num_target_layers: int) -> float:
+    """One draft token's proposer work, in target forwards: a layer-skip draft runs
+    num_layers of the target's layers (its LM head is left out: the estimate only has
+    to rank depths); n-gram lookups are free."""
+    if spec.method == "layer_skip":
+        spec.check_target(num_target_layers)
+        return spec.num_layers / num_target_layers
+    return 0.0
+
+
+def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
+                        num_target_layers: int) -> tuple[Optional[DraftPlanner], int]:
     """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off."""
     if spec is None:
         return None, 0
@@ -30,7 +40,9 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str,
         raise ValueError("speculative_config method 'draft_model' is not available yet; "
                          "use method 'ngram' or 'layer_skip'")
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
-    budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive)
+    # A draft pays when its expected gain covers its verification and its proposer.
+    budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
+                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers))
     if spec.method == "ngram":
         from pagoda.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,

@@ -176,7 +176,8 @@ class ModelRunner:
         arch = self.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
-                         arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes)
+                         arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes,
+                         arch.num_hidden_layers)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
