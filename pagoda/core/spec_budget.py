@@ -8,7 +8,10 @@ Pure bookkeeping (no torch), owned by the scheduler. Two inputs:
   draft); later drafts tell nothing. Counts decay by `decay` per observation, so the
   estimate follows the text being generated; alpha = (S + 1) / (S + F + 2). Steps where
   a request does not speculate decay its counts too, so its estimate drifts back to
-  the prior 1/2 and it probes again after a while instead of never speculating again.
+  its prior and it probes again after a while instead of never speculating again.
+  A new request's prior is the engine-wide estimate (every request's observations,
+  same rule), worth PRIOR_WEIGHT observations: a short request gets a sensible k from
+  its first step instead of learning from scratch.
 - the step's load: `base_tokens`, the tokens the step computes without drafts. A
   forward costs about the same for any token count up to the point where it becomes
   compute-bound (`compute_bound_tokens`); drafts beyond it cost as much as real tokens
@@ -32,6 +35,7 @@ from typing import Iterable
 # overlap) for little. Chosen conservatively; see docs/performance.md.
 MIN_GAIN = 0.25
 DEFAULT_DECAY = 0.9
+PRIOR_WEIGHT = 4.0
 
 
 @dataclass
@@ -46,7 +50,8 @@ class _Estimate:
 
 class SpecBudget:
     def __init__(self, max_k: int, compute_bound_tokens: int, adaptive: bool = True,
-                 decay: float = DEFAULT_DECAY, min_gain: float = MIN_GAIN) -> None:
+                 decay: float = DEFAULT_DECAY, min_gain: float = MIN_GAIN,
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if compute_bound_tokens < 1:
@@ -58,22 +63,32 @@ class SpecBudget:
         self.adaptive = adaptive
         self.decay = decay
         self.min_gain = min_gain
+        self.prior_weight = prior_weight
         self._estimates: dict[str, _Estimate] = {}
+        self._global = _Estimate()  # every request's observations
 
     def alpha(self, req_id: str) -> float:
-        """The request's estimated per-draft acceptance (1/2 before any observation)."""
+        """The request's estimated per-draft acceptance (its prior before any
+        observation of its own)."""
+        return self._estimate(req_id).alpha
+
+    def _estimate(self, req_id: str) -> _Estimate:
         estimate = self._estimates.get(req_id)
-        return 0.5 if estimate is None else estimate.alpha
+        if estimate is None:
+            prior = self._global.alpha
+            estimate = _Estimate(prior * self.prior_weight, (1.0 - prior) * self.prior_weight)
+            self._estimates[req_id] = estimate
+        return estimate
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verify step's outcome. num_drafts 0: the proposer was asked and found
         nothing, counted as a rejection of the first draft."""
         if not 0 <= num_accepted <= num_drafts:
             raise ValueError(f"accepted {num_accepted} of {num_drafts} drafts")
-        estimate = self._estimates.setdefault(req_id, _Estimate())
-        estimate.successes = estimate.successes * self.decay + num_accepted
-        estimate.failures = estimate.failures * self.decay + (num_accepted < num_drafts
-                                                              or num_drafts == 0)
+        failed = num_accepted < num_drafts or num_drafts == 0
+        for estimate in (self._estimate(req_id), self._global):
+            estimate.successes = estimate.successes * self.decay + num_accepted
+            estimate.failures = estimate.failures * self.decay + failed
 
     def forget(self, req_id: str) -> None:
         self._estimates.pop(req_id, None)

@@ -8,7 +8,7 @@ from pagoda.core.spec_budget import SpecBudget
 
 
 def test_estimate_counts_successes_and_the_first_failure():
-    budget = SpecBudget(4, 100, decay=1.0)
+    budget = SpecBudget(4, 100, decay=1.0, prior_weight=0)
     assert budget.alpha("a") == 0.5
     budget.observe("a", 4, 4)  # 4 successes, no failure
     assert budget.alpha("a") == pytest.approx(5 / 6)
@@ -22,15 +22,23 @@ def test_estimate_counts_successes_and_the_first_failure():
     assert budget.alpha("a") == 0.5
 
 
+def test_new_requests_start_from_the_engine_wide_estimate():
+    budget = SpecBudget(4, 100, decay=1.0, prior_weight=4.0)
+    assert budget.alpha("a") == 0.5  # nothing seen anywhere: S 2, F 2
+    budget.observe("a", 4, 4)  # a: S 6, F 2; engine-wide: S 4, F 0 -> 5/6
+    assert budget.alpha("a") == pytest.approx(7 / 10)
+    assert budget.alpha("b") == pytest.approx((4 * 5 / 6 + 1) / 6)
+
+
 def test_decay_weights_recent_steps():
-    budget = SpecBudget(4, 100, decay=0.5)
+    budget = SpecBudget(4, 100, decay=0.5, prior_weight=0)
     budget.observe("a", 2, 0)  # S 0, F 1
     budget.observe("a", 2, 2)  # S 2, F 0.5
     assert budget.alpha("a") == pytest.approx(3 / 4.5)
 
 
 def test_worthwhile_drafts_follow_the_acceptance():
-    budget = SpecBudget(5, 1000, decay=1.0, min_gain=0.25)
+    budget = SpecBudget(5, 1000, decay=1.0, min_gain=0.25, prior_weight=0)
     assert budget.choose(["new"], 0) == {"new": 2}  # 0.5, 0.25
     for _ in range(8):
         budget.observe("good", 5, 5)  # alpha 41/42
@@ -40,7 +48,7 @@ def test_worthwhile_drafts_follow_the_acceptance():
 
 
 def test_compute_bound_step_gets_no_drafts_and_spare_goes_to_the_best():
-    budget = SpecBudget(4, 10, decay=1.0, min_gain=0.1)
+    budget = SpecBudget(4, 10, decay=1.0, min_gain=0.1, prior_weight=0)
     for _ in range(4):
         budget.observe("hi", 4, 4)  # alpha 17/18
     budget.observe("mid", 2, 1)  # alpha 2/4
@@ -53,13 +61,13 @@ def test_compute_bound_step_gets_no_drafts_and_spare_goes_to_the_best():
 
 
 def test_ties_go_to_the_earlier_request():
-    budget = SpecBudget(2, 3, decay=1.0, min_gain=0.1)
+    budget = SpecBudget(2, 3, decay=1.0, min_gain=0.1, prior_weight=0)
     assert budget.choose(["x", "y"], 0) == {"x": 2, "y": 1}
     assert budget.choose(["y", "x"], 0) == {"y": 2, "x": 1}
 
 
 def test_idle_steps_bring_a_poor_request_back_to_probing():
-    budget = SpecBudget(3, 100, decay=0.5, min_gain=0.4)
+    budget = SpecBudget(3, 100, decay=0.5, min_gain=0.4, prior_weight=0)
     for _ in range(8):
         budget.observe("r", 3, 0)  # F = 1 + 1/2 + ... = 255/128, alpha 0.251
     assert budget.choose(["r"], 0) == {"r": 0}  # idle: F 1.99 -> 0.996
