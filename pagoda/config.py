@@ -21,6 +21,9 @@ BLOCK_SIZES = (8, 16, 32, 64)
 # "mp": one worker process per GPU on this host; "ray" is vLLM's name for workers placed
 # by Ray (several hosts): accepted here, refused when the engine starts (not available).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+SPEC_METHODS = ("ngram", "layer_skip", "draft_model")
+# n-gram sizes tried when speculative_config gives neither bound.
+NGRAM_LOOKUP_MIN, NGRAM_LOOKUP_MAX = 2, 5
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_KV_CACHE_MEMORY = 1 << 30
@@ -135,12 +138,123 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys, plus Pagoda's own).
+
+    method "ngram": prompt lookup over the request's prompt + output
+    (prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest first);
+    "layer_skip": the target's first num_layers layers + its final norm and LM head
+    draft greedily; "draft_model": a second model (`model`) with the target's vocabulary.
+    num_speculative_tokens: drafts proposed per step at most (k).
+    adaptive: pick each request's k per step from its acceptance and the step's load
+    (pagoda.core.spec_budget); compute_bound_tokens: tokens per step from which the
+    forward is compute-bound and drafts stop paying (None: per device, resolved at start).
+    draft_confidence_threshold: a model drafter stops once its own probability of its
+    next guess falls below this (draft_model only).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    num_layers: Optional[int] = None
+    model: Optional[str] = None
+    draft_confidence_threshold: Optional[float] = None
+    adaptive: bool = True
+    compute_bound_tokens: Optional[int] = None
+
+    # Which optional keys each method takes (others are refused, never ignored).
+    _METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+                    "layer_skip": ("num_layers",),
+                    "draft_model": ("model", "draft_confidence_threshold")}
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative_config method", self.method, SPEC_METHODS)
+        if self.num_speculative_tokens is None:
+            raise _fail("num_speculative_tokens", "an integer >= 1", None)
+        _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        for method, keys in self._METHOD_KEYS.items():
+            for key in keys:
+                if method != self.method and getattr(self, key) is not None:
+                    raise ValueError(f"speculative_config key {key!r} belongs to method "
+                                     f"{method!r}, not {self.method!r}")
+        if not isinstance(self.adaptive, bool):
+            raise _fail("speculative_config adaptive", "true or false", self.adaptive)
+        _check_positive_int("compute_bound_tokens", self.compute_bound_tokens)
+        getattr(self, f"_check_{self.method}")()
+
+    def _check_ngram(self) -> None:
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            _check_positive_int(key, getattr(self, key))
+        if (self.prompt_lookup_min is None or self.prompt_lookup_max is None
+                or self.prompt_lookup_min > self.prompt_lookup_max):
+            raise ValueError("ngram speculation needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+
+    def _check_layer_skip(self) -> None:
+        if self.num_layers is None:
+            raise ValueError("layer_skip speculation needs num_layers (the target's first "
+                             "layers that draft)")
+        _check_positive_int("num_layers", self.num_layers)
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("draft_model speculation needs 'model' (a path or preset)")
+        threshold = self.draft_confidence_threshold
+        if threshold is not None and (isinstance(threshold, bool)
+                                      or not isinstance(threshold, (int, float))
+                                      or not 0.0 <= threshold < 1.0):
+            raise _fail("draft_confidence_threshold", "a number in [0, 1)", threshold)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        """From vLLM-style JSON keys; unknown keys are refused. Without "method", a
+        "model" means a draft model ("ngram" / "[ngram]" as model: vLLM's old spelling)."""
+        if not isinstance(values, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(values).__name__}")
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; "
+                             f"supported: {', '.join(sorted(allowed))}")
+        values = dict(values)
+        if values.get("model") in ("ngram", "[ngram]") and values.get("method", "ngram") == "ngram":
+            values.pop("model")
+            values["method"] = "ngram"
+        if "method" not in values:
+            if values.get("model") is None:
+                raise ValueError("speculative_config needs 'method' (one of "
+                                 f"{', '.join(SPEC_METHODS)}) or a draft 'model'")
+            values["method"] = "draft_model"
+        if values["method"] == "ngram":
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            if low is None and isinstance(high, int):
+                low = min(NGRAM_LOOKUP_MIN, high)
+            elif low is None:
+                low = NGRAM_LOOKUP_MIN
+            if high is None and isinstance(low, int):
+                high = max(low, NGRAM_LOOKUP_MAX)
+            values["prompt_lookup_min"], values["prompt_lookup_max"] = low, high
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens (k >= 1)")
+        return cls(**values)
+
+    def check_target(self, num_target_layers: int) -> None:
+        """What can only be checked once the target model's shape is known."""
+        if self.method == "layer_skip" and self.num_layers >= num_target_layers:
+            raise ValueError(f"layer_skip num_layers ({self.num_layers}) must be smaller than "
+                             f"the target's {num_target_layers} layers")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    speculative: Optional[SpeculativeConfig] = None  # None: speculative decoding off
 
 
 def _cuda_available() -> bool:
@@ -199,6 +313,8 @@ class EngineArgs:
     # Overlap the host's scheduling and output processing with the device's forward
     # (vLLM's async scheduling). None: on for CUDA, off for CPU (no overlap to win).
     async_scheduling: Optional[bool] = None
+    # Speculative decoding, vLLM's JSON keys (SpeculativeConfig.from_dict); None: off.
+    speculative_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -243,4 +359,6 @@ class EngineArgs:
                                       self.enable_chunked_prefill, async_scheduling),
             parallel=parallel,
             device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
+            speculative=(None if self.speculative_config is None
+                         else SpeculativeConfig.from_dict(self.speculative_config)),
         )

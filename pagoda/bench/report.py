@@ -272,7 +272,7 @@ def format_serve_table(report: dict) -> str:
     if server.get("available"):
         lines.append(" Server (/metrics) ".center(width, "-"))
         for name in ("preemptions", "prefix_cache_hit_rate", "spec_decode_acceptance_rate",
-                     "peak_kv_cache_usage"):
+                     "spec_decode_mean_accepted_length", "peak_kv_cache_usage"):
             row(f"{name}:", server.get(name))
         for name, value in server.get("peak_memory_bytes", {}).items():
             row(f"peak {name} (MiB):", value / 2**20)

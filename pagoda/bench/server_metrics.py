@@ -3,7 +3,8 @@
 Owns a small parser of the Prometheus text format and the figures the report takes
 from it: peak memory (every `*memory*bytes` gauge, polled during the run), peak KV
 cache usage, and the run's deltas of preemptions, prefix cache hits/queries and
-speculative decoding accepted/draft tokens. Names are matched after the engine
+speculative decoding accepted/draft tokens and verify steps (acceptance rate, mean
+accepted length). Names are matched after the engine
 prefix (`pagoda:`, `vllm:`, `sglang:`) and without `_total`, so the same run against
 vLLM reads vLLM's counters. A server without `/metrics` gives `available: false`
 and the reason; the run itself is unaffected.
@@ -24,6 +25,7 @@ PREFIX_HITS = ("prefix_cache_hits", "gpu_prefix_cache_hits")
 PREFIX_QUERIES = ("prefix_cache_queries", "gpu_prefix_cache_queries")
 SPEC_ACCEPTED = ("spec_decode_num_accepted_tokens",)
 SPEC_DRAFTS = ("spec_decode_num_draft_tokens",)
+SPEC_NUM_DRAFTS = ("spec_decode_num_drafts",)
 KV_USAGE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
 
 
@@ -91,6 +93,9 @@ def summarize_server_metrics(before: dict[str, float], after: dict[str, float],
     kv_usage = [v for v in (lookup(s, KV_USAGE) for s in snapshots) if v is not None]
     hits, queries = _delta(before, after, PREFIX_HITS), _delta(before, after, PREFIX_QUERIES)
     accepted, drafts = _delta(before, after, SPEC_ACCEPTED), _delta(before, after, SPEC_DRAFTS)
+    num_drafts = _delta(before, after, SPEC_NUM_DRAFTS)
+    # vLLM's mean acceptance length: tokens per verify step, the bonus token included.
+    per_step = _ratio(accepted, num_drafts)
     return {
         "available": True,
         "peak_memory_bytes": peak_memory,
@@ -102,6 +107,8 @@ def summarize_server_metrics(before: dict[str, float], after: dict[str, float],
         "spec_decode_draft_tokens": drafts,
         "spec_decode_accepted_tokens": accepted,
         "spec_decode_acceptance_rate": _ratio(accepted, drafts),
+        "spec_decode_num_drafts": num_drafts,
+        "spec_decode_mean_accepted_length": None if per_step is None else 1.0 + per_step,
     }
 
 

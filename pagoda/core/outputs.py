@@ -52,6 +52,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests whose step reaches their last token, so the model samples for them.
     sampling_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding with a proposer on the worker: req_id -> drafts to propose
+    # after this step (ModelRunnerOutput.spec_token_ids), for sampling requests only.
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional, Union
 
+from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import (
     CachedRequestData,
@@ -81,9 +82,12 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         async_scheduling: bool = False,
         num_lookahead_tokens: int = 0,
+        draft_planner: Optional[DraftPlanner] = None,
     ) -> None:
-        """num_lookahead_tokens: KV slots reserved past each running request's scheduled
-        tokens for the drafts a proposer will add next step (speculative decoding)."""
+        """num_lookahead_tokens: KV slots reserved past each request's scheduled tokens
+        for the drafts a proposer will add next step (speculative decoding; a proposer
+        on the worker writes its drafts' KV there). draft_planner: speculative decoding
+        (None: off)."""
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -111,6 +115,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.async_scheduling = async_scheduling
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.draft_planner = draft_planner
 
         self.waiting = create_request_queue(policy)  # validates the policy name
         self.running: list[Request] = []
@@ -177,6 +182,8 @@ class Scheduler:
         self._num_tokens_sent.pop(rid, None)
         self._prompt_logprobs_emitted.pop(rid, None)
         self._prompt_logprobs_received.pop(rid, None)
+        if self.draft_planner is not None:
+            self.draft_planner.forget(rid)
         if request.group_id is not None and self._group_leaders.get(request.group_id) is request:
             del self._group_leaders[request.group_id]
 
@@ -211,6 +218,10 @@ class Scheduler:
         # blocks and max_num_seqs allow, starting after their prefix-cache hit; a prompt
         # larger than the remaining budget is chunked. No request is ever dropped.
         plan = _StepPlan(self.max_num_batched_tokens)
+        if self.draft_planner is not None:
+            self.draft_planner.plan_step(
+                self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
+                self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -222,6 +233,12 @@ class Scheduler:
                 output.sampling_req_ids.add(request.request_id)
                 if self.async_scheduling:
                     request.num_output_placeholders += 1
+        planner = self.draft_planner
+        if planner is not None:
+            asked = planner.to_propose(
+                r for r in plan.scheduled if r.request_id in output.sampling_req_ids)
+            if planner.host_proposer is None:  # the worker proposes
+                output.num_drafts_to_propose = asked
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -230,6 +247,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if self.draft_planner is not None:
+                if self.draft_planner.must_wait(request):
+                    continue
+                self.draft_planner.trim(request)
             num_new = self._num_new_tokens(request, plan.token_budget)
             if num_new <= 0:
                 continue
@@ -253,15 +274,21 @@ class Scheduler:
         return min(num_new, token_budget, self.max_model_len - request.num_computed_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> Optional[list[int]]:
+        lookahead = self._lookahead(request, num_new)
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+                request, num_new, num_lookahead_tokens=lookahead)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._lowest_running()
             self._preempt(victim, plan)
             if victim is request:
                 return None
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Lookahead slots, none past max_model_len (no draft goes there)."""
+        return max(0, min(self.num_lookahead_tokens,
+                          self.max_model_len - request.num_computed_tokens - num_new))
 
     def _lowest_running(self) -> Request:
         """The running request to preempt first: the latest (fcfs), or the largest
@@ -345,9 +372,12 @@ class Scheduler:
                               plan: _StepPlan) -> Optional[list[int]]:
         """allocate_slots; under the priority policy, preempts strictly lower-priority
         running requests while there is no room."""
+        # The hits are not in num_computed_tokens yet (added once admitted).
+        lookahead = self._lookahead(request, num_new + len(hit_blocks) * self.kv_cache_manager.block_size)
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new, new_computed_blocks=hit_blocks)
+                request, num_new, new_computed_blocks=hit_blocks,
+                num_lookahead_tokens=lookahead)
             if new_block_ids is not None or self.policy != "priority" or not self.running:
                 return new_block_ids
             victim = self._lowest_running()
@@ -441,6 +471,8 @@ class Scheduler:
         if sampled:
             # Accepted drafts + one bonus/sampled token: the rejected drafts' KV is invalid.
             request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+        if self.draft_planner is not None:
+            self.draft_planner.observe(request, drafts, sampled)
         new_token_ids = self._append_until_stop(request, sampled)
         new_logprobs = None
         if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
@@ -457,7 +489,11 @@ class Scheduler:
                 self.running.remove(request)
             self._free_request(request)
         elif sampled:
-            request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))
+            if self.draft_planner is not None:
+                request.spec_token_ids = self.draft_planner.next_drafts(
+                    request, runner.spec_token_ids.get(rid))
+            else:
+                request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))
         if not new_token_ids and prompt_logprobs is None and finish_reason is None:
             return []  # a prefill chunk short of the prompt's end
         return [EngineCoreOutput(

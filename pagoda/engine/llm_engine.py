@@ -47,6 +47,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Speculative decoding (None when off): pagoda.core.draft_planner.SpecDecodingStats.
+    spec_decode: Optional[object] = None
 
 
 def _gib(num_bytes: int) -> str:
@@ -117,12 +119,16 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(kv_config.num_blocks, kv_config.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
         sched = config.scheduler
+        from pagoda.engine.speculation import build_draft_planner
+        planner, lookahead = build_draft_planner(config.speculative, config.device.device,
+                                                 self.max_model_len, info.num_hidden_layers)
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=sched.policy,
             enable_chunked_prefill=sched.enable_chunked_prefill,
-            async_scheduling=sched.async_scheduling)
+            async_scheduling=sched.async_scheduling, num_lookahead_tokens=lookahead,
+            draft_planner=planner)
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
         self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
@@ -310,7 +316,15 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache_manager.usage, num_blocks=self.num_blocks,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions_total,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            spec_decode=self._spec_decode_stats())
+
+    def _spec_decode_stats(self):
+        planner = self.scheduler.draft_planner
+        if planner is None:
+            return None
+        import copy
+        return copy.deepcopy(planner.stats)  # a snapshot: the engine thread keeps counting
 
     def audit_kv_cache(self):
         return self.kv_cache_manager.audit()

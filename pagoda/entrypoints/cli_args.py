@@ -73,10 +73,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one "
                         "(default: on with CUDA, off on CPU)")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (methods: ngram, layer_skip, '
+                        'draft_model; default: off)')
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: --model as given, e.g. its hub id)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file path or inline) instead of the model's")
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the ValueError as an invalid value)."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object ({...})")
+    return value
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

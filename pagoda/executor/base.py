@@ -37,6 +37,7 @@ class ModelInfo:
     # For the start-up log only: the weights' dtype and bytes this rank holds.
     dtype: str = ""
     weight_bytes: int = 0
+    num_hidden_layers: int = 0  # what a layer-skip drafter's cost is measured against
 
 
 class ExecutorDeadError(RuntimeError):

@@ -7,7 +7,8 @@ apps in one process - as in tests - never clash). Two kinds of metric:
   queue time, prompt/generation lengths, successes by finish reason), fed by
   `observe_request()` from the AsyncEngine's timings listener;
 - engine state (running/waiting requests, KV cache usage, token counters,
-  preemptions, prefix cache queries/hits) and process peak memory, read at scrape
+  preemptions, prefix cache queries/hits, speculative decoding drafts and accepted
+  tokens, per position too) and process peak memory, read at scrape
   time from the latest EngineStats snapshot by a custom collector.
 
 vLLM name -> Pagoda name: `vllm:X` -> `pagoda:X` (e.g. pagoda:num_requests_running,
@@ -83,6 +84,29 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, float(value))
             yield family
+        yield from _spec_decode_metrics(getattr(stats, "spec_decode", None), labels)
+
+
+def _spec_decode_metrics(spec, labels: list[str]):
+    """Speculative decoding counters (vLLM's names), when speculation is on."""
+    if spec is None:
+        return
+    for name, doc, value in (
+            ("pagoda:spec_decode_num_drafts", "verify steps of a request with drafts",
+             spec.num_drafts),
+            ("pagoda:spec_decode_num_draft_tokens", "draft tokens verified",
+             spec.num_draft_tokens),
+            ("pagoda:spec_decode_num_accepted_tokens", "draft tokens accepted",
+             spec.num_accepted_tokens)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(labels, float(value))
+        yield family
+    per_pos = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted at each position of their step",
+                                  labels=["model_name", "position"])
+    for position, value in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric(labels + [str(position)], float(value))
+    yield per_pos
 
 
 class ServerMetrics:

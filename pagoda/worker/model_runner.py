@@ -77,6 +77,8 @@ class _LaunchedForward:
     inputs: Optional[StepInputs]
     hidden: Optional[torch.Tensor]
     compacted: bool  # hidden holds only the sampled rows (an eager output_rows forward)
+    # Speculative decoding: req_id -> drafts the worker's drafter proposes after it.
+    to_propose: Optional[dict[str, int]] = None
 
 
 class ModelRunner:
@@ -107,6 +109,7 @@ class ModelRunner:
         self.kv_pool: Optional[KVCachePool] = None  # set by initialize_kv_cache
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
+        self.drafter = None  # a model drafter (speculative decoding), with the KV cache
         # The running requests' block ids on the device (CUDA; set with the KV cache).
         # On CPU the attention reads block tables on the host, so they are built there.
         self.block_table: Optional[DeviceBlockTable] = None
@@ -146,6 +149,8 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
         self.num_blocks = kv_config.num_blocks
         self.kv_pool = KVCachePool(kv_config, self.device)
+        from pagoda.worker.drafting import make_drafter
+        self.drafter = make_drafter(self, max_model_len)
         if self.device.type == "cuda":
             self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
                                                 -(-max_model_len // self.block_size), self.device)
@@ -175,7 +180,8 @@ class ModelRunner:
         arch = self.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
-                         arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes)
+                         arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes,
+                         arch.num_hidden_layers)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
@@ -206,7 +212,8 @@ class ModelRunner:
             step_metadata = self.backend.build_metadata(inputs.metadata)  # once per step
             with forward_context(self.backend, step_metadata, self.kv_pool):
                 hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
-        self._launched = _LaunchedForward(inputs, hidden, output_rows is not None)
+        self._launched = _LaunchedForward(inputs, hidden, output_rows is not None,
+                                          out.num_drafts_to_propose)
 
     @torch.inference_mode()
     def sample_tokens(self, extras: Optional[StepExtras] = None) -> AsyncRunnerOutput:
@@ -224,9 +231,14 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(launched.hidden, inputs)
         self._prev_sampled = None if sampled is None else PrevSampled(
             sampled, single_row_index(inputs.sample_req_ids))
+        proposals = None
+        if self.drafter is not None and launched.to_propose and sampled is not None:
+            from pagoda.worker.drafting import draft_starts
+            proposals = self.drafter.propose(draft_starts(self.states, inputs, sampled,
+                                                          launched.to_propose))
         return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
                                  packed_logprobs, wanted, prompt_logprobs,
-                                 drafts=inputs.verified_drafts)
+                                 drafts=inputs.verified_drafts, spec_token_ids=proposals)
 
     def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
         """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);

@@ -34,10 +34,13 @@ class AsyncRunnerOutput:
                  sampled: Optional[torch.Tensor], packed_logprobs: Optional[torch.Tensor],
                  wanted_logprobs: list[Optional[int]],
                  packed_prompt_logprobs: dict[str, torch.Tensor],
-                 drafts: Optional[dict[str, list[int]]] = None) -> None:
+                 drafts: Optional[dict[str, list[int]]] = None,
+                 spec_token_ids: Optional[dict[str, list[int]]] = None) -> None:
         """sample_req_ids: the request of each sampled row (a verifying request's rows
-        in a row); drafts: req_id -> the drafts those rows verify."""
+        in a row); drafts: req_id -> the drafts those rows verify; spec_token_ids:
+        req_id -> drafts proposed for the next step (already on the host)."""
         self.req_ids = req_ids
+        self.spec_token_ids = spec_token_ids or {}
         self.sample_req_ids = sample_req_ids
         self.drafts = drafts or {}
         self.wanted_logprobs = wanted_logprobs
@@ -78,7 +81,8 @@ class AsyncRunnerOutput:
             logprobs_of.setdefault(req_id, []).append(lp)
         result = ModelRunnerOutput(
             req_ids=self.req_ids, sampled_token_ids=[],
-            prompt_logprobs={rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()})
+            prompt_logprobs={rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()},
+            spec_token_ids=dict(self.spec_token_ids))
         for req_id in self.req_ids:
             tokens = tokens_of.get(req_id, [])
             drafts = self.drafts.get(req_id)

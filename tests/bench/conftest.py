@@ -115,6 +115,7 @@ class FakeOpenAIServer:
             f"pagoda:prefix_cache_hits_total{{model_name=\"ok\"}} {25 * n}\n"
             f"pagoda:spec_decode_num_draft_tokens_total {40 * n}\n"
             f"pagoda:spec_decode_num_accepted_tokens_total {30 * n}\n"
+            f"pagoda:spec_decode_num_drafts_total {20 * n}\n"
             f"pagoda:kv_cache_usage_perc {0.5 if n == 2 else 0.1}\n"
             f"process_resident_memory_bytes {1000 + (500 if n == 2 else 0)}\n"
             f"pagoda:ttft_seconds_bucket{{le=\"0.1\"}} {n}\n"

@@ -196,6 +196,8 @@ def test_server_metrics_deltas_and_peaks(fake_server):
     assert (summary["prefix_cache_queries"], summary["prefix_cache_hits"]) == (200, 50)
     assert summary["prefix_cache_hit_rate"] == 0.25
     assert summary["spec_decode_acceptance_rate"] == 60 / 80
+    # 40 verify steps accepted 60 drafts: 1.5 + the bonus token per step.
+    assert (summary["spec_decode_num_drafts"], summary["spec_decode_mean_accepted_length"]) == (40, 2.5)
     assert summary["peak_kv_cache_usage"] == 0.5
     assert summary["peak_memory_bytes"] == {"process_resident_memory_bytes": 1500.0}
 

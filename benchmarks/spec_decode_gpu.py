@@ -1,0 +1,190 @@
+"""Speculative decoding on the GPU at controlled acceptance: Llama-3.1-8B shape, dummy
+weights, one H200.
+
+Random weights make no text worth drafting, so drafts come from a benchmark-only
+proposer defined here (ReplayProposer; no product flag reaches it): it replays a
+recorded greedy run of the same target on the same prompts, with a chosen fraction
+of the draft tokens corrupted. It is installed in place of the n-gram proposer of an
+engine started with method "ngram" (the host-proposer path of the scheduler's
+DraftPlanner). One engine serves every configuration: "off" detaches its planner,
+"k=4 always" turns the adaptive budget off, "adaptive" is the default.
+
+1. batch 1: ms per output token at target acceptance 0, 50, 80, 95 % (corruption
+   1, 0.5, 0.2, 0.05), for off, k=4 always and adaptive; measured acceptance too;
+2. throughput (output tok/s) at concurrency 1, 8, 32, 128, 256 at 80 % target
+   acceptance: off vs adaptive (and k=4 always, to show what adapting saves).
+
+    python benchmarks/spec_decode_gpu.py --output benchmarks/results/h200-spec-decode.json
+    python benchmarks/spec_decode_gpu.py --smoke      # CPU, tiny preset: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+
+KEY_LEN = 8  # prompts differ in their first KEY_LEN tokens: the replay's lookup key
+
+
+class ReplayProposer:
+    """Benchmark-only drafts: the recorded greedy continuation of the request's prompt,
+    each draft token replaced by another one with probability `corrupt`."""
+
+    def __init__(self, recorded: dict, corrupt: float, vocab_size: int, seed: int = 0) -> None:
+        self.recorded = recorded  # prompt[:KEY_LEN] -> (prompt length, greedy output)
+        self.corrupt, self.vocab_size = corrupt, vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        prompt_len, output = self.recorded[tuple(token_ids[:KEY_LEN])]
+        done = len(token_ids) - prompt_len
+        drafts = list(output[done:done + max_drafts])
+        for i in range(len(drafts)):
+            if self.rng.random() < self.corrupt:
+                drafts[i] = (drafts[i] + 1 + int(self.rng.integers(self.vocab_size - 1))) % self.vocab_size
+        return drafts
+
+
+def make_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(3, vocab_size, size=(count, length)).tolist()
+    keys = {tuple(p[:KEY_LEN]) for p in prompts}
+    assert len(keys) == count, "prompt keys collide: use longer keys"
+    return prompts
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        from pagoda import LLM
+        self.args = args
+        kwargs = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
+                      max_num_seqs=max(args.concurrency), seed=0,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+        if args.smoke:
+            kwargs.update(device="cpu", kv_cache_memory=64 << 20)
+        self.llm = LLM(args.model, **kwargs)
+        self.engine = self.llm.llm_engine
+        self.planner = self.engine.scheduler.draft_planner
+        self.vocab = self.engine.model_info.vocab_size
+
+    def configure(self, mode: str, concurrency: int, proposer=None) -> None:
+        scheduler = self.engine.scheduler
+        scheduler.max_num_seqs = concurrency
+        scheduler.draft_planner = None if mode == "off" else self.planner
+        self.planner.budget.adaptive = mode == "adaptive"
+        if proposer is not None:
+            self.planner.host_proposer = proposer
+
+    def generate(self, prompts) -> tuple[float, list[list[int]], dict]:
+        from pagoda import SamplingParams
+        params = SamplingParams(max_tokens=self.args.output_len, temperature=0, ignore_eos=True)
+        stats = self.planner.stats
+        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        start = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        steps, drafted, accepted = (a - b for a, b in zip(
+            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+        spec = {"acceptance": accepted / drafted if drafted else None,
+                "mean_accepted_length": 1 + accepted / steps if steps else None}
+        return seconds, [o.outputs[0].token_ids for o in outs], spec
+
+    def record(self, prompts, concurrency: int) -> dict:
+        """The greedy run the replay proposer draws from (speculation off)."""
+        self.configure("off", concurrency)
+        _, outputs, _ = self.generate(prompts)
+        return {tuple(p[:KEY_LEN]): (len(p), out) for p, out in zip(prompts, outputs)}
+
+    def run(self, mode: str, prompts, concurrency: int, recorded: dict, corrupt: float) -> dict:
+        self.configure(mode, concurrency, ReplayProposer(recorded, corrupt, self.vocab))
+        seconds, outputs, spec = self.generate(prompts)
+        tokens = sum(len(o) for o in outputs)
+        same = [recorded[tuple(p[:KEY_LEN])][1] == o for p, o in zip(prompts, outputs)]
+        return {"mode": mode, "concurrency": concurrency, "corrupt": corrupt, "seconds": seconds,
+                "output_tokens": tokens, "ms_per_token": 1000 * seconds * concurrency / tokens,  # per stream
+                "tok_per_s": tokens / seconds, "same_as_recorded": sum(same) / len(same), **spec}
+
+
+def batch_one(bench: Bench) -> list[dict]:
+    args = bench.args
+    prompts = make_prompts(args.batch1_requests, args.input_len, bench.vocab, seed=1)
+    bench.generate(prompts[:1])  # warm-up
+    recorded = bench.record(prompts, 1)
+    rows = []
+    print(f"\n== batch 1: ms/token ({args.input_len} in, {args.output_len} out, k={args.k})")
+    print(f"{'target':>7}{'off':>9}{'k always':>10}{'adaptive':>10}{'accept':>8}{'mean len':>9}")
+    for target in (0.0, 0.5, 0.8, 0.95):
+        row = {m: bench.run(m, prompts, 1, recorded, 1.0 - target)
+               for m in ("off", "always", "adaptive")}
+        rows.append({"target_acceptance": target, **row})
+        acc, length = row["always"]["acceptance"], row["always"]["mean_accepted_length"]
+        print(f"{target:>7.2f}{row['off']['ms_per_token']:>9.2f}{row['always']['ms_per_token']:>10.2f}"
+              f"{row['adaptive']['ms_per_token']:>10.2f}{acc or 0:>8.2f}{length or 0:>9.2f}")
+    return rows
+
+
+def throughput(bench: Bench) -> list[dict]:
+    args = bench.args
+    rows = []
+    print(f"\n== throughput (output tok/s) at target acceptance {args.target:.2f}")
+    print(f"{'conc':>6}{'off':>10}{'k always':>10}{'adaptive':>10}{'adaptive/off':>14}")
+    for concurrency in args.concurrency:
+        count = max(2 * concurrency, 4)
+        prompts = make_prompts(count, args.input_len, bench.vocab, seed=100 + concurrency)
+        recorded = bench.record(prompts, concurrency)
+        row = {m: bench.run(m, prompts, concurrency, recorded, 1.0 - args.target)
+               for m in ("off", "always", "adaptive")}
+        rows.append({"concurrency": concurrency, **row})
+        print(f"{concurrency:>6}{row['off']['tok_per_s']:>10.1f}{row['always']['tok_per_s']:>10.1f}"
+              f"{row['adaptive']['tok_per_s']:>10.1f}"
+              f"{row['adaptive']['tok_per_s'] / row['off']['tok_per_s']:>13.2f}x")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b", help="preset (dummy weights)")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch1-requests", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    parser.add_argument("--target", type=float, default=0.8,
+                        help="target acceptance of the throughput runs")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny preset, a few tokens")
+    parser.add_argument("--output", default=None, help="JSON results file")
+    args = parser.parse_args()
+    if args.smoke:
+        args.model, args.input_len, args.output_len = "tiny-llama", 16, 12
+        args.batch1_requests, args.concurrency = 2, [1, 4]
+    bench = Bench(args)
+    results = {"benchmark": "spec_decode_gpu", "model": args.model, "k": args.k,
+               "machine": platform.platform(),
+               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "batch_1": batch_one(bench), "throughput": throughput(bench)}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            results["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.output}")
+    bench.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

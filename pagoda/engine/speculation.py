@@ -1,0 +1,51 @@
+"""Speculative decoding's engine-side set-up: the scheduler's DraftPlanner for a
+SpeculativeConfig, and the KV lookahead its proposer needs.
+
+n-gram drafts are proposed on the host (the planner calls the proposer after each
+step); model drafters (layer_skip, draft_model) run on the worker, which writes their
+drafts' KV past the scheduled tokens: the scheduler reserves k lookahead slots for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pagoda.config import SpeculativeConfig
+from pagoda.core.draft_planner import DraftPlanner
+from pagoda.core.spec_budget import MIN_GAIN, SpecBudget
+
+# Tokens per step from which a forward is compute-bound, when speculative_config does
+# not say (compute_bound_tokens). GPU: an 8B model's decode GEMMs on an H200 reach the
+# ridge (~790 TFLOP/s over ~4.3 TB/s, ~185 FLOP per weight byte) at a couple of hundred
+# rows. CPU (2 cores, SmolLM2-135M): a step's cost doubles from 1 to ~16 tokens.
+COMPUTE_BOUND_TOKENS = {"cuda": 256, "cpu": 16}
+
+
+def draft_cost(spec: SpeculativeConfig, num_target_layers: int) -> float:
+    """One draft token's proposer work, in target forwards: a layer-skip draft runs
+    num_layers of the target's layers (its LM head is left out: the estimate only has
+    to rank depths); n-gram lookups are free."""
+    if spec.method == "layer_skip":
+        spec.check_target(num_target_layers)
+        return spec.num_layers / num_target_layers
+    return 0.0
+
+
+def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
+                        num_target_layers: int) -> tuple[Optional[DraftPlanner], int]:
+    """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off."""
+    if spec is None:
+        return None, 0
+    if spec.method == "draft_model":
+        raise ValueError("speculative_config method 'draft_model' is not available yet; "
+                         "use method 'ngram' or 'layer_skip'")
+    bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
+    # A draft pays when its expected gain covers its verification and its proposer.
+    budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
+                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers))
+    if spec.method == "ngram":
+        from pagoda.spec_decode.ngram import NgramProposer
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        return DraftPlanner(budget, max_model_len, proposer.propose), 0
+    return DraftPlanner(budget, max_model_len), spec.num_speculative_tokens
