@@ -21,6 +21,8 @@ BLOCK_SIZES = (8, 16, 32, 64)
 # "mp": one worker process per GPU on this host; "ray" is vLLM's name for workers placed
 # by Ray (several hosts): accepted here, refused when the engine starts (not available).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# pagoda.structured.reasoning.REASONING_PARSERS holds what each one means.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_KV_CACHE_MEMORY = 1 << 30
@@ -125,12 +127,31 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """reasoning_parser: how outputs mark their thinking (<think>...</think>), so that
+    grammars start after it and thinking budgets can end it; thinking_token_budget: the
+    budget of requests that set none (None: unlimited)."""
+
+    reasoning_parser: Optional[str] = None
+    thinking_token_budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        _check_positive_int("thinking_token_budget", self.thinking_token_budget, 0)
+        if self.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise ValueError("thinking_token_budget needs a reasoning_parser "
+                             f"({', '.join(REASONING_PARSERS)})")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 def _cuda_available() -> bool:
@@ -187,6 +208,8 @@ class EngineArgs:
     # Overlap the host's scheduling and output processing with the device's forward
     # (vLLM's async scheduling). None: on for CUDA, off for CPU (no overlap to win).
     async_scheduling: Optional[bool] = None
+    reasoning_parser: Optional[str] = None
+    thinking_token_budget: Optional[int] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -228,4 +251,6 @@ class EngineArgs:
                                       self.enable_chunked_prefill, async_scheduling),
             parallel=parallel,
             device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
+            structured_outputs=StructuredOutputsConfig(self.reasoning_parser,
+                                                       self.thinking_token_budget),
         )
