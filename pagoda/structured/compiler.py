@@ -85,7 +85,12 @@ class GrammarCompiler:
     def _compiler(self):
         with self._init_lock:
             if self._xgr_compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise GrammarCompileError(
+                        "structured outputs need the xgrammar package, which is not "
+                        "installed: pip install 'pagoda[structured]'") from None
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids or None)
@@ -95,7 +100,7 @@ class GrammarCompiler:
             return self._xgr_compiler
 
     def _compile(self, params: StructuredOutputsParams):
-        compiler = self._compiler()
+        compiler = self._compiler()  # GrammarCompileError without xgrammar
         start = time.perf_counter()
         kind = params.kind
         try:
