@@ -214,9 +214,8 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         params.validate_for_vocab(self.model_info.vocab_size)
         params = self._finalize_params(params, len(token_ids))
+        self.structured.check_params(params)
         constrained = self.structured.wants(params)
-        if constrained:
-            self.structured.check_params(params)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add_request(request_id, text, token_ids, params, output_kind, child_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time

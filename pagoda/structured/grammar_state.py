@@ -103,7 +103,7 @@ class RequestConstraint:
                 return False
             if thinking.phase == Phase.PENDING:
                 return self.matcher is not None
-        return not self.matcher.is_terminated()
+        return self.matcher is not None and not self.matcher.is_terminated()
 
     def grammar_fills_row(self) -> bool:
         """True when the next row is exactly the grammar's mask (a batched fill can do it)."""
