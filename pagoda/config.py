@@ -24,6 +24,8 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPEC_METHODS = ("ngram", "layer_skip", "draft_model")
 # n-gram sizes tried when speculative_config gives neither bound.
 NGRAM_LOOKUP_MIN, NGRAM_LOOKUP_MAX = 2, 5
+# pagoda.structured.reasoning.REASONING_PARSERS holds what each one means.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_KV_CACHE_MEMORY = 1 << 30
@@ -248,6 +250,24 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """reasoning_parser: how outputs mark their thinking (<think>...</think>), so that
+    grammars start after it and thinking budgets can end it; thinking_token_budget: the
+    budget of requests that set none (None: unlimited)."""
+
+    reasoning_parser: Optional[str] = None
+    thinking_token_budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        _check_positive_int("thinking_token_budget", self.thinking_token_budget, 0)
+        if self.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise ValueError("thinking_token_budget needs a reasoning_parser "
+                             f"({', '.join(REASONING_PARSERS)})")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -255,6 +275,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     speculative: Optional[SpeculativeConfig] = None  # None: speculative decoding off
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 def _cuda_available() -> bool:
@@ -315,6 +336,8 @@ class EngineArgs:
     async_scheduling: Optional[bool] = None
     # Speculative decoding, vLLM's JSON keys (SpeculativeConfig.from_dict); None: off.
     speculative_config: Optional[dict] = None
+    reasoning_parser: Optional[str] = None
+    thinking_token_budget: Optional[int] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -361,4 +384,6 @@ class EngineArgs:
             device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
             speculative=(None if self.speculative_config is None
                          else SpeculativeConfig.from_dict(self.speculative_config)),
+            structured_outputs=StructuredOutputsConfig(self.reasoning_parser,
+                                                       self.thinking_token_budget),
         )

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagoda.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -37,6 +39,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # A grammar the output must follow (json schema, regex, choice, grammar, json_object).
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    # With a reasoning parser: thinking tokens after which the end of thinking is forced.
+    thinking_token_budget: Optional[int] = None
     # Filled by the engine: ids that end generation for this request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -52,6 +58,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -97,6 +105,24 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 if not -100.0 <= v <= 100.0:
                     raise bad("logit_bias", "values in [-100, 100]", v)
+        self._validate_structured(bad)
+
+    def _validate_structured(self, bad) -> None:
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                                   or budget < 0):
+            raise bad("thinking_token_budget", "an integer >= 0", budget)
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
+        # The grammar decides where the output ends (it allows eos only there).
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs: the "
+                             "grammar ends the output")
+        if self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

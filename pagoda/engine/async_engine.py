@@ -332,10 +332,16 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        # A request held for its grammar's compile is unfinished but gives the loop
+        # nothing to do: the loop sleeps, and the compile's end wakes it. (An engine
+        # without has_work, such as a test's fake, is stepped while it has requests.)
+        has_work = getattr(engine, "has_work", engine.has_unfinished_requests)
+        structured = getattr(engine, "structured", None)
+        if structured is not None:
+            structured.on_ready = self._post
         while True:
             with self._cond:
-                while not self._inbox and not self._stop_requested \
-                        and not engine.has_unfinished_requests():
+                while not self._inbox and not self._stop_requested and not has_work():
                     self._cond.wait()
                 commands, self._inbox = self._inbox, []
                 stop = self._stop_requested
@@ -343,7 +349,7 @@ class AsyncEngine:
                 self._handle(command)
             if stop:
                 return
-            if engine.has_unfinished_requests() and not self._step():
+            if has_work() and not self._step():
                 return
 
     def _handle(self, command: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 from pagoda.config import EngineArgs, EngineConfig, ModelConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput
+from pagoda.core.outputs import EngineCoreOutput, RunnerOutputFuture, SchedulerOutput, StepExtras
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine import trace
@@ -30,6 +30,7 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.executor.base import Executor, ModelInfo, get_executor_class
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class EngineStats:
     generation_tokens: int
     # Speculative decoding (None when off): pagoda.core.draft_planner.SpecDecodingStats.
     spec_decode: Optional[object] = None
+    structured: object = None  # pagoda.structured.stats.StructuredStatsSnapshot
 
 
 def _gib(num_bytes: int) -> str:
@@ -133,6 +135,12 @@ class LLMEngine:
         # Async scheduling: the step launched last, whose outputs are not processed yet.
         self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
         self.output_processor = OutputProcessor(self.tokenizer)
+        structured = config.structured_outputs
+        self.structured = StructuredOutputManager(
+            self.tokenizer, info.vocab_size, structured.reasoning_parser,
+            structured.thinking_token_budget)
+        # Requests waiting for their grammar's compile: not in the scheduler yet.
+        self._held: dict[str, Request] = {}
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
         self.prompt_tokens_total = 0
@@ -212,6 +220,8 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         params.validate_for_vocab(self.model_info.vocab_size)
         params = self._finalize_params(params, len(token_ids))
+        self.structured.check_params(params)
+        constrained = self.structured.wants(params)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add_request(request_id, text, token_ids, params, output_kind, child_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -219,9 +229,13 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)
-            self.scheduler.add_request(Request(
+            request = Request(
                 child_id, token_ids, child_params, self.eos_token_id, arrival, priority,
-                group_id=request_id if params.n > 1 else None, sample_index=index))
+                group_id=request_id if params.n > 1 else None, sample_index=index)
+            if constrained and not self.structured.add_request(child_id, child_params, token_ids):
+                self._held[child_id] = request  # scheduled once its grammar is compiled
+            else:
+                self.scheduler.add_request(request)
         self._children[request_id] = child_ids
         self.prompt_tokens_total += len(token_ids) * len(child_ids)
         return request_id
@@ -248,11 +262,22 @@ class LLMEngine:
                 continue
             self.scheduler.abort_requests(children)
             self.output_processor.abort_request(request_id)
+            for child_id in children:
+                self._held.pop(child_id, None)
+                self.structured.remove(child_id)
 
     def has_unfinished_requests(self) -> bool:
         # A launched step still counts: its outputs must be taken (and those of aborted
         # requests dropped) before a new request could reuse one of its ids.
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._held))
+
+    def has_work(self) -> bool:
+        """Whether step() would do something now; False while the only unfinished
+        requests wait for their grammars (the async loop sleeps until one is ready:
+        `structured.on_ready` wakes it)."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or self.structured.has_ready_pending())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
@@ -265,6 +290,7 @@ class LLMEngine:
         step's forward launch and its sampling launch: the host works while the device
         runs the forward, and whatever that processing teaches the engine (StepExtras)
         still reaches this step's sampler."""
+        held_outputs = self._release_held() if self._held else []
         clock = trace.StepClock.start()
         scheduler_output = self.scheduler.schedule()
         clock.lap("step_scheduled")
@@ -272,19 +298,21 @@ class LLMEngine:
         self.executor.execute_model(scheduler_output)
         clock.lap("step_forward_launched")
         if not self.async_scheduling:
-            launched = self.executor.sample_tokens()
+            launched = self.executor.sample_tokens(self._step_extras(scheduler_output))
             clock.lap("step_launched")
-            return self._process_step(scheduler_output, launched, clock)
+            return held_outputs + self._process_step(scheduler_output, launched, clock)
         previous, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = held_outputs
         try:
             if previous is not None:
                 previous[2].lap("next_step_launched")
-                outputs = self._process_step(*previous)
+                outputs = outputs + self._process_step(*previous)
         finally:
             # Launched even when processing the previous step raised: every launched
             # forward is paired with its sampling, and its output is taken next step.
-            launched = self.executor.sample_tokens()
+            # The grammar masks are filled here, after the previous step's tokens were
+            # accepted, while the device runs this step's forward.
+            launched = self.executor.sample_tokens(self._step_extras(scheduler_output))
             clock.lap("step_launched")
             if not scheduler_output.is_empty:
                 self._in_flight = (scheduler_output, launched, clock)
@@ -296,17 +324,71 @@ class LLMEngine:
         runner_output = launched.result()
         clock.lap("step_result_ready")
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.structured.has_constraints():
+            self._advance_constraints(core_outputs)
         clock.lap("step_updated")
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         request_outputs, stopped_ids = self.output_processor.process_outputs(core_outputs)
         if stopped_ids:
             self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOPPED)
+            for child_id in stopped_ids:
+                self.structured.remove(child_id)
         for out in request_outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
         clock.lap("step_processed")
         clock.first_tokens(request_outputs)
         return request_outputs
+
+    # ---- structured output ------------------------------------------------------------
+    def _release_held(self) -> list[RequestOutput]:
+        """Schedules held requests whose grammar is ready; fails those whose compile
+        failed (their RequestOutput carries the compiler's reason). Idle with nothing
+        but held requests, waits for a compile (the async engine never gets here then:
+        it steps only when has_work())."""
+        if (self._in_flight is None and not self.scheduler.has_unfinished_requests()
+                and not self.structured.has_ready_pending()):
+            self.structured.wait_for_pending()
+        failed = []
+        for child_id, error in self.structured.pop_ready():
+            request = self._held.pop(child_id, None)
+            if request is None:
+                continue  # aborted meanwhile
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                failed.append(EngineCoreOutput(child_id, [], finish_reason="error", error=error))
+        if not failed:
+            return []
+        outputs, _ = self.output_processor.process_outputs(failed)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+    def _advance_constraints(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Accepts the kept tokens into their requests' grammars / thinking states; a
+        request whose tokens its grammar refuses finishes with an error."""
+        structured = self.structured
+        for out in core_outputs:
+            if out.req_id not in structured:
+                continue
+            error = structured.accept(out.req_id, out.new_token_ids)
+            if error is not None and not out.finished:
+                self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_ERROR)
+                out.finish_reason, out.error = "error", error
+            if out.finished:
+                structured.remove(out.req_id)
+
+    def _step_extras(self, scheduler_output: SchedulerOutput) -> Optional[StepExtras]:
+        """This step's grammar bitmasks (None when no request is constrained)."""
+        if not self.structured.has_constraints() or not scheduler_output.sampling_req_ids:
+            return None
+        try:
+            return StepExtras(grammar_bitmasks=self.structured.step_bitmasks(scheduler_output))
+        except Exception:  # never leave a launched forward unsampled
+            logger.exception("filling grammar bitmasks failed; this step samples unmasked")
+            return None
 
     # ---- introspection ----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -317,7 +399,8 @@ class LLMEngine:
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions_total,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            spec_decode=self._spec_decode_stats())
+            spec_decode=self._spec_decode_stats(),
+            structured=self.structured.stats.snapshot())
 
     def _spec_decode_stats(self):
         planner = self.scheduler.draft_planner
@@ -335,6 +418,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Releases the executor's workers; the engine takes no steps afterwards."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
                            DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES,
-                           EngineArgs, _cuda_available)
+                           REASONING_PARSERS, EngineArgs, _cuda_available)
 from pagoda.sampling_params import SamplingParams
 
 
@@ -81,6 +81,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="model name in the API (default: --model as given, e.g. its hub id)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file path or inline) instead of the model's")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="the model thinks in <think>...</think>: reasoning_content apart from "
+                        "content, grammars start after the thinking, thinking budgets apply")
+    g.add_argument("--thinking-token-budget", type=int, default=None,
+                   help="thinking tokens after which </think> is forced, for requests that "
+                        "set no thinking_token_budget (needs --reasoning-parser; default: none)")
 
 
 def _json_object(text: str) -> dict:

@@ -8,8 +8,9 @@ apps in one process - as in tests - never clash). Two kinds of metric:
   `observe_request()` from the AsyncEngine's timings listener;
 - engine state (running/waiting requests, KV cache usage, token counters,
   preemptions, prefix cache queries/hits, speculative decoding drafts and accepted
-  tokens, per position too) and process peak memory, read at scrape
-  time from the latest EngineStats snapshot by a custom collector.
+  tokens, per position too, structured output: requests by constraint kind, grammar
+  compile and per-step bitmask times) and process peak memory, read at scrape time from
+  the latest EngineStats snapshot by a custom collector.
 
 vLLM name -> Pagoda name: `vllm:X` -> `pagoda:X` (e.g. pagoda:num_requests_running,
 pagoda:kv_cache_usage_perc, pagoda:time_to_first_token_seconds).
@@ -22,7 +23,7 @@ import sys
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -85,6 +86,9 @@ class _EngineStatsCollector:
             family.add_metric(labels, float(value))
             yield family
         yield from _spec_decode_metrics(getattr(stats, "spec_decode", None), labels)
+        structured = getattr(stats, "structured", None)
+        if structured is not None:
+            yield from _structured_metrics(structured, labels)
 
 
 def _spec_decode_metrics(spec, labels: list[str]):
@@ -107,6 +111,24 @@ def _spec_decode_metrics(spec, labels: list[str]):
     for position, value in enumerate(spec.accepted_per_pos):
         per_pos.add_metric(labels + [str(position)], float(value))
     yield per_pos
+
+
+def _structured_metrics(snapshot, labels: list[str]):
+    """pagoda.structured.stats.StructuredStatsSnapshot as Prometheus families."""
+    requests = CounterMetricFamily("pagoda:structured_output_requests",
+                                   "requests with an output constraint, by kind",
+                                   labels=["model_name", "kind"])
+    for kind, count in sorted(snapshot.requests_by_kind.items()):
+        requests.add_metric(labels + [kind], float(count))
+    yield requests
+    for name, doc, data in (
+            ("pagoda:grammar_compile_seconds", "time to compile one grammar (off the step loop)",
+             snapshot.compile_seconds),
+            ("pagoda:grammar_bitmask_seconds", "time to fill one step's grammar bitmasks (CPU)",
+             snapshot.bitmask_seconds)):
+        family = HistogramMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(labels, buckets=data.cumulative(), sum_value=data.total)
+        yield family
 
 
 class ServerMetrics:

@@ -339,11 +339,13 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     chat_template: Optional[str] = None,
     template_kwargs: Optional[dict[str, Any]] = None,
+    tools: Optional[list[dict[str, Any]]] = None,
 ) -> list[int]:
     """Renders chat messages with the (given or model's) template and returns token ids.
 
     The template writes its own special tokens (e.g. <|im_start|>), so the text is
-    encoded without adding any more. `template_kwargs` are extra template variables.
+    encoded without adding any more. `template_kwargs` are extra template variables;
+    `tools` (OpenAI's function tools) become the template's `tools`.
     """
     template = chat_template if chat_template is not None else get_chat_template(tokenizer)
     if template is None:
@@ -355,7 +357,8 @@ def apply_chat_template(
     check_template_kwargs(tokenizer, template_kwargs)
     text = tokenizer.apply_chat_template(
         messages, chat_template=_read_chat_template(template),
-        add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs,
+        add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools,
+        **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

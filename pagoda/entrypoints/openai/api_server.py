@@ -86,7 +86,9 @@ def settings_from_args(args: Any) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         api_key=args.api_key, metrics_public=args.metrics_public,
         enable_debug_routes=args.enable_debug_routes,
-        log_requests=not args.disable_log_requests)
+        log_requests=not args.disable_log_requests,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, ServerSettings],

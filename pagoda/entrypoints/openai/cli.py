@@ -11,6 +11,7 @@ import argparse
 import os
 
 from pagoda.entrypoints.cli_args import add_engine_args
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -52,6 +53,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="do not log each request's id, prompt length and sampling parameters")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how to find tool calls in free text for tool_choice 'auto': hermes "
+                        "(<tool_call>{json}</tool_call>: Hermes, Qwen) or llama3_json")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide whether to call tools (tool_choice 'auto', the "
+                        "default with tools); needs --tool-call-parser")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default info)")
@@ -59,6 +66,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")

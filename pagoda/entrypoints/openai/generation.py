@@ -63,7 +63,7 @@ class ChoiceResult:
     index: int
     prompt_index: int
     text_parts: list[str] = dataclasses.field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: Optional[list] = None
     finish_reason: Optional[str] = None
 
@@ -71,9 +71,13 @@ class ChoiceResult:
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
     def add(self, completion: CompletionOutput) -> None:
         self.text_parts.append(completion.text)
-        self.num_tokens += len(completion.token_ids)
+        self.token_ids.extend(completion.token_ids)
         if completion.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []

@@ -2,12 +2,13 @@
 
 Every request model forbids unknown fields: a parameter Pagoda does not know is a
 400 that names it, never silently ignored. Parameters OpenAI defines but Pagoda does
-not implement (tools, response_format other than text, suffix, best_of != n, ...)
+not implement (functions, suffix, best_of != n, ...)
 are declared so the schema documents them, and `unsupported_parameters()` names the
 ones a request actually set. Numeric fields are bounded here so no value can reach
 the engine that it cannot handle (e.g. a seed beyond 64 bits, NaN, infinity).
 vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, ...) are accepted as top-level fields, as vLLM does.
+min_tokens, structured_outputs, thinking_token_budget, ...) are accepted as top-level
+fields, as vLLM does.
 Fields that only mean something on OpenAI's platform (store, metadata, user, ...)
 are declared too, and `ignored_fields()` names the ones a request set: they are
 accepted and ignored, never used (ignored_fields.py).
@@ -74,6 +75,12 @@ class SamplingRequestFields(StrictModel):
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
                           description="lower runs first with --scheduling-policy priority")
     best_of: Optional[int] = Field(None, ge=1, le=1024, description="only best_of == n is supported")
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM's: exactly one of json (a schema), regex, choice, grammar "
+                          "(EBNF), json_object; and disable_any_whitespace")
+    thinking_token_budget: Optional[int] = Field(
+        None, ge=0, le=_MAX_TOKENS_BOUND,
+        description="thinking tokens after which </think> is forced (needs --reasoning-parser)")
 
     def common_unsupported(self) -> list[tuple[str, str]]:
         problems = []
@@ -115,14 +122,19 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[dict[str, Any]] = Field(
+        None, description="{\"name\": ..., \"schema\": {...}, \"strict\": ...} for type json_schema")
 
 
 class ChatCompletionRequest(SamplingRequestFields):
@@ -135,10 +147,16 @@ class ChatCompletionRequest(SamplingRequestFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="extra chat template variables, e.g. {\"enable_thinking\": false}")
-    # Declared so they are documented and rejected by name when used.
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[Any] = Field(None, description="ignored: tools are not supported")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="none, auto (default with tools), required, or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: Optional[bool] = Field(
+        None, description="false: tool_choice required makes one call at most")
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = Field(
+        None, description="a thinking_token_budget of 512, 2048 or 8192 tokens "
+                          "(needs --reasoning-parser; thinking_token_budget wins)")
+    # Declared so they are documented and rejected by name when used.
     modalities: Optional[list[str]] = Field(None, description="only ['text']")
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
@@ -146,30 +164,30 @@ class ChatCompletionRequest(SamplingRequestFields):
 
     def unsupported_parameters(self) -> list[tuple[str, str]]:
         problems = self.common_unsupported()
-        if self.tools:
-            problems.append(("tools", "tools (function calling) are not supported"))
-        if self.tool_choice not in (None, "none"):
-            problems.append(("tool_choice", "tool_choice other than 'none' is not supported"))
         if self.modalities is not None and self.modalities != ["text"]:
             problems.append(("modalities", f"modalities {self.modalities} are not supported "
                                            f"(only ['text'])"))
         if self.functions:
             problems.append(("functions", "functions (function calling) are not supported"))
         if self.function_call not in (None, "none"):
-            problems.append(("function_call", "function_call other than 'none' is not supported"))
-        if self.response_format is not None and self.response_format.type != "text":
-            problems.append(("response_format", f"response_format type "
-                             f"{self.response_format.type!r} is not supported (only 'text')"))
+            problems.append(("function_call", "function_call other than 'none' is not supported "
+                                              "(use tools and tool_choice)"))
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             problems.append(("max_tokens", "max_tokens and max_completion_tokens disagree; send one"))
+        for message in self.messages:
+            if message.role == "tool" and not message.tool_call_id:
+                problems.append(("messages", "a message of role 'tool' needs the tool_call_id "
+                                             "of the call it answers"))
+            if message.tool_calls is not None and message.role != "assistant":
+                problems.append(("messages", "only assistant messages carry tool_calls"))
         return problems
 
     def ignored_fields(self) -> list[str]:
         names = super().ignored_fields()
-        # With tools it is moot: tools themselves are rejected (unsupported_parameters).
+        # Without tools there is no call to parallelise: accepted and ignored.
         if "parallel_tool_calls" in self.model_fields_set and not self.tools:
             names.append("parallel_tool_calls")
         return names
@@ -246,13 +264,15 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Field(None, description="with --reasoning-parser")
+    tool_calls: Optional[list[dict[str, Any]]] = Field(None, description="with tools")
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
 
 
 class ChatCompletionResponse(BaseModel):

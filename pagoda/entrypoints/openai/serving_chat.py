@@ -7,17 +7,29 @@ tokenized once; the template writes its own special tokens, and the request's
 OpenAI: each choice's first chunk carries `delta.role`, later chunks
 `delta.content`, the last one `finish_reason`; with stream_options.include_usage
 every chunk has `usage: null` and a final chunk with no choices carries the usage.
+
+Tools (tools.py) go to the template; their calls come back as `tool_calls` (deltas
+in streams). With --reasoning-parser the thinking comes back as `reasoning_content`
+(streamed as `delta.reasoning_content`), apart from `content` (chat_output.py).
+Output constraints (response_format, structured_outputs, tool grammars) are compiled
+before admission: a refused schema is a 400 (structured_request.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
+
+import json
 
 from pagoda.engine import trace
+from pagoda.entrypoints.openai.chat_output import ChatChoiceOutput
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (GenerationJob, SSEStream, cancel_on_disconnect,
                                                   collect, stream_chunks)
+from pagoda.entrypoints.openai.structured_request import (check_constraints, structured_outputs_of,
+                                                          thinking_budget_of)
+from pagoda.entrypoints.openai.tools import ToolPlan, plan_tools
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.entrypoints.openai.serving_common import (ServingContext, build_sampling_params,
                                                       check_caps, check_prompt, check_room,
@@ -36,12 +48,30 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            item["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
         result.append(item)
     return result
 
 
+def _template_tool_call(call: dict) -> dict:
+    """An assistant's earlier call as chat templates take it: arguments as an object
+    (OpenAI sends them as JSON text; templates write them with `tojson`)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the text as sent
+    return {**call, "function": function}
+
+
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                template_kwargs: Optional[dict[str, Any]] = None,
+                tools: Optional[list[dict]] = None) -> list[int]:
     """Token ids of the conversation; a template that fails on these messages -> 400."""
     from pagoda.model.tokenizer import apply_chat_template, check_template_kwargs
     engine = ctx.require_ready()
@@ -52,7 +82,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
         raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
     try:
         return apply_chat_template(tokenizer, messages_to_dicts(messages), add_generation_prompt,
-                                   engine.config.model.chat_template, template_kwargs)
+                                   engine.config.model.chat_template, template_kwargs, tools)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     except Exception as exc:  # Jinja raises its own errors (e.g. a template's raise_exception)
@@ -60,46 +90,77 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
                           param="messages") from None
 
 
-def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> GenerationJob:
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationJob, ToolPlan]:
     """All of a chat request's checks; raises APIError (4xx) on the first problem."""
-    ctx.require_ready()
+    engine = ctx.require_ready()
     model = ctx.check_model(req.model)
     reject_unsupported(req.unsupported_parameters())
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     check_caps(ctx, req.n, num_top, "top_logprobs")
-    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    plan = plan_tools(req, ctx.settings.enable_auto_tool_choice, ctx.settings.tool_call_parser)
+    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                            plan.tools or None)
     trace.mark("tokenized")
     check_prompt(ctx, token_ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_room(ctx, len(token_ids), max_tokens, param)
-    params = build_sampling_params(ctx, req, max_tokens, num_top)
+    params = build_sampling_params(ctx, req, max_tokens, num_top,
+                                   structured_outputs=structured_outputs_of(req, plan.structured_outputs()),
+                                   thinking_token_budget=thinking_budget_of(req))
+    await check_constraints(engine, req, params)
     ticket = ctx.admission.admit([len(token_ids)])
     prompts = [{"prompt": None, "prompt_token_ids": token_ids}]
-    return GenerationJob(new_request_id("chatcmpl"), model, now(), prompts, params, req.priority, ticket)
+    job = GenerationJob(new_request_id("chatcmpl"), model, now(), prompts, params, req.priority, ticket)
+    return job, plan
+
+
+def _choice_outputs(ctx: ServingContext, job: GenerationJob,
+                    plan: ToolPlan) -> Callable[[int], ChatChoiceOutput]:
+    """choice index -> its ChatChoiceOutput (made on first use)."""
+    engine = ctx.require_ready()
+    reasoning = engine.structured.reasoning
+    tokenizer = engine.tokenizer
+    skip = job.params.skip_special_tokens
+    prompt_ids = job.prompts[0]["prompt_token_ids"]
+    outputs: dict[int, ChatChoiceOutput] = {}
+
+    def get(index: int) -> ChatChoiceOutput:
+        if index not in outputs:
+            outputs[index] = ChatChoiceOutput(
+                reasoning, prompt_ids, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip),
+                plan if plan.tools else None)
+        return outputs[index]
+    return get
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, receive):
     """The JSON response (non-streaming) or an SSEStream (streaming)."""
-    job = prepare_chat(ctx, req)
+    job, plan = await prepare_chat(ctx, req)
     trace.mark("prepared")
     if ctx.settings.log_requests:
         logger.info("chat %s: %d prompt tokens, %s", job.request_id, job.prompt_tokens, job.params)
     if req.stream:
-        return SSEStream(_stream(ctx, req, job), job.ticket.release)
+        return SSEStream(_stream(ctx, req, job, plan), job.ticket.release)
     try:
         choices = await cancel_on_disconnect(collect(ctx.engine, job), receive)
     finally:
         job.ticket.release()
     num_top = req.top_logprobs or 0
+    choice_output = _choice_outputs(ctx, job, plan)
+    result = []
+    for c in choices:
+        out = choice_output(c.index)
+        out.delta(c.text, c.token_ids, finished=True)
+        result.append({
+            "index": c.index,
+            "message": out.message(),
+            "logprobs": {"content": chat_logprobs(c.logprobs, num_top)} if req.logprobs else None,
+            "finish_reason": out.finish_reason(c.finish_reason),
+        })
     return {
         "id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model,
-        "choices": [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": chat_logprobs(c.logprobs, num_top)} if req.logprobs else None,
-            "finish_reason": c.finish_reason,
-        } for c in choices],
+        "choices": result,
         "usage": usage(job.prompt_tokens, sum(c.num_tokens for c in choices)),
     }
 
@@ -120,21 +181,25 @@ def chat_logprobs(positions: Optional[list[dict[int, Logprob]]], num_top: int) -
     return result
 
 
-def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob) -> AsyncIterator[str]:
+def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob,
+            plan: ToolPlan) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
             "model": job.model}
     num_top = req.top_logprobs or 0
+    choice_output = _choice_outputs(ctx, job, plan)
 
     def choices_of(prompt_index: int, output: RequestOutput) -> list[dict]:
         choices = []
         for completion in output.outputs:
-            delta = {"content": completion.text} if completion.text else {}
+            index = job.choice_index(prompt_index, completion.index)
+            out = choice_output(index)
+            finished = completion.finish_reason is not None
+            delta = out.delta(completion.text, completion.token_ids, finished)
             logprobs = ({"content": chat_logprobs(completion.logprobs, num_top)}
                         if req.logprobs else None)
-            choices.append({"index": job.choice_index(prompt_index, completion.index),
-                            "delta": delta, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason})
+            choices.append({"index": index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": out.finish_reason(completion.finish_reason)})
         return choices
 
     # OpenAI opens every choice with the role before any content.

@@ -35,6 +35,9 @@ class ServerSettings:
     metrics_public: bool = False
     enable_debug_routes: bool = False
     log_requests: bool = False
+    # tool_choice "auto": the parser that finds calls in free text (tool_parsers.py).
+    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = False
 
 
 class ServingContext:
@@ -117,9 +120,10 @@ def check_room(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int], 
 
 
 def build_sampling_params(ctx: ServingContext, req, max_tokens: Optional[int],
-                          logprobs: Optional[int]) -> SamplingParams:
-    """SamplingParams from the request's fields; a bad value -> 400 naming the field."""
-    values: dict[str, Any] = dict(
+                          logprobs: Optional[int], **constraints: Any) -> SamplingParams:
+    """SamplingParams from the request's fields; a bad value -> 400 naming the field.
+    constraints: structured_outputs and thinking_token_budget, as the handler resolved them."""
+    values: dict[str, Any] = dict(constraints,
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -17,6 +17,8 @@ from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.generation import (ChoiceResult, GenerationJob, SSEStream,
                                                   cancel_on_disconnect, collect, stream_chunks)
 from pagoda.entrypoints.openai.protocol import CompletionRequest
+from pagoda.entrypoints.openai.structured_request import (check_constraints, structured_outputs_of,
+                                                          thinking_budget_of)
 from pagoda.entrypoints.openai.serving_common import (ServingContext, build_sampling_params,
                                                       check_caps, check_prompt, check_room,
                                                       encode_text, new_request_id, now, reject_unsupported,
@@ -44,9 +46,9 @@ def _prompt_list(ctx: ServingContext, prompt) -> list[dict]:
     return prompts
 
 
-def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> GenerationJob:
+async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> GenerationJob:
     """All of a completion request's checks; raises APIError (4xx) on the first problem."""
-    ctx.require_ready()
+    engine = ctx.require_ready()
     model = ctx.check_model(req.model)
     reject_unsupported(req.unsupported_parameters())
     check_caps(ctx, req.n, req.logprobs, "logprobs")
@@ -54,14 +56,17 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Generatio
     trace.mark("tokenized")
     for p in prompts:
         check_room(ctx, len(p["prompt_token_ids"]), req.max_tokens, "max_tokens")
-    params = build_sampling_params(ctx, req, req.max_tokens, req.logprobs)
+    params = build_sampling_params(ctx, req, req.max_tokens, req.logprobs,
+                                   structured_outputs=structured_outputs_of(req),
+                                   thinking_token_budget=thinking_budget_of(req))
+    await check_constraints(engine, req, params)
     ticket = ctx.admission.admit([len(p["prompt_token_ids"]) for p in prompts])
     return GenerationJob(new_request_id("cmpl"), model, now(), prompts, params, req.priority, ticket)
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, receive):
     """The JSON response (non-streaming) or an SSEStream (streaming)."""
-    job = prepare_completion(ctx, req)
+    job = await prepare_completion(ctx, req)
     trace.mark("prepared")
     if ctx.settings.log_requests:
         logger.info("completion %s: %d prompt(s), %d prompt tokens, %s", job.request_id,
