@@ -47,6 +47,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Per KV offload tier (top first), KVOffloadManager.stats(); None: offloading is off.
+    kv_offload: Optional[list[dict]] = None
 
 
 def _gib(num_bytes: int) -> str:
@@ -80,6 +82,7 @@ class LLMEngine:
         try:
             self._start(config)
         except BaseException:
+            self._close_kv_offload()  # the disk tier's lock must not outlive a failed start
             self.executor.shutdown()  # worker processes must not outlive a failed start
             raise
         # Everything built so far (the block pool's blocks, the model's modules) lives
@@ -116,13 +119,14 @@ class LLMEngine:
         # The block manager's blocks are the pool's: the size the layers' specs declare.
         self.kv_cache_manager = KVCacheManager(kv_config.num_blocks, kv_config.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
+        self.kv_offload = self._build_kv_offload(config)
         sched = config.scheduler
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=sched.policy,
             enable_chunked_prefill=sched.enable_chunked_prefill,
-            async_scheduling=sched.async_scheduling)
+            async_scheduling=sched.async_scheduling, kv_offload=self.kv_offload)
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
         self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
@@ -132,6 +136,25 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
+
+    def _build_kv_offload(self, config: EngineConfig):
+        """The scheduler's side of the KV offload tiers, from the worker's inventory
+        (a disk tier starts with the blocks it kept from an earlier run)."""
+        if not config.cache.kv_offloading:
+            return None
+        from pagoda.core.kv_offload import KVOffloadManager
+        from pagoda.core.kv_tiers import TierIndex, TierStack
+        inventory = self.executor.collective_rpc("kv_offload_inventory")[0]
+        tiers = [TierIndex(inventory.tiers[0].name, inventory.tiers[0].capacity, slotted=True)]
+        for entry in inventory.tiers[1:]:
+            tier = TierIndex(entry.name, entry.capacity, slotted=False)
+            kept = tier.add_ready(entry.contents)
+            if entry.contents:
+                logger.info("KV tier %s: %d blocks kept from an earlier run", entry.name, kept)
+            tiers.append(tier)
+        logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
+        return KVOffloadManager(self.kv_cache_manager, TierStack(tiers),
+                                inventory.max_blocks_per_step)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -310,9 +333,13 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache_manager.usage, num_blocks=self.num_blocks,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions_total,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            kv_offload=None if self.kv_offload is None else self.kv_offload.stats())
 
     def audit_kv_cache(self):
+        """The KV accounting audit: the GPU pool, and every offload tier when on."""
+        if self.kv_offload is not None:
+            return self.kv_offload.audit()
         return self.kv_cache_manager.audit()
 
     def check_health(self) -> None:
@@ -321,7 +348,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Releases the executor's workers; the engine takes no steps afterwards."""
+        self._close_kv_offload()
         self.executor.shutdown()
+
+    def _close_kv_offload(self) -> None:
+        if self.config.cache.kv_offloading:
+            try:
+                self.executor.collective_rpc("shutdown_kv_offload")
+            except Exception:  # noqa: BLE001 - shutting down: the workers may be gone
+                logger.exception("closing the KV offload tiers failed")
 
 
 def _looks_like_path(source: str) -> bool:

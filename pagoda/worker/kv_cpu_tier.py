@@ -1,0 +1,149 @@
+"""CpuTier: the host-memory KV tier, and how a block of the KV pool is laid out as bytes.
+
+The CPU tier is one uint8 tensor [num_slots, block_bytes] (pinned on CUDA, so copies
+to and from the GPU are queued on a stream without the host waiting). Slot i holds
+one block: every layer's page of that block, layer after layer (`BlockLayout`).
+
+It is the hub of the offload tiers: the engine's bookkeeping (core/kv_tiers.py)
+assigns slots, the copy engine (worker/kv_offload.py) moves blocks between slots and
+the GPU pool, and the I/O threads between slots and the lower tiers. It also
+implements the KVTier interface by hash (used by tools and tests, and what a plugin
+wrapping host memory looks like): `bind` records which block a slot holds once its
+data is in place, so `lookup`/`load` only ever see slots whose bytes are that block.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from pagoda.worker.kv_tier_api import KVTier
+
+
+@dataclass(frozen=True)
+class LayerPage:
+    """Where layer `index`'s page sits in a block's bytes, and its shape in the pool."""
+
+    index: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    block_shape: tuple[int, ...]  # one block of this layer: (2, block_size, kv_heads, head_dim)
+
+
+class BlockLayout:
+    """A block's bytes: the layers' pages back to back. Only full-attention layers (pool
+    storage [2, num_blocks, block_size, kv_heads, head_dim], block dimension 1) are
+    supported; other kinds are refused with a clear message."""
+
+    def __init__(self, specs: Sequence[KVCacheSpec]) -> None:
+        pages, offset = [], 0
+        for index, spec in enumerate(specs):
+            if type(spec) is not FullAttentionSpec:
+                raise ValueError(f"KV offloading supports full-attention layers only; layer {index} "
+                                 f"is {type(spec).__name__}")
+            shape = (2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+            pages.append(LayerPage(index, offset, spec.page_size_bytes, getattr(torch, spec.dtype),
+                                   shape))
+            offset += spec.page_size_bytes
+        self.pages = pages
+        self.block_bytes = offset
+        runs: list[list] = []  # consecutive layers of one kind, e.g. 30x[full:2x16x3x64:float32]
+        for spec in specs:
+            key = f"full:2x{spec.block_size}x{spec.num_kv_heads}x{spec.head_dim}:{spec.dtype}"
+            if runs and runs[-1][0] == key:
+                runs[-1][1] += 1
+            else:
+                runs.append([key, 1])
+        self.description = ",".join(f"{n}x[{key}]" for key, n in runs)
+
+    def layer_view(self, blocks: torch.Tensor, page: LayerPage) -> torch.Tensor:
+        """blocks [n, block_bytes] uint8 -> that layer's pages [n, *block_shape] (a view)."""
+        raw = blocks[:, page.offset:page.offset + page.nbytes]
+        return raw.view(page.dtype).view(blocks.shape[0], *page.block_shape)
+
+
+class CpuTier(KVTier):
+    name = "cpu"
+
+    def __init__(self, num_slots: int, block_bytes: int, pin_memory: bool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the CPU tier must hold at least one block, got {num_slots} slots")
+        self.data = torch.zeros(num_slots, block_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.block_bytes = block_bytes
+        self._guard = threading.Lock()
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently bound first
+        self._hash_in: dict[int, bytes] = {}
+
+    def row(self, slot: int) -> torch.Tensor:
+        return self.data[slot]
+
+    def bind(self, block_hash: bytes, slot: int) -> None:
+        """Slot `slot` now holds exactly block `block_hash` (its old block is gone)."""
+        with self._guard:
+            old = self._hash_in.pop(slot, None)
+            if old is not None:
+                self._slot_of.pop(old, None)
+            stale = self._slot_of.pop(block_hash, None)
+            if stale is not None:
+                self._hash_in.pop(stale, None)
+            self._slot_of[block_hash] = slot
+            self._hash_in[slot] = block_hash
+
+    def unbind_slot(self, slot: int) -> None:
+        """Slot `slot` is about to be overwritten with bytes not yet known to be a block."""
+        with self._guard:
+            old = self._hash_in.pop(slot, None)
+            if old is not None:
+                self._slot_of.pop(old, None)
+
+    # ---- KVTier -----------------------------------------------------------------------
+    def capacity_blocks(self) -> int:
+        return self.data.shape[0]
+
+    def store(self, block_hashes: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
+        """By hash, outside the engine's slot assignment: a free slot, else the least
+        recently bound one. Never called by the engine on its own hub."""
+        for block_hash, block in zip(block_hashes, blocks):
+            with self._guard:
+                slot = self._slot_of.get(block_hash)
+                if slot is None:
+                    free = [s for s in range(self.data.shape[0]) if s not in self._hash_in]
+                    slot = free[0] if free else next(iter(self._slot_of.values()))
+            self.unbind_slot(slot)
+            self.data[slot].copy_(block)
+            self.bind(block_hash, slot)
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        with self._guard:
+            count = 0
+            for block_hash in block_hashes:
+                if block_hash not in self._slot_of:
+                    break
+                count += 1
+            return count
+
+    def load(self, block_hashes: Sequence[bytes], out: Sequence[torch.Tensor]) -> int:
+        for index, (block_hash, target) in enumerate(zip(block_hashes, out)):
+            with self._guard:
+                slot = self._slot_of.get(block_hash)
+            if slot is None:
+                return index
+            target.copy_(self.data[slot])
+        return len(block_hashes)
+
+    def evict(self, block_hashes: Sequence[bytes]) -> None:
+        with self._guard:
+            for block_hash in block_hashes:
+                slot = self._slot_of.pop(block_hash, None)
+                if slot is not None:
+                    self._hash_in.pop(slot, None)
+
+    def stats(self) -> dict[str, float]:
+        with self._guard:
+            return {"blocks": float(len(self._slot_of)), "capacity": float(self.data.shape[0])}
