@@ -192,5 +192,5 @@ class KVCacheManager:
         total_refs = sum(block.ref_cnt for block in self.block_pool.blocks)
         if total_refs != num_pairs:
             raise AssertionError(f"kv cache audit failed: ref counts sum to {total_refs} "
-                                 f"but requests (and loads) hold {num_pairs} blocks")
+                                 f"but requests hold {num_pairs} blocks")
         return pool_audit
