@@ -118,10 +118,12 @@ class DiskTier(KVTier):
         found: list[tuple[float, bytes, str]] = []
         for sub in sorted(os.listdir(self.path)):
             subdir = os.path.join(self.path, sub)
-            if sub.startswith(".") or not os.path.isdir(subdir):
-                continue
+            if not _is_fan_out(sub) or not os.path.isdir(subdir):
+                continue  # not a directory this tier writes
             for name in os.listdir(subdir):
                 file_path = os.path.join(subdir, name)
+                if not os.path.isfile(file_path):
+                    continue
                 if name.endswith(".tmp"):
                     _unlink(file_path)  # a write cut short: ours, since we hold the lock
                     continue
@@ -264,6 +266,10 @@ def _read_header(f) -> dict:
         raise ValueError("header is not an object")
     header["_header_len"] = header_len
     return header
+
+
+def _is_fan_out(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
 
 
 def _unlink(file_path: str) -> None:
