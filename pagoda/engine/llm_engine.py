@@ -269,7 +269,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # A launched step still counts: its outputs must be taken (and those of aborted
         # requests dropped) before a new request could reuse one of its ids.
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        # KV offload transfers in flight count too: the loop keeps polling them (an idle
+        # step waits briefly for one) so their pins are released without a new request.
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or self.kv_transfers_in_flight())
+
+    def kv_transfers_in_flight(self) -> bool:
+        return self.kv_offload is not None and self.kv_offload.has_in_flight
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
