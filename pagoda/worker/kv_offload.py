@@ -74,6 +74,20 @@ class OffloadInventory:
     block_bytes: int
 
 
+def _timed_event(stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def _elapsed(start, done: Optional[torch.cuda.Event]) -> float:
+    """Seconds a copy took: on CUDA the device time between its two events (what the
+    copy engine measures as transfer latency and bandwidth), on CPU the wall time."""
+    if done is None:
+        return time.perf_counter() - start
+    return start.elapsed_time(done) / 1000.0
+
+
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """(index, first slot, length) of each run of consecutive slots."""
     runs: list[tuple[int, int, int]] = []
@@ -175,11 +189,11 @@ class KVCopyEngine:
         gathered_event.record()
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(gathered_event)
+            began = _timed_event(self.copy_stream)
             self._copy_runs_to_cpu(staging, slots)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
+            done = _timed_event(self.copy_stream)
         staging.record_stream(self.copy_stream)
-        self._pending_stores.append((plan.store_id, done, start, slots, list(plan.store_hashes)))
+        self._pending_stores.append((plan.store_id, done, began, slots, list(plan.store_hashes)))
         return done
 
     def _copy_runs_to_cpu(self, staging: torch.Tensor, slots: list[int]) -> None:
@@ -187,12 +201,12 @@ class KVCopyEngine:
             self.cpu.data[slot:slot + length].copy_(staging[index:index + length],
                                                     non_blocking=self.cuda)
 
-    def _finish_store(self, store_id: int, start: float, slots: list[int],
-                      hashes: list[bytes]) -> None:
+    def _finish_store(self, store_id: int, start, slots: list[int], hashes: list[bytes],
+                      done: Optional[torch.cuda.Event] = None) -> None:
         for slot, block_hash in zip(slots, hashes):
             self.cpu.bind(block_hash, slot)
         self._report.stores_done.append(store_id)
-        self._record_io("stored", self.cpu.name, len(slots), time.perf_counter() - start)
+        self._record_io("stored", self.cpu.name, len(slots), _elapsed(start, done))
 
     def _issue_load(self, load: _Load, num_blocks: int) -> None:
         """Copies the job's first num_blocks blocks from their CPU slots to the GPU."""
@@ -209,10 +223,10 @@ class KVCopyEngine:
         with torch.cuda.stream(self.copy_stream):
             if load.after is not None:
                 self.copy_stream.wait_event(load.after)
+            began = _timed_event(self.copy_stream)
             self._copy_slots_to_pool(slots, job.gpu_block_ids[:num_blocks])
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        self._pending_loads.append((job.job_id, num_blocks, done, start))
+            done = _timed_event(self.copy_stream)
+        self._pending_loads.append((job.job_id, num_blocks, done, began))
 
     def _copy_slots_to_pool(self, slots: list[int], block_ids: list[int]) -> None:
         """On the current stream: the slots' bytes into a staging tensor, then one
@@ -226,9 +240,10 @@ class KVCopyEngine:
             pages = self.layout.layer_view(staging, page)
             self.pool.cache(page.index).index_copy_(1, ids, pages.transpose(0, 1))
 
-    def _finish_load(self, job_id: int, num_blocks: int, start: float) -> None:
+    def _finish_load(self, job_id: int, num_blocks: int, start,
+                     done: Optional[torch.cuda.Event] = None) -> None:
         self._report.loads_done[job_id] = num_blocks
-        self._record_io("loaded", self.cpu.name, num_blocks, time.perf_counter() - start)
+        self._record_io("loaded", self.cpu.name, num_blocks, _elapsed(start, done))
 
     # ---- the I/O threads --------------------------------------------------------------
     def _read(self, load: _Load) -> None:
@@ -337,14 +352,14 @@ class KVCopyEngine:
         still = []
         for store_id, event, start, slots, hashes in self._pending_stores:
             if event.query():
-                self._finish_store(store_id, start, slots, hashes)
+                self._finish_store(store_id, start, slots, hashes, event)
             else:
                 still.append((store_id, event, start, slots, hashes))
         self._pending_stores = still
         waiting = []
         for job_id, num_blocks, event, start in self._pending_loads:
             if event.query():
-                self._finish_load(job_id, num_blocks, start)
+                self._finish_load(job_id, num_blocks, start, event)
             else:
                 waiting.append((job_id, num_blocks, event, start))
         self._pending_loads = waiting
