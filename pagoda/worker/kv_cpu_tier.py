@@ -74,7 +74,20 @@ class CpuTier(KVTier):
     def __init__(self, num_slots: int, block_bytes: int, pin_memory: bool) -> None:
         if num_slots < 1:
             raise ValueError(f"the CPU tier must hold at least one block, got {num_slots} slots")
-        self.data = torch.zeros(num_slots, block_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        # Unwritten slots hold garbage: nothing reads a slot before a block lands there
+        # (the bookkeeping, and `bind` below). Pinned by registering the allocation, not
+        # with pin_memory=True: torch's pinned allocator rounds a size up to a power of
+        # two, which for a tier of tens of GiB can nearly double the host memory taken.
+        self.data = torch.empty(num_slots, block_bytes, dtype=torch.uint8)
+        self._registered = False
+        if pin_memory:
+            status = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(),
+                                                               self.data.numel(), 0))
+            if status != 0:
+                raise RuntimeError(f"pinning {self.data.numel() / 2**30:.2f} GiB of host memory "
+                                   f"for the CPU KV tier failed (cudaError {status}); lower "
+                                   "--kv-offloading-size")
+            self._registered = True
         self.block_bytes = block_bytes
         self._guard = threading.Lock()
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently bound first
@@ -147,3 +160,8 @@ class CpuTier(KVTier):
     def stats(self) -> dict[str, float]:
         with self._guard:
             return {"blocks": float(len(self._slot_of)), "capacity": float(self.data.shape[0])}
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self._registered = False

@@ -376,8 +376,11 @@ class KVCopyEngine:
     def close(self) -> None:
         self.reader.close()
         self.writer.close()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still use the pinned slots
         for tier in self.lower:
             tier.close()
+        self.cpu.close()
 
 
 def unique_names(tiers: list[KVTier]) -> None:
