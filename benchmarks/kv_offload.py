@@ -42,12 +42,15 @@ GPU = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype"
                   "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
            conversations=48, turns=4, first_len=2048, turn_len=256, output_len=128,
            concurrency=8, cpu_gib=32.0, small_cpu_gib=4.0, disk_gib=40.0,
-           pool_tokens=2048 * 16, kv_bytes_per_token=32 * 8 * 128 * 2 * 2)
+           pool_tokens=2048 * 16, kv_bytes_per_token=32 * 8 * 128 * 2 * 2, env={})
 SMOKE = dict(model=["--device", "cpu", "--max-model-len", "512",
-                    "--num-gpu-blocks-override", "64"],
-             conversations=12, turns=3, first_len=256, turn_len=32, output_len=16,
+                    "--num-gpu-blocks-override", "48"],
+             conversations=10, turns=3, first_len=256, turn_len=32, output_len=16,
              concurrency=2, cpu_gib=0.25, small_cpu_gib=0.04, disk_gib=0.5,
-             pool_tokens=64 * 16, kv_bytes_per_token=30 * 3 * 64 * 2 * 4)
+             pool_tokens=48 * 16, kv_bytes_per_token=30 * 3 * 64 * 2 * 4,
+             # one intra-op thread per server: on a small shared CPU a spinning thread
+             # pool only loses time
+             env={"OMP_NUM_THREADS": "1"})
 
 
 def percentile(values: list[float], q: float):
@@ -144,7 +147,8 @@ def restart_probe(p: dict, flags: list[str], warm_dir: str, workdir: str) -> dic
     for name, directory in (("warm", warm_dir), ("cold", cold_dir)):
         disk = ["--kv-offloading-size", str(p["small_cpu_gib"]), "--kv-offloading-disk-path",
                 directory, "--kv-offloading-disk-size", str(p["disk_gib"])]
-        proc, url = start_server(flags + disk, os.path.join(workdir, f"server-restart-{name}.log"))
+        proc, url = start_server(flags + disk, os.path.join(workdir, f"server-restart-{name}.log"),
+                                 extra_env=p["env"])
         try:
             result[f"{name}_first_request_ttft_s"] = probe_ttft(url, prompt)
         finally:
@@ -172,7 +176,8 @@ def main() -> int:
           f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
     runs = {}
     for name, extra in configurations(p, disk_dir).items():
-        proc, url = start_server(flags + extra, os.path.join(workdir, f"server-{name.replace('+', '-')}.log"))
+        proc, url = start_server(flags + extra, os.path.join(workdir, f"server-{name.replace('+', '-')}.log"),
+                                 extra_env=p["env"])
         try:
             runs[name] = summarize(run_bench(url, p, workdir, name), p)
         finally:
@@ -187,7 +192,7 @@ def main() -> int:
     cpu_tier = (runs["cpu"].get("kv_offload") or {}).get("cpu") or {}
     result = {
         "date": datetime.now(timezone.utc).isoformat(), "machine": platform.node(),
-        "mode": "smoke" if args.smoke else "gpu", "params": {k: v for k, v in p.items()},
+        "mode": "smoke" if args.smoke else "gpu", "params": p,
         "working_set_tokens": working_set, "working_set_over_pool": working_set / p["pool_tokens"],
         "runs": runs, "revisited_p50_speedup_vs_off": ratios,
         "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "restart": restart,

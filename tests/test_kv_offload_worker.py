@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from pagoda.core.kv_tiers import KVTransferPlan, LoadJob, TierRead, TierWrite
 from pagoda.worker.kv_cpu_tier import BlockLayout, CpuTier
 from pagoda.worker.kv_disk_tier import LOCK_NAME, DiskTier, DiskTierError
@@ -20,6 +20,7 @@ from pagoda.worker.kv_tier_api import KVBlockFormat, load_tier_plugin
 
 SPECS = [FullAttentionSpec(4, 2, 8, "float32"), FullAttentionSpec(4, 2, 8, "float32")]
 BLOCK_BYTES = 2 * (2 * 4 * 2 * 8 * 4)
+MIXED = [FullAttentionSpec(4, 2, 8, "float32"), MLAAttentionSpec(4, 12, 4, "float16")]
 
 
 def fmt(model_id="tiny") -> KVBlockFormat:
@@ -39,38 +40,44 @@ def test_layout_and_runs():
     layout = BlockLayout(SPECS)
     assert layout.block_bytes == BLOCK_BYTES
     assert layout.description == "2x[full:2x4x2x8:float32]"
+    mixed = BlockLayout(MIXED)
+    assert mixed.description == "1x[full:2x4x2x8:float32],1x[mla:4x16:float16]"
+    assert mixed.block_bytes == 512 + 4 * 16 * 2
     assert [(p.offset, p.nbytes) for p in layout.pages] == [(0, 512), (512, 512)]
     assert _runs([3, 4, 5, 9, 2, 3]) == [(0, 3, 3), (3, 9, 1), (4, 2, 2)]
 
 
-def make_engine(lower=()):
-    pool = KVCachePool(KVCacheConfig(8, SPECS), "cpu")
+def make_engine(lower=(), specs=SPECS):
+    pool = KVCachePool(KVCacheConfig(8, specs), "cpu")
     torch.manual_seed(0)
     for cache in pool.caches:
         cache.normal_()
-    layout = BlockLayout(SPECS)
+    layout = BlockLayout(specs)
     cpu = CpuTier(6, layout.block_bytes, pin_memory=False)
     return pool, cpu, KVCopyEngine(pool, layout, cpu, list(lower), torch.device("cpu"))
 
 
-def test_copy_engine_stores_then_loads_blocks_exactly():
-    pool, cpu, engine = make_engine()
+@pytest.mark.parametrize("specs", [SPECS, MIXED], ids=["full", "full+mla"])
+def test_copy_engine_stores_then_loads_blocks_exactly(specs):
+    pool, cpu, engine = make_engine(specs=specs)
+    block_bytes = engine.block_bytes
     original = [cache.clone() for cache in pool.caches]
     try:
         engine.execute(KVTransferPlan(store_id=7, store_gpu_block_ids=[3, 1, 5],
                                       store_cpu_slots=[0, 1, 4],
                                       store_hashes=[key(3), key(1), key(5)]))
         report = engine.poll()
-        assert report.stores_done == [7] and report.io.bytes_stored == {"cpu": 3 * BLOCK_BYTES}
+        assert report.stores_done == [7] and report.io.bytes_stored == {"cpu": 3 * block_bytes}
         assert cpu.lookup([key(3), key(1), key(5)]) == 3
         for cache in pool.caches:
             cache.zero_()
         engine.execute(KVTransferPlan(loads=[LoadJob(1, cpu_slots=[4, 0], gpu_block_ids=[6, 2])]))
         report = engine.poll()
         assert report.loads_done == {1: 2}
-        for cache, before in zip(pool.caches, original):
-            assert torch.equal(cache[:, 6], before[:, 5]) and torch.equal(cache[:, 2], before[:, 3])
-            assert not cache[:, [0, 1, 3, 4, 5, 7]].any()
+        for cache, before, page in zip(pool.caches, original, engine.layout.pages):
+            cache, before = cache.movedim(page.block_dim, 0), before.movedim(page.block_dim, 0)
+            assert torch.equal(cache[6], before[5]) and torch.equal(cache[2], before[3])
+            assert not cache[[0, 1, 3, 4, 5, 7]].any()
     finally:
         engine.close()
 

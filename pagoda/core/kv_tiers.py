@@ -308,6 +308,13 @@ class KVTransferReport:
     def is_empty(self) -> bool:
         return not (self.stores_done or self.loads_done or self.writes_done)
 
+    def merge(self, other: "KVTransferReport") -> None:
+        """Adds a later report (one not handed out yet must never be lost)."""
+        self.stores_done.extend(other.stores_done)
+        self.loads_done.update(other.loads_done)
+        self.writes_done.update(other.writes_done)
+        self.io.merge(other.io)
+
 
 # ------------------------------------------------------------------ metrics
 

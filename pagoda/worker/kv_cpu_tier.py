@@ -2,7 +2,8 @@
 
 The CPU tier is one uint8 tensor [num_slots, block_bytes] (pinned on CUDA, so copies
 to and from the GPU are queued on a stream without the host waiting). Slot i holds
-one block: every layer's page of that block, layer after layer (`BlockLayout`).
+one block: every layer's page of that block, layer after layer (`BlockLayout`;
+full-attention and MLA layers).
 
 It is the hub of the offload tiers: the engine's bookkeeping (core/kv_tiers.py)
 assigns slots, the copy engine (worker/kv_offload.py) moves blocks between slots and
@@ -21,51 +22,72 @@ from typing import Sequence
 
 import torch
 
-from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from pagoda.worker.kv_tier_api import KVTier
 
 
 @dataclass(frozen=True)
 class LayerPage:
-    """Where layer `index`'s page sits in a block's bytes, and its shape in the pool."""
+    """Where layer `index`'s page sits in a block's bytes, and how the pool holds it."""
 
     index: int
     offset: int
     nbytes: int
     dtype: torch.dtype
-    block_shape: tuple[int, ...]  # one block of this layer: (2, block_size, kv_heads, head_dim)
+    block_dim: int  # the pool storage's block dimension
+    block_shape: tuple[int, ...]  # one block of this layer, block dimension removed
+
+
+def _page_of(spec: KVCacheSpec, index: int) -> tuple[str, int, tuple[int, ...]]:
+    """(description, block dimension, block shape) of a layer kind the pool implements:
+    full attention [2, num_blocks, block_size, kv_heads, head_dim] (block dim 1), MLA
+    [num_blocks, block_size, entry] (block dim 0); other kinds are refused."""
+    if type(spec) is FullAttentionSpec:
+        shape = (2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        return f"full:{'x'.join(map(str, shape))}:{spec.dtype}", 1, shape
+    if type(spec) is MLAAttentionSpec:
+        shape = (spec.block_size, spec.entry_size)
+        return f"mla:{'x'.join(map(str, shape))}:{spec.dtype}", 0, shape
+    raise ValueError(f"KV offloading supports full-attention and MLA layers; layer {index} "
+                     f"is {type(spec).__name__}")
 
 
 class BlockLayout:
-    """A block's bytes: the layers' pages back to back. Only full-attention layers (pool
-    storage [2, num_blocks, block_size, kv_heads, head_dim], block dimension 1) are
-    supported; other kinds are refused with a clear message."""
+    """A block's bytes: the layers' pages back to back, in layer order."""
 
     def __init__(self, specs: Sequence[KVCacheSpec]) -> None:
         pages, offset = [], 0
-        for index, spec in enumerate(specs):
-            if type(spec) is not FullAttentionSpec:
-                raise ValueError(f"KV offloading supports full-attention layers only; layer {index} "
-                                 f"is {type(spec).__name__}")
-            shape = (2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-            pages.append(LayerPage(index, offset, spec.page_size_bytes, getattr(torch, spec.dtype),
-                                   shape))
-            offset += spec.page_size_bytes
-        self.pages = pages
-        self.block_bytes = offset
         runs: list[list] = []  # consecutive layers of one kind, e.g. 30x[full:2x16x3x64:float32]
-        for spec in specs:
-            key = f"full:2x{spec.block_size}x{spec.num_kv_heads}x{spec.head_dim}:{spec.dtype}"
-            if runs and runs[-1][0] == key:
+        for index, spec in enumerate(specs):
+            kind, block_dim, shape = _page_of(spec, index)
+            pages.append(LayerPage(index, offset, spec.page_size_bytes,
+                                   getattr(torch, spec.dtype), block_dim, shape))
+            offset += spec.page_size_bytes
+            if runs and runs[-1][0] == kind:
                 runs[-1][1] += 1
             else:
-                runs.append([key, 1])
-        self.description = ",".join(f"{n}x[{key}]" for key, n in runs)
+                runs.append([kind, 1])
+        self.pages = pages
+        self.block_bytes = offset
+        self.description = ",".join(f"{n}x[{kind}]" for kind, n in runs)
 
     def layer_view(self, blocks: torch.Tensor, page: LayerPage) -> torch.Tensor:
         """blocks [n, block_bytes] uint8 -> that layer's pages [n, *block_shape] (a view)."""
         raw = blocks[:, page.offset:page.offset + page.nbytes]
         return raw.view(page.dtype).view(blocks.shape[0], *page.block_shape)
+
+    @staticmethod
+    def gather(cache: torch.Tensor, page: LayerPage, ids: torch.Tensor) -> torch.Tensor:
+        """The pool's blocks `ids` of one layer as [n, *block_shape]."""
+        picked = cache.index_select(page.block_dim, ids)
+        return picked if page.block_dim == 0 else picked.movedim(page.block_dim, 0)
+
+    @staticmethod
+    def scatter(cache: torch.Tensor, page: LayerPage, ids: torch.Tensor,
+                pages: torch.Tensor) -> None:
+        """Writes pages [n, *block_shape] into the pool's blocks `ids` of one layer."""
+        source = pages if page.block_dim == 0 else pages.movedim(0, page.block_dim)
+        cache.index_copy_(page.block_dim, ids, source)
 
 
 class CpuTier(KVTier):

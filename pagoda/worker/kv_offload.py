@@ -177,8 +177,8 @@ class KVCopyEngine:
         ids = host_to_device(plan.store_gpu_block_ids, torch.long, self.device)
         staging = torch.empty(len(slots), self.block_bytes, dtype=torch.uint8, device=self.device)
         for page in self.layout.pages:  # invariant 1: on the compute stream, before the forward
-            gathered = self.pool.cache(page.index).index_select(1, ids)
-            self.layout.layer_view(staging, page).copy_(gathered.transpose(0, 1))
+            gathered = self.layout.gather(self.pool.cache(page.index), page, ids)
+            self.layout.layer_view(staging, page).copy_(gathered)
         for slot in slots:
             self.cpu.unbind_slot(slot)
         if not self.cuda:
@@ -237,8 +237,8 @@ class KVCopyEngine:
                                                 non_blocking=self.cuda)
         ids = host_to_device(block_ids, torch.long, self.device)
         for page in self.layout.pages:
-            pages = self.layout.layer_view(staging, page)
-            self.pool.cache(page.index).index_copy_(1, ids, pages.transpose(0, 1))
+            self.layout.scatter(self.pool.cache(page.index), page, ids,
+                                self.layout.layer_view(staging, page))
 
     def _finish_load(self, job_id: int, num_blocks: int, start,
                      done: Optional[torch.cuda.Event] = None) -> None:

@@ -218,7 +218,11 @@ class ModelRunner:
         if out.kv_transfers is not None and self.kv_offload is not None:
             # Before the forward: the stores' gathers must read the old contents.
             self.kv_offload.execute(out.kv_transfers)
-            self._kv_report = self.kv_offload.poll(wait=out.total_num_scheduled_tokens == 0)
+            report = self.kv_offload.poll(wait=out.total_num_scheduled_tokens == 0)
+            if self._kv_report is not None:  # a step that failed before sampling kept it
+                self._kv_report.merge(report)
+                report = self._kv_report
+            self._kv_report = report
         apply_scheduler_output(self.states, out, self._make_generator, self.block_table)
         if self.penalty_state is not None:
             self.penalty_state.apply(out, self.states)

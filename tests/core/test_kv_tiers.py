@@ -106,3 +106,12 @@ def test_plan_emptiness_and_histogram():
     accumulate_io(totals, TierIOStats(bytes_stored={"cpu": 5}))
     assert totals["cpu"].bytes_stored == 15
     assert totals["disk"].invalid_files == 2 and totals["disk"].load_seconds.count == 1
+
+
+def test_reports_merge_without_losing_anything():
+    from pagoda.core.kv_tiers import KVTransferReport
+    first = KVTransferReport(stores_done=[1], loads_done={4: 2}, io=TierIOStats(bytes_loaded={"cpu": 8}))
+    first.merge(KVTransferReport(stores_done=[2], writes_done={5: False},
+                                 io=TierIOStats(bytes_loaded={"cpu": 8, "disk": 1})))
+    assert first.stores_done == [1, 2] and first.loads_done == {4: 2}
+    assert first.writes_done == {5: False} and first.io.bytes_loaded == {"cpu": 16, "disk": 1}
