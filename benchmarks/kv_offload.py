@@ -11,6 +11,9 @@ server's per-tier figures (hit rate, bytes, load GB/s: bytes over device-timed c
 
     # H200, Llama-3.1-8B shape (dummy bf16 weights), GPU pool capped at 32k tokens:
     python benchmarks/kv_offload.py --output benchmarks/results/h200-kv-offload.json
+    # split under a 10-minute limit: the three runs, then the restart probe on the same workdir
+    python benchmarks/kv_offload.py --workdir /tmp/kvo --no-restart --output a.json
+    python benchmarks/kv_offload.py --workdir /tmp/kvo --restart-only --output b.json
     # CPU smoke test, embedded SmolLM2 at a small scale:
     python benchmarks/kv_offload.py --smoke --output benchmarks/results/cpu-kv-offload-smoke.json
 
@@ -162,6 +165,13 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     parser.add_argument("--output", default=None, help="JSON file to write")
     parser.add_argument("--workdir", default=None, help="logs, bench results, disk tier")
+    parser.add_argument("--configs", default="off,cpu,cpu+disk",
+                        help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="skip the warm-vs-cold restart probe")
+    parser.add_argument("--restart-only", action="store_true",
+                        help="only the restart probe, on --workdir's disk tier left by an "
+                             "earlier cpu+disk run")
     args = parser.parse_args()
     p = SMOKE if args.smoke else GPU
     flags = list(p["model"])
@@ -169,13 +179,17 @@ def main() -> int:
         flags += ["--tokenizer", tokenizer_path()]
     workdir = args.workdir or tempfile.mkdtemp(prefix="pagoda-kv-offload-")
     disk_dir = os.path.join(workdir, "disk")
-    shutil.rmtree(disk_dir, ignore_errors=True)
+    if not args.restart_only:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    wanted = [] if args.restart_only else args.configs.split(",")
     final_len = p["first_len"] + (p["turns"] - 1) * (p["turn_len"] + p["output_len"])
     working_set = p["conversations"] * final_len
     print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
           f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
     runs = {}
     for name, extra in configurations(p, disk_dir).items():
+        if name not in wanted:
+            continue
         proc, url = start_server(flags + extra, os.path.join(workdir, f"server-{name.replace('+', '-')}.log"),
                                  extra_env=p["env"])
         try:
@@ -185,11 +199,11 @@ def main() -> int:
         print(f"{name}: revisited TTFT p50 {runs[name]['revisited_ttft_ms']['p50']:.1f} ms, "
               f"p99 {runs[name]['revisited_ttft_ms']['p99']:.1f} ms, "
               f"{runs[name]['output_throughput']:.1f} output tok/s", flush=True)
-    restart = restart_probe(p, flags, disk_dir, workdir)
-    off = runs["off"]["revisited_ttft_ms"]["p50"]
+    restart = None if args.no_restart else restart_probe(p, flags, disk_dir, workdir)
+    off = runs["off"]["revisited_ttft_ms"]["p50"] if "off" in runs else None
     ratios = {name: off / run["revisited_ttft_ms"]["p50"] for name, run in runs.items()
-              if run["revisited_ttft_ms"]["p50"]}
-    cpu_tier = (runs["cpu"].get("kv_offload") or {}).get("cpu") or {}
+              if off and run["revisited_ttft_ms"]["p50"]}
+    cpu_tier = ((runs.get("cpu") or {}).get("kv_offload") or {}).get("cpu") or {}
     result = {
         "date": datetime.now(timezone.utc).isoformat(), "machine": platform.node(),
         "mode": "smoke" if args.smoke else "gpu", "params": p,
@@ -200,8 +214,10 @@ def main() -> int:
     print(f"revisited-turn P50 TTFT speedup vs recompute: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"CPU tier load bandwidth: {cpu_tier.get('load_gb_per_s')} GB/s")
-    print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} ms, "
-          f"cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms ({restart['speedup']:.2f}x)")
+    if restart is not None:
+        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
+              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
+              f"({restart['speedup']:.2f}x)")
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
