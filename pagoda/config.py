@@ -76,6 +76,14 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None  # bytes; sizes the pool directly (CPU default 1 GiB)
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: Optional[int] = None
+    # KV offloading (vLLM's flag names): GiB of host memory for the CPU tier (None: off);
+    # a directory and its size cap in GiB for a disk tier below it; an out-of-tree tier
+    # "module.path:ClassName" (pagoda/worker/kv_tier_api.py). The lower tiers stage
+    # through the CPU tier, so they need it.
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_disk_path: Optional[str] = None
+    kv_offloading_disk_size: Optional[float] = None
+    kv_offloading_tier: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
@@ -83,6 +91,31 @@ class CacheConfig:
             raise _fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check_positive_int("kv_cache_memory", self.kv_cache_memory)
         _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        _check_offloading(self)
+
+    @property
+    def kv_offloading(self) -> bool:
+        return self.kv_offloading_size is not None
+
+
+def _check_offloading(cache: "CacheConfig") -> None:
+    for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+        value = getattr(cache, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise _fail(name, "a number of GiB > 0", value)
+    if (cache.kv_offloading_disk_path is None) != (cache.kv_offloading_disk_size is None):
+        raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together: "
+                         "the disk tier needs a directory and a size cap")
+    if cache.kv_offloading_tier is not None and (
+            not isinstance(cache.kv_offloading_tier, str) or ":" not in cache.kv_offloading_tier):
+        raise _fail("kv_offloading_tier", "'module.path:ClassName'", cache.kv_offloading_tier)
+    lower = cache.kv_offloading_disk_path is not None or cache.kv_offloading_tier is not None
+    if lower and cache.kv_offloading_size is None:
+        raise ValueError("the disk and plugin KV tiers stage blocks through host memory: "
+                         "set kv_offloading_size (GiB of CPU tier) too")
+    if cache.kv_offloading_size is not None and not cache.enable_prefix_caching:
+        raise ValueError("KV offloading keeps prefix-cache blocks: it needs enable_prefix_caching")
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +353,10 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: Optional[int] = None
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_disk_path: Optional[str] = None
+    kv_offloading_disk_size: Optional[float] = None
+    kv_offloading_tier: Optional[str] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     scheduling_policy: str = "fcfs"
@@ -368,6 +405,9 @@ class EngineArgs:
         if device == "cuda" and parallel.distributed_executor_backend != "ray":
             # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
             _check_gpus_for_tp(parallel.tensor_parallel_size)
+        if self.kv_offloading_size is not None and parallel.tensor_parallel_size > 1:
+            raise ValueError("KV offloading supports tensor_parallel_size 1 for now (each rank "
+                             "would need its own tiers, and the scheduler every rank's reports)")
         kv_memory = self.kv_cache_memory
         if kv_memory is None and device == "cpu":
             kv_memory = CPU_KV_CACHE_MEMORY
@@ -377,7 +417,9 @@ class EngineArgs:
                               self.chat_template, self.skip_tokenizer_init, self.revision,
                               self.download_dir),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
-                              self.enable_prefix_caching, self.num_gpu_blocks_override),
+                              self.enable_prefix_caching, self.num_gpu_blocks_override,
+                              self.kv_offloading_size, self.kv_offloading_disk_path,
+                              self.kv_offloading_disk_size, self.kv_offloading_tier),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
                                       self.enable_chunked_prefill, async_scheduling),
             parallel=parallel,

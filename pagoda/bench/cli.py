@@ -120,6 +120,17 @@ def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None
                    help="fix every output length instead of using the conversation's reply")
     g.add_argument("--custom-output-len", type=_positive_int, default=256,
                    help="output length of custom lines without 'output_tokens'")
+    g.add_argument("--multi-turn-num-conversations", type=_positive_int, default=16,
+                   help="conversations of the multi-turn dataset (requests go turn by turn "
+                        "over all of them, so each comes back after all the others)")
+    g.add_argument("--multi-turn-turns", type=_positive_int, default=4,
+                   help="turns per conversation")
+    g.add_argument("--multi-turn-first-len", type=_positive_int, default=1024,
+                   help="tokens of a conversation's first prompt")
+    g.add_argument("--multi-turn-turn-len", type=_positive_int, default=128,
+                   help="tokens of each later user message")
+    g.add_argument("--multi-turn-output-len", type=_positive_int, default=128,
+                   help="tokens asked per turn (and of the reply stand-in in the history)")
     if with_seed:
         g.add_argument("--seed", type=int, default=0)
 

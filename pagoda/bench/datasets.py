@@ -11,6 +11,15 @@ Owns the four datasets of `pagoda bench` (vLLM's names and semantics):
   first reply = its output length), filtered like vLLM's (prompt and output >= 4
   tokens, prompt <= 1024, prompt + output <= 2048) unless an output length is fixed.
 - `custom`: JSONL, one `{"prompt": str, "output_tokens": int?}` per line.
+- `multi-turn`: chat-like conversations for measuring KV offloading. Each turn's
+  prompt is the conversation so far (the previous prompt, a stand-in for the
+  assistant's reply, the next user message), so it extends the previous turn's prompt
+  token for token, up to the last token of that prompt, whose tokenization may merge
+  with the appended text. Requests go turn by turn over all conversations (turn 1 of
+  every conversation, then turn 2 of every one, ...): each conversation comes back
+  after all the others have run, so with enough of them (working set = conversations
+  x last prompt length, e.g. >= 4x the GPU KV pool) its blocks were pushed out of GPU
+  memory in between. Request i is turn i // num_conversations.
 
 Every generator is deterministic for a given seed and tokenizer.
 """
@@ -25,7 +34,7 @@ import numpy as np
 
 from pagoda.bench.tokenizers import BenchTokenizer, build_exact_prompt, corpus_token_pool
 
-DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
+DATASETS = ("random", "sharegpt", "prefix-repetition", "custom", "multi-turn")
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
@@ -98,6 +107,32 @@ def prefix_repetition_requests(tokenizer: Optional[BenchTokenizer], num_prompts:
         samples.append(SampleRequest(text, count, output_len))
     order = rng.permutation(num_prompts)
     return [samples[i] for i in order]
+
+
+def multi_turn_requests(tokenizer: Optional[BenchTokenizer], num_conversations: int,
+                        num_turns: int, first_len: int, turn_len: int, output_len: int,
+                        seed: int = 0) -> list[SampleRequest]:
+    """num_conversations x num_turns requests, turn-major (see the module docstring):
+    turn 0 is `first_len` tokens, each later turn appends `output_len` (the previous
+    reply's stand-in) + `turn_len` tokens; every request asks for `output_len` tokens."""
+    tok = _need_tokenizer(tokenizer, "multi-turn")
+    for name, value in (("multi_turn_num_conversations", num_conversations),
+                        ("multi_turn_turns", num_turns), ("multi_turn_first_len", first_len),
+                        ("multi_turn_turn_len", turn_len), ("multi_turn_output_len", output_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    rng = np.random.default_rng(seed)
+    pool = corpus_token_pool(tok)
+    history = [""] * num_conversations
+    length = [0] * num_conversations
+    samples = []
+    for turn in range(num_turns):
+        for conv in range(num_conversations):
+            target = first_len if turn == 0 else length[conv] + output_len + turn_len
+            history[conv], length[conv] = build_exact_prompt(tok, pool, target, rng,
+                                                             prefix=history[conv])
+            samples.append(SampleRequest(history[conv], length[conv], output_len))
+    return samples
 
 
 def sharegpt_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts: int,
@@ -206,4 +241,9 @@ def samples_from_args(args, tokenizer: Optional[BenchTokenizer]) -> list[SampleR
     if name == "custom":
         return custom_requests(args.dataset_path, tokenizer, args.num_prompts,
                                args.custom_output_len, shuffle=False, seed=args.seed)
+    if name == "multi-turn":  # conversations x turns requests, capped by --num-prompts
+        return multi_turn_requests(
+            tokenizer, args.multi_turn_num_conversations, args.multi_turn_turns,
+            args.multi_turn_first_len, args.multi_turn_turn_len, args.multi_turn_output_len,
+            args.seed)[:args.num_prompts]
     raise ValueError(f"dataset_name must be one of {', '.join(DATASETS)}, got {name!r}")

@@ -276,5 +276,9 @@ def format_serve_table(report: dict) -> str:
             row(f"{name}:", server.get(name))
         for name, value in server.get("peak_memory_bytes", {}).items():
             row(f"peak {name} (MiB):", value / 2**20)
+        for tier, figures in (server.get("kv_offload") or {}).items():
+            for name in ("hit_rate", "hits", "bytes_loaded", "bytes_stored", "load_gb_per_s",
+                         "peak_usage", "failed_reads", "invalid_files"):
+                row(f"kv tier {tier} {name}:", figures.get(name))
     lines.append("=" * width)
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Owns a small parser of the Prometheus text format and the figures the report tak
 from it: peak memory (every `*memory*bytes` gauge, polled during the run), peak KV
 cache usage, and the run's deltas of preemptions, prefix cache hits/queries and
 speculative decoding accepted/draft tokens and verify steps (acceptance rate, mean
-accepted length). Names are matched after the engine
+accepted length), and per KV offload tier (label `tier`) the run's hits, lookups, bytes
+stored and loaded, load bandwidth and peak usage. Names are matched after the engine
 prefix (`pagoda:`, `vllm:`, `sglang:`) and without `_total`, so the same run against
 vLLM reads vLLM's counters. A server without `/metrics` gives `available: false`
 and the reason; the run itself is unaffected.
@@ -20,6 +21,16 @@ import aiohttp
 
 ENGINE_PREFIXES = ("pagoda:", "vllm:", "sglang:")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
+_TIER_LABEL = re.compile(r'tier="([^"]*)"')
+# Per-tier series are kept apart as "<name>|tier=<tier>" besides the sum over tiers.
+TIER_SEP = "|tier="
+KV_OFFLOAD_DELTAS = {"hits": "kv_offload_hits", "queries": "kv_offload_queries",
+                     "bytes_stored": "kv_offload_stored_bytes",
+                     "bytes_loaded": "kv_offload_loaded_bytes",
+                     "failed_reads": "kv_offload_failed_reads",
+                     "invalid_files": "kv_offload_invalid_files",
+                     "load_seconds_sum": "kv_offload_load_seconds_sum",
+                     "load_count": "kv_offload_load_seconds_count"}
 PREEMPTIONS = ("num_preemptions",)
 PREFIX_HITS = ("prefix_cache_hits", "gpu_prefix_cache_hits")
 PREFIX_QUERIES = ("prefix_cache_queries", "gpu_prefix_cache_queries")
@@ -45,6 +56,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         name = match.group(1)
         values[name] = values.get(name, 0.0) + value
+        tier = _TIER_LABEL.search(match.group(2) or "")
+        if tier is not None and not name.endswith("_bucket"):
+            key = f"{name}{TIER_SEP}{tier.group(1)}"
+            values[key] = values.get(key, 0.0) + value
     return values
 
 
@@ -109,7 +124,41 @@ def summarize_server_metrics(before: dict[str, float], after: dict[str, float],
         "spec_decode_acceptance_rate": _ratio(accepted, drafts),
         "spec_decode_num_drafts": num_drafts,
         "spec_decode_mean_accepted_length": None if per_step is None else 1.0 + per_step,
+        "kv_offload": kv_offload_summary(before, after, snapshots),
     }
+
+
+def _tier_values(values: dict[str, float], base: str) -> dict[str, float]:
+    """tier -> value of the per-tier series of metric `base` (prefix-free, _total-free)."""
+    found: dict[str, float] = {}
+    for key, value in values.items():
+        name, sep, tier = key.partition(TIER_SEP)
+        if sep and _base_name(name) == base:
+            found[tier] = value
+    return found
+
+
+def kv_offload_summary(before: dict, after: dict, snapshots: list[dict]) -> Optional[dict]:
+    """Per KV offload tier: the run's deltas, hit rate, load bandwidth (bytes loaded
+    over the summed load time) and peak usage; None when the server has no tiers."""
+    tiers = _tier_values(after, "kv_offload_queries")
+    if not tiers:
+        return None
+    summary = {}
+    for tier in tiers:
+        row = {}
+        for field, base in KV_OFFLOAD_DELTAS.items():
+            a, b = _tier_values(after, base).get(tier), _tier_values(before, base).get(tier)
+            row[field] = None if a is None else a - (b or 0.0)
+        row["hit_rate"] = _ratio(row["hits"], row["queries"])
+        seconds = row.pop("load_seconds_sum")
+        row["load_gb_per_s"] = (row["bytes_loaded"] / seconds / 1e9
+                                if seconds and row["bytes_loaded"] else None)
+        usage = [_tier_values(s, "kv_offload_usage_perc").get(tier) for s in snapshots]
+        usage = [u for u in usage if u is not None]
+        row["peak_usage"] = max(usage) if usage else None
+        summary[tier] = row
+    return summary
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, headers: dict) -> dict[str, float]:

@@ -12,7 +12,7 @@ taken from its head, and taking a cached block from there evicts its hash.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from pagoda.core.block_hash import BlockHash
 
@@ -120,6 +120,9 @@ class BlockPool:
         # One block per hash: a second block filled with the same content (two
         # requests computing the same prefix at once) stays unhashed.
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Called with (hash, block id) when a cached block is taken for new use, before
+        # its hash is dropped: the KV offload tiers store it (core/kv_offload.py).
+        self.on_evict: Optional[Callable[[BlockHash, int], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,6 +153,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash, block.block_id)
         block.block_hash = None
         block.token_ids = None
 

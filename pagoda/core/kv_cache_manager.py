@@ -180,10 +180,11 @@ class KVCacheManager:
         """Forgets all cached prefixes; False (nothing done) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
 
-    def audit(self) -> BlockPoolAudit:
-        """The pool's audit, plus: ref counts add up to the (request, block) pairs held."""
+    def audit(self, extra_holders: Sequence[Sequence[KVCacheBlock]] = ()) -> BlockPoolAudit:
+        """The pool's audit, plus: ref counts add up to the (request, block) pairs held,
+        and to one reference per block of each of extra_holders (KV loads in flight)."""
         pool_audit = self.block_pool.audit()
-        num_pairs = 0
+        num_pairs = sum(len(blocks) for blocks in extra_holders)
         for request_id, blocks in self._req_to_blocks.items():
             if len({block.block_id for block in blocks}) != len(blocks):
                 raise AssertionError(f"kv cache audit failed: {request_id!r} holds a block twice")

@@ -11,6 +11,7 @@ from typing import Optional, Protocol
 
 import numpy as np
 
+from pagoda.core.kv_tiers import KVTransferPlan, KVTransferReport
 from pagoda.sampling_params import SamplingParams
 
 
@@ -55,10 +56,13 @@ class SchedulerOutput:
     # Speculative decoding with a proposer on the worker: req_id -> drafts to propose
     # after this step (ModelRunnerOutput.spec_token_ids), for sampling requests only.
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
+    # KV offload tiers: blocks to move this step, or a poll for transfers in flight.
+    kv_transfers: Optional[KVTransferPlan] = None
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing to compute and no KV transfer to run or wait for."""
+        return self.total_num_scheduled_tokens == 0 and self.kv_transfers is None
 
 
 @dataclass
@@ -85,6 +89,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> error message, for a request whose step failed (bad logits, ...).
     errors: dict[str, str] = field(default_factory=dict)
+    # KV offload transfers finished since the last report (None: offloading is off).
+    kv_transfers: Optional[KVTransferReport] = None
 
 
 @dataclass

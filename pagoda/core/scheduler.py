@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Union
 
 from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_offload import KVOffloadManager
 from pagoda.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -83,10 +84,12 @@ class Scheduler:
         async_scheduling: bool = False,
         num_lookahead_tokens: int = 0,
         draft_planner: Optional[DraftPlanner] = None,
+        kv_offload: Optional[KVOffloadManager] = None,
     ) -> None:
         """num_lookahead_tokens: KV slots reserved past each request's scheduled tokens
         for the drafts a proposer will add next step (speculative decoding; a proposer
         on the worker writes its drafts' KV there). draft_planner: speculative decoding
+        (None: off). kv_offload: the KV offload tiers over kv_cache_manager's pool
         (None: off)."""
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -116,6 +119,9 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_planner = draft_planner
+        # A waiting request whose blocks the tiers load leaves the queue until they are
+        # on the GPU, then goes back to its head (core/kv_offload.py).
+        self.kv_offload = kv_offload
 
         self.waiting = create_request_queue(policy)  # validates the policy name
         self.running: list[Request] = []
@@ -177,6 +183,8 @@ class Scheduler:
         """Releases a finished request (already out of running and waiting)."""
         rid = request.request_id
         self.kv_cache_manager.free(request)
+        if self.kv_offload is not None:
+            self.kv_offload.abort(request)
         del self.requests[rid]
         self.finished_req_ids.add(rid)
         self._num_tokens_sent.pop(rid, None)
@@ -218,6 +226,8 @@ class Scheduler:
         # blocks and max_num_seqs allow, starting after their prefix-cache hit; a prompt
         # larger than the remaining budget is chunked. No request is ever dropped.
         plan = _StepPlan(self.max_num_batched_tokens)
+        if self.kv_offload is not None:  # their blocks are back on the GPU
+            self.waiting.prepend_many(self.kv_offload.take_ready())
         if self.draft_planner is not None:
             self.draft_planner.plan_step(
                 self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
@@ -226,6 +236,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = self._build_output(plan)
+        if self.kv_offload is not None:
+            output.kv_transfers = self.kv_offload.take_plan()
         # Scheduled tokens count as computed from the next step on.
         for request in plan.scheduled:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
@@ -346,6 +358,10 @@ class Scheduler:
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Schedules the waiting request at the head of the queue; False if it does not fit."""
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        if self.kv_offload is not None and self.kv_offload.start_load(request, hit_blocks):
+            if self.waiting.pop() is not request:
+                raise RuntimeError("internal error: the loading request must be the head of the queue")
+            return True  # it waits for its blocks, out of the queue, computing nothing
         num_new = request.num_tokens - num_hit_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
@@ -366,6 +382,8 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
             request.first_scheduled_time = time.monotonic()
         plan.record(request, num_new, new_block_ids)
+        if self.kv_offload is not None:
+            self.kv_offload.release(request)  # its load, if any, is over
         return True
 
     def _allocate_for_waiting(self, request: Request, num_new: int, hit_blocks: list,
@@ -425,6 +443,8 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Applies one step's results; returns an output per request that has news."""
         runner = model_runner_output
+        if self.kv_offload is not None and runner.kv_transfers is not None:
+            self.kv_offload.apply_report(runner.kv_transfers)
         index_of = {rid: i for i, rid in enumerate(runner.req_ids)}
         outputs: list[EngineCoreOutput] = []
         for rid in scheduler_output.num_scheduled_tokens:

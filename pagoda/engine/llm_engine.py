@@ -51,6 +51,8 @@ class EngineStats:
     # Speculative decoding (None when off): pagoda.core.draft_planner.SpecDecodingStats.
     spec_decode: Optional[object] = None
     structured: object = None  # pagoda.structured.stats.StructuredStatsSnapshot
+    # Per KV offload tier (top first), KVOffloadManager.stats(); None: offloading is off.
+    kv_offload: Optional[list[dict]] = None
 
 
 def _gib(num_bytes: int) -> str:
@@ -84,6 +86,7 @@ class LLMEngine:
         try:
             self._start(config)
         except BaseException:
+            self._close_kv_offload()  # the disk tier's lock must not outlive a failed start
             self.executor.shutdown()  # worker processes must not outlive a failed start
             raise
         # Everything built so far (the block pool's blocks, the model's modules) lives
@@ -120,6 +123,7 @@ class LLMEngine:
         # The block manager's blocks are the pool's: the size the layers' specs declare.
         self.kv_cache_manager = KVCacheManager(kv_config.num_blocks, kv_config.block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
+        self.kv_offload = self._build_kv_offload(config)
         sched = config.scheduler
         from pagoda.engine.speculation import build_draft_planner
         planner, lookahead = build_draft_planner(config.speculative, config.device.device,
@@ -130,7 +134,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, policy=sched.policy,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             async_scheduling=sched.async_scheduling, num_lookahead_tokens=lookahead,
-            draft_planner=planner)
+            draft_planner=planner, kv_offload=self.kv_offload)
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
         self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
@@ -146,6 +150,25 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
+
+    def _build_kv_offload(self, config: EngineConfig):
+        """The scheduler's side of the KV offload tiers, from the worker's inventory
+        (a disk tier starts with the blocks it kept from an earlier run)."""
+        if not config.cache.kv_offloading:
+            return None
+        from pagoda.core.kv_offload import KVOffloadManager
+        from pagoda.core.kv_tiers import TierIndex, TierStack
+        inventory = self.executor.collective_rpc("kv_offload_inventory")[0]
+        tiers = [TierIndex(inventory.tiers[0].name, inventory.tiers[0].capacity, slotted=True)]
+        for entry in inventory.tiers[1:]:
+            tier = TierIndex(entry.name, entry.capacity, slotted=False)
+            kept = tier.add_ready(entry.contents)
+            if entry.contents:
+                logger.info("KV tier %s: %d blocks kept from an earlier run", entry.name, kept)
+            tiers.append(tier)
+        logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
+        return KVOffloadManager(self.kv_cache_manager, TierStack(tiers),
+                                inventory.max_blocks_per_step)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -269,15 +292,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # A launched step still counts: its outputs must be taken (and those of aborted
         # requests dropped) before a new request could reuse one of its ids.
+        # KV offload transfers in flight count too: the loop keeps polling them (an idle
+        # step waits briefly for one) so their pins are released without a new request.
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or bool(self._held))
+                or bool(self._held) or self.kv_transfers_in_flight())
 
     def has_work(self) -> bool:
         """Whether step() would do something now; False while the only unfinished
         requests wait for their grammars (the async loop sleeps until one is ready:
         `structured.on_ready` wakes it)."""
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or self.structured.has_ready_pending())
+                or self.structured.has_ready_pending() or self.kv_transfers_in_flight())
+
+    def kv_transfers_in_flight(self) -> bool:
+        return self.kv_offload is not None and self.kv_offload.has_in_flight
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
@@ -400,7 +428,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions_total,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
             spec_decode=self._spec_decode_stats(),
-            structured=self.structured.stats.snapshot())
+            structured=self.structured.stats.snapshot(),
+            kv_offload=None if self.kv_offload is None else self.kv_offload.stats())
 
     def _spec_decode_stats(self):
         planner = self.scheduler.draft_planner
@@ -410,6 +439,9 @@ class LLMEngine:
         return copy.deepcopy(planner.stats)  # a snapshot: the engine thread keeps counting
 
     def audit_kv_cache(self):
+        """The KV accounting audit: the GPU pool, and every offload tier when on."""
+        if self.kv_offload is not None:
+            return self.kv_offload.audit()
         return self.kv_cache_manager.audit()
 
     def check_health(self) -> None:
@@ -419,7 +451,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Releases the executor's workers; the engine takes no steps afterwards."""
         self.structured.shutdown()
+        self._close_kv_offload()
         self.executor.shutdown()
+
+    def _close_kv_offload(self) -> None:
+        if self.config.cache.kv_offloading:
+            try:
+                self.executor.collective_rpc("shutdown_kv_offload")
+            except Exception:  # noqa: BLE001 - shutting down: the workers may be gone
+                logger.exception("closing the KV offload tiers failed")
 
 
 def _looks_like_path(source: str) -> bool:

@@ -42,6 +42,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="number of KV blocks, overriding the memory-based sizing")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory for a CPU tier of the KV cache: blocks evicted "
+                        "from the GPU are kept there and loaded back on a prefix hit")
+    g.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                   help="directory of a disk tier below the CPU tier (kept across restarts; "
+                        "one server per directory)")
+    g.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="size cap of the disk tier in GiB (least recently used blocks go first)")
+    g.add_argument("--kv-offloading-tier", default=None, metavar="MODULE:CLASS",
+                   help="an out-of-tree KV tier below the CPU tier, a subclass of "
+                        "pagoda.worker.kv_tier_api.KVTier")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="maximum number of sequences running in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -99,6 +99,10 @@ class LLM:
                 if not engine.has_unfinished_requests() and len(finished) < len(ids):
                     missing = [i for i in ids if i not in finished]
                     raise RuntimeError(f"engine stopped with requests unfinished: {missing}")
+            # KV offload stores and disk writes still in flight finish before this returns,
+            # so the next call finds those blocks in the tiers.
+            while engine.kv_transfers_in_flight() and not engine.scheduler.has_unfinished_requests():
+                engine.step()
         finally:
             if bar is not None:
                 bar.close()

@@ -10,7 +10,10 @@ apps in one process - as in tests - never clash). Two kinds of metric:
   preemptions, prefix cache queries/hits, speculative decoding drafts and accepted
   tokens, per position too, structured output: requests by constraint kind, grammar
   compile and per-step bitmask times) and process peak memory, read at scrape time from
-  the latest EngineStats snapshot by a custom collector.
+  the latest EngineStats snapshot by a custom collector;
+- with KV offloading, per tier (label `tier`: cpu, disk, a plugin's name): lookups
+  and hits in blocks, bytes stored and loaded, evicted/dropped blocks, failed reads,
+  invalid files, usage, and load/store latency histograms (`pagoda:kv_offload_*`).
 
 vLLM name -> Pagoda name: `vllm:X` -> `pagoda:X` (e.g. pagoda:num_requests_running,
 pagoda:kv_cache_usage_perc, pagoda:time_to_first_token_seconds).
@@ -89,6 +92,9 @@ class _EngineStatsCollector:
         structured = getattr(stats, "structured", None)
         if structured is not None:
             yield from _structured_metrics(structured, labels)
+        tiers = getattr(stats, "kv_offload", None)
+        if tiers:
+            yield from _kv_offload_metrics(self.model_name, tiers)
 
 
 def _spec_decode_metrics(spec, labels: list[str]):
@@ -128,6 +134,52 @@ def _structured_metrics(snapshot, labels: list[str]):
              snapshot.bitmask_seconds)):
         family = HistogramMetricFamily(name, doc, labels=["model_name"])
         family.add_metric(labels, buckets=data.cumulative(), sum_value=data.total)
+        yield family
+
+
+_TIER_COUNTERS = (
+    ("queries", "pagoda:kv_offload_queries", "KV blocks looked up in the tier (missed above it)"),
+    ("hits", "pagoda:kv_offload_hits", "KV blocks found in the tier"),
+    ("bytes_stored", "pagoda:kv_offload_stored_bytes", "bytes of KV blocks stored into the tier"),
+    ("bytes_loaded", "pagoda:kv_offload_loaded_bytes", "bytes of KV blocks loaded out of the tier"),
+    ("evicted_blocks", "pagoda:kv_offload_evicted_blocks", "KV blocks evicted from the tier (LRU)"),
+    ("dropped_blocks", "pagoda:kv_offload_dropped_blocks",
+     "KV blocks not stored: no unpinned room or the per-step cap"),
+    ("failed_reads", "pagoda:kv_offload_failed_reads", "reads that found a block corrupt or gone"),
+    ("invalid_files", "pagoda:kv_offload_invalid_files",
+     "files found corrupt, truncated or foreign (disk tier)"),
+)
+_TIER_GAUGES = (
+    ("usage", "pagoda:kv_offload_usage_perc", "fraction of the tier's blocks held (0-1)"),
+    ("blocks", "pagoda:kv_offload_blocks", "KV blocks held by the tier"),
+    ("capacity_blocks", "pagoda:kv_offload_capacity_blocks", "KV blocks the tier can hold"),
+)
+_TIER_HISTOGRAMS = (
+    ("load_seconds", "pagoda:kv_offload_load_seconds", "time of one load batch out of the tier"),
+    ("store_seconds", "pagoda:kv_offload_store_seconds", "time of one store batch into the tier"),
+)
+
+
+def _kv_offload_metrics(model_name: str, tiers: list[dict]):
+    names = ["model_name", "tier"]
+    for key, name, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=names)
+        for tier in tiers:
+            family.add_metric([model_name, tier["tier"]], float(tier[key]))
+        yield family
+    for key, name, doc in _TIER_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=names)
+        for tier in tiers:
+            family.add_metric([model_name, tier["tier"]], float(tier[key]))
+        yield family
+    for key, name, doc in _TIER_HISTOGRAMS:
+        family = HistogramMetricFamily(name, doc, labels=names)
+        for tier in tiers:
+            hist = tier[key]
+            buckets = [(repr(float(bound)), float(count))
+                       for bound, count in zip(hist["buckets"], hist["cumulative_counts"])]
+            buckets.append(("+Inf", float(hist["count"])))
+            family.add_metric([model_name, tier["tier"]], buckets, hist["sum"])
         yield family
 
 

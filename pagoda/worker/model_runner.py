@@ -88,6 +88,7 @@ class ModelRunner:
         from pagoda.model.parallel import TensorParallel
 
         self.config = config
+        self.model_path = model_path
         self.device = torch.device(config.device.device)
         self.dtype = resolve_dtype(config.model.dtype, config.device.device)
         self.block_size = config.cache.block_size
@@ -120,6 +121,10 @@ class ModelRunner:
         self._prev_sampled: Optional[PrevSampled] = None
         # The forward execute_model() launched, waiting for sample_tokens().
         self._launched: Optional[_LaunchedForward] = None
+        # KV offload tiers (worker/kv_offload.py): set with the KV cache when configured.
+        self.kv_offload = None
+        self._kv_offload_inventory = None
+        self._kv_report = None  # this step's transfer report, handed out by sample_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -151,6 +156,10 @@ class ModelRunner:
         self.kv_pool = KVCachePool(kv_config, self.device)
         from pagoda.worker.drafting import make_drafter
         self.drafter = make_drafter(self, max_model_len)
+        if self.config.cache.kv_offloading:
+            from pagoda.worker.kv_offload import build_kv_offload
+            self.kv_offload, self._kv_offload_inventory = build_kv_offload(
+                self.config, self.kv_pool, self._model_id(), self.dtype, self.device)
         if self.device.type == "cuda":
             self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
                                                 -(-max_model_len // self.block_size), self.device)
@@ -167,6 +176,24 @@ class ModelRunner:
                                                 self.device,
                                                 self.config.scheduler.max_num_batched_tokens)
             self.graph_runner.capture()
+
+    def _model_id(self) -> str:
+        """What the KV of these weights depends on (the disk tier's files name it)."""
+        model = self.config.model
+        model_id = f"{self.model_path}|{model.load_format}"
+        if model.load_format == "dummy":
+            model_id += f"|seed={model.seed}"  # random weights: another seed, other KV
+        return f"{model_id}|tp={self.tp.rank}/{self.tp.size}"
+
+    def kv_offload_inventory(self):
+        """The offload tiers for the engine's bookkeeping (None: offloading is off)."""
+        return self._kv_offload_inventory
+
+    def shutdown_kv_offload(self) -> None:
+        """Stops the offload I/O threads and releases the tiers (the disk lock)."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
 
     def _use_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.device.enforce_eager
@@ -194,6 +221,14 @@ class ModelRunner:
         if self._launched is not None:
             raise RuntimeError("execute_model() called twice without sample_tokens(): "
                                "every launched forward must be sampled")
+        if out.kv_transfers is not None and self.kv_offload is not None:
+            # Before the forward: the stores' gathers must read the old contents.
+            self.kv_offload.execute(out.kv_transfers)
+            report = self.kv_offload.poll(wait=out.total_num_scheduled_tokens == 0)
+            if self._kv_report is not None:  # a step that failed before sampling kept it
+                self._kv_report.merge(report)
+                report = self._kv_report
+            self._kv_report = report
         apply_scheduler_output(self.states, out, self._make_generator, self.block_table)
         if self.penalty_state is not None:
             self.penalty_state.apply(out, self.states)
@@ -223,9 +258,10 @@ class ModelRunner:
         if launched is None:
             raise RuntimeError("sample_tokens() called without a launched forward")
         inputs = launched.inputs
+        kv_report, self._kv_report = self._kv_report, None
         if inputs is None:
             self._prev_sampled = None
-            return AsyncRunnerOutput.empty()
+            return AsyncRunnerOutput.empty(kv_report)
         sampled, packed_logprobs, wanted = self._sample(launched.hidden, inputs,
                                                         launched.compacted, extras)
         prompt_logprobs = self._prompt_logprobs(launched.hidden, inputs)
@@ -238,7 +274,8 @@ class ModelRunner:
                                                           launched.to_propose))
         return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
                                  packed_logprobs, wanted, prompt_logprobs,
-                                 drafts=inputs.verified_drafts, spec_token_ids=proposals)
+                                 drafts=inputs.verified_drafts, spec_token_ids=proposals,
+                                 kv_transfers=kv_report)
 
     def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
         """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);

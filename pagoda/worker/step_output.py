@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from pagoda.core.kv_tiers import KVTransferReport
 from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.sample.logprobs import unpack_token_logprobs
 from pagoda.sample.verify import accept_draft_tokens
@@ -35,10 +36,13 @@ class AsyncRunnerOutput:
                  wanted_logprobs: list[Optional[int]],
                  packed_prompt_logprobs: dict[str, torch.Tensor],
                  drafts: Optional[dict[str, list[int]]] = None,
-                 spec_token_ids: Optional[dict[str, list[int]]] = None) -> None:
+                 spec_token_ids: Optional[dict[str, list[int]]] = None,
+                 kv_transfers: Optional[KVTransferReport] = None) -> None:
         """sample_req_ids: the request of each sampled row (a verifying request's rows
         in a row); drafts: req_id -> the drafts those rows verify; spec_token_ids:
-        req_id -> drafts proposed for the next step (already on the host)."""
+        req_id -> drafts proposed for the next step (already on the host); kv_transfers:
+        the KV offload transfers finished by this step's launch (already on the host)."""
+        self.kv_transfers = kv_transfers
         self.req_ids = req_ids
         self.spec_token_ids = spec_token_ids or {}
         self.sample_req_ids = sample_req_ids
@@ -56,8 +60,8 @@ class AsyncRunnerOutput:
         self._result: Optional[ModelRunnerOutput] = None
 
     @classmethod
-    def empty(cls) -> "AsyncRunnerOutput":
-        return cls([], [], None, None, [], {})
+    def empty(cls, kv_transfers: Optional[KVTransferReport] = None) -> "AsyncRunnerOutput":
+        return cls([], [], None, None, [], {}, kv_transfers=kv_transfers)
 
     def result(self) -> ModelRunnerOutput:
         """Waits for this step's copies (not for any later step) and converts them."""
@@ -82,7 +86,7 @@ class AsyncRunnerOutput:
         result = ModelRunnerOutput(
             req_ids=self.req_ids, sampled_token_ids=[],
             prompt_logprobs={rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()},
-            spec_token_ids=dict(self.spec_token_ids))
+            spec_token_ids=dict(self.spec_token_ids), kv_transfers=self.kv_transfers)
         for req_id in self.req_ids:
             tokens = tokens_of.get(req_id, [])
             drafts = self.drafts.get(req_id)

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from pagoda.bench.datasets import (custom_requests, prefix_repetition_requests, random_requests,
-                                   sharegpt_requests)
+from pagoda.bench.datasets import (custom_requests, multi_turn_requests,
+                                   prefix_repetition_requests, random_requests, sharegpt_requests)
 from pagoda.bench.tokenizers import build_exact_prompt, corpus_token_pool
 
 
@@ -181,3 +181,19 @@ def test_custom_errors_name_the_line(tmp_path, line, message):
     path.write_text('{"prompt": "ok"}\n' + line + "\n")
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         custom_requests(str(path), None, 1)
+
+
+def test_multi_turn_conversations_grow_turn_by_turn_and_come_back_in_rounds(tok):
+    samples = multi_turn_requests(tok, num_conversations=3, num_turns=3, first_len=40,
+                                  turn_len=10, output_len=5, seed=1)
+    assert len(samples) == 9 and all(s.expected_output_len == 5 for s in samples)
+    for i, sample in enumerate(samples):
+        turn, conv = divmod(i, 3)
+        assert sample.prompt_len == 40 + turn * 15 == len(tok.encode(sample.prompt))
+        if turn:  # the previous turn of the same conversation is a prefix of this one
+            assert sample.prompt.startswith(samples[i - 3].prompt)
+    assert len({s.prompt[:20] for s in samples}) == 3  # three distinct conversations
+    again = multi_turn_requests(tok, 3, 3, 40, 10, 5, seed=1)
+    assert [s.prompt for s in again] == [s.prompt for s in samples]
+    with pytest.raises(ValueError, match="multi_turn_turns"):
+        multi_turn_requests(tok, 3, 0, 40, 10, 5)

@@ -1,0 +1,311 @@
+"""KVOffloadManager: the scheduler's side of the KV offload tiers (no torch).
+
+It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
+- GPU evictions: the pool calls `_on_gpu_evict` when it takes a cached block for new
+  use; the block is stored to a CPU slot (and written through to the lower tiers)
+  unless the CPU tier has it already. The store is planned in the same schedule()
+  that hands the block to its new owner; the worker gathers the block's contents on
+  the compute stream before that step's forward, so the copy always reads the old
+  contents (see worker/kv_offload.py for the ordering invariant).
+- Loads: at admission the scheduler calls `start_load(request, gpu_hits)`. It looks up
+  the blocks after the GPU prefix hits in the tiers (longest prefix, each block from
+  the highest tier holding it), takes fresh GPU blocks for them and plans a LoadJob.
+  The job holds a reference on the GPU hits and on its new blocks while the load is in
+  flight, so none of them is evicted or reused meanwhile; the request waits out of
+  the queue. When the worker reports the job done, the intact blocks are registered
+  in the GPU prefix cache, the job's references are dropped (the blocks stay cached,
+  at the tail of the free list: evicted last) and the request goes back to the head
+  of the waiting queue, where the ordinary prefix-cache lookup finds them. Holding
+  them until admission instead could deadlock: a request put back in front of it
+  (a preemption) may need exactly those blocks. A request is loaded once per wait:
+  `release` at its admission ends that.
+- Aborts: a job in flight still writes its GPU blocks, so an aborted request's job is
+  orphaned and its blocks are released only when the worker reports it done.
+
+Per step at most `max_blocks_per_step` blocks are stored and as many loaded (the
+worker's staging for one step is bounded); evicted blocks beyond that are dropped
+(counted per tier as `dropped`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from pagoda.core.block_hash import BlockHash
+from pagoda.core.block_pool import KVCacheBlock
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_tiers import (KVTransferPlan, KVTransferReport, LoadJob, TierIOTotals,
+                                  TierRead, TierStack, TierWrite, accumulate_io, tier_snapshot)
+from pagoda.core.request import Request
+
+
+@dataclass
+class _Job:
+    job: LoadJob
+    request: Request
+    hashes: list[BlockHash]
+    tokens: list[tuple[int, ...]]
+    sources: list[int]  # tier of each block
+    held: list[KVCacheBlock]  # GPU references: the prefix hits, then the job's blocks
+    load_blocks: list[KVCacheBlock]
+    done: bool = False
+    orphaned: bool = False
+
+
+class KVOffloadManager:
+    def __init__(self, kv_cache_manager: KVCacheManager, tiers: TierStack,
+                 max_blocks_per_step: int) -> None:
+        if not kv_cache_manager.enable_caching:
+            raise ValueError("KV offloading needs prefix caching (enable_prefix_caching=True)")
+        if not isinstance(max_blocks_per_step, int) or max_blocks_per_step < 1:
+            raise ValueError(f"max_blocks_per_step must be an integer >= 1, got {max_blocks_per_step!r}")
+        self.manager = kv_cache_manager
+        self.pool = kv_cache_manager.block_pool
+        self.block_size = kv_cache_manager.block_size
+        self.tiers = tiers
+        self.max_blocks_per_step = max_blocks_per_step
+        self.pool.on_evict = self._on_gpu_evict
+        self._ids = itertools.count()
+        self._plan = KVTransferPlan()
+        self._step_store_hashes: list[BlockHash] = []
+        self._step_loads = 0
+        self._store_batches: dict[int, list[BlockHash]] = {}  # store_id -> CPU hashes pinned
+        self._writes: dict[int, TierWrite] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._job_of: dict[str, int] = {}  # request id -> its job
+        self._ready: list[Request] = []  # loaded, to go back to the waiting queue
+        self.io_totals: dict[str, TierIOTotals] = {}
+
+    # ------------------------------------------------------------ scheduler's calls
+
+    def is_loading(self, request_id: str) -> bool:
+        job_id = self._job_of.get(request_id)
+        return job_id is not None and not self._jobs[job_id].done
+
+    @property
+    def num_loading(self) -> int:
+        return sum(1 for job in self._jobs.values() if not job.done and not job.orphaned)
+
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self._store_batches or self._writes
+                    or any(not job.done for job in self._jobs.values()))
+
+    def start_load(self, request: Request, gpu_hits: list[KVCacheBlock]) -> bool:
+        """Plans loading the request's blocks that follow its GPU prefix hits from the
+        tiers; True if a load started (the request must wait for it, out of the queue)."""
+        if request.request_id in self._job_of or request.sampling_params.prompt_logprobs is not None:
+            return False  # loaded once already (admit it now), or every prompt position must run
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        start = len(gpu_hits)
+        budget = self.max_blocks_per_step - self._step_loads
+        num_free = self.pool.num_free_blocks - sum(1 for b in gpu_hits if b.ref_cnt == 0)
+        if start >= max_hit_blocks or budget < 1 or num_free < 1:
+            return False
+        hashes = list(request.block_hashes[start:max_hit_blocks])
+        sources = self.tiers.lookup(hashes)[:min(budget, num_free)]
+        slots, reads = self._pin_sources(hashes, sources)
+        sources = sources[:len(slots)]
+        if not sources:
+            return False
+        hashes = hashes[:len(sources)]
+        self.pool.touch(gpu_hits)
+        load_blocks = self.pool.get_new_blocks(len(sources))  # may evict: stores planned
+        job = LoadJob(next(self._ids), slots, [b.block_id for b in load_blocks], reads)
+        tokens = [tuple(request.all_token_ids[(start + i) * self.block_size:
+                                              (start + i + 1) * self.block_size])
+                  for i in range(len(sources))]
+        self._jobs[job.job_id] = _Job(job, request, hashes, tokens, sources,
+                                      list(gpu_hits) + load_blocks, load_blocks)
+        self._job_of[request.request_id] = job.job_id
+        self._plan.loads.append(job)
+        self._step_loads += len(sources)
+        for tier_index in sources:
+            self.tiers.tiers[tier_index].counters.loaded += 1
+        return True
+
+    def _pin_sources(self, hashes: list[BlockHash], sources: list[int]) -> tuple[list[int], list[TierRead]]:
+        """Pins each source block, and reserves a CPU slot for each read from a lower
+        tier; stops at the first block for which no CPU slot can be had. The CPU sources
+        are pinned first, so that reserving a slot for a read never evicts one of them.
+        Returns the CPU slot of each block kept, and the reads."""
+        cpu = self.tiers.cpu
+        for block_hash, tier_index in zip(hashes, sources):
+            if tier_index == 0:
+                cpu.pin(block_hash)
+                cpu.touch(block_hash)
+        slots: list[int] = []
+        reads: list[TierRead] = []
+        for index, (block_hash, tier_index) in enumerate(zip(hashes, sources)):
+            if tier_index == 0:
+                slots.append(cpu.entry(block_hash).slot)
+                continue
+            # Pending in CPU (another job reads it into a slot): not twice.
+            reserved = None if block_hash in cpu else cpu.reserve(block_hash, ready=False)
+            if reserved is None:
+                for later_hash, later_tier in zip(hashes[index:], sources[index:]):
+                    if later_tier == 0:
+                        cpu.unpin(later_hash)
+                break
+            lower = self.tiers.tiers[tier_index]
+            lower.pin(block_hash)
+            lower.touch(block_hash)
+            slots.append(reserved[0].slot)
+            reads.append(TierRead(tier_index, bytes(block_hash), reserved[0].slot))
+        return slots, reads
+
+    def take_ready(self) -> list[Request]:
+        """Requests whose loads finished since the last call, in the order they did."""
+        ready, self._ready = self._ready, []
+        return ready
+
+    def release(self, request: Request) -> None:
+        """The request was admitted: its finished job is forgotten (a later wait, after a
+        preemption, may load again)."""
+        job_id = self._job_of.pop(request.request_id, None)
+        if job_id is not None:
+            job = self._jobs.pop(job_id)
+            if not job.done:
+                raise RuntimeError(f"internal error: request {request.request_id!r} admitted "
+                                   "while its KV load is in flight")
+
+    def abort(self, request: Request) -> None:
+        """The request finished without being admitted again (aborted): a job in flight
+        keeps its blocks until the worker reports it done."""
+        job_id = self._job_of.pop(request.request_id, None)
+        if job_id is None:
+            return
+        job = self._jobs[job_id]
+        if job.done:
+            del self._jobs[job_id]
+            if request in self._ready:
+                self._ready.remove(request)
+        else:
+            job.orphaned = True
+
+    # ------------------------------------------------------------ GPU evictions
+
+    def _on_gpu_evict(self, block_hash: BlockHash, block_id: int) -> None:
+        cpu = self.tiers.cpu
+        if block_hash in cpu:
+            return
+        if len(self._step_store_hashes) >= self.max_blocks_per_step:
+            cpu.counters.dropped += 1
+            return
+        reserved = cpu.reserve(block_hash, ready=True)  # ready: loads queue behind the copy
+        if reserved is None:
+            cpu.counters.dropped += 1
+            return
+        slot = reserved[0].slot
+        self._plan.store_gpu_block_ids.append(block_id)
+        self._plan.store_cpu_slots.append(slot)
+        self._plan.store_hashes.append(bytes(block_hash))
+        self._step_store_hashes.append(block_hash)
+        cpu.counters.stored += 1
+        for tier_index, tier in enumerate(self.tiers.tiers[1:], start=1):
+            if block_hash in tier:
+                continue
+            lower = tier.reserve(block_hash, ready=False)
+            if lower is None:
+                tier.counters.dropped += 1
+                continue
+            self._plan.evictions.extend((tier_index, bytes(h)) for h in lower[1])
+            cpu.pin(block_hash)  # the slot is read by the write
+            write = TierWrite(next(self._ids), tier_index, bytes(block_hash), slot)
+            self._writes[write.op_id] = write
+            self._plan.writes.append(write)
+
+    # ------------------------------------------------------------ worker round trip
+
+    def take_plan(self) -> Optional[KVTransferPlan]:
+        """This step's plan for the worker (None: nothing to do and nothing in flight)."""
+        plan, self._plan = self._plan, KVTransferPlan()
+        if self._step_store_hashes:
+            plan.store_id = next(self._ids)
+            self._store_batches[plan.store_id] = self._step_store_hashes
+        self._step_store_hashes = []
+        self._step_loads = 0
+        if not plan.has_work and self.has_in_flight:
+            plan.poll = True
+        return None if plan.is_empty else plan
+
+    def apply_report(self, report: KVTransferReport) -> None:
+        accumulate_io(self.io_totals, report.io)
+        cpu = self.tiers.cpu
+        for store_id in report.stores_done:
+            for block_hash in self._store_batches.pop(store_id):
+                cpu.unpin(block_hash)
+        for op_id, ok in report.writes_done.items():
+            write = self._writes.pop(op_id)
+            block_hash = BlockHash(write.block_hash)
+            cpu.unpin(block_hash)
+            tier = self.tiers.tiers[write.tier]
+            if ok:
+                tier.commit(block_hash)
+                tier.counters.stored += 1
+            else:
+                tier.unpin(block_hash)
+                tier.remove(block_hash)
+                tier.counters.dropped += 1
+        for job_id, num_intact in report.loads_done.items():
+            self._finish_job(self._jobs[job_id], num_intact)
+
+    def _finish_job(self, job: _Job, num_intact: int) -> None:
+        cpu = self.tiers.cpu
+        for index, (block_hash, tier_index) in enumerate(zip(job.hashes, job.sources)):
+            if tier_index == 0:
+                cpu.unpin(block_hash)
+                continue
+            lower = self.tiers.tiers[tier_index]
+            lower.unpin(block_hash)
+            if index < num_intact:
+                cpu.commit(block_hash)
+                continue
+            cpu.unpin(block_hash)
+            cpu.remove(block_hash)
+            if index == num_intact:  # the read that failed: its copy is bad or gone
+                lower.counters.failed_reads += 1
+                if lower.entry(block_hash).pins == 0:
+                    lower.remove(block_hash)
+        for block, block_hash, tokens in zip(job.load_blocks[:num_intact], job.hashes, job.tokens):
+            self.pool.cache_full_block(block, block_hash, tokens)  # False: cached meanwhile
+        job.done = True
+        self.pool.free_blocks(reversed(job.held))
+        job.held = []
+        if job.orphaned:
+            del self._jobs[job.job.job_id]
+        else:
+            self._ready.append(job.request)
+
+    def stats(self) -> list[dict]:
+        """Per tier, top first: usage, lookups, blocks moved, bytes, latencies."""
+        return [tier_snapshot(tier, self.io_totals.get(tier.name, TierIOTotals()))
+                for tier in self.tiers.tiers]
+
+    # ------------------------------------------------------------ audit
+
+    def audit(self):
+        """The GPU audit counting the jobs' references, and every tier's audit against
+        the transfers in flight; raises AssertionError on any leak or double use."""
+        gpu = self.manager.audit(extra_holders=[job.held for job in self._jobs.values()])
+        cpu_pins: Counter = Counter()
+        lower_pins = [Counter() for _ in self.tiers.tiers]
+        for hashes in self._store_batches.values():
+            cpu_pins.update(hashes)
+        for write in self._writes.values():
+            cpu_pins[BlockHash(write.block_hash)] += 1
+            lower_pins[write.tier][BlockHash(write.block_hash)] += 1
+        for job in self._jobs.values():
+            if job.done:
+                continue
+            for block_hash, tier_index in zip(job.hashes, job.sources):
+                cpu_pins[block_hash] += 1
+                if tier_index:
+                    lower_pins[tier_index][block_hash] += 1
+        self.tiers.cpu.audit(dict(cpu_pins))
+        for tier, pins in zip(self.tiers.tiers[1:], lower_pins[1:]):
+            tier.audit(dict(pins))
+        return gpu
