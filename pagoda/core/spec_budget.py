@@ -32,7 +32,8 @@ from typing import Iterable
 
 # A draft expected to be accepted less often than this is not proposed: it would cost
 # a verification row and proposer work (and, with async scheduling, the request's
-# overlap) for little. Chosen conservatively; see docs/performance.md.
+# overlap) for little. A conservative guess, not a measurement yet: the "adaptive"
+# columns of benchmarks/spec_decode_gpu.py are where to tune it.
 MIN_GAIN = 0.25
 DEFAULT_DECAY = 0.9
 PRIOR_WEIGHT = 4.0
