@@ -47,6 +47,15 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # For the live dashboard (defaults keep hand-made stats short): requests preempted
+    # and waiting to recompute, non-empty steps run and tokens they scheduled (totals),
+    # and the capacities those compare to.
+    num_preempted: int = 0
+    num_steps: int = 0
+    scheduled_tokens: int = 0
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    block_size: int = 0
 
 
 def _gib(num_bytes: int) -> str:
@@ -132,6 +141,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
+        self.num_steps_total = 0  # non-empty steps
+        self.scheduled_tokens_total = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -263,6 +274,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         clock.lap("step_scheduled")
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if self.last_num_scheduled_tokens:
+            self.num_steps_total += 1
+            self.scheduled_tokens_total += self.last_num_scheduled_tokens
         self.executor.execute_model(scheduler_output)
         clock.lap("step_forward_launched")
         if not self.async_scheduling:
@@ -310,7 +324,11 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache_manager.usage, num_blocks=self.num_blocks,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions_total,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            num_preempted=sum(1 for r in self.scheduler.waiting if r.status == RequestStatus.PREEMPTED),
+            num_steps=self.num_steps_total, scheduled_tokens=self.scheduled_tokens_total,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            max_num_seqs=self.scheduler.max_num_seqs, block_size=self.kv_cache_config.block_size)
 
     def audit_kv_cache(self):
         return self.kv_cache_manager.audit()

@@ -35,6 +35,7 @@ class ServerSettings:
     metrics_public: bool = False
     enable_debug_routes: bool = False
     log_requests: bool = False
+    enable_web_ui: bool = True
 
 
 class ServingContext:
