@@ -25,7 +25,8 @@
     const hold = (html) => HOLE + (held.push(html) - 1) + HOLE;
     let s = escaped.replace(/(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/g,
                             (_, ticks, code) => hold("<code>" + code.trim() + "</code>"));
-    s = s.replace(/\[([^\]]+)\]\(([^)\s]+)\)/g, (whole, text, url) => {
+    // A URL may hold one level of balanced parentheses, as Wikipedia's do.
+    s = s.replace(/\[([^\]]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/g, (whole, text, url) => {
       if (!SAFE_URL.test(url)) return text;
       return hold('<a href="' + url + '" target="_blank" rel="noopener noreferrer">') + text + hold("</a>");
     });
