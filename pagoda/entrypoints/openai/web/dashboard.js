@@ -173,7 +173,7 @@
     }
   }
 
-  // Lines of the given series over the last HISTORY_S seconds; y from 0 to the
+  // Lines of the given series over the recent past (see span); y from 0 to the
   // largest value (or fixedMax); a null value breaks its line.
   function drawChart(id, c, series, fixedMax) {
     const canvas = $(id);
@@ -195,7 +195,10 @@
     const pad = { left: 4 * dpr, right: 44 * dpr, top: 6 * dpr, bottom: 4 * dpr };
     const plotW = width - pad.left - pad.right;
     const plotH = height - pad.top - pad.bottom;
-    const x = (t) => pad.left + plotW * (1 - (end - t) / HISTORY_S);
+    // The last minute at least, the last HISTORY_S at most: a dashboard just opened
+    // is not one sliver at the right edge.
+    const span = Math.min(HISTORY_S, Math.max(60, end - history[0].t));
+    const x = (t) => pad.left + plotW * (1 - (end - t) / span);
     const y = (v) => pad.top + plotH * (1 - v / max);
     g.font = 11 * dpr + "px system-ui, sans-serif";
     g.textBaseline = "middle";
