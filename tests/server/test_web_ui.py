@@ -128,6 +128,10 @@ def test_data_routes_need_the_key_and_the_pages_ask_for_it():
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         with client.stream("GET", STREAM_PATH, headers=AUTH) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        # Neither the pages nor the endless stream are API operations (a client generator
+        # or the schema fuzz test must not call them).
+        paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
+        assert not {"/", "/dashboard", STREAM_PATH} & set(paths) and "/v1/models" in paths
     # The page's key dialog, and the script that opens it on a 401.
     assert 'id="key-dialog"' in (WEB_DIR / "chat.html").read_text()
     common = (WEB_DIR / "common.js").read_text()
