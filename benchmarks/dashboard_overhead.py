@@ -57,7 +57,9 @@ class Dashboard(threading.Thread):
     def run(self) -> None:
         import httpx
         try:
-            with httpx.Client(timeout=30) as client, client.stream("GET", self.url + STREAM_PATH) as r:
+            # No read timeout: on a saturated machine a sample can wait for a long step.
+            timeout = httpx.Timeout(30.0, read=None)
+            with httpx.Client(timeout=timeout) as client, client.stream("GET", self.url + STREAM_PATH) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line == "event: stats":
