@@ -55,14 +55,13 @@ class Dashboard(threading.Thread):
         self.error: Exception | None = None
 
     def run(self) -> None:
-        import httpx
+        # urllib, not httpx: the GPU machines have only the standard library for this.
+        import urllib.request
         try:
             # No read timeout: on a saturated machine a sample can wait for a long step.
-            timeout = httpx.Timeout(30.0, read=None)
-            with httpx.Client(timeout=timeout) as client, client.stream("GET", self.url + STREAM_PATH) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line == "event: stats":
+            with urllib.request.urlopen(self.url + STREAM_PATH) as response:
+                for line in response:
+                    if line.strip() == b"event: stats":
                         self.samples += 1
                     if self.stopping.is_set():
                         return
