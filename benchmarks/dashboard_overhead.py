@@ -12,10 +12,12 @@ to /v1/engine/stats/stream, plus the cost of one statistics sample measured dire
    stream's 4 samples/s, and what it holds the engine thread for (one get_stats()).
 
     .venv/bin/python benchmarks/dashboard_overhead.py            # CPU, embedded SmolLM2
-    .venv/bin/python benchmarks/dashboard_overhead.py --smoke    # seconds: checks it runs
-    .venv/bin/python benchmarks/dashboard_overhead.py --server-args "--model llama-3.1-8b \
-        --load-format dummy" --num-prompts 512 --input-len 1024 --output-len 128 \
-        --max-concurrency 256                                    # a GPU
+    .venv/bin/python benchmarks/dashboard_overhead.py --smoke    # a tiny run: checks it works
+    python benchmarks/dashboard_overhead.py --device cuda --model llama-3.1-8b \
+        --load-format dummy --max-model-len 2048 --server-args "--tokenizer SMOLLM2.gguf" \
+        --num-prompts 512 --input-len 1024 --output-len 128 --max-concurrency 256 \
+        --rounds 3                                               # a GPU (a preset shape
+                                                                 # has no tokenizer of its own)
 
 Writes JSON to benchmarks/results/dashboard_overhead[_smoke].json (or --output).
 """
@@ -83,8 +85,13 @@ def bench_serve(url: str, args, result_dir: str, name: str) -> float:
         return float(json.load(f)["output_throughput"])
 
 
+def _model_flags(args) -> list[str]:
+    return [*(["--model", args.model] if args.model else []), "--load-format", args.load_format]
+
+
 def run_ab(args) -> dict:
-    flags = ["--device", args.device, "--max-model-len", str(args.max_model_len), *shlex.split(args.server_args)]
+    flags = ["--device", args.device, "--max-model-len", str(args.max_model_len), *_model_flags(args),
+             *shlex.split(args.server_args)]
     log = os.path.join(tempfile.gettempdir(), "pagoda-dashboard-overhead-server.log")
     proc, url = start_server(flags, log)
     runs: dict[str, list[float]] = {"without": [], "with": []}
@@ -122,7 +129,8 @@ async def _measure_sample(args) -> dict:
     from pagoda.entrypoints.openai.stats_stream import StatsHub
     from pagoda.metrics.recent import RequestLog
 
-    engine = AsyncEngine.from_engine_args(EngineArgs(device=args.device, max_model_len=args.max_model_len))
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=args.model, load_format=args.load_format,
+                                                     device=args.device, max_model_len=args.max_model_len))
     engine.start()
     await engine.wait_ready()
     log = RequestLog()
@@ -164,6 +172,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights of a preset shape")
     ap.add_argument("--server-args", default="", help="more `pagoda serve` flags, one string")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
