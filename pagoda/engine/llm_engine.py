@@ -53,6 +53,15 @@ class EngineStats:
     structured: object = None  # pagoda.structured.stats.StructuredStatsSnapshot
     # Per KV offload tier (top first), KVOffloadManager.stats(); None: offloading is off.
     kv_offload: Optional[list[dict]] = None
+    # For the live dashboard (defaults keep hand-made stats short): requests preempted
+    # and waiting to recompute, non-empty steps run and tokens they scheduled (totals),
+    # and the capacities those compare to.
+    num_preempted: int = 0
+    num_steps: int = 0
+    scheduled_tokens: int = 0
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    block_size: int = 0
 
 
 def _gib(num_bytes: int) -> str:
@@ -150,6 +159,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_num_scheduled_tokens = 0
+        self.num_steps_total = 0  # non-empty steps
+        self.scheduled_tokens_total = 0
 
     def _build_kv_offload(self, config: EngineConfig):
         """The scheduler's side of the KV offload tiers, from the worker's inventory
@@ -323,6 +334,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         clock.lap("step_scheduled")
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if self.last_num_scheduled_tokens:
+            self.num_steps_total += 1
+            self.scheduled_tokens_total += self.last_num_scheduled_tokens
         self.executor.execute_model(scheduler_output)
         clock.lap("step_forward_launched")
         if not self.async_scheduling:
@@ -429,7 +443,11 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
             spec_decode=self._spec_decode_stats(),
             structured=self.structured.stats.snapshot(),
-            kv_offload=None if self.kv_offload is None else self.kv_offload.stats())
+            kv_offload=None if self.kv_offload is None else self.kv_offload.stats(),
+            num_preempted=sum(1 for r in self.scheduler.waiting if r.status == RequestStatus.PREEMPTED),
+            num_steps=self.num_steps_total, scheduled_tokens=self.scheduled_tokens_total,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            max_num_seqs=self.scheduler.max_num_seqs, block_size=self.kv_cache_config.block_size)
 
     def _spec_decode_stats(self):
         planner = self.scheduler.draft_planner

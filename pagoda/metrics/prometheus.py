@@ -15,6 +15,9 @@ apps in one process - as in tests - never clash). Two kinds of metric:
   and hits in blocks, bytes stored and loaded, evicted/dropped blocks, failed reads,
   invalid files, usage, and load/store latency histograms (`pagoda:kv_offload_*`).
 
+`ServerMetrics.recent` (a RequestLog, pagoda/metrics/recent.py) keeps the same
+finished requests for the live dashboard: the latest ones and a latency window.
+
 vLLM name -> Pagoda name: `vllm:X` -> `pagoda:X` (e.g. pagoda:num_requests_running,
 pagoda:kv_cache_usage_perc, pagoda:time_to_first_token_seconds).
 """
@@ -27,6 +30,8 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from pagoda.metrics.recent import RequestLog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -188,6 +193,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.recent = RequestLog()  # the dashboard's recent requests and latency window
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineStatsCollector(model_name)
         self.registry.register(self._engine_collector)
@@ -217,6 +223,7 @@ class ServerMetrics:
 
     def observe_request(self, timings) -> None:
         """Records one finished request (an AsyncEngine RequestTimings)."""
+        self.recent.observe(timings)
         if timings.first_token_time is not None:
             self.ttft.observe(timings.first_token_time - timings.arrival_time)
         for gap in timings.inter_token_latencies:

@@ -15,10 +15,12 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.llm_engine import EngineStats
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.entrypoints.openai.serving_common import ServerSettings
+from pagoda.entrypoints.openai.web_ui import public_paths
 
 from server_harness import API_KEY, metric_value
 
-PUBLIC_ROUTES = {"/health"}
+# The web UI's pages and static files hold no data: public (tests/server/test_web_ui.py).
+PUBLIC_ROUTES = {"/health"} | public_paths()
 
 
 class _FakeEngine:

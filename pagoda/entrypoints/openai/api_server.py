@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: `build_app(engine_client, args)` and `run_server(args)`.
 
 Owns the route table and the process lifecycle. Middlewares, outermost first:
-API key (every route but /health, and /metrics with --metrics-public) -> server
-state (503 while draining, in-flight count) -> request-body size limit -> routes.
+API key (every route but /health, the web UI's static pages and files, and /metrics
+with --metrics-public) -> server state (503 while draining, in-flight count) ->
+request-body size limit -> routes. The web UI (/ and /dashboard, see web_ui.py) and
+its statistics stream (stats_stream.py) are registered here too.
 
 Lifecycle: `run_server` loads the engine before binding the port, so a model that
 cannot load fails with one line and a non-zero exit, and a client that connects
@@ -42,7 +44,9 @@ from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, Serve
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.stats_stream import STREAM_PATH, StatsHub
 from pagoda.entrypoints.openai.trace_middleware import TTFTTraceMiddleware
+from pagoda.entrypoints.openai.web_ui import add_web_ui_routes, public_paths
 from pagoda.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -88,7 +92,9 @@ def settings_from_args(args: Any) -> ServerSettings:
         enable_debug_routes=args.enable_debug_routes,
         log_requests=not args.disable_log_requests,
         tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice)
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_web_ui=not args.disable_web_ui)
+
 
 
 def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, ServerSettings],
@@ -112,10 +118,17 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
     install_error_handlers(app)
     _add_api_routes(app, ctx)
     _add_ops_routes(app, ctx, state)
+    hub = StatsHub(engine_client, metrics.recent, ctx.model_name, is_draining=lambda: state.draining)
+    app.state.stats_hub = hub
+    _add_stats_route(app, hub)
+    if settings.enable_web_ui:
+        add_web_ui_routes(app)
     # add_middleware puts each new one outermost: this order makes auth the first check.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(ServerStateMiddleware, state=state)
     public = {"/health"} | ({"/metrics"} if settings.metrics_public else set())
+    if settings.enable_web_ui:
+        public |= public_paths()  # static files only: they hold no data and no secret
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
     if trace.ENABLED:  # outermost, so the arrival is stamped before any other work
         app.add_middleware(TTFTTraceMiddleware)
@@ -209,6 +222,15 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> No
                     "num_waiting": stats.num_waiting, "num_in_flight": ctx.engine.num_in_flight}
 
 
+def _add_stats_route(app: FastAPI, hub: StatsHub) -> None:
+    # Out of the OpenAPI schema: an endless stream is no operation a client generator
+    # (or the schema fuzz test) should call.
+    @app.get(STREAM_PATH, include_in_schema=False)
+    async def engine_stats_stream():
+        body, close = await hub.stream()
+        return ClosingStreamingResponse(SSEStream(body, close))
+
+
 # ----------------------------------------------------------------------------- process
 
 
@@ -224,6 +246,7 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.drain_deadline: Optional[float] = None
         self.exit_code = 0
+        self.web_ui = False  # log the pages' URLs once ready
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -259,7 +282,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:  # uvicorn exits on a bind failure; this is after a good bind
-            logger.info("ready: %s (OpenAI API at /v1)", _listening_url(self))
+            url = _listening_url(self)
+            logger.info("ready: %s (OpenAI API at /v1)", url)
+            if self.web_ui:
+                logger.info("web UI: chat at %s/, engine dashboard at %s/dashboard", url, url)
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s; the drain ends when nothing is in flight.
@@ -309,5 +335,6 @@ def run_server(args: argparse.Namespace) -> int:
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, app.state.server_state, engine, args.shutdown_timeout)
+    server.web_ui = not args.disable_web_ui
     server.run()
     return server.exit_code

@@ -47,6 +47,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="largest logprobs / top_logprobs a request may ask for (default 20)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+    g.add_argument("--disable-web-ui", action="store_true",
+                   help="do not serve the chat page (/) and the engine dashboard (/dashboard)")
     g.add_argument("--enable-debug-routes", action="store_true",
                    help="add GET /debug/kv_audit (KV block audit; guarded by the API key)")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -80,7 +82,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                    "/metrics, /version).")
+                    "/metrics, /version), with a chat page at / and a live engine dashboard "
+                    "at /dashboard.")
     parser.add_argument("model_tag", nargs="?", default=None,
                         help="the model to serve (same as --model; default: the embedded SmolLM2)")
     add_engine_args(parser)

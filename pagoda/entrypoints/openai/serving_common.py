@@ -38,6 +38,7 @@ class ServerSettings:
     # tool_choice "auto": the parser that finds calls in free text (tool_parsers.py).
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
+    enable_web_ui: bool = True
 
 
 class ServingContext:
