@@ -66,6 +66,14 @@ def test_regex_choice_grammar_and_json_object(llm):
         assert completion.finish_reason == "stop" and check(completion.text), completion.text
 
 
+def test_each_of_n_samples_has_its_own_grammar_state(llm):
+    out, = llm.generate("Pick: ", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16,
+                                                  structured_outputs=SOP(regex="(ab|cd){2}")),
+                        use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert all(re.fullmatch("(ab|cd){2}", c.text) and c.finish_reason == "stop" for c in out.outputs)
+
+
 def test_a_compile_failure_fails_only_its_request(llm):
     params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(json={"type": "nope"})),
               SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(choice=["ok"]))]
