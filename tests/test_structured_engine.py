@@ -66,6 +66,14 @@ def test_regex_choice_grammar_and_json_object(llm):
         assert completion.finish_reason == "stop" and check(completion.text), completion.text
 
 
+def test_each_of_n_samples_has_its_own_grammar_state(llm):
+    out, = llm.generate("Pick: ", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16,
+                                                  structured_outputs=SOP(regex="(ab|cd){2}")),
+                        use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert all(re.fullmatch("(ab|cd){2}", c.text) and c.finish_reason == "stop" for c in out.outputs)
+
+
 def test_a_compile_failure_fails_only_its_request(llm):
     params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(json={"type": "nope"})),
               SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(choice=["ok"]))]
@@ -141,3 +149,40 @@ def test_async_masks_match_sync_masks(llm, think_llm):
     async_ = think_llm.generate([prompt] * 8, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in async_] == [o.outputs[0].token_ids for o in sync]
     assert all(o.outputs[0].finish_reason == "stop" for o in async_)
+
+
+def test_the_async_loop_sleeps_until_a_grammar_is_ready(llm, monkeypatch):
+    """A held request gives the AsyncEngine's loop nothing to do: it takes no step (no
+    spinning) until the compile ends and wakes it."""
+    import asyncio
+
+    from pagoda.engine.async_engine import AsyncEngine
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "shutdown", lambda: None)  # the module's engine lives on
+    compiler = engine.structured.compiler()
+    compiled = compiler.compile(SOP(choice=["late"]))
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    monkeypatch.setattr(compiler, "submit", lambda params: future)
+    steps = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+
+    async def scenario():
+        client = AsyncEngine(lambda: engine)
+        client.start()
+        await client.wait_ready()
+        params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=SOP(choice=["late"]))
+
+        async def consume():
+            return [o async for o in client.generate("Q", params, "held-1")]
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)  # yield once: the task runs up to posting its request
+        # Two round trips through the loop: a loop with work would step between them.
+        assert await client.call_in_loop(lambda e: e.has_unfinished_requests() and not e.has_work())
+        assert await client.call_in_loop(lambda e: len(steps)) == 0
+        future.set_result(compiled)
+        outputs = await task
+        await client.shutdown()
+        return outputs
+    outputs = asyncio.run(scenario())
+    assert "".join(o.outputs[0].text for o in outputs) == "late" and steps

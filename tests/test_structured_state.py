@@ -320,3 +320,26 @@ def test_histogram_is_cumulative():
     assert data.cumulative() == [("0.1", 1), ("1.0", 3), ("+Inf", 4)]
     assert data.count == 4 and data.total == pytest.approx(4.05)
     assert json.loads(json.dumps(data.counts)) == [1, 2, 1]
+
+
+def test_the_engine_default_budget_applies_to_requests_without_one(tmp_path):
+    from think_tokenizer import make_think_tokenizer
+
+    from pagoda.config import EngineArgs, StructuredOutputsConfig
+    from pagoda.model.tokenizer import load_tokenizer
+    with pytest.raises(ValueError, match="thinking_token_budget needs a reasoning_parser"):
+        StructuredOutputsConfig(thinking_token_budget=3)
+    config = EngineArgs(reasoning_parser="qwen3", thinking_token_budget=7,
+                        device="cpu").create_engine_config().structured_outputs
+    assert (config.reasoning_parser, config.thinking_token_budget) == ("qwen3", 7)
+    tokenizer = load_tokenizer(make_think_tokenizer(tmp_path))
+    manager = StructuredOutputManager(tokenizer, VOCAB, "qwen3", default_thinking_token_budget=7)
+    assert (manager.reasoning.start_id, manager.reasoning.end_id) == (8, 9)
+    assert manager.wants(_params()) and manager.thinking_budget(_params()) == 7
+    assert manager.thinking_budget(_params(thinking_token_budget=2)) == 2
+    assert manager.add_request("r", _params(), [8]) is True  # no grammar: ready at once
+    masks = manager.step_bitmasks(_step({"r"}, {}))
+    assert masks == {}  # thinking freely: no row to mask
+    for token in range(7):
+        assert manager.accept("r", [100 + token]) is None
+    assert allowed(manager.step_bitmasks(_step({"r"}, {}))["r"][0]) == {9}

@@ -263,6 +263,8 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)
+                # clone() re-runs __post_init__, which resets the engine-filled stop ids.
+                child_params.all_stop_token_ids = set(params.all_stop_token_ids)
             request = Request(
                 child_id, token_ids, child_params, self.eos_token_id, arrival, priority,
                 group_id=request_id if params.n > 1 else None, sample_index=index)

@@ -135,5 +135,5 @@ def test_extra_sampling_fields_and_unknown_model(client, model):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "json_schema"})  # no schema
     assert info.value.body["param"] == "response_format"

@@ -58,7 +58,7 @@ def test_each_ignored_field_is_logged_once(http, main_server):
 @pytest.mark.parametrize("route,extra,param", [
     ("/v1/chat/completions", {"tools": [{"type": "function"}], "parallel_tool_calls": True}, "tools"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),

@@ -183,6 +183,11 @@ class ChatCompletionRequest(SamplingRequestFields):
                                              "of the call it answers"))
             if message.tool_calls is not None and message.role != "assistant":
                 problems.append(("messages", "only assistant messages carry tool_calls"))
+            for call in message.tool_calls or []:
+                function = call.get("function")
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    problems.append(("messages", "each of an assistant's tool_calls needs a "
+                                                 "function with a name"))
         return problems
 
     def ignored_fields(self) -> list[str]:
