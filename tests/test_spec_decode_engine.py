@@ -133,3 +133,22 @@ def test_ngram_copy_task_takes_fewer_steps(llms):
         steps[mode] = (count, text)
     assert steps["sync"][1] == steps["off"][1]
     assert steps["sync"][0] * 2 <= steps["off"][0], steps
+
+
+def test_constrained_requests_never_draft_and_keep_their_grammar(llms):
+    """A request with an output grammar takes no drafts (its masks follow kept tokens
+    only): on a copy task that drafts a lot unconstrained, the constrained run verifies
+    none, and its text is what speculation off produces, a valid choice."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    prompt = grounded_prompts(llms["off"].get_tokenizer())[0]
+    choices = ["Pagoda keeps the KV cache", "blocks of sixteen tokens"]
+    params = SamplingParams(temperature=0, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    want = llms["off"].generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    engine = llms["sync"].llm_engine
+    before = engine.get_stats().spec_decode.num_draft_tokens
+    got = llms["sync"].generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    assert got == want and got in choices
+    assert engine.get_stats().spec_decode.num_draft_tokens == before
+    assert_all_blocks_free(llms["sync"])

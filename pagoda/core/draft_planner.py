@@ -56,6 +56,9 @@ class DraftPlanner:
         self.budget = budget
         self.max_model_len = max_model_len
         self.host_proposer = host_proposer
+        # Requests that never draft (the engine: those with an output grammar or a
+        # thinking budget, whose masks and forced tokens follow the kept tokens only).
+        self.never_drafts: Callable[[Request], bool] = lambda request: False
         self.stats = SpecDecodingStats()
         self._k: dict[str, int] = {}  # this step's budget per running request
         self._base = 0  # this step's load without drafts (plan_step)
@@ -93,6 +96,8 @@ class DraftPlanner:
     def _room(self, request: Request, extra: int) -> int:
         """Drafts that can still pay off once `extra` more tokens are known: a verify
         step with k drafts yields up to k + 1 tokens."""
+        if self.never_drafts(request):
+            return 0
         left = self.max_model_len - request.num_tokens - extra - 1
         if request.max_tokens is not None:
             left = min(left, request.max_tokens - request.num_output_tokens - extra - 1)

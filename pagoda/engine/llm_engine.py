@@ -152,6 +152,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, info.vocab_size, structured.reasoning_parser,
             structured.thinking_token_budget)
+        if planner is not None:  # grammar masks and forced thinking ends follow kept tokens
+            planner.never_drafts = lambda request: self.structured.wants(request.sampling_params)
         # Requests waiting for their grammar's compile: not in the scheduler yet.
         self._held: dict[str, Request] = {}
         self._ids = itertools.count()
