@@ -64,7 +64,12 @@ def percentile(values: list[float], q: float):
     return ordered[index]
 
 
+_TOKENIZER: list[str] = []  # --tokenizer, once parsed
+
+
 def tokenizer_path() -> str:
+    if _TOKENIZER:
+        return _TOKENIZER[0]
     from pagoda.model.tokenizer import embedded_model_path
     return str(embedded_model_path())
 
@@ -165,6 +170,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     parser.add_argument("--output", default=None, help="JSON file to write")
     parser.add_argument("--workdir", default=None, help="logs, bench results, disk tier")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for the dummy preset (default: the embedded SmolLM2's)")
     parser.add_argument("--configs", default="off,cpu,cpu+disk",
                         help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
     parser.add_argument("--no-restart", action="store_true",
@@ -176,8 +183,11 @@ def main() -> int:
     p = SMOKE if args.smoke else GPU
     flags = list(p["model"])
     if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
+        if args.tokenizer:
+            _TOKENIZER.append(args.tokenizer)
         flags += ["--tokenizer", tokenizer_path()]
     workdir = args.workdir or tempfile.mkdtemp(prefix="pagoda-kv-offload-")
+    os.makedirs(workdir, exist_ok=True)
     disk_dir = os.path.join(workdir, "disk")
     if not args.restart_only:
         shutil.rmtree(disk_dir, ignore_errors=True)
