@@ -180,6 +180,16 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Unregisters a block in use whose KV will never be written (its step was
+        undone); unlike an eviction, no tier is told to keep its contents."""
+        if block.ref_cnt < 1:
+            raise ValueError(f"only a block in use can be uncached, got {block}")
+        if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes one more reference on each block (prefix hits), unlinking free ones."""
         for block in blocks:

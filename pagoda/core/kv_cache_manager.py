@@ -168,13 +168,23 @@ class KVCacheManager:
         start = block_index * self.block_size
         return tuple(request.all_token_ids[start:start + self.block_size])
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_valid_tokens: Optional[int] = None) -> None:
         """Releases the request's blocks, last first, so its tail is evicted first;
-        its hashed blocks stay cached. Unknown requests are ignored."""
+        its hashed blocks stay cached. Unknown requests are ignored.
+
+        num_valid_tokens: the tokens whose KV is written or being written. Blocks past
+        them were registered for a step that will not run (a request preempted in the
+        step that scheduled it): those held by this request alone are unregistered
+        first, so no later request hits KV that was never computed."""
         blocks = self._req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        if not blocks:
+            return
+        if num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size:]:
+                if block.block_hash is not None and block.ref_cnt == 1:
+                    self.block_pool.uncache(block)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached prefixes; False (nothing done) while any block is in use."""

@@ -311,7 +311,9 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        # num_computed_tokens has not advanced for this step yet (schedule() does that
+        # once every decision is made): the blocks this step registered are not valid.
+        self.kv_cache_manager.free(request, num_valid_tokens=request.num_computed_tokens)
         if request.request_id in plan.num_scheduled_tokens:
             plan.unschedule(request)
         request.status = RequestStatus.PREEMPTED

@@ -167,6 +167,21 @@ def test_free_releases_last_block_first_and_is_idempotent():
     assert manager.audit() == BlockPoolAudit(total=6, free=3, cached=3, in_use=0)
 
 
+def test_free_unregisters_blocks_past_the_valid_tokens_of_an_undone_step():
+    # BLOCK = 4: 12 tokens fill blocks 0-2, all registered at allocation; only the
+    # first 5 tokens' KV is valid (the step that was to compute the rest is undone).
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    request = make_request("a", range(12))
+    manager.allocate_slots(request, 12)
+    assert len(manager.block_pool.cached_blocks) == 3
+    manager.free(request, num_valid_tokens=5)
+    assert len(manager.block_pool.cached_blocks) == 1  # block 0 only: tokens 0-3
+    assert manager.audit() == BlockPoolAudit(total=6, free=5, cached=1, in_use=0)
+    again = make_request("b", range(12))
+    hits, num_hit_tokens = manager.get_computed_blocks(again)
+    assert [b.block_id for b in hits] == [0] and num_hit_tokens == 4
+
+
 def test_decode_caches_blocks_as_they_fill():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     request = make_request("a", range(6))
