@@ -146,6 +146,13 @@ def test_other_unsupported_fields_rejected():
         ArchConfig.from_hf_config({**HF_LLAMA, "attention_bias": True})
 
 
+def test_quantized_checkpoints_are_refused_by_name():
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported yet .*'fp8'"):
+        ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": fp8})
+    assert ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": None})
+
+
 def test_hf_config_defaults_and_flags():
     arch = ArchConfig.from_hf_config({**HF_LLAMA, "eos_token_id": [5, 7]})
     assert arch.head_dim == 16 and arch.eos_token_ids == (5, 7)

@@ -140,6 +140,7 @@ class ArchConfig:
     def from_hf_config(cls, config: dict) -> "ArchConfig":
         """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         arch = _hf_architecture(config)
+        _reject_quantized_checkpoint(config)
         _reject_sliding_window(arch, config)
         _reject_unsupported_biases(arch, config)
         heads = config["num_attention_heads"]
@@ -212,6 +213,17 @@ def _hf_mla(arch: str, config: dict) -> Optional[MLAConfig]:
     if arch not in MLA_ARCHITECTURES:
         return None
     return MLAConfig.from_hf_config(arch, config)
+
+
+def _reject_quantized_checkpoint(config: dict) -> None:
+    """A checkpoint with quantized weights (FP8, GPTQ, AWQ, ...) holds scale tensors no
+    layer here can take: refuse it by name instead of failing on its first scale."""
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantized checkpoints are not supported yet (quantization_config "
+                         f"quant_method {method!r}); use an unquantized (bf16/fp16/fp32) "
+                         f"checkpoint")
 
 
 def _reject_sliding_window(arch: str, config: dict) -> None:
