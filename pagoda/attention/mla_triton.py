@@ -27,24 +27,18 @@ from typing import Optional
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
+from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
+                                            checked_graph_buffers, copy_batch_into_graph)
 from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, prefill_attention
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
-class _GraphBuffers:
-    block_size: int
-    query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
-    seq_lens: torch.Tensor  # int32 [max_batch_size]
-    block_tables: torch.Tensor  # int32 [max_batch_size, max_blocks_per_req]
-    slot_mapping: torch.Tensor  # int64 [rows]
+class _MLAGraphBuffers(GraphBuffers):
+    """The shared graph buffers plus each row's request and context length."""
     row_req: torch.Tensor  # int32 [rows]
     row_len: torch.Tensor  # int32 [rows]
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.seq_lens.shape[0]
 
 
 def row_context(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int,
@@ -77,7 +71,7 @@ class MLATritonBackend(MLATorchBackend):
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
-        self._graph: Optional[_GraphBuffers] = None
+        self._graph: Optional[_MLAGraphBuffers] = None
         self._num_sms: dict[int, int] = {}
 
     def build_metadata(self, common: AttentionMetadata) -> MLATritonPlan:
@@ -136,32 +130,19 @@ class MLATritonBackend(MLATorchBackend):
 
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
                               block_size: int, device, max_num_tokens: int = 0) -> None:
-        if max_batch_size < 1 or max_blocks_per_req < 1 or block_size < 1:
-            raise ValueError(f"max_batch_size ({max_batch_size}), max_blocks_per_req "
-                             f"({max_blocks_per_req}) and block_size ({block_size}) must be >= 1")
-        rows = max(max_batch_size, max_num_tokens)
-        self._graph = _GraphBuffers(
-            block_size=block_size,
-            query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(max_batch_size, max_blocks_per_req, dtype=torch.int32,
-                                     device=device),
-            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
-            row_req=torch.zeros(rows, dtype=torch.int32, device=device),
+        shared = allocate_graph_buffers(max_batch_size, max_blocks_per_req, block_size,
+                                        device, max_num_tokens)
+        rows = shared["slot_mapping"].shape[0]
+        self._graph = _MLAGraphBuffers(
+            **shared, row_req=torch.zeros(rows, dtype=torch.int32, device=device),
             row_len=torch.zeros(rows, dtype=torch.int32, device=device))
 
     def metadata_for_capture(self, batch_size: int,
                              num_tokens: Optional[int] = None) -> MLATritonPlan:
-        g = self._graph_buffers(batch_size, num_tokens)
+        g = checked_graph_buffers(self._graph, batch_size, num_tokens)
         rows = batch_size if num_tokens is None else num_tokens
-        common = AttentionMetadata(
-            num_reqs=batch_size, num_actual_tokens=rows,
-            query_start_loc=g.query_start_loc[: batch_size + 1], seq_lens=g.seq_lens[:batch_size],
-            block_tables=g.block_tables[:batch_size], slot_mapping=g.slot_mapping[:rows],
-            max_query_len=1 if num_tokens is None else num_tokens,
-            max_seq_len=1,  # not used to size launches: there are no host copies
-            block_size=g.block_size)
-        plan = MLAPlan(common, None, rows, g.row_req[:rows], g.row_len[:rows])
+        plan = MLAPlan(capture_metadata(g, batch_size, num_tokens), None, rows,
+                       g.row_req[:rows], g.row_len[:rows])
         longest = g.block_tables.shape[1] * g.block_size
         return MLATritonPlan(**vars(plan), num_splits=self._num_splits(plan, longest))
 
@@ -169,40 +150,10 @@ class MLATritonBackend(MLATorchBackend):
                        num_tokens: Optional[int] = None) -> None:
         """Copies a real batch (num_reqs <= batch_size, at most the graph's rows) into
         the buffers and computes each row's request and context length."""
-        g = self._graph_buffers(batch_size, num_tokens)
-        n = metadata.num_reqs
+        g = checked_graph_buffers(self._graph, batch_size, num_tokens)
+        copy_batch_into_graph(g, metadata, batch_size, num_tokens)
         rows = batch_size if num_tokens is None else num_tokens
-        if num_tokens is None and metadata.max_query_len > 1:
-            raise ValueError(f"decode graphs serve decode-only batches; max_query_len is "
-                             f"{metadata.max_query_len}")
-        if n > batch_size or metadata.num_actual_tokens > rows:
-            raise ValueError(f"batch of {n} requests / {metadata.num_actual_tokens} tokens does "
-                             f"not fit the graph of batch_size {batch_size} / {rows} rows")
-        if metadata.block_size != g.block_size:
-            raise ValueError(f"batch has block_size {metadata.block_size}, the graph buffers "
-                             f"{g.block_size}")
-        width = metadata.block_tables.shape[1]
-        if width > g.block_tables.shape[1]:
-            raise ValueError(f"block_tables has {width} columns, graph buffers hold "
-                             f"{g.block_tables.shape[1]} (max_blocks_per_req)")
-        g.query_start_loc[: n + 1].copy_(metadata.query_start_loc[: n + 1], non_blocking=True)
-        g.query_start_loc[n + 1: batch_size + 1].fill_(metadata.num_actual_tokens)
-        g.seq_lens[:n].copy_(metadata.seq_lens[:n], non_blocking=True)
-        g.seq_lens[n:batch_size].fill_(0)
-        g.block_tables[:n, :width].copy_(metadata.block_tables[:n], non_blocking=True)
-        real = min(metadata.slot_mapping.shape[0], rows)
-        g.slot_mapping[:real].copy_(metadata.slot_mapping[:real], non_blocking=True)
-        g.slot_mapping[real:rows].fill_(-1)
-        req, length = row_context(metadata.query_start_loc, metadata.seq_lens, n, rows)
+        req, length = row_context(metadata.query_start_loc, metadata.seq_lens,
+                                  metadata.num_reqs, rows)
         g.row_req[:rows].copy_(req)
         g.row_len[:rows].copy_(length)
-
-    def _graph_buffers(self, batch_size: int, num_tokens: Optional[int] = None) -> _GraphBuffers:
-        if self._graph is None:
-            raise RuntimeError("call init_cuda_graph_state() before capturing or replaying")
-        if not 1 <= batch_size <= self._graph.max_batch_size:
-            raise ValueError(f"batch_size {batch_size} is outside [1, {self._graph.max_batch_size}]")
-        rows = self._graph.slot_mapping.shape[0]
-        if num_tokens is not None and not batch_size <= num_tokens <= rows:
-            raise ValueError(f"num_tokens {num_tokens} is outside [batch_size, {rows}]")
-        return self._graph
