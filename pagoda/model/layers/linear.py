@@ -11,6 +11,12 @@ partial sums through pagoda.distributed (the identity in a group of one).
 - QKVParallelLinear: q, k, v in one matmul, split by heads; shard ids "q", "k", "v".
 - RowParallelLinear: input dim split; the partial sums are all-reduced, then the
   (replicated) bias is added once.
+
+How the weight is stored and multiplied is the layer's ``quant_method``
+(pagoda.model.quant: unquantized by default, set before materialising by
+``set_quant_method``). Each layer only says which slice of a checkpoint tensor is its
+own (``shard_plan``); ``load_sharded`` applies that to whatever parameters the method
+made (a float weight, FP8 weights and their scales, packed blocks).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
-from pagoda.model.layers.matmul import linear
+from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, REPLICATED_DIMS, LinearMethod,
+                                     ShardDims, ShardPlan, load_sharded, set_shard_dims)
+from pagoda.model.quant.unquantized import UNQUANTIZED
 
 ShardId = Union[int, str, None]
 
@@ -111,27 +119,58 @@ def materialize_module(module: nn.Module, device: torch.device | str,
 
 
 class LinearBase(nn.Module):
-    """Holds weight [out_per_rank, in_per_rank] and optional bias [out_per_rank]."""
+    """Holds its quant method's weight parameters (unquantized: weight [out_per_rank,
+    in_per_rank]) and an optional float bias [out_per_rank]."""
+
+    # The dims a column layer's bias follows (a row layer's bias is replicated).
+    bias_dims: ShardDims = OUTPUT_VECTOR_DIMS
 
     def __init__(self, in_per_rank: int, out_per_rank: int, bias: bool,
-                 tp_rank: int, tp_size: int) -> None:
+                 tp_rank: int, tp_size: int, num_shards: int = 1) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
-        self.weight.weight_loader = LayerWeightLoader(self)
+        self.in_per_rank, self.out_per_rank, self.num_shards = in_per_rank, out_per_rank, num_shards
+        self._method_params: list[str] = []
+        self.set_quant_method(UNQUANTIZED)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_per_rank), requires_grad=False)
-            self.bias.weight_loader = LayerWeightLoader(self)
+            self.register_weight("bias", torch.empty(out_per_rank), self.bias_dims,
+                                 from_method=False)
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def register_weight(self, name: str, tensor: torch.Tensor, dims: ShardDims,
+                        keep_dtype: bool = False, from_method: bool = True) -> nn.Parameter:
+        """Registers a parameter the checkpoint fills through this layer's loader."""
+        param = set_shard_dims(nn.Parameter(tensor, requires_grad=False), dims)
+        param.weight_loader = LayerWeightLoader(self)
+        if keep_dtype:
+            param.keep_dtype = True
+        self.register_parameter(name, param)
+        if from_method:
+            self._method_params.append(name)
+        return param
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Replaces the weight parameters with method's (before materialising: the old
+        ones must not have been loaded yet)."""
+        for name in self._method_params:
+            delattr(self, name)
+        self._method_params = []
+        self.quant_method = method
+        method.create_weights(self, self.in_per_rank, self.out_per_rank, self.num_shards)
+
+    def shard_plan(self, shard_id: ShardId) -> ShardPlan:
+        """Which part of the checkpoint tensor for shard_id this rank loads."""
         raise NotImplementedError
 
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: ShardId = None) -> None:
+        load_sharded(param, loaded_weight, self.shard_plan(shard_id),
+                     f"{type(self).__name__}" + ("" if shard_id is None else f" shard {shard_id}"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -141,13 +180,11 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias,
                          tp_rank, tp_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if shard_id is not None:
             raise ValueError(f"ColumnParallelLinear takes no shard_id, got {shard_id!r}")
-        rows = param.shape[0]
-        copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * rows, rows),
-                     "ColumnParallelLinear")
+        rows = self.out_per_rank
+        return ShardPlan(out=(self.tp_rank * rows, rows, 0))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -158,18 +195,16 @@ class MergedColumnParallelLinear(LinearBase):
         check_tp(tp_rank, tp_size)
         self.output_sizes = list(output_sizes)
         self.rank_sizes = [divide(s, tp_size, "output size") for s in self.output_sizes]
-        super().__init__(input_size, sum(self.rank_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(self.rank_sizes), bias, tp_rank, tp_size,
+                         num_shards=len(self.output_sizes))
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs shard_id in "
                              f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         size = self.rank_sizes[shard_id]
         offset = sum(self.rank_sizes[:shard_id])
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src,
-                     f"MergedColumnParallelLinear shard {shard_id}")
+        return ShardPlan(out=(self.tp_rank * size, size, offset), shard_index=shard_id)
 
 
 class QKVParallelLinear(LinearBase):
@@ -190,22 +225,19 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp_rank // (tp_size // num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, tp_rank, tp_size,
+                         num_shards=3)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def shard_plan(self, shard_id: ShardId) -> ShardPlan:
+        kv_start = self.kv_head_start * self.head_dim
         if shard_id == "q":
-            offset, size, src_start = 0, self.q_size, self.tp_rank * self.q_size
-        elif shard_id == "k":
-            offset, size = self.q_size, self.kv_size
-            src_start = self.kv_head_start * self.head_dim
-        elif shard_id == "v":
-            offset, size = self.q_size + self.kv_size, self.kv_size
-            src_start = self.kv_head_start * self.head_dim
-        else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        src = loaded_weight.narrow(0, src_start, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"QKVParallelLinear shard {shard_id}")
+            return ShardPlan(out=(self.tp_rank * self.q_size, self.q_size, 0), shard_index=0)
+        if shard_id == "k":
+            return ShardPlan(out=(kv_start, self.kv_size, self.q_size), shard_index=1)
+        if shard_id == "v":
+            return ShardPlan(out=(kv_start, self.kv_size, self.q_size + self.kv_size),
+                             shard_index=2)
+        raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -214,6 +246,8 @@ class RowParallelLinear(LinearBase):
     product is all-reduced, and the bias, replicated, is added once, after the reduce.
     reduce_results=False returns the partial product (no bias allowed): the caller sums
     it with other partials in one all-reduce (an MoE's shared and routed experts)."""
+
+    bias_dims = REPLICATED_DIMS
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
@@ -225,22 +259,17 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias,
                          tp_rank, tp_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear takes no shard_id, got {shard_id!r}")
-        if param.dim() == 1:  # bias: replicated
-            copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
-            return
-        cols = param.shape[1]
-        copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * cols, cols),
-                     "RowParallelLinear")
+        cols = self.in_per_rank
+        return ShardPlan(inp=(self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:  # no collective, bias fused
-            return linear(x, self.weight, self.bias)
+            return self.quant_method.apply(self, x, self.bias)
         check_tp_group("RowParallelLinear", self.tp_rank, self.tp_size)
-        out = tp_all_reduce(linear(x, self.weight))
+        out = tp_all_reduce(self.quant_method.apply(self, x))
         if self.bias is not None:
             out += self.bias  # added to the sum, not to each partial (that would add it N times)
         return out

@@ -1,0 +1,159 @@
+"""The quantization seam: how one linear layer stores, loads, shards and multiplies.
+
+A ``QuantConfig`` (chosen by ``--quantization`` or by a checkpoint's own
+``quantization_config``) hands each linear layer a ``LinearMethod``. The method
+registers the layer's weight parameters (``create_weights``), turns what was loaded
+into the layout its kernel wants (``process_weights_after_loading``: online
+quantization of a float checkpoint, repacking of file blocks), and multiplies
+(``apply``). Layers keep what is the same for every method: which slice of a
+checkpoint tensor belongs to this tensor-parallel rank, the all-reduce, the bias.
+
+Sharding is generic: every parameter a method creates says, in its ``ShardDims``,
+which of its dims follow the layer's output rows and input columns, and how many
+logical rows/columns one stored index covers (a 128x128 block scale covers 128 of
+each; GGUF blocks cover 32 input columns). The layer's loader computes a ``ShardPlan``
+in logical units once per shard and ``load_sharded`` applies it to any parameter.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardDims:
+    """How a parameter's dims map onto its layer's logical [output, input] weight.
+
+    output_dim/input_dim: the dim that follows the output rows / input columns, or None
+    (the parameter is the same on every rank along that axis, e.g. a per-channel scale
+    of a row-parallel layer has no input dim). output_block/input_block: logical rows or
+    columns per stored index. per_shard: a [num_shards] vector holding one value per
+    merged shard (per-tensor scales of q/k/v or gate/up); the loader writes the shard's
+    scalar at its index.
+    """
+
+    output_dim: Optional[int] = None
+    input_dim: Optional[int] = None
+    output_block: int = 1
+    input_block: int = 1
+    per_shard: bool = False
+
+
+# A weight [out, in]; a column layer's bias [out]; a replicated tensor.
+WEIGHT_DIMS = ShardDims(output_dim=0, input_dim=1)
+OUTPUT_VECTOR_DIMS = ShardDims(output_dim=0)
+REPLICATED_DIMS = ShardDims()
+
+
+def set_shard_dims(param: nn.Parameter, dims: ShardDims) -> nn.Parameter:
+    param.shard_dims = dims
+    return param
+
+
+def shard_dims_of(param: nn.Parameter) -> ShardDims:
+    dims = getattr(param, "shard_dims", None)
+    if dims is None:
+        raise ValueError("parameter has no shard_dims: its linear method must set them")
+    return dims
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which part of one checkpoint tensor this rank loads, in logical units.
+
+    out: (first source row, number of rows, first destination row) or None (all rows,
+    as for a row-parallel layer); inp: (first source column, number of columns) or None;
+    shard_index: the merged shard (0 for an unmerged layer), for per-shard parameters.
+    """
+
+    out: Optional[tuple[int, int, int]] = None
+    inp: Optional[tuple[int, int]] = None
+    shard_index: int = 0
+
+
+def _narrow_blocks(tensor: torch.Tensor, dim: int, start: int, size: int, block: int,
+                   what: str) -> torch.Tensor:
+    if start % block != 0:
+        raise ValueError(f"{what}: shard starts at {start}, not on a block of {block}")
+    return tensor.narrow(dim, start // block, -(-size // block))
+
+
+def load_sharded(param: nn.Parameter, loaded: torch.Tensor, plan: ShardPlan, what: str) -> None:
+    """Copies this rank's part of the checkpoint tensor ``loaded`` into ``param``."""
+    dims = shard_dims_of(param)
+    dst, src = param.data, loaded
+    if dims.per_shard:
+        if src.numel() != 1:
+            raise ValueError(f"{what}: a per-tensor value must hold one element, got shape "
+                             f"{tuple(src.shape)}")
+        dst = dst.narrow(0, plan.shard_index, 1)
+        src = src.reshape(1)
+    else:
+        if plan.out is not None and dims.output_dim is not None:
+            start, size, offset = plan.out
+            src = _narrow_blocks(src, dims.output_dim, start, size, dims.output_block, what)
+            dst = _narrow_blocks(dst, dims.output_dim, offset, size, dims.output_block, what)
+        if plan.inp is not None and dims.input_dim is not None:
+            start, size = plan.inp
+            src = _narrow_blocks(src, dims.input_dim, start, size, dims.input_block, what)
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match "
+                         f"parameter shape {tuple(dst.shape)}")
+    if dst.dtype != src.dtype and not (dst.is_floating_point() and src.is_floating_point()):
+        raise ValueError(f"{what}: checkpoint dtype {src.dtype} cannot be stored in a "
+                         f"{dst.dtype} parameter")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class LinearMethod(ABC):
+    """How one linear layer's weight is stored and multiplied. One instance may serve
+    many layers: per-layer state lives on the layer (its parameters and buffers)."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
+                       num_shards: int) -> None:
+        """Registers the layer's weight parameters (not the bias) on the meta device,
+        each with ``shard_dims`` and ``weight_loader = LayerWeightLoader(layer)``; a
+        parameter whose dtype is not the model's sets ``keep_dtype = True``.
+        num_shards: how many checkpoint tensors are merged into this layer (q/k/v: 3)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turns the loaded parameters into the layout apply() wants (default: as is)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [M, in_per_rank] -> [M, out_per_rank] (+ bias), in x's dtype."""
+
+
+class QuantConfig(ABC):
+    """One quantization scheme: which layers it covers and the method of each."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+        """The method for the linear layer named prefix (e.g.
+        'model.layers.0.self_attn.qkv_proj'); None keeps it unquantized."""
+
+    def lm_head_method(self) -> Optional[LinearMethod]:
+        """The method for the LM head, or None (unquantized). It must quantize from the
+        float weight after loading (the head may share its weight with the embedding)."""
+        return None
+
+    def check_device(self, device: torch.device) -> None:
+        """Raises ValueError when this scheme cannot run on device."""
+
+    def check_model_dtype(self, dtype: torch.dtype) -> None:
+        """Raises ValueError when the activations' dtype does not suit this scheme."""
+
+    def describe(self) -> str:
+        return self.name
