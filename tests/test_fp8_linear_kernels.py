@@ -223,7 +223,7 @@ def test_fp8_linear_is_close_to_the_float_matmul(kq, kl):
         assert rel < 0.06, rel
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 40])  # 40: a 64-row tile, past the dispatch's 16
 def test_w8a16_split_k(kq, kl, m):
     w, s = _weights(kq, 48, 700)
     x = _rand(m, 700, seed=3)

@@ -23,6 +23,8 @@ compute the same thing. Outputs are allocated from shapes only (CUDA-graph captu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -42,11 +44,14 @@ from pagoda.kernels.fp8_quant import (
 # quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at
 # this size; benchmarks/fp8_gemm.py measures the crossover on the H200 (it prints it).
 W8A16_MAX_M = 16
+# The most rows w8a16_linear takes (one program holds all rows' accumulators).
+W8A16_ROWS_LIMIT = 64
 
 # W8A16 tiles. BLOCK_M = 1: an FMA-and-reduce GEMV over a [BLOCK_N, BLOCK_K] tile (no
-# padding rows); 2..16 rows: tl.dot on a 16-row tile (the minimum), the weight tile read
-# once for all rows. Narrow BLOCK_N gives batch-1 GEMVs enough programs to keep every SM
-# streaming (N = 4096 -> 256 programs); SPLIT_K > 1 adds programs along K and a reduce.
+# padding rows); 2..64 rows: tl.dot on one tile of all rows (16 at least, tl.dot's
+# minimum), so the weight tile is read once for all of them. Narrow BLOCK_N gives batch-1
+# GEMVs enough programs to keep every SM streaming (N = 4096 -> 256 programs); SPLIT_K > 1
+# adds programs along K and a reduce. Untuned guesses: benchmarks/fp8_gemm.py --sweep.
 W8A16_GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4)
 W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
 # W8A8 GEMM tiles (fp8 tl.dot): 64-row tiles for mid M, 128 beyond.
@@ -186,13 +191,13 @@ def _fit_block_k(block_k: int, group_k: int, minimum: int) -> int:
 def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias=None,
                  out_dtype=None, block: tuple[int, int] | None = None, config=None
                  ) -> torch.Tensor:
-    """x [M <= 16, K] -> [M, N] with weights dequantized in registers. block=None: scale
-    [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)] (BLOCK_K must divide
-    bk). Arguments are checked by the public entry points."""
+    """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
+    block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
+    (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries."""
     m, k = x.shape
     n = w_fp8.shape[0]
-    if m > 16:
-        raise ValueError(f"w8a16_linear handles at most 16 rows, got {m}")
+    if not 0 < m <= W8A16_ROWS_LIMIT:
+        raise ValueError(f"w8a16_linear takes 1 to {W8A16_ROWS_LIMIT} rows, got {m}")
     cfg = dict(config or (W8A16_GEMV_CONFIG if m == 1 else W8A16_DOT_CONFIG))
     split_k = cfg.pop("SPLIT_K")
     bn, bk = block if block is not None else (1, 1)
@@ -208,7 +213,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         scale.stride(0), scale.stride(1) if block is not None else 0,
         SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=1 if m == 1 else 16, **cfg)
+        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)), **cfg)
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
@@ -303,12 +308,17 @@ def w8a8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
 
 
 # ------------------------------------------------------------ _scaled_mm path ------
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def scaled_mm_usable(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm's rowwise FP8 GEMM takes this case as is: a CUDA device of
     compute capability >= 8.9; K and N multiples of 16 (cuBLASLt / CUTLASS alignment: the
     column-major weight's leading dimension is K); a 16-byte-aligned contiguous weight
     (w_fp8.t() is then column-major, as required); a bf16/fp16 output."""
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 9):
+    if x.device.type != "cuda" or _capability(x.device.index) < (8, 9):
         return False
     n, k = w_fp8.shape
     return (k % 16 == 0 and n % 16 == 0 and w_fp8.is_contiguous()
