@@ -293,6 +293,8 @@ def test_rejected_arguments(kq, kl):
         kl.fp8_linear(x, w.float(), s)
     with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
         kl.fp8_linear(_rand(2, 32), w, s)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        kl.fp8_linear(x, w.view(24, 8, 8), s)
     with pytest.raises(ValueError, match="bias must have shape"):
         kl.fp8_linear(x, w, s, bias=_rand(5))
     wb, sb = kq.quantize_weight_blockwise(_rand(24, 64), (16, 16))

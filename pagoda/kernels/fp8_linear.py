@@ -70,6 +70,12 @@ def _flatten(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _weight_shape(w_fp8: torch.Tensor, what: str) -> tuple[int, int]:
+    if w_fp8.dim() != 2:
+        raise ValueError(f"{what}: w_fp8 must be 2-D [N, K], got {tuple(w_fp8.shape)}")
+    return int(w_fp8.shape[0]), int(w_fp8.shape[1])
+
+
 def _check_fp8_weight(w_fp8: torch.Tensor, x: torch.Tensor, what: str) -> None:
     if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2 or w_fp8.stride(1) != 1:
         raise ValueError(f"{what}: w_fp8 must be a [N, K] float8_e4m3fn tensor with "
@@ -342,7 +348,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] = x @ (w_fp8 * w_scale[:, None]).T (+ bias), in out_dtype
     (default x.dtype). w_fp8 [N, K] float8_e4m3fn, w_scale [N] (or [N, 1]) float32."""
-    n, k = w_fp8.shape
+    n, k = _weight_shape(w_fp8, "fp8_linear")
     x2 = _flatten(x, k, "fp8_linear")
     _check_fp8_weight(w_fp8, x2, "fp8_linear")
     _check_bias(bias, n, "fp8_linear")
@@ -369,7 +375,7 @@ def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_blocks: torch
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] with block-scaled weights: w_scale_blocks [ceil(N/bn),
     ceil(K/bk)]. Above W8A16_MAX_M rows the activation is quantized in groups of bk."""
-    n, k = w_fp8.shape
+    n, k = _weight_shape(w_fp8, "fp8_block_linear")
     x2 = _flatten(x, k, "fp8_block_linear")
     _check_fp8_weight(w_fp8, x2, "fp8_block_linear")
     _check_bias(bias, n, "fp8_block_linear")
