@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from pagoda.kernels import fp8_linear as kernels
+from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
 from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, LinearMethod,
                                      QuantConfig, ShardDims)
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
 
 
@@ -54,7 +55,8 @@ def check_fp8_activation_dtype(dtype: torch.dtype) -> None:
 
 
 def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Swaps a loaded parameter for its processed form (never loaded again)."""
+    """Swaps a loaded parameter for its processed form (never loaded again); the old
+    storage is freed once nothing else holds it."""
     delattr(layer, name)
     layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
@@ -63,6 +65,27 @@ def spread_per_shard(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.
     """[num_shards] per-tensor values -> [sum(shard_sizes)] one per output channel."""
     sizes = torch.tensor(list(shard_sizes), device=values.device)
     return torch.repeat_interleave(values.float(), sizes)
+
+
+def linear_static_input(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                        input_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """W8A8 with the checkpoint's per-tensor activation scale. Decode sizes take the
+    W8A16 kernel like the dynamic scheme (the activation is not quantized there)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], w_fp8.shape[0]
+    if x2.is_cuda and m <= kernels.W8A16_MAX_M:
+        return kernels.fp8_linear(x, w_fp8, w_scale, bias)
+    x_fp8 = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_scale = input_scale.float().reshape(1, 1).expand(m, 1).contiguous()
+    if kernels.scaled_mm_usable(x2, w_fp8, x.dtype):
+        out = kernels.scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    elif x2.is_cuda:
+        out = kernels.w8a8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    else:  # the torch reference (CPU)
+        out = (x_fp8.float() * x_scale) @ dequantize_per_channel(w_fp8, w_scale).t()
+        out = (out if bias is None else out + bias.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
 
 
 class Fp8OnlineLinearMethod(LinearMethod):
@@ -75,7 +98,7 @@ class Fp8OnlineLinearMethod(LinearMethod):
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight, scale = kernels.quantize_weight_per_channel(layer.weight.data)
+        weight, scale = quantize_weight_per_channel(layer.weight.data)
         _replace(layer, "weight", weight)
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
 
@@ -136,8 +159,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if self.strategy == "block":
             return kernels.fp8_block_linear(x, layer.weight, scale, self.block, bias)
         if self.static_input:
-            return kernels.fp8_linear_static_input(x, layer.weight, scale, layer.input_scale,
-                                                   bias)
+            return linear_static_input(x, layer.weight, scale, layer.input_scale, bias)
         return kernels.fp8_linear(x, layer.weight, scale, bias)
 
 
