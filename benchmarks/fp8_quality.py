@@ -55,7 +55,7 @@ def run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str)
     import torch
     from pagoda import LLM, SamplingParams
     llm = LLM(model, device=device, max_model_len=1024, gpu_memory_utilization=0.35,
-              enforce_eager=device == "cpu", skip_tokenizer_init=True, **kwargs)
+              enforce_eager=True, skip_tokenizer_init=True, **kwargs)
     scored = llm.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0),
                           use_tqdm=False)

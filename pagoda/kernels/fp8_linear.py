@@ -52,8 +52,22 @@ W8A16_ROWS_LIMIT = 64
 # minimum), so the weight tile is read once for all of them. Narrow BLOCK_N gives batch-1
 # GEMVs enough programs to keep every SM streaming (N = 4096 -> 256 programs); SPLIT_K > 1
 # adds programs along K and a reduce. Untuned guesses: benchmarks/fp8_gemm.py --sweep.
-W8A16_GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4)
+W8A16_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4)
 W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+
+
+def w8a16_config(m: int, n: int, k: int) -> dict:
+    """The W8A16 tiles for an [m, k] x [n, k] product, from the H200 sweeps
+    (docs/performance.md): batch 1 reads 8 rows x 512 columns per step (1024 for a long
+    K such as down_proj's), 32 x 256 for a vocabulary-wide N; 2..16 rows split a long K
+    four ways (two for K <= 4096)."""
+    if m == 1:
+        if n >= 65536:
+            return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+        return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512)
+    if n >= 65536:
+        return dict(W8A16_DOT_CONFIG)
+    return dict(W8A16_DOT_CONFIG, SPLIT_K=4 if k >= 8192 else 2)
 # W8A8 GEMM tiles (fp8 tl.dot): 64-row tiles for mid M, 128 beyond.
 W8A8_SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4,
                          num_stages=4)
@@ -115,9 +129,13 @@ def _w8a16_kernel(
     SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
-    partial sums part[k split, :, n block]. The weights are read once for all M rows."""
+    partial sums part[k split, :, n block]. The weights are read once for all M rows.
+    EVEN_K / EVEN_N: no tile is cut by K's / N's end, so the weight loads carry no
+    mask along that axis (a mask Triton cannot prove uniform splits the 16-byte vector
+    loads into narrower ones: the GEMV then falls far short of the memory bandwidth)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,10 +148,17 @@ def _w8a16_kernel(
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows[:, None] + (k0 + offs_k)[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
+            if EVEN_K:
+                x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+                if EVEN_N:
+                    w = tl.load(w_ptrs).to(tl.float32)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            else:
+                k_ok = offs_k < k_end - k0
+                x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if SCALE_BLOCKED:
                 s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
                             mask=n_ok, other=0.0)
@@ -144,11 +169,18 @@ def _w8a16_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         for k0 in range(k_start, k_end, BLOCK_K):
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_rows + (k0 + offs_k)[None, :],
-                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
+            if EVEN_K:
+                x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < k_end - k0
+                x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                            mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             part = tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
             if SCALE_BLOCKED:
                 s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
@@ -204,7 +236,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     n = w_fp8.shape[0]
     if not 0 < m <= W8A16_ROWS_LIMIT:
         raise ValueError(f"w8a16_linear takes 1 to {W8A16_ROWS_LIMIT} rows, got {m}")
-    cfg = dict(config or (W8A16_GEMV_CONFIG if m == 1 else W8A16_DOT_CONFIG))
+    cfg = dict(config or w8a16_config(m, n, k))
     split_k = cfg.pop("SPLIT_K")
     bn, bk = block if block is not None else (1, 1)
     if block is not None:
@@ -219,7 +251,9 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         scale.stride(0), scale.stride(1) if block is not None else 0,
         SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)), **cfg)
+        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
+        EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, **cfg)
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
