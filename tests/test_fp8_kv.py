@@ -228,12 +228,14 @@ def test_engine_fp8_kv_holds_more_tokens_and_matches_fake_quantized_kv(tiny_llam
     assert [layer.self_attn.attn.kv_scales.tolist()
             for layer in runner_of(fp8).model.model.layers] == [[1.0, 1.0]] * 2
     tokens_auto, lp_auto = generate(auto)
-    tokens_fp8, lp_fp8 = generate(fp8)
+    # Steps of at most 16 tokens: the 20-token prompt is prefilled in two chunks, the
+    # second attending to the first's FP8 entries; then decode steps read them all.
+    tokens_fp8, lp_fp8 = generate(llm(tiny_llama, kv_cache_dtype="fp8",
+                                      max_num_batched_tokens=16))
     # Against an engine whose float32 cache holds the same e4m3-rounded values: the
-    # same greedy tokens, logprobs equal up to float32 rounding (chunked prefill,
-    # prefix-cache hits and decode steps all read the FP8 bytes).
+    # same greedy tokens, logprobs equal up to float32 rounding.
     fake_quantized_store(monkeypatch)
-    tokens_ref, lp_ref = generate(llm(tiny_llama))
+    tokens_ref, lp_ref = generate(llm(tiny_llama, max_num_batched_tokens=16))
     assert tokens_fp8 == tokens_ref
     torch.testing.assert_close(lp_fp8, lp_ref, atol=1e-4, rtol=1e-4)
     # Against unquantized float32 KV: this sharp random model (weights of std 0.2) moves
