@@ -21,6 +21,10 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 BLOCK_SIZES = (8, 16, 32, 64)
+# KV cache storage (vLLM's --kv-cache-dtype): "auto" = the model's dtype; "fp8" and
+# "fp8_e4m3" = float8 e4m3 with a per-layer K and V scale. fp8_e5m2 is named so it can
+# be refused with a reason rather than as an unknown value.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # "mp": one worker process per GPU on this host; "ray" is vLLM's name for workers placed
 # by Ray (several hosts): accepted here, refused when the engine starts (not available).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -92,9 +96,16 @@ class CacheConfig:
     kv_offloading_disk_path: Optional[str] = None
     kv_offloading_disk_size: Optional[float] = None
     kv_offloading_tier: Optional[str] = None
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 entries, one K and one
+    # V scale per layer (the GPU needs FP8: compute capability >= 8.9; checked by the worker).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
+        _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
+        if self.cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Pagoda stores FP8 KV "
+                             "as e4m3 with per-layer scales; use kv_cache_dtype fp8 (or fp8_e4m3)")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise _fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check_positive_int("kv_cache_memory", self.kv_cache_memory)
@@ -366,6 +377,7 @@ class EngineArgs:
     kv_offloading_disk_path: Optional[str] = None
     kv_offloading_disk_size: Optional[float] = None
     kv_offloading_tier: Optional[str] = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     scheduling_policy: str = "fcfs"
@@ -428,7 +440,8 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
                               self.enable_prefix_caching, self.num_gpu_blocks_override,
                               self.kv_offloading_size, self.kv_offloading_disk_path,
-                              self.kv_offloading_disk_size, self.kv_offloading_tier),
+                              self.kv_offloading_disk_size, self.kv_offloading_tier,
+                              cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
                                       self.enable_chunked_prefill, async_scheduling),
             parallel=parallel,

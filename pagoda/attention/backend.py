@@ -21,6 +21,9 @@ Layout contract (all backends):
   last query_lens[i] of them (context_lens[i] = seq_lens[i] - query_lens[i] tokens are
   already in the cache: earlier chunks, earlier decodes or prefix-cache hits).
 - Attention is causal: query row for position p attends to positions 0..p.
+- An FP8 cache (float8_e4m3fn, kv_cache_dtype fp8) holds entries divided by the layer's
+  scales: ``forward`` then gets ``kv_scales`` (float32 [k_scale, v_scale] on the
+  device) and reads K as stored * k_scale, V as stored * v_scale (attention/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # this layer's cache, k/v of this step already stored
         metadata: BackendMetadata,  # from build_metadata / metadata_for_capture
+        kv_scales: Optional[torch.Tensor] = None,  # an FP8 cache's [k_scale, v_scale]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attends q to each request's whole context in kv_cache."""
 

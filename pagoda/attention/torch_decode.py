@@ -18,7 +18,10 @@ since every layer of one forward sees the same metadata and caches of the same s
 
 Per layer, ``decode_attention`` then costs two small copies, two batched matmuls over
 the workspace and a softmax. Same arithmetic as the reference (float32, scores scaled
-then masked to -inf), checked against it in tests/test_torch_decode.py.
+then masked to -inf), checked against it in tests/test_torch_decode.py. An FP8 cache's
+workspace holds the stored bytes (copied as uint8); its K scale is folded into the
+score scale and its V scale applied to the output (the reference dequantizes instead:
+equal up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from pagoda.attention.backend import AttentionMetadata, BackendMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace, SlotAssignment
+from pagoda.attention.kv_quant import as_bits, is_fp8
 
 
 @dataclass
@@ -120,15 +124,18 @@ def _as_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-                     workspace: DecodeWorkspace, scale: float) -> torch.Tensor:
+                     workspace: DecodeWorkspace, scale: float,
+                     kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
-    in float32. When plan.all_rows, T == B and the result is the whole output."""
+    in float32. When plan.all_rows, T == B and the result is the whole output.
+    kv_scales: an FP8 cache's [k_scale, v_scale]."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     k_ws, v_ws, carry = workspace.buffers(kv_cache, plan.assignment)
     src, dst = plan.carry_copy if carry else plan.full_copy
-    cache = kv_cache.view(2, -1, head_dim)
-    k_ws.view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
-    v_ws.view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
+    cache = as_bits(kv_cache).view(2, -1, head_dim)  # FP8: bytes (no float8 index_copy_)
+    as_bits(k_ws).view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
+    as_bits(v_ws).view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
+    fp8 = is_fp8(kv_cache.dtype)
     k = _as_float32(k_ws[:, :, :plan.max_len])  # [S, Hkv, L, D] views, no copy in fp32
     v = _as_float32(v_ws[:, :, :plan.max_len])
     num_slots, group = plan.assignment.num_slots, q.shape[1] // num_kv_heads
@@ -136,8 +143,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     if not plan.in_slot_order:
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
     qs = _as_float32(qs).view(num_slots, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [S, Hkv, G, L]
+    # [S, Hkv, G, L]; an FP8 cache's stored keys times k_scale are its keys.
+    scores = torch.matmul(qs, k.transpose(-1, -2)) * (scale * kv_scales[0] if fp8 else scale)
     scores.masked_fill_(plan.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v).view(num_slots, num_kv_heads * group, head_dim)
+    if fp8:
+        out = out * kv_scales[1]
     return out if plan.in_slot_order else out.index_select(0, plan.slots)

@@ -14,6 +14,10 @@ step's plan and the decode contexts are kept contiguous from step to step
 (pagoda.attention.torch_decode, decode_workspace: each build_metadata call is one step
 of the workspace); ``batched_decode=False`` keeps the plain per-layer gather + einsum,
 the reference the fast path is tested against.
+
+An FP8 cache (kv_cache_dtype fp8) is read as stored * scale with the layer's
+``kv_scales``: dequantized explicitly here (attention/kv_quant.py), folded into the
+score scale and the output on the batched decode path.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace
+from pagoda.attention.kv_quant import check_scales, dequantize_kv, is_fp8
 from pagoda.attention.torch_decode import StepPlan, build_step_plan, decode_attention
 
 
@@ -48,11 +53,15 @@ class TorchRefBackend(AttentionBackend):
     def build_metadata(self, common: AttentionMetadata) -> StepPlan:
         return build_step_plan(common, self.num_kv_heads, self._workspace_for(common.block_size))
 
-    def forward(self, q, kv_cache, metadata: StepPlan) -> torch.Tensor:
+    def forward(self, q, kv_cache, metadata: StepPlan, kv_scales=None) -> torch.Tensor:
         plan, common = metadata, metadata.common
+        if is_fp8(kv_cache.dtype):
+            check_scales(kv_scales, kv_cache)
+        else:
+            kv_scales = None  # entries in the model's dtype are not scaled
         decode = plan.decode
         if decode is not None:
-            o = decode_attention(q, kv_cache, decode, plan.workspace, self.scale)
+            o = decode_attention(q, kv_cache, decode, plan.workspace, self.scale, kv_scales)
             if decode.all_rows and q.shape[0] == len(plan.decode_rows):  # a pure decode step
                 return o if o.dtype == q.dtype else o.to(q.dtype)
         out = torch.zeros_like(q)
@@ -60,11 +69,11 @@ class TorchRefBackend(AttentionBackend):
             out[decode.token_rows] = o.to(q.dtype)
         elif plan.decode_rows:
             self._decode_reference(q, kv_cache, common, plan.decode_rows, plan.qsl,
-                                   plan.seq_lens, out)
+                                   plan.seq_lens, out, kv_scales)
         for i in plan.prefill_rows:
             start, end = plan.qsl[i], plan.qsl[i + 1]
-            out[start:end] = self._prefill_one(q[start:end], kv_cache,
-                                               common.block_tables[i], plan.seq_lens[i])
+            out[start:end] = self._prefill_one(q[start:end], kv_cache, common.block_tables[i],
+                                               plan.seq_lens[i], kv_scales)
         return out
 
     def _workspace_for(self, block_size: int) -> DecodeWorkspace | None:
@@ -76,13 +85,15 @@ class TorchRefBackend(AttentionBackend):
             self._workspace = DecodeWorkspace(block_size)
         return self._workspace
 
-    def _prefill_one(self, q, kv_cache, block_table, seq_len: int) -> torch.Tensor:
+    def _prefill_one(self, q, kv_cache, block_table, seq_len: int,
+                     kv_scales=None) -> torch.Tensor:
         qlen = q.shape[0]
         k, v = gather_context(kv_cache, block_table, seq_len)
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         group = self.num_heads // self.num_kv_heads
         qh = q.float().transpose(0, 1)  # [H, qlen, D]
-        kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq, D]
-        vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        kh = dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq, D]
+        vh = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         # Query row j sits at position seq_len - qlen + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
@@ -90,7 +101,8 @@ class TorchRefBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1).to(q.dtype)
 
-    def _decode_reference(self, q, kv_cache, metadata, rows, qsl_list, seq_list, out) -> None:
+    def _decode_reference(self, q, kv_cache, metadata, rows, qsl_list, seq_list, out,
+                          kv_scales=None) -> None:
         """All single-token rows at once: gather each context padded to the longest."""
         device = q.device
         block_size = kv_cache.shape[2]
@@ -104,9 +116,10 @@ class TorchRefBackend(AttentionBackend):
         k = kv_cache[0][tables].reshape(B, nblk * block_size, self.num_kv_heads, self.head_dim)
         v = kv_cache[1][tables].reshape(B, nblk * block_size, self.num_kv_heads, self.head_dim)
         qb = q[tok_idx].float().view(B, self.num_kv_heads, G, self.head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", qb, k.float()) * self.scale
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+        scores = torch.einsum("bhgd,blhd->bhgl", qb, dequantize_kv(k, k_scale)) * self.scale
         valid = torch.arange(nblk * block_size, device=device)[None, :] < lens[:, None]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        o = torch.einsum("bhgl,blhd->bhgd", probs, dequantize_kv(v, v_scale))
         out[tok_idx] = o.reshape(B, self.num_heads, self.head_dim).to(q.dtype)

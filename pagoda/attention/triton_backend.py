@@ -9,6 +9,8 @@ output are zeroed. Per layer, after the KV pool has stored the step's k/v:
    go through the chunk kernel, grid (query tiles, kv heads);
 2. requests with one query row (decodes) go through the split-K decode kernel and its
    merge.
+An FP8 cache (kv_cache_dtype fp8) is read by the same kernels with the layer's
+kv_scales (attention/kv_quant.py); q and the output stay in the model's dtype.
 
 CUDA graphs: decode graphs (one query row per request) and mixed graphs (a fixed
 number of rows over up to a fixed number of requests of any query lengths: small
@@ -86,7 +88,8 @@ class TritonBackend(AttentionBackend):
                               zero_padding_rows=common.has_host_copies)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None,
+                kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
         from pagoda.kernels.paged_attention import paged_attention_chunks
         from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS, paged_attention_decode
@@ -101,14 +104,15 @@ class TritonBackend(AttentionBackend):
             paged_attention_chunks(out, q, kv_cache, common.block_tables,
                                    common.query_start_loc, common.seq_lens,
                                    common.num_reqs, common.num_actual_tokens, self.scale,
-                                   skip_single_token=metadata.num_decodes > 0)
+                                   skip_single_token=metadata.num_decodes > 0,
+                                   kv_scales=kv_scales)
         if metadata.num_decodes > 0:
             # A fixed split count spreads even short contexts over every slice.
             min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
             paged_attention_decode(out, q, kv_cache, common.block_tables,
                                    common.query_start_loc, common.seq_lens,
                                    common.num_reqs, self.scale, metadata.num_splits,
-                                   min_split_tokens=min_split)
+                                   min_split_tokens=min_split, kv_scales=kv_scales)
         return out
 
     def _check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -117,8 +121,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q must be [num_tokens, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
         if q.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"q dtype {q.dtype} is not supported (float16, bfloat16, float32)")
-        if kv_cache.dtype != q.dtype:
-            raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+        if kv_cache.dtype != q.dtype and kv_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype} "
+                             f"(or be float8_e4m3fn: an FP8 cache)")
         if q.stride(2) != 1:
             raise ValueError("q needs a contiguous last (head_dim) dimension")
         if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):

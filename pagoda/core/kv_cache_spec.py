@@ -19,8 +19,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-# Bytes per element of the dtypes a KV cache may be stored in.
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Bytes per element of the dtypes a KV cache may be stored in. float8_e4m3fn: FP8 KV
+# (kv_cache_dtype fp8), whose values are scaled by per-layer K/V scales that the
+# attention layers hold (a few bytes per layer, not per block: not in the page size).
+FP8_KV_DTYPE = "float8_e4m3fn"
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, FP8_KV_DTYPE: 1}
 
 
 def _require_positive(owner: object, **values: int) -> None:
@@ -83,6 +86,9 @@ class MLAAttentionSpec(KVCacheSpec):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"MLAAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, "
                              f"got {self.dtype!r}")
+        if self.dtype == FP8_KV_DTYPE:
+            raise ValueError("an FP8 KV cache (kv_cache_dtype fp8) is not supported for MLA "
+                             "yet; use kv_cache_dtype auto")
 
     @property
     def entry_size(self) -> int:

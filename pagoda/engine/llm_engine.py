@@ -113,9 +113,9 @@ class LLMEngine:
         logger.info("model %s: %s, %s on %s, weights %s", self.model_path, info.architecture,
                     info.dtype or self.config.model.dtype, self.config.device.device,
                     _gib(info.weight_bytes))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max_model_len %d",
                     self.num_blocks, kv.block_size, self.num_blocks * kv.block_size,
-                    self.max_model_len)
+                    getattr(kv.layer_specs[0], "dtype", "?"), self.max_model_len)
         logger.info("engine ready in %.1fs", self.startup_seconds)
 
     def _start(self, config: EngineConfig) -> None:

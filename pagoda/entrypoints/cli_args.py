@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
-                           DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES,
-                           QUANTIZATION_METHODS,
+                           DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
+                           LOAD_FORMATS, POLICIES, QUANTIZATION_METHODS,
                            REASONING_PARSERS, EngineArgs, _cuda_available)
 from pagoda.sampling_params import SamplingParams
 
@@ -44,6 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes of KV cache (sizes the pool directly; CPU default 1 GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 "
+                        "(float8 e4m3 with a per-layer K and V scale, 1.0 unless the "
+                        "checkpoint has k_scale / v_scale: twice the tokens in the same "
+                        "memory; GPUs with FP8, compute capability >= 8.9, or the CPU). "
+                        "fp8_e5m2 is refused")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV blocks, overriding the memory-based sizing")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -18,6 +18,12 @@ request's last query token.
 
 Scores are kept in base 2 (scale * log2(e) folded into one factor) so the softmax uses
 exp2; accumulation is float32 whatever the input dtype.
+
+FP8 cache (KV_FP8, float8 e4m3 entries, attention/kv_quant.py): K and V tiles are
+converted to q's dtype (exact: every e4m3 value is a float16/bfloat16/float32 value)
+and the scales applied outside the matmuls: the K scale folded into the score factor,
+the V scale into the output. Both are read from kv_scales (float32 [2]) on the device,
+so a CUDA graph replays with whatever values the layer holds.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kernels.store_kv import check_kv_scales
 
 LOG2_E = 1.4426950408889634
 
@@ -60,6 +68,7 @@ def attend_kv_tile(
         k = tl.load(k_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
+    k = k.to(q.dtype)  # FP8 entries; a no-op otherwise
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -80,6 +89,7 @@ def attend_kv_tile(
         v = tl.load(v_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offsets)
+    v = v.to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -105,14 +115,14 @@ def _find_request(tile, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _chunk_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     num_reqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SKIP_SINGLE_TOKEN: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SKIP_SINGLE_TOKEN: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Last tiles first: under the causal mask they see the most keys (shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -138,6 +148,8 @@ def _chunk_kernel(
     q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     q_pos = context_len + tok
+    if KV_FP8:  # scores of stored keys, times k_scale: the scores of the real keys
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
 
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -161,6 +173,8 @@ def _chunk_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the chunk's end, never stored
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(kv_scales_ptr + 1)
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -183,27 +197,30 @@ def paged_attention_chunks(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, num_reqs: int, num_tokens: int,
                            scale: float, skip_single_token: bool,
-                           config: Optional[dict] = None) -> None:
+                           config: Optional[dict] = None,
+                           kv_scales: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention of the first num_tokens rows of q into out ([T, H, D] each).
 
     head_dim must be a power of two >= 16 (checked by the backend). skip_single_token
     leaves requests with one query row to the decode kernel. config overrides
-    chunk_tile_config (benchmarks sweep it).
+    chunk_tile_config (benchmarks sweep it). An FP8 kv_cache needs kv_scales.
     """
     if num_reqs == 0 or num_tokens == 0:
         return
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
+    check_kv_scales(kv_scales, kv_cache)
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     cfg = dict(config) if config is not None else chunk_tile_config(group, head_dim, q.dtype)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_reqs, num_kv_heads)
     _chunk_kernel[grid](
-        out, q, kv_cache[0], kv_cache[1],
+        out, q, kv_cache[0], kv_cache[1], kv_scales if kv_fp8 else seq_lens,
         block_tables, query_start_loc, seq_lens,
         num_reqs, scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         SKIP_SINGLE_TOKEN=skip_single_token, IEEE_DOT=q.dtype == torch.float32,
-        **cfg,
+        KV_FP8=kv_fp8, **cfg,
     )

@@ -16,6 +16,10 @@ log-sum-exp (base 2) to a float32 workspace, and a merge kernel with grid (reque
 combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weigh 0.
 num_splits is a runtime argument, so a changing split count does not recompile.
 Requests whose query length is not 1 exit at once in both kernels.
+
+FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
+to q's dtype, the K scale folded into the score factor and the V scale applied to each
+slice's output (the merge is linear in them), both read from kv_scales on the device.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
+from pagoda.kernels.store_kv import check_kv_scales
 
 # A slice shorter than this costs more in the merge than it saves in parallelism.
 MIN_SPLIT_TOKENS = 256
@@ -36,13 +41,13 @@ MAX_SPLITS = 32
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +71,8 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
     # The one query sits at the last position: every key before kv_end is visible, so
     # no causal mask (q_pos is unused; kv_end stands in for it).
     for start_n in range(kv_start, kv_end, BLOCK_N):
@@ -77,6 +84,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse below is -inf
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(kv_scales_ptr + 1)
     if DIRECT_OUT:
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -139,15 +148,18 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, num_reqs: int, scale: float,
                            num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                           config: Optional[dict] = None) -> None:
+                           config: Optional[dict] = None,
+                           kv_scales: Optional[torch.Tensor] = None) -> None:
     """Attention of every single-query-row request into out; other requests untouched.
 
     num_splits is a runtime argument (no recompilation when it changes); slices hold at
     least min_split_tokens tokens (rounded up to the key tile). config overrides
-    decode_tile_config (benchmarks sweep it).
+    decode_tile_config (benchmarks sweep it). An FP8 kv_cache needs kv_scales.
     """
     if num_reqs == 0:
         return
+    check_kv_scales(kv_scales, kv_cache)
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
     _, num_heads, head_dim = q.shape
@@ -163,13 +175,13 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
         partial_out = partial_lse = out
     _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
-        block_tables, query_start_loc, seq_lens, scale * LOG2_E, num_splits, max(1, min_split_tokens),
+        kv_scales if kv_fp8 else seq_lens, block_tables, query_start_loc, seq_lens, scale * LOG2_E, num_splits, max(1, min_split_tokens),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32,
-        **cfg,
+        KV_FP8=kv_fp8, **cfg,
     )
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](

@@ -27,7 +27,7 @@ from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.activation import SiluAndMul
-from pagoda.model.layers.attention import Attention
+from pagoda.model.layers.attention import Attention, load_kv_scale
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -223,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints store the head too; the embedding wins
+            if load_kv_scale(self, hf_name, tensor):  # self_attn.k_scale / v_scale
+                continue
             name, shard_id = self.map_hf_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "

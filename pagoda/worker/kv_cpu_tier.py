@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from pagoda.attention.kv_quant import as_bits
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from pagoda.worker.kv_tier_api import KVTier
 
@@ -78,8 +79,9 @@ class BlockLayout:
 
     @staticmethod
     def gather(cache: torch.Tensor, page: LayerPage, ids: torch.Tensor) -> torch.Tensor:
-        """The pool's blocks `ids` of one layer as [n, *block_shape]."""
-        picked = cache.index_select(page.block_dim, ids)
+        """The pool's blocks `ids` of one layer as [n, *block_shape] (an FP8 cache's
+        picked as bytes: torch lacks float8 index kernels on some devices)."""
+        picked = as_bits(cache).index_select(page.block_dim, ids).view(cache.dtype)
         return picked if page.block_dim == 0 else picked.movedim(page.block_dim, 0)
 
     @staticmethod
@@ -87,7 +89,7 @@ class BlockLayout:
                 pages: torch.Tensor) -> None:
         """Writes pages [n, *block_shape] into the pool's blocks `ids` of one layer."""
         source = pages if page.block_dim == 0 else pages.movedim(0, page.block_dim)
-        cache.index_copy_(page.block_dim, ids, source)
+        as_bits(cache).index_copy_(page.block_dim, ids, as_bits(source))
 
 
 class CpuTier(KVTier):

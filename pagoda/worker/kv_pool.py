@@ -13,7 +13,9 @@ token), then the backend attends to ``pool.cache(layer_idx)``. Layouts are looke
 subclass is a different kind and needs its own layout.
 
 Full attention keeps the layout [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 = K, 1 = V). Its writes: on CUDA the Triton kernel (kernels/store_kv.py),
+(index 0 = K, 1 = V), in the model's dtype or in float8 e4m3 (kv_cache_dtype fp8:
+entries divided by the layer's K / V scale on the way in, attention/kv_quant.py; the
+layer passes its scales with every store). Its writes: on CUDA the Triton kernel (kernels/store_kv.py),
 which skips padding rows (slot -1) on the device; on CPU an index_copy of the first
 num_actual_tokens rows, which on an eager step are all real (padding rows exist only
 for CUDA-graph buffers and padded CUDA steps; graph-mode metadata, without host copies,
@@ -32,6 +34,7 @@ from typing import Mapping, Optional
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
+from pagoda.attention.kv_quant import as_bits, check_scales, is_fp8, quantize_kv
 from pagoda.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                        MLAAttentionSpec)
 
@@ -45,13 +48,15 @@ class KVLayout(ABC):
 
     @abstractmethod
     def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor) -> None:
-        """Writes this step's rows of entries into cache at metadata.slot_mapping."""
+              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+        """Writes this step's rows of entries into cache at metadata.slot_mapping
+        (scales: the layer's [k_scale, v_scale], for an FP8 cache)."""
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   metadata: AttentionMetadata) -> None:
-    """Writes the step's real k/v rows into a full-attention cache with index_copy."""
+                   metadata: AttentionMetadata, scales: Optional[torch.Tensor] = None) -> None:
+    """Writes the step's real k/v rows into a full-attention cache with index_copy
+    (an FP8 cache: quantized with scales, copied as bytes)."""
     n = metadata.num_actual_tokens
     slots = metadata.slot_mapping[:n]
     if k.shape[0] != n:
@@ -59,11 +64,13 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if not metadata.has_host_copies:  # graph buffers: padding requests among the rows
         real = slots >= 0
         slots, k, v = slots[real], k[real], v[real]
-    if k.dtype != kv_cache.dtype:
+    if is_fp8(kv_cache.dtype):
+        k, v = quantize_kv(k, scales[0]), quantize_kv(v, scales[1])
+    elif k.dtype != kv_cache.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    flat = as_bits(kv_cache).view(2, -1, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slots, as_bits(k))
+    flat[1].index_copy_(0, slots, as_bits(v))
 
 
 class FullAttentionLayout(KVLayout):
@@ -81,12 +88,14 @@ class FullAttentionLayout(KVLayout):
                            dtype=getattr(torch, spec.dtype), device=device)
 
     def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor) -> None:
+              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
         k, v = entries
+        if is_fp8(cache.dtype):
+            check_scales(scales, cache)
         if self.use_triton:
-            self._store_kv_triton(k, v, cache, metadata.slot_mapping)
+            self._store_kv_triton(k, v, cache, metadata.slot_mapping, scales)
         else:
-            store_kv_torch(k, v, cache, metadata)
+            store_kv_torch(k, v, cache, metadata, scales)
 
 
 class MLALatentLayout(KVLayout):
@@ -104,7 +113,9 @@ class MLALatentLayout(KVLayout):
                            dtype=getattr(torch, spec.dtype), device=device)
 
     def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor) -> None:
+              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+        if scales is not None:  # the spec refuses FP8 for MLA: nothing here scales
+            raise ValueError("MLA latent entries are not scaled (no FP8 MLA cache yet)")
         (latent,) = entries
         if self.use_triton:
             self._store_triton(latent, cache, metadata.slot_mapping)
@@ -161,8 +172,14 @@ class KVCachePool:
         """Layer layer_idx's storage, as its layout shapes it."""
         return self.caches[layer_idx]
 
-    def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor) -> None:
+    def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor,
+              scales: Optional[torch.Tensor] = None) -> None:
         """Writes this step's entries of one layer (full attention: k, v, each
         [num_tokens, num_kv_heads, head_dim]; MLA: latent [num_tokens, entry_size]) at
-        metadata.slot_mapping."""
-        self._layouts[layer_idx].store(self.caches[layer_idx], metadata, *entries)
+        metadata.slot_mapping. scales: the layer's float32 [k_scale, v_scale], needed
+        by an FP8 cache (the Attention layer passes them only then)."""
+        layout, cache = self._layouts[layer_idx], self.caches[layer_idx]
+        if scales is None:  # layouts of unscaled kinds need not take the keyword
+            layout.store(cache, metadata, *entries)
+        else:
+            layout.store(cache, metadata, *entries, scales=scales)

@@ -28,6 +28,7 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
+from pagoda.attention.kv_quant import resolve_kv_cache_dtype
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
 from pagoda.core.outputs import SchedulerOutput, StepExtras
@@ -100,6 +101,9 @@ class ModelRunner:
                                            self.device, config.model.seed, self.tp,
                                            config.model.quantization)
         self.load_seconds = time.perf_counter() - start
+        # What the KV pool stores: the model's dtype, or float8 e4m3 (kv_cache_dtype fp8).
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype,
+                                               self.device, is_mla=self.arch.mla is not None)
         self.backend = make_attention_backend(config.device.attention_backend,
                                               config.device.device, self.arch, self.tp)
         self.sampler = Sampler()
@@ -136,7 +140,7 @@ class ModelRunner:
         """The KV pool this worker can hold: its layers' specs, and as many blocks as
         the byte budget (kv_cache_memory, or the GPU memory profile) allows."""
         cache = self.config.cache
-        specs = kv_cache_specs(self.model, self.block_size, self.dtype)
+        specs = kv_cache_specs(self.model, self.block_size, self.kv_dtype)
         if cache.num_gpu_blocks_override is not None:
             return KVCacheConfig(cache.num_gpu_blocks_override, specs)
         if cache.kv_cache_memory is not None:
@@ -160,7 +164,7 @@ class ModelRunner:
         if self.config.cache.kv_offloading:
             from pagoda.worker.kv_offload import build_kv_offload
             self.kv_offload, self._kv_offload_inventory = build_kv_offload(
-                self.config, self.kv_pool, self._model_id(), self.dtype, self.device)
+                self.config, self.kv_pool, self._model_id(), self.kv_dtype, self.device)
         if self.device.type == "cuda":
             self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
                                                 -(-max_model_len // self.block_size), self.device)

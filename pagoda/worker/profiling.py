@@ -37,7 +37,7 @@ def profile_kv_budget(runner) -> int:
     torch.cuda.synchronize(device)
     free_before, total = torch.cuda.mem_get_info(device)
     weights_bytes = torch.cuda.memory_allocated(device)
-    pool = KVCachePool(KVCacheConfig(next_block, kv_cache_specs(runner.model, bs, runner.dtype)),
+    pool = KVCachePool(KVCacheConfig(next_block, kv_cache_specs(runner.model, bs, runner.kv_dtype)),
                        device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)

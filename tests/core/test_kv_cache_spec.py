@@ -108,3 +108,22 @@ def test_mla_spec_rejects_bad_fields(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         MLAAttentionSpec(**kwargs)
+
+
+def test_fp8_entries_take_one_byte_and_double_the_blocks_of_a_budget():
+    # Llama-3.1-8B shape: 32 layers of 8 KV heads x 128, blocks of 16 tokens.
+    bf16 = FullAttentionSpec(16, 8, 128, "bfloat16")
+    fp8 = FullAttentionSpec(16, 8, 128, "float8_e4m3fn")
+    assert fp8.page_size_bytes == 2 * 16 * 8 * 128 == 32768
+    assert bytes_per_block([fp8] * 32) == 1048576
+    budget = 40 * 2**30  # 40 GiB of KV: 20480 bf16 blocks, 40960 fp8 blocks
+    assert num_blocks_for_budget(budget, [bf16] * 32, max_model_len=131072) == 20480
+    assert num_blocks_for_budget(budget, [fp8] * 32, max_model_len=131072) == 40960
+    assert KVCacheConfig(40960, [fp8] * 32).total_bytes == budget
+
+
+def test_mla_spec_refuses_fp8_with_a_reason():
+    from pagoda.core.kv_cache_spec import MLAAttentionSpec
+
+    with pytest.raises(ValueError, match="not supported for MLA yet"):
+        MLAAttentionSpec(16, 512, 64, "float8_e4m3fn")

@@ -5,6 +5,13 @@ The layer owns no weights; it only knows its index (which layer of the KV pool i
 own) and its head geometry. Backends take [T, heads, head_dim]; the model works in
 [T, heads * head_dim]. ``kv_cache_specs(model, ...)`` collects every layer's spec,
 ordered by layer index, for sizing and allocating the pool.
+
+FP8 KV cache: each layer holds ``kv_scales`` (a float32 buffer [k_scale, v_scale],
+1.0 unless the checkpoint carries ``...self_attn.k_scale`` / ``v_scale``; see
+attention/kv_quant.py) and passes it to the pool's store and the backend when its
+cache is float8. A checkpoint's scales load into it whatever the cache dtype (an
+unscaled cache simply does not read them). The buffer is at a fixed address from load
+on: CUDA graphs read its current values.
 """
 
 from __future__ import annotations
@@ -13,7 +20,12 @@ import torch
 from torch import nn
 
 from pagoda.attention.forward_context import get_forward_context
+from pagoda.attention.kv_quant import is_fp8
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+
+# Checkpoint names of the KV cache scales, under the layer's attention block
+# (model.layers.N.self_attn.k_scale), as compressed-tensors / FP8 checkpoints save them.
+KV_SCALE_NAMES = {"k_scale": 0, "v_scale": 1}
 
 
 class Attention(nn.Module):
@@ -26,6 +38,27 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        # [k_scale, v_scale] of an FP8 cache; a buffer, not a parameter: never a weight
+        # to fill (dummy weights) and never required of a checkpoint. Not persistent:
+        # checkpoints name the scales their own way (load_kv_scale).
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32),
+                             persistent=False)
+
+    def reset_kv_scales(self) -> None:
+        """Scales 1.0 (vLLM's default without checkpoint scales); after materializing."""
+        with torch.no_grad():
+            self.kv_scales.fill_(1.0)
+
+    def load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """Loads a checkpoint's k_scale / v_scale (a positive finite scalar)."""
+        if tensor.numel() != 1:
+            raise ValueError(f"{name} must be a scalar (one per layer), got shape "
+                             f"{tuple(tensor.shape)}")
+        value = float(tensor.reshape(()).float())
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive finite number, got {value}")
+        with torch.no_grad():
+            self.kv_scales[KV_SCALE_NAMES[name]] = value
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """What this layer keeps per token: a key and a value per KV head, in dtype."""
@@ -36,11 +69,16 @@ class Attention(nn.Module):
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; also writes k/v into this layer's cache."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
+        cache = ctx.kv_pool.cache(self.layer_idx)
+        scales = self.kv_scales if is_fp8(cache.dtype) else None
         ctx.kv_pool.store(self.layer_idx, ctx.metadata.common,
                           k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                          v.view(num_tokens, self.num_kv_heads, self.head_dim))
-        out = ctx.backend.forward(q.view(num_tokens, self.num_heads, self.head_dim),
-                                  ctx.kv_pool.cache(self.layer_idx), ctx.metadata)
+                          v.view(num_tokens, self.num_kv_heads, self.head_dim), scales=scales)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if scales is None:  # an unscaled cache: the backends' plain signature
+            out = ctx.backend.forward(q, cache, ctx.metadata)
+        else:
+            out = ctx.backend.forward(q, cache, ctx.metadata, kv_scales=scales)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -53,3 +91,31 @@ def kv_cache_specs(model: nn.Module, block_size: int, dtype: torch.dtype) -> lis
         raise ValueError(f"attention layer indices must be 0..{len(layers) - 1}, each once; "
                          f"got {indices}")
     return [layer.get_kv_cache_spec(block_size, dtype) for layer in layers]
+
+
+def reset_kv_scales(model: nn.Module) -> None:
+    """Every attention layer's KV scales back to 1.0 (materializing leaves buffers
+    uninitialised; a checkpoint's scales load over these)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.reset_kv_scales()
+
+
+def load_kv_scale(model: nn.Module, hf_name: str, tensor: torch.Tensor) -> bool:
+    """Loads a checkpoint's ``<block>.k_scale`` / ``<block>.v_scale`` into the Attention
+    layer ``<block>.attn``; False when hf_name is no KV scale name."""
+    prefix, _, leaf = hf_name.rpartition(".")
+    if leaf not in KV_SCALE_NAMES or not prefix:
+        return False
+    try:
+        layer = model.get_submodule(f"{prefix}.attn")
+    except AttributeError:
+        layer = None
+    if not isinstance(layer, Attention):
+        raise ValueError(f"checkpoint tensor {hf_name!r} names a KV cache scale, but "
+                         f"{prefix!r} holds no attention layer")
+    try:
+        layer.load_kv_scale(leaf, tensor)
+    except ValueError as e:
+        raise ValueError(f"loading {hf_name!r}: {e}") from e
+    return True

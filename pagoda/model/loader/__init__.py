@@ -31,6 +31,7 @@ from torch import nn
 
 from pagoda.config import LOAD_FORMATS
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.attention import reset_kv_scales
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel, check_tensor_parallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.registry import get_model_class
@@ -82,6 +83,7 @@ def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.d
         model = cls(arch, tp)
     attach_quant_methods(model, arch, quant_config, torch.device(device), dtype)
     model.materialize(device, dtype)
+    reset_kv_scales(model)  # buffers come out of materialize uninitialised
     return model.eval()
 
 

@@ -1,0 +1,227 @@
+"""FP8 KV cache in the Triton kernels: store_kv's quantization against the torch
+reference (bit for bit), and the chunk and split-K decode kernels reading an FP8 cache
+against torch_ref reading the same bytes.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (float16 / float32 q, small
+shapes). What the interpreter does and does not cover: it reads float8 e4m3 correctly
+(except the NaN bytes 0x7F / 0xFF, which it reads as +-480, so no test here stores a
+NaN) but its float32 -> float8 cast mis-rounds values whose rounding carries into the
+next power of two; store_kv rounds to the e4m3 grid in float32 itself
+(kernels/store_kv.py round_to_e4m3), so its final cast is exact and the interpreter
+checks the kernel's whole arithmetic. The GPU's own float8 conversion instructions and
+the bfloat16 path run only with CUDA (the GPU-only test below).
+"""
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from pagoda.attention.kv_quant import FP8_KV_DTYPE, quantize_kv  # noqa: E402
+from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
+from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
+from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
+from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from pagoda.worker.kv_pool import FullAttentionLayout, KVCachePool  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+POISON = 0x7E  # e4m3 448: what unused slots hold (the interpreter cannot read NaN)
+
+
+def _load_kernels():
+    """The kernel modules, re-decorated for the interpreter if imported compiled."""
+    from pagoda.kernels import paged_attention, paged_decode, store_kv
+    if not ON_GPU:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(store_kv._store_kv_kernel, InterpretedFunction):
+            for module in (store_kv, paged_attention, paged_decode):  # dependency order
+                importlib.reload(module)
+
+
+_load_kernels()
+
+
+def fp8_pool(num_blocks, block_size, num_kv_heads, head_dim, use_triton) -> KVCachePool:
+    spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, "float8_e4m3fn")
+    layouts = {FullAttentionSpec: FullAttentionLayout(use_triton=use_triton)}
+    return KVCachePool(KVCacheConfig(num_blocks, [spec]), DEVICE, layouts)
+
+
+def e4m3_edge_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties: round to even)
+    and values just off them, both signs, and values past +-448 (clamped)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
+    pos = grid[grid.isfinite() & (grid >= 0)].unique()
+    mids = (pos[1:] + pos[:-1]) / 2
+    ties = torch.cat([pos, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20),
+                      torch.tensor([500.0, 1e6, 3e-5])])
+    return torch.cat([ties, -ties])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_quantizes_bit_exactly_like_the_torch_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_kv_heads, head_dim, block_size, num_blocks = 3, 16, 8, 12
+    edges = e4m3_edge_values()
+    rows = -(-edges.numel() // (num_kv_heads * head_dim)) + 20
+    k = torch.randn(rows, num_kv_heads, head_dim, generator=gen) * 40
+    k.view(-1)[:edges.numel()] = edges * 0.75  # k_scale 0.75: x / 0.75 hits the edges
+    v = torch.randn(rows, num_kv_heads, head_dim, generator=gen) * torch.exp(
+        torch.randn(rows, num_kv_heads, head_dim, generator=gen) * 3)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    slots[[2, 7]] = -1  # padding rows write nothing
+    md = build_attention_metadata([1] * rows, [1] * rows, [[0]] * rows, block_size, DEVICE)
+    md.slot_mapping = slots.to(DEVICE)
+    md.query_start_loc_cpu = md.seq_lens_cpu = None  # graph-style: filter padding by slot
+    scales = torch.tensor([0.75, 1.9], device=DEVICE)
+    pools = [fp8_pool(num_blocks, block_size, num_kv_heads, head_dim, use_triton)
+             for use_triton in (False, True)]
+    for pool in pools:
+        pool.cache(0).view(torch.uint8).fill_(POISON)
+        pool.store(0, md, k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE), scales=scales)
+    ref, tri = (pool.cache(0).view(torch.uint8) for pool in pools)
+    assert torch.equal(tri, ref)
+    # The reference itself: x / scale clamped to +-448, rounded to nearest even.
+    flat = pools[0].cache(0).view(2, -1, num_kv_heads, head_dim)
+    real = slots >= 0
+    expect_k = (k.to(dtype).float()[real] / 0.75).clamp(-448, 448).to(FP8_KV_DTYPE)
+    assert torch.equal(flat[0][slots[real]].view(torch.uint8), expect_k.view(torch.uint8))
+    assert flat[0][slots[real]].float().abs().max() == 448  # the clamped ones
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert (flat.view(torch.uint8)[:, untouched] == POISON).all()
+
+
+def test_store_kv_refuses_an_fp8_cache_without_scales():
+    from pagoda.kernels.store_kv import store_kv
+    cache = torch.zeros(2, 2, 8, 1, 16, dtype=FP8_KV_DTYPE, device=DEVICE)
+    k = torch.zeros(1, 1, 16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        store_kv(k, k, cache, slots)
+    with pytest.raises(ValueError, match=r"float32 \[2\]"):
+        store_kv(k, k, cache, slots, torch.ones(2, dtype=torch.float16, device=DEVICE))
+
+
+class Fp8Case:
+    """A batch of (cached tokens, query length) requests over an FP8 cache: random
+    context already stored (quantized with the scales), unused slots poisoned."""
+
+    def __init__(self, shapes, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                 scales=(0.01, 0.02), seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        needed = [-(-(ctx + qlen) // block_size) for ctx, qlen in shapes]
+        num_blocks = sum(needed) + 2
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables = []
+        used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for (ctx, qlen), n in zip(shapes, needed):
+            table, order = order[:n], order[n:]
+            self.tables.append(table)
+            pos = torch.arange(ctx + qlen)
+            used[torch.tensor(table)[pos // block_size], pos % block_size] = True
+        qlens, seqs = [q for _, q in shapes], [c + q for c, q in shapes]
+        self.md = build_attention_metadata(qlens, seqs, self.tables, block_size, DEVICE)
+        rows = sum(qlens)
+        self.scales = torch.tensor(scales, device=DEVICE)
+
+        def rand(*shape, std=1.0):
+            return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=DEVICE)
+
+        self.q = rand(rows, num_heads, head_dim)
+        # Scores of std ~1 (as the other kernel tests): entries of ~100 scale-units.
+        self.k, self.v = rand(rows, num_kv_heads, head_dim), rand(rows, num_kv_heads, head_dim)
+        context = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+        stored = torch.stack([quantize_kv(context[i], self.scales[i].cpu()) for i in (0, 1)])
+        stored.view(torch.uint8)[:, ~used] = POISON
+        self.pools = {}
+        for use_triton in (False, True):
+            pool = fp8_pool(num_blocks, block_size, num_kv_heads, head_dim, use_triton)
+            pool.cache(0).copy_(stored.to(DEVICE))
+            self.pools[use_triton] = pool
+
+
+def attend(backend, pool, case, **kw):
+    pool.store(0, case.md, case.k, case.v, scales=case.scales)
+    return backend.forward(case.q, pool.cache(0), backend.build_metadata(case.md),
+                           kv_scales=case.scales, **kw)
+
+
+MIXED = [(0, 37), (70, 40), (5, 3), (45, 1), (0, 1), (130, 1)]
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,block_size,splits", [
+    (torch.float16, 8, 2, 16, None),
+    (torch.float32, 2, 2, 32, 3),  # decode slices forced on: the V scale before the merge
+])
+def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_size, splits):
+    case = Fp8Case(MIXED, num_heads, num_kv_heads, 64, block_size, dtype)
+    ref_backend = TorchRefBackend(num_heads, num_kv_heads, 64, 1 / 8)
+    ref = attend(ref_backend, case.pools[False], case)
+    backend = TritonBackend(num_heads, num_kv_heads, 64, 1 / 8, num_decode_splits=splits)
+    out = attend(backend, case.pools[True], case)
+    assert torch.equal(case.pools[True].cache(0).view(torch.uint8),
+                       case.pools[False].cache(0).view(torch.uint8))
+    # float32: the scales folded (kernel) or applied to the entries (reference) round
+    # differently in the last bits.
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_graph_plan_reads_the_scales_tensor_at_run_time():
+    """A plan built from capture-time values, run twice with the layer's scales changed
+    in place in between (as a CUDA graph replays): each run follows the current values."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 1, 64, 16
+    backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
+    backend.init_cuda_graph_state(max_batch_size=4, max_blocks_per_req=8,
+                                  block_size=block_size, device=DEVICE)
+    plan = backend.metadata_for_capture(4)
+    case = Fp8Case([(40, 1), (3, 1), (100, 1)], num_heads, num_kv_heads, head_dim,
+                   block_size, torch.float16, seed=2)
+    backend.prepare_replay(case.md, batch_size=4)
+    ref_backend = TorchRefBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
+    for scales in ((0.01, 0.02), (0.03, 0.005)):
+        case.scales.copy_(torch.tensor(scales))
+        tri_pool, ref_pool = case.pools[True], case.pools[False]
+        q = torch.cat([case.q, case.q[:1]])  # the graph's 4th row: a padding request
+        tri_pool.store(0, plan.common, torch.cat([case.k, case.k[:1]]),
+                       torch.cat([case.v, case.v[:1]]), scales=case.scales)
+        out = backend.forward(q, tri_pool.cache(0), plan, kv_scales=case.scales)
+        ref = attend(ref_backend, ref_pool, case)
+        torch.testing.assert_close(out[:3].float(), ref.float(), atol=3e-3, rtol=3e-3)
+        assert torch.equal(tri_pool.cache(0).view(torch.uint8),
+                           ref_pool.cache(0).view(torch.uint8))
+
+
+def test_backend_refuses_an_fp8_cache_without_scales():
+    backend = TritonBackend(4, 1, 64, 1 / 8)
+    md = build_attention_metadata([1], [1], [[0]], 16, DEVICE)
+    q = torch.zeros(1, 4, 64, dtype=torch.float16, device=DEVICE)
+    cache = torch.zeros(2, 1, 16, 1, 64, dtype=FP8_KV_DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        backend.forward(q, cache, backend.build_metadata(md))
+
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+@gpu
+def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
+    shapes = [(0, 513), (3000, 200), (17, 1), (4000, 1), (100, 1)]
+    case = Fp8Case(shapes, 32, 8, 128, 16, torch.bfloat16, seed=3)
+    ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case)
+    for splits in (None, 7):
+        out = attend(TritonBackend(32, 8, 128, 1 / math.sqrt(128), num_decode_splits=splits),
+                     case.pools[True], case)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(case.pools[True].cache(0).view(torch.uint8),
+                       case.pools[False].cache(0).view(torch.uint8))
