@@ -178,6 +178,24 @@ W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw,
               for bm in (64, 128) for bn in (64, 128, 256) for nw in (4, 8) for st in (3, 4)]
 
 
+# Batch-1 GEMV tiles only (--gemv-sweep): narrower rows, longer K steps, more splits.
+GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=nw)
+              for bn in (4, 8, 16) for bk in (512, 1024, 2048) for sk in (1, 2, 4)
+              for nw in (4, 8)]
+
+
+def gemv_sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
+    import torch
+    found = []
+    for label, (n, k) in shapes.items():
+        w8, s = kq.quantize_weight_per_channel((torch.randn(n, k, device=device) * 0.02).to(dtype))
+        x = torch.randn(1, k, device=device).to(dtype)
+        tiles = GEMV_SWEEP if device.type == "cuda" else GEMV_SWEEP[:2]
+        found.append(_best(f"gemv {label} M=1", tiles, timer,
+                           lambda c: kl.w8a16_linear(x, w8, s, config=c)))
+    return found
+
+
 def sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
     """Best W8A16 tile per shape at M in {1, 4, 16, 64}; best W8A8 tile at M in
     {64, 1024, 16384} (the smoke: two tiles each at the smoke's Ms)."""
@@ -263,6 +281,8 @@ def main():
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--sweep", action="store_true", help="also sweep W8A16 / W8A8 tiles")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="also sweep the batch-1 W8A16 tiles more widely (GEMV_SWEEP)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny shapes, Triton interpreted (checks the script runs)")
     args = p.parse_args()
@@ -297,6 +317,8 @@ def main():
     print("max relative error vs bf16:",
           {k: f"{v:.4f}" for k, v in summ["max_rel_err"].items()})
     sweeps = sweep(kl, kq, shapes, device, dtype, timer) if args.sweep else []
+    if args.gemv_sweep:
+        sweeps += gemv_sweep(kl, kq, shapes, device, dtype, timer)
     result = {
         "benchmark": "fp8_gemm", "time": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

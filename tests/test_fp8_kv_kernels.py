@@ -90,7 +90,8 @@ def test_store_kv_quantizes_bit_exactly_like_the_torch_reference(dtype):
     ref, tri = (pool.cache(0).view(torch.uint8) for pool in pools)
     assert torch.equal(tri, ref)
     # The reference itself: x / scale clamped to +-448, rounded to nearest even.
-    flat = pools[0].cache(0).view(2, -1, num_kv_heads, head_dim)
+    flat = pools[0].cache(0).view(2, -1, num_kv_heads, head_dim).cpu()
+    slots = slots.cpu()
     real = slots >= 0
     expect_k = (k.to(dtype).float()[real] / 0.75).clamp(-448, 448).to(FP8_KV_DTYPE)
     assert torch.equal(flat[0][slots[real]].view(torch.uint8), expect_k.view(torch.uint8))
