@@ -150,6 +150,8 @@ def _chunk_kernel(
     q_pos = context_len + tok
     if KV_FP8:  # scores of stored keys, times k_scale: the scores of the real keys
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
+        if not IEEE_DOT:  # e4m3 -> float16 is one instruction per pair; -> bfloat16 is not
+            q = q.to(tl.float16)
 
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)

@@ -73,6 +73,8 @@ def _decode_kernel(
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
+        if not IEEE_DOT:  # e4m3 -> float16 is one instruction per pair; -> bfloat16 is not
+            q = q.to(tl.float16)
     # The one query sits at the last position: every key before kv_end is visible, so
     # no causal mask (q_pos is unused; kv_end stands in for it).
     for start_n in range(kv_start, kv_end, BLOCK_N):
@@ -133,14 +135,17 @@ def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
-def decode_tile_config(dtype: torch.dtype) -> dict:
+def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Key tile and launch options of the decode kernel.
 
     16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
-    (docs/performance.md, "measured reasons").
+    (docs/performance.md, "measured reasons"); an FP8 cache: 128-key tiles (the same
+    bytes per tile), 4 stages (benchmarks/decode_tiles.py).
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    if kv_fp8:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=4)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -165,7 +170,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = dict(config) if config is not None else decode_tile_config(q.dtype)
+    cfg = dict(config) if config is not None else decode_tile_config(q.dtype, kv_fp8)
     if num_splits > 1:
         partial_out = torch.empty(num_reqs, num_heads, num_splits, head_dim,
                                   dtype=torch.float32, device=q.device)
