@@ -150,25 +150,10 @@ class Fp8Case:
             self.pools[use_triton] = pool
 
 
-def attend(backend, pool, case, q=None, **kw):
+def attend(backend, pool, case, **kw):
     pool.store(0, case.md, case.k, case.v, scales=case.scales)
-    return backend.forward(case.q if q is None else q, pool.cache(0),
-                           backend.build_metadata(case.md), kv_scales=case.scales, **kw)
-
-
-def decode_queries_rounded_to_e4m3(q, query_lens):
-    """What the decode kernel attends with on an FP8 cache with 16-bit queries: each
-    single-row request's query, per head, scaled to +-448, rounded to e4m3, scaled back
-    (the chunk kernel keeps its queries as they are)."""
-    out = q.clone()
-    row = 0
-    for qlen in query_lens:
-        if qlen == 1:
-            x = q[row].float()
-            scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448
-            out[row] = ((x / scale).clamp(-448, 448).to(FP8_KV_DTYPE).float() * scale).to(q.dtype)
-        row += qlen
-    return out
+    return backend.forward(case.q, pool.cache(0), backend.build_metadata(case.md),
+                           kv_scales=case.scales, **kw)
 
 
 MIXED = [(0, 37), (70, 40), (5, 3), (45, 1), (0, 1), (130, 1)]
@@ -181,9 +166,7 @@ MIXED = [(0, 37), (70, 40), (5, 3), (45, 1), (0, 1), (130, 1)]
 def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_size, splits):
     case = Fp8Case(MIXED, num_heads, num_kv_heads, 64, block_size, dtype)
     ref_backend = TorchRefBackend(num_heads, num_kv_heads, 64, 1 / 8)
-    q_ref = (case.q if dtype == torch.float32
-             else decode_queries_rounded_to_e4m3(case.q, [n for _, n in MIXED]))
-    ref = attend(ref_backend, case.pools[False], case, q=q_ref)
+    ref = attend(ref_backend, case.pools[False], case)
     backend = TritonBackend(num_heads, num_kv_heads, 64, 1 / 8, num_decode_splits=splits)
     out = attend(backend, case.pools[True], case)
     assert torch.equal(case.pools[True].cache(0).view(torch.uint8),
@@ -213,7 +196,7 @@ def test_graph_plan_reads_the_scales_tensor_at_run_time():
         tri_pool.store(0, plan.common, torch.cat([case.k, case.k[:1]]),
                        torch.cat([case.v, case.v[:1]]), scales=case.scales)
         out = backend.forward(q, tri_pool.cache(0), plan, kv_scales=case.scales)
-        ref = attend(ref_backend, ref_pool, case, q=decode_queries_rounded_to_e4m3(case.q, [1] * 3))
+        ref = attend(ref_backend, ref_pool, case)
         torch.testing.assert_close(out[:3].float(), ref.float(), atol=3e-3, rtol=3e-3)
         assert torch.equal(tri_pool.cache(0).view(torch.uint8),
                            ref_pool.cache(0).view(torch.uint8))
@@ -235,8 +218,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
     shapes = [(0, 513), (3000, 200), (17, 1), (4000, 1), (100, 1)]
     case = Fp8Case(shapes, 32, 8, 128, 16, torch.bfloat16, seed=3)
-    ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case,
-                 q=decode_queries_rounded_to_e4m3(case.q, [n for _, n in shapes]))
+    ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case)
     for splits in (None, 7):
         out = attend(TritonBackend(32, 8, 128, 1 / math.sqrt(128), num_decode_splits=splits),
                      case.pools[True], case)

@@ -47,15 +47,12 @@ def attend_kv_tile(
     stride_cache_block, stride_cache_tok, stride_cache_head,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KV_END: tl.constexpr, CAUSAL: tl.constexpr, IEEE_DOT: tl.constexpr,
-    QK_FP8: tl.constexpr,
 ):
     """Folds keys start_n .. start_n + BLOCK_N - 1 into (acc, m_i, l_i).
 
     MASK_KV_END drops keys at or past kv_limit (never loaded: unused cache slots may hold
     anything, NaN included); CAUSAL also drops keys after each row's position q_pos.
     Without MASK_KV_END every key of the tile must be visible to every row.
-    QK_FP8: q is e4m3 (quantize_q_rows) and the e4m3 keys enter the dot as stored, with
-    qk_scale a per-row vector; the values are converted to float16 for P @ V.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -71,15 +68,12 @@ def attend_kv_tile(
         k = tl.load(k_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
-    if QK_FP8:
-        s = tl.dot(q, tl.trans(k)) * qk_scale[:, None]
+    k = k.to(q.dtype)  # FP8 entries; a no-op otherwise
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        k = k.to(q.dtype)  # FP8 entries; a no-op otherwise
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
     if MASK_KV_END:
         keep = n_ok[None, :]
         if CAUSAL:
@@ -95,7 +89,7 @@ def attend_kv_tile(
         v = tl.load(v_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offsets)
-    v = v.to(tl.float16) if QK_FP8 else v.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -171,13 +165,13 @@ def _chunk_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             start_n, kv_end, q_pos, qk_scale,
             stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, False, False, IEEE_DOT, False)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, False, False, IEEE_DOT)
     for start_n in range(all_visible_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             start_n, kv_end, q_pos, qk_scale,
             stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, True, IEEE_DOT, False)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, True, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the chunk's end, never stored
     out = acc / l_safe[:, None]

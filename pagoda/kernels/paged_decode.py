@@ -17,12 +17,9 @@ combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weig
 num_splits is a runtime argument, so a changing split count does not recompile.
 Requests whose query length is not 1 exit at once in both kernels.
 
-FP8 cache (KV_FP8): the K scale folded into the score factor and the V scale applied to
-each slice's output (the merge is linear in them), both read from kv_scales on the
-device. With 16-bit queries, q is quantized per head row to e4m3 and the scores run on
-the FP8 tensor cores against the stored keys; the values are converted to float16 for
-P @ V (P stays 16-bit). float32 queries (the CPU tests' reference precision) convert the
-tiles to float32 as the chunk kernel (paged_attention.py) does.
+FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
+to q's dtype, the K scale folded into the score factor and the V scale applied to each
+slice's output (the merge is linear in them), both read from kv_scales on the device.
 """
 
 from __future__ import annotations
@@ -33,21 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fp8_quant import round_to_e4m3
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.store_kv import check_kv_scales
-
-@triton.jit
-def quantize_q_rows(q, qk_scale):
-    """q [rows, head_dim] -> (q in e4m3, each row scaled to +-448; qk_scale per row with
-    the row's scale folded in). Rounded onto the e4m3 grid first, so the cast is exact
-    (round_to_e4m3 says why)."""
-    qf = q.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30)
-    scale = amax / 448.0
-    q8 = round_to_e4m3(tl.minimum(tl.maximum(qf / scale[:, None], -448.0), 448.0))
-    return q8.to(tl.float8e4nv), scale * qk_scale
-
 
 # A slice shorter than this costs more in the merge than it saves in parallelism.
 MIN_SPLIT_TOKENS = 256
@@ -89,25 +73,16 @@ def _decode_kernel(
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
+        if not IEEE_DOT:  # e4m3 -> float16 is one instruction per pair; -> bfloat16 is not
+            q = q.to(tl.float16)
     # The one query sits at the last position: every key before kv_end is visible, so
     # no causal mask (q_pos is unused; kv_end stands in for it).
-    if KV_FP8 and not IEEE_DOT:
-        # Scores on the FP8 tensor cores: converting every key to 16 bits bounded the
-        # kernel by conversion instructions, not by memory (docs/performance.md).
-        q, row_scale = quantize_q_rows(q, qk_scale)
-        for start_n in range(kv_start, kv_end, BLOCK_N):
-            acc, m_i, l_i = attend_kv_tile(
-                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                start_n, kv_end, kv_end, row_scale,
-                stride_cache_block, stride_cache_tok, stride_cache_head,
-                PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT, True)
-    else:
-        for start_n in range(kv_start, kv_end, BLOCK_N):
-            acc, m_i, l_i = attend_kv_tile(
-                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                start_n, kv_end, kv_end, qk_scale,
-                stride_cache_block, stride_cache_tok, stride_cache_head,
-                PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT, False)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            start_n, kv_end, kv_end, qk_scale,
+            stride_cache_block, stride_cache_tok, stride_cache_head,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse below is -inf
     out = acc / l_safe[:, None]
