@@ -196,3 +196,12 @@ def test_fp8_checkpoint_end_to_end_matches_its_dequantized_weights(tmp_path, mon
               for a, b, t in zip(fp8.prompt_logprobs[1:], ref.prompt_logprobs[1:], ids[1:])]
     assert max(errors) < 0.05, errors  # float16 rounding only (measured <= 0.02)
     assert fp8.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="needs compute capability 8.9\\+ .*NVIDIA A100 has 8.0"):
+        fp8_module.check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8_module.check_fp8_device(torch.device("cuda", 0))  # Hopper: accepted
