@@ -11,6 +11,11 @@ bf16 matmul rate. Workloads (Llama-3.1-8B shape, bf16, random weights):
   static      256 requests, 1024 in / 128 out: output tok/s
   nanovllm    256 requests, input and output lengths uniform in [100, 1024]: output tok/s
   decode256   decode step at batch 256 with ~1k context: ms per step vs roofline
+
+Quantized variants run beside bf16 in the same run (each its own subprocess):
+    python benchmarks/gpu_compare.py --variants bf16,fp8,fp8kv,fp8+fp8kv \
+        --workloads latency,static,decode256
+("fp8": --quantization fp8 weights; "fp8kv": --kv-cache-dtype fp8.)
 """
 
 from __future__ import annotations
@@ -137,13 +142,20 @@ def run_pagoda(args) -> dict:
     from pagoda import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    quant = {}
+    if args.quantization:
+        quant["quantization"] = args.quantization
+    if args.kv_cache_dtype:
+        quant["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=args.batch,
               enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory,
-              async_scheduling=args.engine != "pagoda-sync")
+              async_scheduling=args.engine != "pagoda-sync", **quant)
     engine = llm.llm_engine
     runner = engine.executor.runner
-    result = {"engine": args.engine, "async_scheduling": engine.async_scheduling,
+    workloads = set(args.workloads.split(","))
+    label = args.engine if not args.variant else f"pagoda[{args.variant}]"
+    result = {"engine": label, "async_scheduling": engine.async_scheduling, **quant,
               "startup_s": time.perf_counter() - t0,
               "load_s": runner.load_seconds, "num_kv_blocks": engine.num_blocks,
               "cuda_graphs": runner.graph_runner is not None,
@@ -155,8 +167,23 @@ def run_pagoda(args) -> dict:
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    # latency: one request; the time between its tokens reaching the host, as a
-    # streaming user sees it (no device sync between steps: it would undo the overlap).
+    if "latency" in workloads:
+        result["latency"] = pagoda_latency(llm, engine, rng, vocab, sync, args)
+    if "static" in workloads:
+        result.update(pagoda_static(llm, engine, rng, vocab, sync, args, profile="profile" in workloads))
+    if "nanovllm" in workloads:
+        result["nanovllm"] = pagoda_nanovllm(llm, rng, vocab, sync, args)
+    if "decode256" in workloads:
+        result["decode256"], prompts = pagoda_decode256(engine, rng, vocab, args)
+        if "profile" in workloads:
+            result["stage_ms_per_step"] = profile_stages(engine, prompts, sync)
+    return result
+
+
+def pagoda_latency(llm, engine, rng, vocab, sync, args) -> dict:
+    """One request; the time between its tokens reaching the host, as a streaming user
+    sees it (no device sync between steps: it would undo the overlap)."""
+    from pagoda import SamplingParams
     prompt = random_prompts(rng, [args.latency_prompt], vocab)[0]
     params = SamplingParams(max_tokens=args.latency_tokens, temperature=0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -165,11 +192,15 @@ def run_pagoda(args) -> dict:
     engine.add_request("lat", prompt, params, output_kind="delta")
     arrivals = token_arrival_times(engine)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    result["latency"] = {"prefill_ms": (arrivals[0] - start) * 1e3,
-                         "decode_ms_per_token_median": statistics.median(gaps) * 1e3,
-                         "decode_ms_per_token_mean": statistics.mean(gaps) * 1e3}
+    return {"prefill_ms": (arrivals[0] - start) * 1e3,
+            "decode_ms_per_token_median": statistics.median(gaps) * 1e3,
+            "decode_ms_per_token_mean": statistics.mean(gaps) * 1e3}
 
-    # static: batch x (in / out). Stepped by hand to record each step's time and size.
+
+def pagoda_static(llm, engine, rng, vocab, sync, args, profile: bool) -> dict:
+    """batch x (in / out). Stepped by hand to record each step's time and size."""
+    from pagoda import SamplingParams
+    result = {}
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
     params = SamplingParams(max_tokens=args.static_out, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -188,10 +219,14 @@ def run_pagoda(args) -> dict:
                         "steps": len(step_log), "prefill_steps": len(prefill_steps),
                         "prefill_seconds": sum(prefill_steps),
                         "step_log": [[n, round(t * 1e3, 2)] for n, t in step_log]}
-    if args.device == "cuda":
+    if args.device == "cuda" and profile:
         result["prefill_profile"] = profile_prefill_step(engine, rng, vocab, args)
+    return result
 
-    # nanovllm: random lengths.
+
+def pagoda_nanovllm(llm, rng, vocab, sync, args) -> dict:
+    """Random lengths, as nano-vllm's benchmark."""
+    from pagoda import SamplingParams
     ins = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
     outs_len = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
     prompts = random_prompts(rng, ins, vocab)
@@ -200,9 +235,12 @@ def run_pagoda(args) -> dict:
     outs = llm.generate(prompts, plist, use_tqdm=False)
     sync(); el = time.perf_counter() - s
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    result["nanovllm"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
+    return {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
 
-    # decode256: steady decode steps at full batch with ~1k context.
+
+def pagoda_decode256(engine, rng, vocab, args) -> tuple[dict, list]:
+    """Steady decode steps at full batch with ~1k context."""
+    from pagoda import SamplingParams
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -217,10 +255,8 @@ def run_pagoda(args) -> dict:
             steps.append(now - last)
         last = now
     decode_steps = steps[-16:] if len(steps) > 16 else steps
-    result["decode256"] = {"step_ms_median": statistics.median(decode_steps) * 1e3,
-                           "context": args.static_in, "batch": args.batch}
-    result["stage_ms_per_step"] = profile_stages(engine, prompts, sync)
-    return result
+    return {"step_ms_median": statistics.median(decode_steps) * 1e3,
+            "context": args.static_in, "batch": args.batch}, prompts
 
 
 def token_arrival_times(engine) -> list[float]:
@@ -323,6 +359,8 @@ def run_transformers(args) -> dict:
     sync(); s = time.perf_counter(); generate(prompt, n); sync(); el = time.perf_counter() - s
     result["latency"] = {"prefill_ms": first * 1e3,
                          "decode_ms_per_token_mean": (el - first) / (n - 1) * 1e3}
+    if "static" not in args.workloads.split(","):
+        return result
     prompts = random_prompts(rng, [args.static_in] * args.batch, arch.vocab_size)
     sync(); s = time.perf_counter()
     out = generate(prompts, args.static_out)
@@ -341,7 +379,7 @@ def child_main(args) -> None:
 
 def print_table(report: dict) -> None:
     engines = {r["engine"]: r for r in report["engines"]}
-    names = [n for n in ("pagoda", "pagoda-sync", "transformers") if n in engines]
+    names = list(engines)
     roof = report.get("roofline", {})
 
     def get(engine, *keys):
@@ -369,7 +407,36 @@ def print_table(report: dict) -> None:
     for n in names:
         step = get(n, "decode256", "step_ms_median")
         if d and step == step and n != "transformers":
-            print(f"  {n}: decode step at {d['roofline_ms'] / step:.0%} of roofline")
+            print(f"  {n}: decode step at {d['roofline_ms'] / step:.0%} of the bf16 roofline")
+    for variant, roofs in report.get("roofline_by_variant", {}).items():
+        if roofs.get("batch1"):
+            print(f"  roofline of {variant}: batch 1 {roofs['batch1']['roofline_ms']:.2f} ms, "
+                  f"decode256 {roofs['decode256']['roofline_ms']:.2f} ms")
+
+
+def variant_flags(variant: str) -> list[str]:
+    """Child flags of a --variants entry (the last one names the variant)."""
+    if variant not in ("bf16", "fp8", "fp8kv", "fp8+fp8kv"):
+        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8, fp8kv, fp8+fp8kv")
+    flags = []
+    if variant in ("fp8", "fp8+fp8kv"):
+        flags += ["--quantization", "fp8"]
+    if variant.endswith("fp8kv"):
+        flags += ["--kv-cache-dtype", "fp8"]
+    return flags + ["--variant", variant]
+
+
+def variant_rooflines(info: dict, ceilings: dict, variant: str, args) -> dict:
+    """Batch-1 and batch-256 rooflines with fp8 weights (1 byte, but the embedding is
+    not streamed anyway and the LM head stays bf16) and/or an fp8 KV cache."""
+    info = dict(info)
+    if variant in ("fp8", "fp8+fp8kv"):
+        head = info["embedding_bytes"]  # the LM head stays bf16 (its size equals the embedding's)
+        info["weight_bytes"] = (info["weight_bytes"] - 2 * head) // 2 + 2 * head
+    if variant.endswith("fp8kv"):
+        info["kv_bytes_per_token"] //= 2
+    return {"batch1": roofline_decode_ms(info, ceilings, 1, args.latency_prompt + args.latency_tokens // 2),
+            "decode256": roofline_decode_ms(info, ceilings, args.batch, args.static_in + 12)}
 
 
 def main() -> None:
@@ -394,6 +461,14 @@ def main() -> None:
     p.add_argument("--nano-min", type=int, default=100)
     p.add_argument("--nano-max", type=int, default=1024)
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
+    p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
+    p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
+    p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
+                   help="comma list of latency, static, nanovllm, decode256, profile")
+    p.add_argument("--variants", default=None,
+                   help="comma list of Pagoda variants run side by side: bf16, fp8 (weights), "
+                        "fp8kv (KV cache), fp8+fp8kv")
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench_results/gpu_compare.json")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -418,12 +493,20 @@ def main() -> None:
         "batch1": roofline_decode_ms(info, report["ceilings"], 1, args.latency_prompt + args.latency_tokens // 2),
         "decode256": roofline_decode_ms(info, report["ceilings"], args.batch, args.static_in + 12)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    engines = [args.engine]
+    engines = [(args.engine, [])]
     if args.engine == "all":
-        engines = ["pagoda", "pagoda-sync", "transformers"] if args.ab_sync else ["pagoda", "transformers"]
-    for engine in engines:
-        child_out = f"{args.out}.{engine}.json"
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--engine", engine, "--child-out", child_out]
+        names = ["pagoda", "pagoda-sync", "transformers"] if args.ab_sync else ["pagoda", "transformers"]
+        engines = [(n, []) for n in names]
+    if args.variants:
+        engines = [("pagoda", variant_flags(v)) for v in args.variants.split(",")] + (
+            [("transformers", [])] if args.engine == "all" else [])
+        report["roofline_by_variant"] = {
+            v: variant_rooflines(info, report["ceilings"], v, args) for v in args.variants.split(",")}
+    for engine, flags in engines:
+        tag = engine if not flags else f"{engine}.{flags[-1]}"
+        child_out = f"{args.out}.{tag.replace('+', '_')}.json"
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--engine", engine, *flags,
+               "--child-out", child_out]
         print(f"running {engine} ...", flush=True)
         proc = subprocess.run(cmd)
         if proc.returncode != 0:

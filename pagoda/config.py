@@ -14,6 +14,9 @@ from typing import Optional
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+# --quantization, vLLM's names (pagoda.model.quant.registry says what each means). A
+# checkpoint's own quantization_config ("fp8", "compressed-tensors") needs no flag.
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "int8", "int4", "gguf")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
@@ -60,10 +63,15 @@ class ModelConfig:
     # directory to find or download it in (None: HF_HUB_CACHE / $HF_HOME/hub).
     revision: Optional[str] = None
     download_dir: Optional[str] = None
+    # None: as the checkpoint says (unquantized unless its config.json has a
+    # quantization_config); else one of QUANTIZATION_METHODS.
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _check_positive_int("max_model_len", self.max_model_len, 2)
         if not isinstance(self.seed, int):
             raise _fail("seed", "an integer", self.seed)
@@ -348,6 +356,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     revision: Optional[str] = None
     download_dir: Optional[str] = None
+    quantization: Optional[str] = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: Optional[int] = None
@@ -415,7 +424,7 @@ class EngineArgs:
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.max_model_len,
                               self.seed, self.load_format, self.served_model_name,
                               self.chat_template, self.skip_tokenizer_init, self.revision,
-                              self.download_dir),
+                              self.download_dir, quantization=self.quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
                               self.enable_prefix_caching, self.num_gpu_blocks_override,
                               self.kv_offloading_size, self.kv_offloading_disk_path,

@@ -146,11 +146,13 @@ def test_other_unsupported_fields_rejected():
         ArchConfig.from_hf_config({**HF_LLAMA, "attention_bias": True})
 
 
-def test_quantized_checkpoints_are_refused_by_name():
+def test_quantization_config_is_kept_for_the_loader():
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with pytest.raises(ValueError, match="quantized checkpoints are not supported yet .*'fp8'"):
-        ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": fp8})
-    assert ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": None})
+    arch = ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": fp8})
+    assert arch.quantization_config == fp8
+    assert ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": None}).quantization_config is None
+    with pytest.raises(ValueError, match="must be an object with a quant_method"):
+        ArchConfig.from_hf_config({**HF_LLAMA, "quantization_config": {"bits": 4}})
 
 
 def test_hf_config_defaults_and_flags():

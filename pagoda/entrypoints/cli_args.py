@@ -6,6 +6,7 @@ import argparse
 
 from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
                            DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES,
+                           QUANTIZATION_METHODS,
                            REASONING_PARSERS, EngineArgs, _cuda_available)
 from pagoda.sampling_params import SamplingParams
 
@@ -32,6 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="how to load weights; dummy makes random weights of the model's shape")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="quantize the weights: fp8 (W8A8 on Hopper/Ada GPUs, from a float "
+                        "checkpoint at load time), int8 or int4 (CPU), gguf (CPU: keep the "
+                        "GGUF file's Q4_0/Q4_1/Q8_0 blocks); default: as the checkpoint says "
+                        "(an FP8 or compressed-tensors checkpoint is read as such)")
     g.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
                    help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

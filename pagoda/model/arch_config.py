@@ -96,6 +96,9 @@ class ArchConfig:
     # Multi-head latent attention's shape: set exactly for the DeepSeek architectures,
     # whose head_dim is then the rotary width (qk_rope_head_dim).
     mla: Optional[MLAConfig] = None
+    # The checkpoint's quantization_config (config.json), as is; None: float weights.
+    # pagoda.model.quant.registry turns it into the layers' methods or refuses it.
+    quantization_config: Optional[dict] = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -140,7 +143,6 @@ class ArchConfig:
     def from_hf_config(cls, config: dict) -> "ArchConfig":
         """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         arch = _hf_architecture(config)
-        _reject_quantized_checkpoint(config)
         _reject_sliding_window(arch, config)
         _reject_unsupported_biases(arch, config)
         heads = config["num_attention_heads"]
@@ -170,6 +172,7 @@ class ArchConfig:
             eos_token_id=config.get("eos_token_id"),
             moe=MoEConfig.from_hf_config(config, arch),
             mla=mla,
+            quantization_config=_hf_quantization_config(config),
         )
 
     @classmethod
@@ -215,15 +218,16 @@ def _hf_mla(arch: str, config: dict) -> Optional[MLAConfig]:
     return MLAConfig.from_hf_config(arch, config)
 
 
-def _reject_quantized_checkpoint(config: dict) -> None:
-    """A checkpoint with quantized weights (FP8, GPTQ, AWQ, ...) holds scale tensors no
-    layer here can take: refuse it by name instead of failing on its first scale."""
+def _hf_quantization_config(config: dict) -> Optional[dict]:
+    """config.json's quantization_config (None when absent); a value that is not an
+    object with a quant_method is refused here, before any weight is read."""
     quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantized checkpoints are not supported yet (quantization_config "
-                         f"quant_method {method!r}); use an unquantized (bf16/fp16/fp32) "
-                         f"checkpoint")
+    if not quant:
+        return None
+    if not isinstance(quant, dict) or not isinstance(quant.get("quant_method"), str):
+        raise ValueError(f"config.json's quantization_config must be an object with a "
+                         f"quant_method, got {quant!r}")
+    return dict(quant)
 
 
 def _reject_sliding_window(arch: str, config: dict) -> None:

@@ -97,7 +97,8 @@ class ModelRunner:
         self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size,
                                  config.parallel.enable_expert_parallel)
         self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
-                                           self.device, config.model.seed, self.tp)
+                                           self.device, config.model.seed, self.tp,
+                                           config.model.quantization)
         self.load_seconds = time.perf_counter() - start
         self.backend = make_attention_backend(config.device.attention_backend,
                                               config.device.device, self.arch, self.tp)

@@ -6,17 +6,24 @@ padding). With tp_size > 1 the embedding reads zeros for ids outside its range a
 all-reduces, so every rank gets every token's row; the LM head computes the logits of
 its rows and all-gathers them along the vocab dim, trimmed to vocab_size, so every rank
 (the sampler on rank 0 included) sees the full [N, vocab] logits.
+
+A quantization scheme may give the LM head a linear method
+(``QuantConfig.lm_head_method``): after loading, the head's float weight (possibly
+shared with the embedding, which keeps it) is handed to a private linear layer that
+the method quantizes, and the head multiplies through it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_gather, tp_all_reduce
-from pagoda.model.layers.linear import (LayerWeightLoader, ShardId, check_tp, check_tp_group,
-                                        copy_checked)
+from pagoda.model.layers.linear import (ColumnParallelLinear, LayerWeightLoader, ShardId,
+                                        check_tp, check_tp_group, copy_checked)
 from pagoda.model.layers.matmul import linear
 
 
@@ -64,11 +71,42 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab] (no bias)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        self.quant_method = None  # set before loading; applied by process_weights_after_loading
+        self.quantized: Optional[ColumnParallelLinear] = None
+
+    def set_quant_method(self, method) -> None:
+        self.quant_method = method
+
+    def process_weights_after_loading(self) -> None:
+        """Quantizes a copy of the loaded float weight with the head's method (the
+        parameter itself stays: the embedding may share it)."""
+        if self.quant_method is None:
+            return
+        rows, dim = self.weight.shape
+        with torch.device("meta"):
+            head = ColumnParallelLinear(dim, rows)
+        head.set_quant_method(self.quant_method)
+        for name, param in list(head.named_parameters()):
+            if name != "weight":
+                raise ValueError(f"the LM head's method {self.quant_method.name} must quantize "
+                                 f"from the float weight; it made a {name!r} parameter")
+        head.weight = nn.Parameter(self.weight.detach().clone(), requires_grad=False)
+        self.quant_method.process_weights_after_loading(head)
+        self.quantized = head
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(hidden)
+        return linear(hidden, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(hidden, self.weight)
+            return self._local_logits(hidden)
         check_tp_group(type(self).__name__, self.tp_rank, self.tp_size)
-        logits = tp_all_gather(linear(hidden, self.weight), dim=-1)  # [N, size * rows]
+        logits = tp_all_gather(self._local_logits(hidden), dim=-1)  # [N, size * rows]
         if logits.shape[-1] != self.num_embeddings:  # drop the last rank's padded rows
             logits = logits[:, :self.num_embeddings].contiguous()
         return logits

@@ -164,6 +164,10 @@ class LinearBase(nn.Module):
         """Which part of the checkpoint tensor for shard_id this rank loads."""
         raise NotImplementedError
 
+    def shard_sizes(self) -> list[int]:
+        """This rank's output rows of each merged checkpoint tensor, in order."""
+        return [self.out_per_rank]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: ShardId = None) -> None:
         load_sharded(param, loaded_weight, self.shard_plan(shard_id),
@@ -206,6 +210,9 @@ class MergedColumnParallelLinear(LinearBase):
         offset = sum(self.rank_sizes[:shard_id])
         return ShardPlan(out=(self.tp_rank * size, size, offset), shard_index=shard_id)
 
+    def shard_sizes(self) -> list[int]:
+        return list(self.rank_sizes)
+
 
 class QKVParallelLinear(LinearBase):
     """q, k, v projections in one matmul. Heads split across ranks; when there are
@@ -238,6 +245,9 @@ class QKVParallelLinear(LinearBase):
             return ShardPlan(out=(kv_start, self.kv_size, self.q_size + self.kv_size),
                              shard_index=2)
         raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
 
 class RowParallelLinear(LinearBase):

@@ -1,7 +1,10 @@
 """Model loading: pick the weight format, build the model on meta, materialise, fill.
 
-``load_model(model_path_or_preset, load_format, dtype, device, seed, tp) -> (model, arch)``
-(tp: this rank's TensorParallel; the loaders shard while loading);
+``load_model(model_path_or_preset, load_format, dtype, device, seed, tp, quantization)
+-> (model, arch)`` (tp: this rank's TensorParallel; the loaders shard while loading;
+quantization: ``--quantization``, resolved with the checkpoint's own quantization_config
+by pagoda.model.quant.registry: layers get their methods before materialising and
+quantize or repack once loaded);
 ``load_arch_config(model_path_or_preset, load_format) -> arch`` without the weights.
 
 Formats:
@@ -66,13 +69,18 @@ def detect_load_format(model: str) -> str:
 
 
 def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device],
-                tp: TensorParallel = SINGLE_RANK) -> nn.Module:
+                tp: TensorParallel = SINGLE_RANK, quant_config=None) -> nn.Module:
     """The model for arch, this rank's share of it (tp), with uninitialised weights of
-    dtype on device (built on meta, so nothing is allocated or initialised twice)."""
+    dtype on device (built on meta, so nothing is allocated or initialised twice); with
+    quant_config (a pagoda.model.quant QuantConfig) its linear layers take their
+    methods' parameters. Call process_loaded_weights once the weights are in."""
+    from pagoda.model.quant.registry import attach_quant_methods
+
     cls = get_model_class(arch.architecture)
     check_tensor_parallel(arch, tp.size, tp.expert_parallel)  # a clear message before any layer's own check
     with torch.device("meta"):
         model = cls(arch, tp)
+    attach_quant_methods(model, arch, quant_config, torch.device(device), dtype)
     model.materialize(device, dtype)
     return model.eval()
 
@@ -102,14 +110,20 @@ def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> Ar
 
 def load_model(model_path_or_preset: str, load_format: str = "auto",
                dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               seed: int = 0, tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
+               seed: int = 0, tp: TensorParallel = SINGLE_RANK,
+               quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
     """The model (this rank's share: loaders shard while loading) and its ArchConfig."""
+    from pagoda.model.quant.registry import process_loaded_weights
+
     name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
         from pagoda.model.loader.gguf import load_gguf_model
-        return load_gguf_model(Path(name), dtype, device, tp)
-    if fmt == "safetensors":
+        model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization)
+    elif fmt == "safetensors":
         from pagoda.model.loader.safetensors import load_safetensors_model
-        return load_safetensors_model(Path(name), dtype, device, tp)
-    from pagoda.model.loader.dummy import load_dummy_model
-    return load_dummy_model(name, dtype, device, seed, tp)
+        model, arch = load_safetensors_model(Path(name), dtype, device, tp, quantization)
+    else:
+        from pagoda.model.loader.dummy import load_dummy_model
+        model, arch = load_dummy_model(name, dtype, device, seed, tp, quantization)
+    process_loaded_weights(model)
+    return model, arch

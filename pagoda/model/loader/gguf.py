@@ -137,14 +137,17 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
 
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     device: Union[str, torch.device],
-                    tp: TensorParallel = SINGLE_RANK) -> tuple[nn.Module, ArchConfig]:
+                    tp: TensorParallel = SINGLE_RANK,
+                    quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
     from pagoda.model.loader import build_model, find_gguf_file
+    from pagoda.model.quant.registry import resolve_quant_config
 
     file = find_gguf_file(path)
     if file is None:
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp)
+    quant = resolve_quant_config(quantization, None, "gguf", reader)
+    model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     model.load_weights(iter_gguf_weights(reader, arch, tp.rank))
     return model, arch

@@ -80,7 +80,11 @@ def _narrow_blocks(tensor: torch.Tensor, dim: int, start: int, size: int, block:
                    what: str) -> torch.Tensor:
     if start % block != 0:
         raise ValueError(f"{what}: shard starts at {start}, not on a block of {block}")
-    return tensor.narrow(dim, start // block, -(-size // block))
+    first, count = start // block, -(-size // block)
+    if first + count > tensor.shape[dim]:
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} has no "
+                         f"[{first}, {first + count}) along dim {dim}")
+    return tensor.narrow(dim, first, count)
 
 
 def load_sharded(param: nn.Parameter, loaded: torch.Tensor, plan: ShardPlan, what: str) -> None:

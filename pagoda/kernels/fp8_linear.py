@@ -1,0 +1,426 @@
+"""FP8 weight matmuls: y = x @ dequant(w_fp8).T (+ bias), for the FP8 linear methods.
+
+Owns:
+- ``fp8_linear(x, w_fp8, w_scale)``: per-output-channel weight scales [N]. Decode sizes
+  (M <= W8A16_MAX_M) run the W8A16 Triton kernel: fp8 weights converted in registers,
+  multiplied by the bf16 activation, the scale applied at the end; no activation
+  quantization (one launch; the step is bound by the weight bytes anyway). Larger M
+  quantizes the activation per token (pagoda.kernels.fp8_quant) and runs W8A8 on the
+  FP8 tensor cores: torch._scaled_mm with rowwise scales where its layout rules hold,
+  else the Triton W8A8 GEMM below.
+- ``fp8_block_linear(x, w_fp8, w_scale_blocks, block)``: DeepSeek-style 128 x 128 weight
+  blocks. Decode sizes: the same W8A16 kernel with block scales; larger M: activation
+  groups of block[1] columns (per_token_group_quant_fp8) and the Triton W8A8 GEMM, which
+  applies both scales per K block in float32.
+- torch references of both (dequantize to float32, matmul, cast).
+
+Two kernels serve both scale layouts (SCALE_BLOCKED constexpr): the per-channel scale is
+applied once to the float32 accumulator; block scales are applied to each BLOCK_K slice's
+partial product (BLOCK_K divides the K block, so one slice has one scale per column).
+Kernels run on CUDA, or on CPU under TRITON_INTERPRET=1; on CPU otherwise the references
+compute the same thing. Outputs are allocated from shapes only (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.fp8_quant import (
+    FP8_DTYPE,
+    dequantize_blockwise,
+    dequantize_per_channel,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
+    per_token_quant_fp8,
+    per_token_quant_fp8_ref,
+    triton_usable,
+)
+
+# Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
+# quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at
+# this size; benchmarks/fp8_gemm.py measures the crossover on the H200 (it prints it).
+W8A16_MAX_M = 16
+# The most rows w8a16_linear takes (one program holds all rows' accumulators).
+W8A16_ROWS_LIMIT = 64
+
+# W8A16 tiles. BLOCK_M = 1: an FMA-and-reduce GEMV over a [BLOCK_N, BLOCK_K] tile (no
+# padding rows); 2..64 rows: tl.dot on one tile of all rows (16 at least, tl.dot's
+# minimum), so the weight tile is read once for all of them. Narrow BLOCK_N gives batch-1
+# GEMVs enough programs to keep every SM streaming (N = 4096 -> 256 programs); SPLIT_K > 1
+# adds programs along K and a reduce. Untuned guesses: benchmarks/fp8_gemm.py --sweep.
+W8A16_GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4)
+W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+# W8A8 GEMM tiles (fp8 tl.dot): 64-row tiles for mid M, 128 beyond.
+W8A8_SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4,
+                         num_stages=4)
+W8A8_LARGE_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
+                         num_stages=3)
+
+
+# ------------------------------------------------------------------ checks ---------
+def _flatten(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE or x.shape[-1] != k:
+        raise ValueError(f"{what}: x must be a float [..., {k}] tensor, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _weight_shape(w_fp8: torch.Tensor, what: str) -> tuple[int, int]:
+    if w_fp8.dim() != 2:
+        raise ValueError(f"{what}: w_fp8 must be 2-D [N, K], got {tuple(w_fp8.shape)}")
+    return int(w_fp8.shape[0]), int(w_fp8.shape[1])
+
+
+def _check_fp8_weight(w_fp8: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2 or w_fp8.stride(1) != 1:
+        raise ValueError(f"{what}: w_fp8 must be a [N, K] float8_e4m3fn tensor with "
+                         f"contiguous rows, got {tuple(w_fp8.shape)} {w_fp8.dtype}")
+    if w_fp8.device != x.device:
+        raise ValueError(f"{what}: x on {x.device}, w_fp8 on {w_fp8.device}")
+
+
+def _check_bias(bias, n: int, what: str) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"{what}: bias must have shape [{n}], got {tuple(bias.shape)}")
+
+
+def _per_channel_scale(w_scale: torch.Tensor, n: int) -> torch.Tensor:
+    if w_scale.numel() != n:
+        raise ValueError(f"fp8_linear: w_scale must have {n} elements (one per output "
+                         f"row), got shape {tuple(w_scale.shape)}")
+    return w_scale.reshape(n).to(torch.float32).contiguous()
+
+
+def _block_scale(w_scale: torch.Tensor, n: int, k: int, block) -> tuple[torch.Tensor, int, int]:
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"fp8_block_linear: block must be two positive sizes, got {block}")
+    bn, bk = int(block[0]), int(block[1])
+    want = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"fp8_block_linear: w_scale_blocks must have shape {want} for "
+                         f"weight {n}x{k} and block {block}, got {tuple(w_scale.shape)}")
+    return w_scale.to(torch.float32).contiguous(), bn, bk
+
+
+# -------------------------------------------------------------- W8A16 kernel -------
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
+    SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
+    partial sums part[k split, :, n block]. The weights are read once for all M rows."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K, hence of one K block's start
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    if BLOCK_M == 1:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows[:, None] + (k0 + offs_k)[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if SCALE_BLOCKED:
+                s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                            mask=n_ok, other=0.0)
+                w = w * s[:, None]
+            acc2 += w * x[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            part = tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+            if SCALE_BLOCKED:
+                s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                            mask=n_ok, other=0.0)
+                part = part * s[None, :]
+            acc += part
+    if not SCALE_BLOCKED:
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[m, n block] = sum over splits of part[split, m, n block] (+ bias), in a fixed
+    order (deterministic, no atomics)."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _fit_block_k(block_k: int, group_k: int, minimum: int) -> int:
+    """The largest power of two <= block_k dividing group_k (a BLOCK_K slice must not
+    straddle two K blocks of scales)."""
+    while block_k > minimum and group_k % block_k:
+        block_k //= 2
+    if group_k % block_k:
+        raise ValueError(f"a K block of {group_k} columns needs a power-of-two divisor "
+                         f">= {minimum} for the FP8 block kernels")
+    return block_k
+
+
+def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias=None,
+                 out_dtype=None, block: tuple[int, int] | None = None, config=None
+                 ) -> torch.Tensor:
+    """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
+    block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
+    (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries."""
+    m, k = x.shape
+    n = w_fp8.shape[0]
+    if not 0 < m <= W8A16_ROWS_LIMIT:
+        raise ValueError(f"w8a16_linear takes 1 to {W8A16_ROWS_LIMIT} rows, got {m}")
+    cfg = dict(config or (W8A16_GEMV_CONFIG if m == 1 else W8A16_DOT_CONFIG))
+    split_k = cfg.pop("SPLIT_K")
+    bn, bk = block if block is not None else (1, 1)
+    if block is not None:
+        cfg["BLOCK_K"] = _fit_block_k(cfg["BLOCK_K"], bk, 16 if m > 1 else 1)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+            if split_k > 1 else out)
+    _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
+        x, w_fp8, scale, bias if bias is not None else out, out, part,
+        m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
+        scale.stride(0), scale.stride(1) if block is not None else 0,
+        SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
+        SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)), **cfg)
+    if split_k > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
+            part, bias if bias is not None else out, out, m, n, out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024)
+    return out
+
+
+# --------------------------------------------------------------- W8A8 GEMM ---------
+@triton.jit
+def _w8a8_gemm_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm,
+    stride_asm, stride_asg, stride_bsn, stride_bsg,
+    SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c[M, N] = (a_fp8 * a_scale) @ (b_fp8 * b_scale).T on the FP8 tensor cores.
+    Per channel: a_scale [M] per row, b_scale [N], applied to the final accumulator.
+    Blocked: a_scale [M, K / GROUP_K], b_scale [N / GROUP_N, K / GROUP_K], applied to each
+    BLOCK_K slice's product (BLOCK_K divides GROUP_K). Programs walk the output in groups
+    of GROUP_M row tiles so neighbouring programs share B tiles in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # Out-of-range rows/columns read row 0 / column 0 (in bounds) and are never stored.
+    safe_m = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    a_tile = a_ptr + safe_m[:, None] * stride_am + offs_k[None, :]
+    b_tile = b_ptr + safe_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_tile + k0)
+            b = tl.load(b_tile + k0)
+        else:
+            a = tl.load(a_tile + k0, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(b_tile + k0, mask=offs_k[:, None] < K - k0, other=0.0)
+        if SCALE_BLOCKED:
+            g = k0 // GROUP_K
+            sa = tl.load(as_ptr + safe_m * stride_asm + g * stride_asg)
+            sb = tl.load(bs_ptr + (safe_n // GROUP_N) * stride_bsn + g * stride_bsg)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            # Hopper's FP8 MMA adds into a narrower accumulator: promote to float32 after
+            # each slice (Triton's default there would never promote; cuBLAS's precise mode
+            # and DeepSeek's kernels promote at this interval too).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    if not SCALE_BLOCKED:
+        sa = tl.load(as_ptr + safe_m * stride_asm)
+        sb = tl.load(bs_ptr + safe_n * stride_bsn)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w8a8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+              w_scale: torch.Tensor, bias=None, out_dtype=torch.bfloat16,
+              block: tuple[int, int] | None = None, config=None) -> torch.Tensor:
+    """Triton W8A8 GEMM. block=None: x_scale [M, 1], w_scale [N]; block=(bn, bk): x_scale
+    [M, ceil(K/bk)] (any strides), w_scale [ceil(N/bn), ceil(K/bk)]."""
+    m, k = x_fp8.shape
+    n = w_fp8.shape[0]
+    cfg = dict(config or (W8A8_SMALL_CONFIG if m <= 64 else W8A8_LARGE_CONFIG))
+    bn, bk = block if block is not None else (1, 1)
+    if block is not None:
+        cfg["BLOCK_K"] = _fit_block_k(cfg["BLOCK_K"], bk, 16)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_gemm_kernel[grid](
+        x_fp8, w_fp8, x_scale, w_scale, bias if bias is not None else out, out,
+        m, n, k, x_fp8.stride(0), w_fp8.stride(0), out.stride(0),
+        x_scale.stride(0), x_scale.stride(1) if block is not None else 0,
+        w_scale.stride(0), w_scale.stride(1) if block is not None else 0,
+        SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+    return out
+
+
+# ------------------------------------------------------------ _scaled_mm path ------
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def scaled_mm_usable(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm's rowwise FP8 GEMM takes this case as is: a CUDA device of
+    compute capability >= 8.9; K and N multiples of 16 (cuBLASLt / CUTLASS alignment: the
+    column-major weight's leading dimension is K); a 16-byte-aligned contiguous weight
+    (w_fp8.t() is then column-major, as required); a bf16/fp16 output."""
+    if x.device.type != "cuda" or _capability(x.device.index) < (8, 9):
+        return False
+    n, k = w_fp8.shape
+    return (k % 16 == 0 and n % 16 == 0 and w_fp8.is_contiguous()
+            and w_fp8.data_ptr() % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16))
+
+
+def scaled_mm_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                     w_scale: torch.Tensor, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """torch._scaled_mm with rowwise scales: x_scale [M, 1], w_scale [N] -> scale_b [1, N].
+    The bias is fused when its dtype is the output's (what _scaled_mm accepts), else added."""
+    fuse = bias is not None and bias.dtype == out_dtype
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
+                           bias=bias if fuse else None, out_dtype=out_dtype)
+    if bias is not None and not fuse:
+        out += bias.to(out_dtype)
+    return out
+
+
+# ------------------------------------------------------------ public entries -------
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] = x @ (w_fp8 * w_scale[:, None]).T (+ bias), in out_dtype
+    (default x.dtype). w_fp8 [N, K] float8_e4m3fn, w_scale [N] (or [N, 1]) float32."""
+    n, k = _weight_shape(w_fp8, "fp8_linear")
+    x2 = _flatten(x, k, "fp8_linear")
+    _check_fp8_weight(w_fp8, x2, "fp8_linear")
+    _check_bias(bias, n, "fp8_linear")
+    scale = _per_channel_scale(w_scale, n)
+    out_dtype = out_dtype or x.dtype
+    m = x2.shape[0]
+    if not triton_usable(x2):
+        out = fp8_linear_ref(x2, w_fp8, scale, bias, out_dtype, act_quant=m > W8A16_MAX_M)
+    elif m == 0:
+        out = torch.empty(0, n, dtype=out_dtype, device=x.device)
+    elif m <= W8A16_MAX_M:
+        out = w8a16_linear(x2, w_fp8, scale, bias, out_dtype)
+    else:
+        x_fp8, x_scale = per_token_quant_fp8(x2)
+        if scaled_mm_usable(x2, w_fp8, out_dtype):
+            out = scaled_mm_linear(x_fp8, x_scale, w_fp8, scale, bias, out_dtype)
+        else:
+            out = w8a8_gemm(x_fp8, x_scale, w_fp8, scale, bias, out_dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_blocks: torch.Tensor,
+                     block: tuple[int, int] = (128, 128), bias=None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] with block-scaled weights: w_scale_blocks [ceil(N/bn),
+    ceil(K/bk)]. Above W8A16_MAX_M rows the activation is quantized in groups of bk."""
+    n, k = _weight_shape(w_fp8, "fp8_block_linear")
+    x2 = _flatten(x, k, "fp8_block_linear")
+    _check_fp8_weight(w_fp8, x2, "fp8_block_linear")
+    _check_bias(bias, n, "fp8_block_linear")
+    scale, bn, bk = _block_scale(w_scale_blocks, n, k, block)
+    out_dtype = out_dtype or x.dtype
+    m = x2.shape[0]
+    if not triton_usable(x2):
+        out = fp8_block_linear_ref(x2, w_fp8, scale, (bn, bk), bias, out_dtype,
+                                   act_quant=m > W8A16_MAX_M)
+    elif m == 0:
+        out = torch.empty(0, n, dtype=out_dtype, device=x.device)
+    elif m <= W8A16_MAX_M:
+        out = w8a16_linear(x2, w_fp8, scale, bias, out_dtype, block=(bn, bk))
+    else:
+        x_fp8, x_scale = per_token_group_quant_fp8(x2, bk)
+        out = w8a8_gemm(x_fp8, x_scale, w_fp8, scale, bias, out_dtype, block=(bn, bk))
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------- references -------
+def _finish(y: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
+                   out_dtype=None, act_quant: bool = False) -> torch.Tensor:
+    """Torch reference: float32 matmul of x (act_quant: quantized per token and
+    dequantized, as the W8A8 path does) with the dequantized weight; cast at the end."""
+    xf = x.float()
+    if act_quant:
+        q, s = per_token_quant_fp8_ref(x)
+        xf = q.float() * s
+    y = xf @ dequantize_per_channel(w_fp8, w_scale).t()
+    return _finish(y, bias, out_dtype or x.dtype)
+
+
+def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                         block=(128, 128), bias=None, out_dtype=None,
+                         act_quant: bool = False) -> torch.Tensor:
+    """Torch reference of fp8_block_linear (act_quant: x quantized in groups of block[1])."""
+    xf = x.float()
+    if act_quant:
+        q, s = per_token_group_quant_fp8_ref(x, block[1])
+        xf = q.float() * s.repeat_interleave(block[1], dim=1)[:, :x.shape[1]]
+    y = xf @ dequantize_blockwise(w_fp8, w_scale, block).t()
+    return _finish(y, bias, out_dtype or x.dtype)

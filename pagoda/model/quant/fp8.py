@@ -1,0 +1,216 @@
+"""FP8 (e4m3) weights on Hopper/Ada GPUs: ``--quantization fp8`` and FP8 checkpoints.
+
+Three ways in, one storage: ``weight`` float8_e4m3fn [out, in] plus float32 scales.
+- Online (``--quantization fp8`` on a float checkpoint or dummy weights): the layer
+  loads its float weight as usual; after loading each output channel is scaled into
+  e4m3's range (scale = amax / 448) and the float weight is dropped.
+- Checkpoint, per channel or per tensor (compressed-tensors "channel"/"tensor"
+  strategies; HF "fp8" without block sizes): ``weight`` and ``weight_scale`` are read as
+  stored. Per-tensor scales of merged q/k/v or gate/up shards are spread into one
+  per-channel vector after loading, so every layer multiplies the same way.
+- Checkpoint, 128x128 block scales (DeepSeek-V3 style; HF "fp8" with
+  ``weight_block_size``, where the scale is named ``weight_scale_inv``; compressed-tensors
+  "block"): the block scales are kept and the block-scaled kernel multiplies.
+
+Activations are quantized per token at run time (dynamic), or with the checkpoint's
+static per-tensor ``input_scale`` (the largest of merged shards', as vLLM does).
+The matmuls themselves live in pagoda.kernels.fp8_linear. On the CPU the engine
+refuses FP8 (``check_device``); the methods' apply still runs there through the
+kernels' torch references, which is how CI checks the layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagoda.kernels import fp8_linear as kernels
+from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
+from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, LinearMethod,
+                                     QuantConfig, ShardDims)
+
+FP8_MAX = 448.0
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
+
+
+def check_fp8_device(device: torch.device) -> None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("fp8 quantization runs on NVIDIA GPUs with FP8 tensor cores (compute "
+                         "capability 8.9+: Ada, Hopper); on the CPU use --quantization int8 "
+                         "or int4")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(f"fp8 quantization needs compute capability 8.9+ (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} has "
+                         f"{capability[0]}.{capability[1]}")
+
+
+def check_fp8_activation_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8 quantization computes in bfloat16 or float16, not {dtype}: "
+                         f"pass --dtype bfloat16")
+
+
+def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Swaps a loaded parameter for its processed form (never loaded again); the old
+    storage is freed once nothing else holds it."""
+    delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def spread_per_shard(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.Tensor:
+    """[num_shards] per-tensor values -> [sum(shard_sizes)] one per output channel."""
+    sizes = torch.tensor(list(shard_sizes), device=values.device)
+    return torch.repeat_interleave(values.float(), sizes)
+
+
+def linear_static_input(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                        input_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """W8A8 with the checkpoint's per-tensor activation scale. Decode sizes take the
+    W8A16 kernel like the dynamic scheme (the activation is not quantized there)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], w_fp8.shape[0]
+    if x2.is_cuda and m <= kernels.W8A16_MAX_M:
+        return kernels.fp8_linear(x, w_fp8, w_scale, bias)
+    x_fp8 = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_scale = input_scale.float().reshape(1, 1).expand(m, 1).contiguous()
+    if kernels.scaled_mm_usable(x2, w_fp8, x.dtype):
+        out = kernels.scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    elif x2.is_cuda:
+        out = kernels.w8a8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    else:  # the torch reference (CPU)
+        out = (x_fp8.float() * x_scale) @ dequantize_per_channel(w_fp8, w_scale).t()
+        out = (out if bias is None else out + bias.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+class Fp8OnlineLinearMethod(LinearMethod):
+    """A float weight loaded as usual, quantized per output channel after loading."""
+
+    name = "fp8"
+
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
+                       num_shards: int) -> None:
+        layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight, scale = quantize_weight_per_channel(layer.weight.data)
+        _replace(layer, "weight", weight)
+        layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+class Fp8CheckpointLinearMethod(LinearMethod):
+    """FP8 weights and scales as a checkpoint stores them.
+
+    strategy: "channel" (weight_scale [out, 1]), "tensor" (one weight_scale per merged
+    shard) or "block" (scale [ceil(out/bn), ceil(in/bk)] named scale_name).
+    static_input: the checkpoint holds a per-tensor input_scale per shard.
+    """
+
+    def __init__(self, strategy: str, block: Optional[tuple[int, int]] = None,
+                 scale_name: str = "weight_scale", static_input: bool = False) -> None:
+        if strategy not in ("channel", "tensor", "block"):
+            raise ValueError(f"unknown FP8 weight strategy {strategy!r}")
+        if (strategy == "block") != (block is not None):
+            raise ValueError("FP8 block scales need a block size, and only they do")
+        if static_input and strategy == "block":
+            raise ValueError("FP8 block-scaled weights take dynamic per-group activations only")
+        self.strategy, self.block, self.scale_name = strategy, block, scale_name
+        self.static_input = static_input
+        self.name = f"fp8 ({strategy}{'' if block is None else f' {block[0]}x{block[1]}'})"
+
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
+                       num_shards: int) -> None:
+        layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank, dtype=FP8_DTYPE),
+                              WEIGHT_DIMS, keep_dtype=True)
+        if self.strategy == "channel":
+            scale, dims = torch.empty(out_per_rank, 1), OUTPUT_VECTOR_DIMS
+        elif self.strategy == "tensor":
+            scale, dims = torch.empty(num_shards), ShardDims(per_shard=True)
+        else:
+            bn, bk = self.block
+            scale = torch.empty(-(-out_per_rank // bn), -(-in_per_rank // bk))
+            dims = ShardDims(output_dim=0, input_dim=1, output_block=bn, input_block=bk)
+        layer.register_weight(self.scale_name, scale.float(), dims, keep_dtype=True)
+        if self.static_input:
+            layer.register_weight("input_scale", torch.empty(num_shards),
+                                  ShardDims(per_shard=True), keep_dtype=True)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scale = getattr(layer, self.scale_name).data
+        if self.strategy == "channel":
+            _replace(layer, self.scale_name, scale.reshape(-1).float().contiguous())
+        elif self.strategy == "tensor":
+            _replace(layer, self.scale_name, spread_per_shard(scale, layer.shard_sizes()))
+        if self.static_input:
+            _replace(layer, "input_scale", layer.input_scale.data.max().reshape(1).float())
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        scale = getattr(layer, self.scale_name)
+        if self.strategy == "block":
+            return kernels.fp8_block_linear(x, layer.weight, scale, self.block, bias)
+        if self.static_input:
+            return linear_static_input(x, layer.weight, scale, layer.input_scale, bias)
+        return kernels.fp8_linear(x, layer.weight, scale, bias)
+
+
+class Fp8Config(QuantConfig):
+    """FP8 for every linear layer except those the checkpoint leaves in float (ignored)."""
+
+    def __init__(self, method: LinearMethod, ignored: Sequence[str] = (),
+                 name: str = "fp8") -> None:
+        self.method, self.ignored, self.name = method, tuple(ignored), name
+
+    @classmethod
+    def online(cls) -> "Fp8Config":
+        return cls(Fp8OnlineLinearMethod())
+
+    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+        return None if is_ignored(prefix, self.ignored) else self.method
+
+    def check_device(self, device: torch.device) -> None:
+        check_fp8_device(device)
+
+    def check_model_dtype(self, dtype: torch.dtype) -> None:
+        check_fp8_activation_dtype(dtype)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.method.name}"
+
+
+# Pagoda merges these checkpoint layers; a merged layer is ignored when its parts are.
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:
+    """Whether the checkpoint keeps layer prefix in float. Entries are module names, or
+    're:'-prefixed regular expressions (compressed-tensors); a merged layer must be
+    all-ignored or not at all."""
+    head, _, last = prefix.rpartition(".")
+    parts = [f"{head}.{p}" if head else p for p in _MERGED_PARTS.get(last, (last,))]
+    hits = [_matches(part, ignored) for part in parts]
+    if any(hits) and not all(hits):
+        raise ValueError(f"the checkpoint keeps only some of {', '.join(parts)} unquantized; "
+                         f"Pagoda multiplies them as one layer ({prefix}) and needs all or none")
+    return all(hits)
+
+
+def _matches(name: str, ignored: Sequence[str]) -> bool:
+    import re
+    for entry in ignored:
+        if entry.startswith("re:"):
+            if re.fullmatch(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
