@@ -3,7 +3,7 @@
 Every tensor, quantized (Q4_1, Q8_0, ...) or not, is dequantized to float32 with
 gguf.quants.dequantize and then cast to the model dtype by the parameter's loader --
 except the tensors named in ``keep_blocks`` (those of layers the ``gguf`` quantization
-scheme keeps quantized, pagoda.model.quant.cpu_int): they are handed over raw, as
+scheme keeps quantized, pagoda.model.quant.gguf_quant): they are handed over raw, as
 uint8 [rows, blocks per row, bytes per block], which shards in whole blocks.
 llama.cpp's converter permutes the rows of the Q and K projections (it reshapes
 them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes, turning HF's
@@ -149,5 +149,8 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
     arch = ArchConfig.from_gguf_metadata(reader)
     quant = resolve_quant_config(quantization, None, "gguf", reader)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
-    model.load_weights(iter_gguf_weights(reader, arch, tp.rank))
+    # Built first: the gguf scheme learns which layers keep their blocks as it hands
+    # out their methods.
+    keep = quant.raw_tensor_names() if hasattr(quant, "raw_tensor_names") else frozenset()
+    model.load_weights(iter_gguf_weights(reader, arch, tp.rank, keep))
     return model, arch
