@@ -58,7 +58,7 @@ def _check_blocks(blocks: torch.Tensor, kind: str) -> None:
 
 
 def _fp16_bytes(values: torch.Tensor, what: str) -> torch.Tensor:
-    """float32 [...] -> uint8 [..., 2] (little-endian fp16); refuses values fp16 cannot hold."""
+    """float [...] -> uint8 [..., 2] (little-endian fp16); refuses values fp16 cannot hold."""
     half = values.to(torch.float16)
     if not torch.isfinite(half).all():
         raise ValueError(f"{what} overflows float16 (|value| > 65504): cannot store the "
@@ -70,36 +70,45 @@ def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[..., offset:offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """float [N, K] -> Q8_0 blocks uint8 [N, K/32, 34]: symmetric, d = amax / 127 per
-    block. q is computed with the stored (fp16-rounded) d, so a Q8_0 tensor that was
-    dequantized (its blocks' largest |q| being 127) quantizes back to the same blocks."""
+def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"in_features {k} is not a multiple of {QK} (the block size)")
-    w = weight.detach().float().reshape(n, k // QK, QK)
-    d = (w.abs().amax(-1) / 127).to(torch.float16).float()
-    q = torch.where(d.unsqueeze(-1) > 0, torch.round(w / d.unsqueeze(-1)), torch.zeros_like(w))
-    q = q.clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    return torch.cat([_fp16_bytes(d, "a Q8_0 scale"), q], dim=-1).contiguous()
+    return weight.detach().float().reshape(n, k // QK, QK)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where d is 0 (a block of equal weights quantizes to q = 0)."""
+    return torch.where(d > 0, 1.0 / d.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> Q8_0 blocks uint8 [N, K/32, 34]: symmetric, d = amax / 127 per
+    block. q is computed with the stored (fp16-rounded) d, so a Q8_0 tensor that was
+    dequantized (its blocks' largest |q| being 127) quantizes back to the same blocks.
+    (Written for few passes over the weight: the whole model goes through it at load.)"""
+    w = _blocks_of(weight)
+    d = (w.abs().amax(-1) / 127).to(torch.float16)
+    out = torch.empty(*w.shape[:2], Q8_0_BYTES, dtype=torch.uint8)
+    out[..., :2] = _fp16_bytes(d, "a Q8_0 scale")
+    q = (w * _inverse(d.float()).unsqueeze(-1)).round_().clamp_(-127, 127)
+    out[..., 2:] = q.to(torch.int8).view(torch.uint8)
+    return out
 
 
 def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     """float [N, K] -> Q4_1 blocks uint8 [N, K/32, 20]: asymmetric, d = (max - min) / 15,
     m = min per block; q = round((w - m) / d) in 0..15 with the stored fp16 d and m."""
-    n, k = weight.shape
-    if k % QK:
-        raise ValueError(f"in_features {k} is not a multiple of {QK} (the block size)")
-    w = weight.detach().float().reshape(n, k // QK, QK)
-    lo, hi = w.amin(-1), w.amax(-1)
-    d = ((hi - lo) / 15).to(torch.float16).float()
-    m = lo.to(torch.float16).float()
-    dd, mm = d.unsqueeze(-1), m.unsqueeze(-1)
-    q = torch.where(dd > 0, torch.round((w - mm) / dd), torch.zeros_like(w))
-    q = q.clamp(0, 15).to(torch.uint8)
-    nibbles = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
-    return torch.cat([_fp16_bytes(d, "a Q4_1 scale"), _fp16_bytes(m, "a Q4_1 minimum"),
-                      nibbles], dim=-1).contiguous()
+    w = _blocks_of(weight)
+    lo, hi = w.aminmax(dim=-1)
+    d, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+    out = torch.empty(*w.shape[:2], Q4_1_BYTES, dtype=torch.uint8)
+    out[..., :2] = _fp16_bytes(d, "a Q4_1 scale")
+    out[..., 2:4] = _fp16_bytes(m, "a Q4_1 minimum")
+    q = ((w - m.float().unsqueeze(-1)) * _inverse(d.float()).unsqueeze(-1))
+    q = q.round_().clamp_(0, 15).to(torch.uint8)
+    out[..., 4:] = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
+    return out
 
 
 def q4_0_to_q4_1(blocks: torch.Tensor) -> torch.Tensor:
