@@ -7,13 +7,16 @@
  *   Q8_0 (34 bytes): fp16 d, int8 qs[32]; weight j = d * qs[j].
  * Every product d * q is exact in float32 (11-bit by at most 8-bit mantissas), so the
  * weights a tile dequantizes are bit-identical to gguf.quants.dequantize (fma(q, d, m)
- * rounds d * q + m once, as numpy's (d * q) + m does after an exact product).
- * Only the order of the float32 sums differs from dequantize-then-matmul.
+ * rounds d * q + m once, as numpy's (d * q) + m does after an exact product). The M = 1
+ * Q4_1 path sums d (q . x) + m sum(x) per block instead: the same sum in exact
+ * arithmetic, rounded differently. Either way only float32 rounding differs from
+ * dequantize-then-matmul.
  *
  * Work split: OpenMP threads (torch's own libgomp, which is already loaded, so one
- * thread pool) take tiles of NT output rows; a tile's rows are dequantized once into a
+ * thread pool) take output rows. M > 1: tiles of NT rows are dequantized once into a
  * per-thread float buffer and multiplied with every x row, MT rows at a time, in an
  * MT x NT register tile of 8-wide accumulators (FMA-bound rather than load-bound).
+ * M = 1: each row is dequantized in registers straight into its dot product.
  */
 #include <immintrin.h>
 #include <stdint.h>

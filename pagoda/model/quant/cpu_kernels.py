@@ -16,8 +16,8 @@ compiled with the system C compiler on first use and cached. Without a compiler 
 AVX2 the same results come from the torch reference (dequantize, then
 ``pagoda.model.layers.matmul.linear``), slower; ``native_status()`` says which runs.
 
-Numerics: the kernel's dequantized weights are bit-identical to the reference's (and to
-gguf.quants.dequantize); only the float32 summation order differs.
+Numerics: the weights the kernel dequantizes are bit-identical to the reference's (and
+to gguf.quants.dequantize); only float32 rounding of the sums differs (cpu_kernels.c).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ Q4_0_BYTES = 18
 Q8_0_BYTES = 34
 BLOCK_BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES}
 
-# From this many activation rows on, dequantizing the whole weight once and running
-# the float matmul beats the kernel's register tiles (measured: benchmarks/cpu_quant.py
-# --kernels; prefill-sized steps only).
+# From this many activation rows on (prefill-sized steps), the weight is dequantized
+# once and the float matmul runs: its MKL kernel outgrows the register tiles as M grows.
+# A guess to tune (the crossover was not measured: the 2-core machine was shared).
 LARGE_M = 64
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
