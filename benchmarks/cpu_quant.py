@@ -162,7 +162,7 @@ def run_transformers(args, path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32).eval()
+                                                 dtype=torch.float32).eval()
 
     def gen(ids):
         x = torch.tensor(ids)
