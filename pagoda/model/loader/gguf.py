@@ -1,10 +1,14 @@
 """GGUF loader (llama.cpp files): metadata -> ArchConfig, tensors -> HF-named weights.
 
 Every tensor, quantized (Q4_1, Q8_0, ...) or not, is dequantized to float32 with
-gguf.quants.dequantize and then cast to the model dtype by the parameter's loader.
+gguf.quants.dequantize and then cast to the model dtype by the parameter's loader --
+except the tensors named in ``keep_blocks`` (those of layers the ``gguf`` quantization
+scheme keeps quantized, pagoda.model.quant.gguf_quant): they are handed over raw, as
+uint8 [rows, blocks per row, bytes per block], which shards in whole blocks.
 llama.cpp's converter permutes the rows of the Q and K projections (it reshapes
 them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes, turning HF's
-rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that.
+rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that (on rows of
+blocks too: a block never spans two rows).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Iterator, Union
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 from torch import nn
 
@@ -89,14 +93,30 @@ def dequantized(tensor) -> np.ndarray:
     return data.reshape(shape)
 
 
-def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig,
-                      rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def raw_blocks(tensor) -> np.ndarray:
+    """A quantized tensor's blocks as stored: uint8 [rows, blocks per row, bytes per block]."""
+    block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if block_size == 1:
+        raise ValueError(f"GGUF tensor {tensor.name} ({tensor.tensor_type.name}) has no blocks")
+    data = np.asarray(tensor.data)
+    return data.reshape(data.shape[0], -1, type_size)
+
+
+def gguf_tensor_types(reader: GGUFReader) -> dict[str, str]:
+    """HF tensor name -> GGML type name ('Q4_1', 'Q8_0', 'F32', ...) of every tensor."""
+    return {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
+
+
+def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig, rank: int = 0,
+                      keep_blocks: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted
-    (with a progress bar on a terminal, for rank 0)."""
+    (with a progress bar on a terminal, for rank 0); the tensors named in keep_blocks
+    come as raw blocks (see raw_blocks) instead."""
     tensors = progress(reader.tensors, "loading weights", len(reader.tensors), "tensor", rank)
     for tensor in tensors:
         name = hf_name(tensor.name)
-        data = dequantized(tensor)
+        data = raw_blocks(tensor) if name in keep_blocks else dequantized(tensor)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             data = unpermute_qk(data, arch.num_attention_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
@@ -129,5 +149,8 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
     arch = ArchConfig.from_gguf_metadata(reader)
     quant = resolve_quant_config(quantization, None, "gguf", reader)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
-    model.load_weights(iter_gguf_weights(reader, arch, tp.rank))
+    # Built first: the gguf scheme learns which layers keep their blocks as it hands
+    # out their methods.
+    keep = quant.raw_tensor_names() if hasattr(quant, "raw_tensor_names") else frozenset()
+    model.load_weights(iter_gguf_weights(reader, arch, tp.rank, keep))
     return model, arch

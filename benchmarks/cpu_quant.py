@@ -1,0 +1,268 @@
+"""CPU quantized decode: Pagoda float32 vs int8 vs int4 vs gguf on the embedded SmolLM2,
+with transformers fp32 and llama.cpp (llama-cpp-python, same GGUF file, if importable)
+as peers in the same run, and each Pagoda scheme's quality beside its speed.
+
+Workloads (random prompt token ids, fixed seed, every request runs to its length):
+- batch 1: one request, --prompt-len in / --output-len out, output tok/s.
+- batch N: --batch requests of the same shape submitted together, output tok/s.
+Quality (Pagoda schemes vs Pagoda float32, over --quality-prompts text prompts):
+greedy agreement (tokens equal before the first difference / tokens generated) and the
+logprob error of the float model's greedy tokens, teacher-forced (max and mean |delta|).
+--kernels adds per-layer matmul timings: float32 linear vs the block kernel vs torch's
+own weight-packed int8/int4 CPU kernels.
+
+    python benchmarks/cpu_quant.py --threads 2 --out benchmarks/results/cpu-quant.json
+    python benchmarks/cpu_quant.py --smoke      # a quick check that everything runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+QUALITY_PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+    "The three laws of robotics are", "To make a cup of tea, first", "Water boils at",
+    "import numpy as np\n", "The best way to learn a language is",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2, help="best of this many timed runs")
+    p.add_argument("--modes", default="float32,int8,int4,gguf")
+    p.add_argument("--peers", default="transformers,llama_cpp")
+    p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument("--quality-prompts", type=int, default=len(QUALITY_PROMPTS))
+    p.add_argument("--kernels", action="store_true", help="also time each layer's matmul")
+    p.add_argument("--smoke", action="store_true", help="tiny lengths: check that it runs")
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompt_len, args.output_len, args.batch, args.repeats = 8, 8, 4, 1
+        args.quality_tokens, args.quality_prompts = 4, 2
+    return args
+
+
+def prompts(args, count):
+    import random
+    rng = random.Random(0)
+    return [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(count)]
+
+
+def best_rate(run, tokens, repeats):
+    """Output tokens per second of the best of repeats runs (after one warm-up run)."""
+    run()
+    best = min(_timed(run) for _ in range(repeats))
+    return tokens / best
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --- Pagoda ---------------------------------------------------------------------------
+
+def pagoda_mode(args, path, mode):
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(str(path), quantization=None if mode == "float32" else mode, device="cpu")
+    load_s = time.perf_counter() - start
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    one, many = prompts(args, 1), prompts(args, args.batch)
+    result = {"load_s": round(load_s, 2),
+              "batch1_tok_s": best_rate(lambda: llm.generate(one, params, use_tqdm=False),
+                                        args.output_len, args.repeats),
+              f"batch{args.batch}_tok_s": best_rate(
+                  lambda: llm.generate(many, params, use_tqdm=False),
+                  args.output_len * args.batch, args.repeats)}
+    result["quality_tokens"] = greedy_and_logprobs(llm, args)
+    return result, llm
+
+
+def greedy_and_logprobs(llm, args):
+    """(greedy tokens per prompt, teacher-forcing logprob lists) for the quality prompts:
+    the logprobs are computed later, on the float model's greedy continuations."""
+    from pagoda.sampling_params import SamplingParams
+
+    texts = QUALITY_PROMPTS[:args.quality_prompts]
+    params = SamplingParams(temperature=0, max_tokens=args.quality_tokens, ignore_eos=True)
+    outs = llm.generate(texts, params, use_tqdm=False)
+    return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
+
+
+def forced_logprobs(llm, prompt_ids, continuations):
+    """log p(token) of each continuation token given everything before it."""
+    from pagoda.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    seqs = [p + c for p, c in zip(prompt_ids, continuations)]
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+    result = []
+    for out, p, s in zip(outs, prompt_ids, seqs):
+        lps = out.prompt_logprobs  # lps[i]: token i given tokens < i (lps[0] is None)
+        result.append([lps[i][s[i]].logprob for i in range(len(p), len(s))])
+    return result
+
+
+def agreement(ref, got):
+    fractions = []
+    for a, b in zip(ref, got):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fractions.append(same / len(a))
+    return sum(fractions) / len(fractions)
+
+
+def quality(ref_lp, lp, ref_tokens, tokens):
+    deltas = [abs(a - b) for ra, rb in zip(ref_lp, lp) for a, b in zip(ra, rb)]
+    return {"greedy_agreement": round(agreement(ref_tokens, tokens), 4),
+            "logprob_err_max": round(max(deltas), 5),
+            "logprob_err_mean": round(sum(deltas) / len(deltas), 6)}
+
+
+def run_pagoda(args, path):
+    modes = [m for m in args.modes.split(",") if m]
+    if "float32" not in modes:
+        modes.insert(0, "float32")  # the quality reference
+    results, ref = {}, None
+    for mode in modes:
+        print(f"pagoda {mode} ...", flush=True)
+        result, llm = pagoda_mode(args, path, mode)
+        prompt_ids, tokens = result.pop("quality_tokens")
+        if ref is None:
+            ref = (prompt_ids, tokens, None)
+        lp = forced_logprobs(llm, ref[0], ref[1])
+        if ref[2] is None:
+            ref = (ref[0], ref[1], lp)
+        result["quality_vs_float32"] = quality(ref[2], lp, ref[1], tokens)
+        results[mode] = result
+        print(f"  {json.dumps(result)}", flush=True)
+        del llm
+        gc.collect()
+    return results
+
+
+# --- peers ------------------------------------------------------------------------------
+
+def run_transformers(args, path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+
+    def gen(ids):
+        x = torch.tensor(ids)
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                           pad_token_id=0)
+
+    one, many = prompts(args, 1), prompts(args, args.batch)
+    return {"batch1_tok_s": best_rate(lambda: gen(one), args.output_len, args.repeats),
+            f"batch{args.batch}_tok_s": best_rate(lambda: gen(many), args.output_len * args.batch,
+                                                  args.repeats)}
+
+
+def run_llama_cpp(args, path):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_threads=args.threads, n_threads_batch=args.threads,
+                n_ctx=args.prompt_len + args.output_len + 8, n_batch=512, verbose=False)
+    one = prompts(args, 1)[0]
+
+    def gen():
+        llm.reset()
+        for i, _ in enumerate(llm.generate(one, top_k=1, temp=0.0, reset=True)):
+            if i + 1 == args.output_len:
+                break
+
+    return {"batch1_tok_s": best_rate(gen, args.output_len, args.repeats),
+            "note": "batch 1 only (llama-cpp-python runs one sequence per context)"}
+
+
+# --- per-layer kernels ------------------------------------------------------------------
+
+def run_kernels(args):
+    import torch
+    from pagoda.model.layers.matmul import linear
+    from pagoda.model.quant import cpu_kernels as ck
+
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576),
+              "down": (576, 1536), "lm_head": (49152, 576)}
+    out = {}
+    for m in (1, args.batch):
+        for name, (n, k) in shapes.items():
+            w, x = torch.randn(n, k), torch.randn(m, k)
+            reps = 3 if name == "lm_head" else 30
+            b8, b4 = ck.quantize_q8_0(w), ck.quantize_q4_1(w)
+            s = w.abs().amax(1) / 127
+            i8 = torch.round(w / s[:, None]).to(torch.int8)
+            i4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+            sz = torch.randn(k // 32, n, 2)
+            fns = {"float32": lambda: linear(x, w),
+                   "q8_0_kernel": lambda: ck.blocks_mm(x, b8, "q8_0"),
+                   "q4_1_kernel": lambda: ck.blocks_mm(x, b4, "q4_1"),
+                   "torch_int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, i8, s),
+                   "torch_int4pack_g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                       x, i4, 32, sz)}
+            row = {}
+            for label, fn in fns.items():
+                fn()
+                row[label] = round(min(_timed(lambda: [fn() for _ in range(reps)])
+                                       for _ in range(3)) / reps * 1e6, 1)
+            out[f"{name} M={m}"] = row
+            print(f"  {name} M={m} us: {row}", flush=True)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+    torch.set_num_threads(args.threads)
+    from pagoda.model.quant.cpu_kernels import native_status
+    from pagoda.model.tokenizer import embedded_model_path
+
+    path = embedded_model_path()
+    report = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "cpus": os.cpu_count(), "torch": torch.__version__,
+              "kernel": native_status(), "workload": {
+                  "prompt_len": args.prompt_len, "output_len": args.output_len,
+                  "batch": args.batch, "repeats": args.repeats}, "model": path.name}
+    if args.kernels:
+        report["kernels_us"] = run_kernels(args)
+    report["pagoda"] = run_pagoda(args, path)
+    peers = [p for p in args.peers.split(",") if p]
+    for peer, fn in (("transformers", run_transformers), ("llama_cpp", run_llama_cpp)):
+        if peer not in peers:
+            continue
+        print(f"{peer} ...", flush=True)
+        try:
+            report[peer] = fn(args, path)
+        except ImportError as e:
+            report[peer] = {"skipped": f"not importable: {e}"}
+        print(f"  {json.dumps(report[peer])}", flush=True)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

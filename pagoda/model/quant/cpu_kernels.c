@@ -1,0 +1,240 @@
+/* Weight-only quantized matmuls for x86-64 CPUs with AVX2, FMA and F16C.
+ *
+ * y[M, N] = x[M, K] @ dequant(w)[N, K].T, x and y float32 row-major, w in GGUF's block
+ * layouts (32 weights per block, blocks of one output row contiguous):
+ *   Q4_1 (20 bytes): fp16 d, fp16 m, uint8 qs[16]; weight j = d * q_j + m, where
+ *        q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16.
+ *   Q8_0 (34 bytes): fp16 d, int8 qs[32]; weight j = d * qs[j].
+ * Every product d * q is exact in float32 (11-bit by at most 8-bit mantissas), so the
+ * weights a tile dequantizes are bit-identical to gguf.quants.dequantize (fma(q, d, m)
+ * rounds d * q + m once, as numpy's (d * q) + m does after an exact product). The M = 1
+ * Q4_1 path sums d (q . x) + m sum(x) per block instead: the same sum in exact
+ * arithmetic, rounded differently. Either way only float32 rounding differs from
+ * dequantize-then-matmul.
+ *
+ * Work split: OpenMP threads (torch's own libgomp, which is already loaded, so one
+ * thread pool) take output rows. M > 1: tiles of NT rows are dequantized once into a
+ * per-thread float buffer and multiplied with every x row, MT rows at a time, in an
+ * MT x NT register tile of 8-wide accumulators (FMA-bound rather than load-bound).
+ * M = 1: each row is dequantized in registers straight into its dot product.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define NT 4
+#define MT 3
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* One row of Q4_1 blocks -> K floats. */
+static void dequant_q4_1_row(const uint8_t *blocks, int64_t nb, float *out) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++, blocks += 20, out += QK) {
+        const __m256 d = _mm256_set1_ps(fp16_to_f32(blocks));
+        const __m256 m = _mm256_set1_ps(fp16_to_f32(blocks + 2));
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blocks + 4));
+        const __m128i lo = _mm_and_si128(qs, low);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m));
+        _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m));
+        _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m));
+    }
+}
+
+/* One row of Q8_0 blocks -> K floats. */
+static void dequant_q8_0_row(const uint8_t *blocks, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, blocks += 34, out += QK) {
+        const __m256 d = _mm256_set1_ps(fp16_to_f32(blocks));
+        for (int i = 0; i < 4; i++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blocks + 2 + 8 * i));
+            _mm256_storeu_ps(out + 8 * i,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+        }
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[m, n] = dot(x[m, :], w[n, :]) for mt x nt rows; inlined with constant mt and nt, so
+ * the accumulators live in registers. */
+static inline __attribute__((always_inline)) void
+tile(const float *x, int64_t ldx, const float *w, int64_t K, float *y, int64_t ldy,
+     const int mt, const int nt) {
+    __m256 acc[MT][NT];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int i = 0; i < mt; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
+#define TILE_CASE(a, b) tile(x + m * K, K, wbuf, K, y + m * N + n0, N, a, b)
+
+static void tile_rows(const float *x, int64_t M, int64_t K, const float *wbuf, int64_t N,
+                      int64_t n0, int nt, float *y) {
+    for (int64_t m = 0; m < M; m += MT) {
+        const int mt = M - m < MT ? (int)(M - m) : MT;
+        switch (mt * 8 + nt) {
+        case 3 * 8 + 4: TILE_CASE(3, 4); break;
+        case 2 * 8 + 4: TILE_CASE(2, 4); break;
+        case 1 * 8 + 4: TILE_CASE(1, 4); break;
+        case 3 * 8 + 3: TILE_CASE(3, 3); break;
+        case 2 * 8 + 3: TILE_CASE(2, 3); break;
+        case 1 * 8 + 3: TILE_CASE(1, 3); break;
+        case 3 * 8 + 2: TILE_CASE(3, 2); break;
+        case 2 * 8 + 2: TILE_CASE(2, 2); break;
+        case 1 * 8 + 2: TILE_CASE(1, 2); break;
+        case 3 * 8 + 1: TILE_CASE(3, 1); break;
+        case 2 * 8 + 1: TILE_CASE(2, 1); break;
+        default: TILE_CASE(1, 1); break;
+        }
+    }
+}
+
+/* M = 1 (decode at batch 1): the register tile would leave one accumulator chain per
+ * row (FMA latency-bound), so each row gets four chains, and its blocks are dequantized
+ * in registers straight into the dot product (no buffer round trip). */
+/* Q4_1 at M = 1, factored per block: sum_j (d q_j + m) x_j = d (q . x) + m sum(x), with
+ * sum(x) per block (sx) computed once per call. Nibbles reach 32-bit lanes by one byte
+ * shuffle per 8 bytes: lane i holds byte i, whose low nibble is weight i and high
+ * nibble weight i + 16. Two accumulators alternate blocks (FMA latency). */
+static float gemv_q4_1_row(const float *x, const float *sx, const uint8_t *blocks, int64_t nb) {
+    const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                           4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float ym = 0.0f;
+    for (int64_t b = 0; b < nb; b++, blocks += 20, x += QK) {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blocks + 4)));
+        const __m256i a = _mm256_shuffle_epi8(v, first), c = _mm256_shuffle_epi8(v, second);
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
+        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+        const __m256 t01 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(x)));
+        const __m256 t23 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), _mm256_mul_ps(q2, _mm256_loadu_ps(x + 16)));
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_add_ps(t01, t23), _mm256_set1_ps(fp16_to_f32(blocks)), acc[b & 1]);
+        ym += fp16_to_f32(blocks + 2) * sx[b];
+    }
+    return hsum(_mm256_add_ps(acc[0], acc[1])) + ym;
+}
+
+static float gemv_q8_0_row(const float *x, const float *sx, const uint8_t *blocks, int64_t nb) {
+    (void)sx;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++, blocks += 34, x += QK) {
+        const __m256 d = _mm256_set1_ps(fp16_to_f32(blocks));
+        for (int i = 0; i < 4; i++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blocks + 2 + 8 * i));
+            const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+            acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * i), acc[i]);
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+typedef float (*gemv_fn)(const float *, const float *, const uint8_t *, int64_t);
+
+/* sx: per-block sums of x (float [K / 32]), for the rows that need them. */
+static void blocks_gemv(const float *x, const float *sx, int64_t K, const uint8_t *w,
+                        int64_t N, float *y, int threads, int64_t block_bytes, gemv_fn row) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) y[n] = row(x, sx, w + n * nb * block_bytes, nb);
+}
+
+typedef void (*dequant_fn)(const uint8_t *, int64_t, float *);
+
+/* A per-thread buffer of at least n floats (grown on demand, kept for later calls). */
+static float *thread_buffer(int64_t n) {
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+/* Returns 0, or -1 when a thread could not allocate its buffer (y is then incomplete). */
+static int blocks_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                     float *y, int threads, int64_t block_bytes, dequant_fn dequant) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes, tiles = (N + NT - 1) / NT;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
+    for (int64_t t = 0; t < tiles; t++) {
+        float *wbuf = thread_buffer(NT * K);
+        if (wbuf == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int64_t n0 = t * NT;
+        const int nt = N - n0 < NT ? (int)(N - n0) : NT;
+        for (int j = 0; j < nt; j++) dequant(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
+        tile_rows(x, M, K, wbuf, N, n0, nt, y);
+    }
+    return failed ? -1 : 0;
+}
+
+int pagoda_q4_1_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   float *y, int threads) {
+    if (M == 1) {
+        float *sx = malloc((size_t)(K / QK) * sizeof(float));
+        if (sx == NULL) return -1;
+        for (int64_t b = 0; b < K / QK; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++) s += x[b * QK + j];
+            sx[b] = s;
+        }
+        blocks_gemv(x, sx, K, w, N, y, threads, 20, gemv_q4_1_row);
+        free(sx);
+        return 0;
+    }
+    return blocks_mm(x, M, K, w, N, y, threads, 20, dequant_q4_1_row);
+}
+
+int pagoda_q8_0_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   float *y, int threads) {
+    if (M == 1) {
+        blocks_gemv(x, NULL, K, w, N, y, threads, 34, gemv_q8_0_row);
+        return 0;
+    }
+    return blocks_mm(x, M, K, w, N, y, threads, 34, dequant_q8_0_row);
+}
+
+/* Dequantizes all N rows (for large M, where a float GEMM over the dequantized weight
+ * is faster than the register tiles). */
+void pagoda_q4_1_dequant(const uint8_t *w, int64_t N, int64_t K, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) dequant_q4_1_row(w + n * (K / QK) * 20, K / QK, out + n * K);
+}
+
+void pagoda_q8_0_dequant(const uint8_t *w, int64_t N, int64_t K, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) dequant_q8_0_row(w + n * (K / QK) * 34, K / QK, out + n * K);
+}
