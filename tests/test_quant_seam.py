@@ -131,3 +131,19 @@ def test_resolution_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown quantization 'awq'"):
         resolve_quant_config("awq", None, "safetensors")
     assert resolve_quant_config(None, None, "safetensors") is None
+
+
+def test_processing_after_loading_visits_the_lm_heads_private_layer_once():
+    from pagoda.model.quant.registry import process_loaded_weights
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = ParallelLMHead(6, 4)
+
+    model = Model()
+    model.lm_head.weight.data.copy_(_full(6, 4, 12))
+    original = model.lm_head.weight.detach().clone()
+    model.lm_head.set_quant_method(ScaledCopyMethod())
+    process_loaded_weights(model)
+    torch.testing.assert_close(model.lm_head.quantized.weight, 0.5 * original)  # not 0.25

@@ -106,7 +106,9 @@ def process_loaded_weights(model: nn.Module) -> None:
     from pagoda.model.quant.unquantized import UNQUANTIZED
 
     changed = False
-    for module in model.modules():
+    # A list first: processing the LM head adds a private quantized layer to the tree,
+    # which must not be visited (and quantized again) by this same walk.
+    for module in list(model.modules()):
         if isinstance(module, LinearBase) and module.quant_method is not UNQUANTIZED:
             module.quant_method.process_weights_after_loading(module)
             changed = True
