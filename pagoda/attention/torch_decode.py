@@ -40,9 +40,22 @@ class DecodePlan:
     slots: torch.Tensor  # int64 [B]: assignment.slots on the device
     in_slot_order: bool  # row i sits in slot i and there are B slots
     carry_copy: tuple[torch.Tensor, torch.Tensor]  # (cache rows, workspace rows)
-    full_copy: tuple[torch.Tensor, torch.Tensor]  # the same, every row from scratch
-    padding: torch.Tensor  # bool [slots, 1, 1, L]: True where past the slot's context
+    # bool [slots, 1, 1, L]: True where past the slot's context; None when no slot has
+    # such a position (every slot holds a row of length L: the mask would be a no-op).
+    padding: Optional[torch.Tensor]
     max_len: int  # L
+    # [B, kv_heads, L] grids of cache and workspace rows, and where they are inside a
+    # context: the full copy is taken from them on first use (a layer whose buffers do
+    # not carry), since in steady decoding every layer carries and none needs it.
+    grids: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    _full_copy: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def full_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache rows, workspace rows) bringing every row's whole context in."""
+        if self._full_copy is None:
+            src, dst, inside = self.grids
+            self._full_copy = (src[inside], dst[inside])
+        return self._full_copy
 
 
 @dataclass
@@ -102,17 +115,18 @@ def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[in
     newest = (pos == lens[:, None] - 1)[:, None, :]
     carried = torch.tensor(assignment.carried, device=device)[:, None, None]
     fresh = inside & (newest | ~carried)
-    # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
-    slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
-    slot_lens[slots] = lens
-    padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
+    padding = None
+    if assignment.num_slots > len(rows) or min(lengths) < max_len:
+        # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
+        slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
+        slot_lens[slots] = lens
+        padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
     all_rows = (token_rows == list(range(len(rows)))
                 and metadata.slot_mapping.shape[0] == len(rows))
     in_order = assignment.slots == list(range(len(rows))) and assignment.num_slots == len(rows)
     return DecodePlan(torch.tensor(token_rows, device=device), all_rows, assignment, slots,
-                      in_order, (src[fresh], dst[fresh]), (src[inside], dst[inside]),
-                      padding, max_len)
+                      in_order, (src[fresh], dst[fresh]), padding, max_len, (src, dst, inside))
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +139,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     in float32. When plan.all_rows, T == B and the result is the whole output."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     k_ws, v_ws, carry = workspace.buffers(kv_cache, plan.assignment)
-    src, dst = plan.carry_copy if carry else plan.full_copy
+    src, dst = plan.carry_copy if carry else plan.full_copy()
     cache = kv_cache.view(2, -1, head_dim)
     k_ws.view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
     v_ws.view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
@@ -137,7 +151,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
     qs = _as_float32(qs).view(num_slots, num_kv_heads, group, head_dim)
     scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [S, Hkv, G, L]
-    scores.masked_fill_(plan.padding, float("-inf"))
+    if plan.padding is not None:
+        scores.masked_fill_(plan.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v).view(num_slots, num_kv_heads * group, head_dim)
     return out if plan.in_slot_order else out.index_select(0, plan.slots)
