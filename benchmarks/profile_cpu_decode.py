@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_cpu_decode.py --threads 2 --batch 1
     .venv/bin/python benchmarks/profile_cpu_decode.py --threads 2 --batch 32
+    .venv/bin/python benchmarks/profile_cpu_decode.py --threads 1 --skinny   # overhead only
     .venv/bin/python benchmarks/profile_cpu_decode.py --smoke     # seconds: checks it runs
 
 Runs LLM.generate (the embedded SmolLM2-135M, float32 unless --quantization says
@@ -15,6 +16,10 @@ remainder is "forward: other" (the Python between the parts). Only decode steps 
 row one token) are counted. A second pass profiles a few decode steps with
 torch.profiler and counts the torch operators per step. Prints a table; writes JSON.
 A diagnostic program: it asserts nothing, and its timers cost a few microseconds each.
+
+`--skinny` runs a random model (dummy weights) with SmolLM2's depth, heads, head size
+and vocabulary but a hidden size and MLP width of 64: its linears cost next to nothing,
+so its step time is the per-step overhead a quantized SmolLM2 is left with.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ def instrument(llm, timers: StageTimers) -> None:
     timers.wrap(mr, "build_sampling_metadata", "  sampling metadata")
     timers.wrap(runner, "sampler", "  sampler")
     timers.wrap(llama, "apply_rotary", "    rotary")
+    if hasattr(llama, "apply_rotary_tables"):  # the CPU form
+        timers.wrap(llama, "apply_rotary_tables", "    rotary")
     timers.wrap_module_forwards(runner.model.model, {
         RMSNorm: "    rmsnorm (+ residual add)", Attention: "    attention (+ kv store)",
         SiluAndMul: "    silu_and_mul", VocabParallelEmbedding: "    embedding", LinearBase: "    linear"})
@@ -160,9 +167,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profiler-steps", type=int, default=8)
     parser.add_argument("--quantization", default=None,
                         help="passed to LLM(quantization=...) when given")
+    parser.add_argument("--skinny", action="store_true",
+                        help="SmolLM2's depth and heads with 64-wide linears: overhead only")
     parser.add_argument("--smoke", action="store_true", help="few tokens: checks it runs")
     parser.add_argument("--out", default="benchmarks/results/cpu-profile-decode.json")
     return parser.parse_args()
+
+
+# SmolLM2-135M's depth, attention shape and vocabulary; hidden 64 and MLP 64 wide.
+SKINNY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    "intermediate_size": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+
+def skinny_model_dir() -> str:
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="pagoda-skinny-"), "model")
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(SKINNY_CONFIG, f)
+    return path
 
 
 def make_llm(args):
@@ -171,6 +198,10 @@ def make_llm(args):
                   enable_prefix_caching=False)
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
+    if args.skinny:
+        from pagoda.model.tokenizer import embedded_model_path
+        return LLM(skinny_model_dir(), load_format="dummy", tokenizer=str(embedded_model_path()),
+                   kv_cache_memory=256 << 20, **kwargs)
     return LLM(**kwargs)
 
 

@@ -16,14 +16,14 @@ since every layer of one forward sees the same metadata and caches of the same s
   once for a layer filled from scratch;
 - the mask of positions past each slot's context.
 
-Per layer, ``decode_attention`` then costs two small copies, two batched matmuls over
-the workspace and a softmax. Same arithmetic as the reference (float32, scores scaled
+Per layer, ``decode_attention`` then costs one small copy (K and V together), two
+batched matmuls over the workspace and a softmax. Same arithmetic as the reference (float32, scores scaled
 then masked to -inf), checked against it in tests/test_torch_decode.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,12 +50,28 @@ class DecodePlan:
     grids: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     _full_copy: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
+    # (carry, cache K rows, workspace K rows) -> the K and V copy as one index pair.
+    _kv_copies: dict = field(default_factory=dict)
+
     def full_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache rows, workspace rows) bringing every row's whole context in."""
         if self._full_copy is None:
             src, dst, inside = self.grids
             self._full_copy = (src[inside], dst[inside])
         return self._full_copy
+
+    def kv_copy(self, carry: bool, cache_rows: int, workspace_rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K rows' copy (carry_copy or full_copy) followed by the same rows of V,
+        which sit cache_rows further in the cache and workspace_rows further in the
+        workspace (both hold K, then V). Built once per step and shape."""
+        key = (carry, cache_rows, workspace_rows)
+        copy = self._kv_copies.get(key)
+        if copy is None:
+            src, dst = self.carry_copy if carry else self.full_copy()
+            copy = (torch.cat((src, src + cache_rows)), torch.cat((dst, dst + workspace_rows)))
+            self._kv_copies[key] = copy
+        return copy
 
 
 @dataclass
@@ -138,21 +154,21 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
     in float32. When plan.all_rows, T == B and the result is the whole output."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
-    k_ws, v_ws, carry = workspace.buffers(kv_cache, plan.assignment)
-    src, dst = plan.carry_copy if carry else plan.full_copy()
-    cache = kv_cache.view(2, -1, head_dim)
-    k_ws.view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
-    v_ws.view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
-    k = _as_float32(k_ws[:, :, :plan.max_len])  # [S, Hkv, L, D] views, no copy in fp32
-    v = _as_float32(v_ws[:, :, :plan.max_len])
+    kv_ws, carry = workspace.buffers(kv_cache, plan.assignment)
+    src, dst = plan.kv_copy(carry, kv_cache.numel() // (2 * head_dim),
+                            kv_ws.numel() // (2 * head_dim))
+    kv_ws.view(-1, head_dim).index_copy_(0, dst, kv_cache.view(-1, head_dim).index_select(0, src))
     num_slots, group = plan.assignment.num_slots, q.shape[1] // num_kv_heads
+    rows = num_slots * num_kv_heads  # (slot, kv head) pairs: the batch of the bmm calls
+    # [2, S*Hkv, L, D]: K and V views of the workspace (no copy in float32).
+    kv = _as_float32(kv_ws.view(2, rows, -1, head_dim)[:, :, :plan.max_len])
     qs = q if plan.all_rows else q.index_select(0, plan.token_rows)
     if not plan.in_slot_order:
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
-    qs = _as_float32(qs).view(num_slots, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [S, Hkv, G, L]
+    qs = _as_float32(qs).view(rows, group, head_dim)
+    scores = torch.bmm(qs, kv[0].transpose(1, 2)).mul_(scale)  # [S*Hkv, G, L]
     if plan.padding is not None:
-        scores.masked_fill_(plan.padding, float("-inf"))
+        scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(plan.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v).view(num_slots, num_kv_heads * group, head_dim)
+    out = torch.bmm(probs, kv[1]).view(num_slots, num_kv_heads * group, head_dim)
     return out if plan.in_slot_order else out.index_select(0, plan.slots)
