@@ -186,6 +186,6 @@ def apply_rotary_tables(x: torch.Tensor, cos_full: torch.Tensor,
     is still one product or two products and one add, never fused into an FMA."""
     half = x.shape[-1] // 2
     xf = x if x.dtype == torch.float32 else x.float()
-    swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+    swapped = xf.roll(half, dims=-1)  # [x2 | x1]: one call (slicing and cat took three)
     rotated = (xf * cos_full).add_(swapped.mul_(sin_signed))
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
