@@ -83,6 +83,8 @@ def test_decode_plan_masks_only_when_a_slot_is_short(lengths, masked):
     tables = tables_for([(n + 1, 1) for n in lengths], list(range(32)))
     for step in range(2):  # the second step carries the workspace
         md, qkv = make_step(gen, [(c + step, 1) for c, _ in shapes], 4, 2, tables, 0)
+        # q as the model hands it over: a column slice of wider rows (not contiguous).
+        qkv = [(torch.cat((q, k), dim=1)[:, :4], k, v) for q, k, v in qkv]
         got, plan = run_layers(fast, md, qkv, pool)
         want, _ = run_layers(ref, md, qkv, ref_pool)
         assert (plan.decode.padding is not None) == masked

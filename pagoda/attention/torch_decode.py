@@ -165,7 +165,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     qs = q if plan.all_rows else q.index_select(0, plan.token_rows)
     if not plan.in_slot_order:
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
-    qs = _as_float32(qs).view(rows, group, head_dim)
+    # A view when q's rows are contiguous (batch 1); q is often a column slice of the
+    # qkv rows, and then this is one small copy.
+    qs = _as_float32(qs).reshape(rows, group, head_dim)
     scores = torch.bmm(qs, kv[0].transpose(1, 2)).mul_(scale)  # [S*Hkv, G, L]
     if plan.padding is not None:
         scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(plan.padding, float("-inf"))
