@@ -1,6 +1,6 @@
 """The CPU decode path's shorter forms of small ops give the same bits as their references.
 
-- RMSNorm on float32 CPU tensors calls F.rms_norm; it must equal the HF-order reference
+- RMSNorm on float32 CPU tensors calls torch.rms_norm; it must equal the HF-order reference
   (`_normalize_reference`) exactly, with and without the residual add.
 - Rotary through full-width tables (rotary_tables + apply_rotary_tables, what the Llama
   model uses on the CPU) must equal apply_rotary exactly.
