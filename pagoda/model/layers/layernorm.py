@@ -4,10 +4,11 @@ HF order of operations (kept exactly): add the residual in the input dtype, norm
 in float32, cast back to the input dtype, then multiply by the weight. On CUDA (unless
 PAGODA_FUSED_OPS=0) the Triton kernels of pagoda.kernels.fused_ops do the same in one
 launch; the torch code here is their reference and the CPU path. On the CPU, float32
-takes ``torch.rms_norm`` (F.rms_norm without the Python wrapper): ATen's composite runs the very same ops in the same order (pow,
-mean, add eps, rsqrt, multiply, multiply by the weight) in C++, so the bits are the
-same and a decode step saves ~6 Python-dispatched ops per norm (61 norms per step for
-SmolLM2); tests/test_cpu_fused_ops.py asserts the equality.
+takes ``torch.rms_norm`` (F.rms_norm without its Python wrapper): ATen's composite
+runs the very same ops in the same order (pow, mean, add eps, rsqrt, multiply,
+multiply by the weight) in C++, so the bits are the same and a decode step saves ~6
+Python-dispatched ops per norm (61 norms per step for SmolLM2);
+tests/test_cpu_fused_ops.py asserts the equality.
 """
 
 from __future__ import annotations
