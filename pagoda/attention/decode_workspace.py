@@ -3,8 +3,8 @@
 Reading a decode row's context out of the paged cache means a gather: every step, every
 layer, the whole context is copied (and then read again by the matmuls). On the CPU
 that copy is memory traffic the matmuls' own reads do not need: at 32 rows of 160
-tokens it doubles the attention time. The workspace keeps, per layer, two buffers
-[slots, kv_heads, capacity, head_dim] (K and V) holding one decode request's context
+tokens it doubles the attention time. The workspace keeps, per layer, a buffer
+[2, slots, kv_heads, capacity, head_dim] (K and V) holding one decode request's context
 per slot, and a step copies into them only what is new:
 
 - a request that was a decode row of the previous forward and has grown by exactly
@@ -19,7 +19,8 @@ decode row in between, so it loses its slot). A row whose context minus its newe
 token has exactly a slot's key therefore finds that context already in the slot.
 
 Each layer's buffers remember the step they were last filled for; a layer that missed
-the previous step (or a new layer cache, or new shapes) is filled from scratch. Memory:
+the previous step (or a new layer cache, or new shapes) is filled from scratch. K and V
+share one tensor per layer, so one index_select / index_copy_ pair moves both. Memory:
 the buffers hold the live decode contexts once more, with up to 2x slack in positions
 (capacity grows by doubling) and in slots (they are compacted below half use).
 """
@@ -49,8 +50,7 @@ class SlotAssignment:
 @dataclass
 class _LayerBuffers:
     cache: weakref.ref  # the layer's KV cache these copy from
-    k: torch.Tensor
-    v: torch.Tensor
+    kv: torch.Tensor  # [2, slots, kv_heads, capacity, head_dim]: K then V, one tensor
     step: int
 
 
@@ -96,22 +96,23 @@ class DecodeWorkspace:
         self.keys = []
 
     def buffers(self, kv_cache: torch.Tensor, assignment: SlotAssignment
-                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(K, V, carry): this layer's buffers for the step, and whether they hold the
-        previous step's contexts (else every row must be filled from scratch)."""
+                ) -> tuple[torch.Tensor, bool]:
+        """(KV, carry): this layer's buffers for the step, K and V in one tensor
+        [2, slots, kv_heads, capacity, head_dim] (the cache's own K-then-V order, so one
+        index copy fills both), and whether they hold the previous step's contexts (else
+        every row must be filled from scratch)."""
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        shape = (assignment.num_slots, num_kv_heads, assignment.capacity, head_dim)
+        shape = (2, assignment.num_slots, num_kv_heads, assignment.capacity, head_dim)
         held = self._layers.get(id(kv_cache))
         if held is not None and held.cache() is not kv_cache:  # an old cache's id, reused
             held = None
         carry = (held is not None and held.step == assignment.step - 1
-                 and tuple(held.k.shape) == shape)
-        if held is None or tuple(held.k.shape) != shape:
+                 and tuple(held.kv.shape) == shape)
+        if held is None or tuple(held.kv.shape) != shape:
             # Zeroed: the matmuls read padded positions too (masked, but 0 * NaN = NaN).
-            held = _LayerBuffers(weakref.ref(kv_cache),
-                                 torch.zeros(shape, dtype=kv_cache.dtype, device=kv_cache.device),
-                                 torch.zeros(shape, dtype=kv_cache.dtype, device=kv_cache.device), 0)
+            held = _LayerBuffers(weakref.ref(kv_cache), torch.zeros(
+                shape, dtype=kv_cache.dtype, device=kv_cache.device), 0)
             self._layers = {k: b for k, b in self._layers.items() if b.cache() is not None}
             self._layers[id(kv_cache)] = held
         held.step = assignment.step
-        return held.k, held.v, carry
+        return held.kv, carry

@@ -16,17 +16,17 @@ since every layer of one forward sees the same metadata and caches of the same s
   once for a layer filled from scratch;
 - the mask of positions past each slot's context.
 
-Per layer, ``decode_attention`` then costs two small copies, two batched matmuls over
-the workspace and a softmax. Same arithmetic as the reference (float32, scores scaled
-then masked to -inf), checked against it in tests/test_torch_decode.py. An FP8 cache's
-workspace holds the stored bytes (copied as uint8); its K scale is folded into the
-score scale and its V scale applied to the output (the reference dequantizes instead:
-equal up to float32 rounding).
+Per layer, ``decode_attention`` then costs one small copy (K and V together), two
+batched matmuls over the workspace and a softmax. Same arithmetic as the reference
+(float32, scores scaled then masked to -inf), checked against it in
+tests/test_torch_decode.py. An FP8 cache's workspace holds the stored bytes (copied as
+uint8); its K scale is folded into the score scale and its V scale applied to the
+output (the reference dequantizes instead: equal up to float32 rounding).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,9 +44,38 @@ class DecodePlan:
     slots: torch.Tensor  # int64 [B]: assignment.slots on the device
     in_slot_order: bool  # row i sits in slot i and there are B slots
     carry_copy: tuple[torch.Tensor, torch.Tensor]  # (cache rows, workspace rows)
-    full_copy: tuple[torch.Tensor, torch.Tensor]  # the same, every row from scratch
-    padding: torch.Tensor  # bool [slots, 1, 1, L]: True where past the slot's context
+    # bool [slots, 1, 1, L]: True where past the slot's context; None when no slot has
+    # such a position (every slot holds a row of length L: the mask would be a no-op).
+    padding: Optional[torch.Tensor]
     max_len: int  # L
+    # [B, kv_heads, L] grids of cache and workspace rows, and where they are inside a
+    # context: the full copy is taken from them on first use (a layer whose buffers do
+    # not carry), since in steady decoding every layer carries and none needs it.
+    grids: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    _full_copy: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    # (carry, cache K rows, workspace K rows) -> the K and V copy as one index pair.
+    _kv_copies: dict = field(default_factory=dict)
+
+    def full_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache rows, workspace rows) bringing every row's whole context in."""
+        if self._full_copy is None:
+            src, dst, inside = self.grids
+            self._full_copy = (src[inside], dst[inside])
+        return self._full_copy
+
+    def kv_copy(self, carry: bool, cache_rows: int, workspace_rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K rows' copy (carry_copy or full_copy) followed by the same rows of V,
+        which sit cache_rows further in the cache and workspace_rows further in the
+        workspace (both hold K, then V). Built once per step and shape."""
+        key = (carry, cache_rows, workspace_rows)
+        copy = self._kv_copies.get(key)
+        if copy is None:
+            src, dst = self.carry_copy if carry else self.full_copy()
+            copy = (torch.cat((src, src + cache_rows)), torch.cat((dst, dst + workspace_rows)))
+            self._kv_copies[key] = copy
+        return copy
 
 
 @dataclass
@@ -106,17 +135,18 @@ def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[in
     newest = (pos == lens[:, None] - 1)[:, None, :]
     carried = torch.tensor(assignment.carried, device=device)[:, None, None]
     fresh = inside & (newest | ~carried)
-    # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
-    slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
-    slot_lens[slots] = lens
-    padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
+    padding = None
+    if assignment.num_slots > len(rows) or min(lengths) < max_len:
+        # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
+        slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
+        slot_lens[slots] = lens
+        padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
     all_rows = (token_rows == list(range(len(rows)))
                 and metadata.slot_mapping.shape[0] == len(rows))
     in_order = assignment.slots == list(range(len(rows))) and assignment.num_slots == len(rows)
     return DecodePlan(torch.tensor(token_rows, device=device), all_rows, assignment, slots,
-                      in_order, (src[fresh], dst[fresh]), (src[inside], dst[inside]),
-                      padding, max_len)
+                      in_order, (src[fresh], dst[fresh]), padding, max_len, (src, dst, inside))
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
@@ -130,24 +160,29 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     in float32. When plan.all_rows, T == B and the result is the whole output.
     kv_scales: an FP8 cache's [k_scale, v_scale]."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
-    k_ws, v_ws, carry = workspace.buffers(kv_cache, plan.assignment)
-    src, dst = plan.carry_copy if carry else plan.full_copy
-    cache = as_bits(kv_cache).view(2, -1, head_dim)  # FP8: bytes (no float8 index_copy_)
-    as_bits(k_ws).view(-1, head_dim).index_copy_(0, dst, cache[0].index_select(0, src))
-    as_bits(v_ws).view(-1, head_dim).index_copy_(0, dst, cache[1].index_select(0, src))
+    kv_ws, carry = workspace.buffers(kv_cache, plan.assignment)
+    src, dst = plan.kv_copy(carry, kv_cache.numel() // (2 * head_dim),
+                            kv_ws.numel() // (2 * head_dim))
+    # FP8: copied as bytes (torch has no float8 index_copy_ on the CPU).
+    as_bits(kv_ws).view(-1, head_dim).index_copy_(
+        0, dst, as_bits(kv_cache).view(-1, head_dim).index_select(0, src))
     fp8 = is_fp8(kv_cache.dtype)
-    k = _as_float32(k_ws[:, :, :plan.max_len])  # [S, Hkv, L, D] views, no copy in fp32
-    v = _as_float32(v_ws[:, :, :plan.max_len])
     num_slots, group = plan.assignment.num_slots, q.shape[1] // num_kv_heads
+    rows = num_slots * num_kv_heads  # (slot, kv head) pairs: the batch of the bmm calls
+    # [2, S*Hkv, L, D]: K and V views of the workspace (no copy in float32).
+    kv = _as_float32(kv_ws.view(2, rows, -1, head_dim)[:, :, :plan.max_len])
     qs = q if plan.all_rows else q.index_select(0, plan.token_rows)
     if not plan.in_slot_order:
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)
-    qs = _as_float32(qs).view(num_slots, num_kv_heads, group, head_dim)
-    # [S, Hkv, G, L]; an FP8 cache's stored keys times k_scale are its keys.
-    scores = torch.matmul(qs, k.transpose(-1, -2)) * (scale * kv_scales[0] if fp8 else scale)
-    scores.masked_fill_(plan.padding, float("-inf"))
+    # A view when q's rows are contiguous (batch 1); q is often a column slice of the
+    # qkv rows, and then this is one small copy.
+    qs = _as_float32(qs).reshape(rows, group, head_dim)
+    # [S*Hkv, G, L]; an FP8 cache's stored keys times k_scale are its keys.
+    scores = torch.bmm(qs, kv[0].transpose(1, 2)).mul_(scale * kv_scales[0] if fp8 else scale)
+    if plan.padding is not None:
+        scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(plan.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v).view(num_slots, num_kv_heads * group, head_dim)
+    out = torch.bmm(probs, kv[1]).view(num_slots, num_kv_heads * group, head_dim)
     if fp8:
         out = out * kv_scales[1]
     return out if plan.in_slot_order else out.index_select(0, plan.slots)

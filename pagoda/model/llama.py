@@ -33,7 +33,8 @@ from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                         RowParallelLinear, ShardId, default_weight_loader,
                                         materialize_module)
-from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.model.layers.rotary import (RotaryEmbedding, apply_rotary, apply_rotary_tables,
+                                        rotary_tables)
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 # (merged param, checkpoint projection, shard id): HF names folded into merged params.
@@ -75,25 +76,28 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or [len(output_rows), hidden] for those rows only
-        (attention still runs, and stores K/V, for every row)."""
+        (attention still runs, and stores K/V, for every row). cos/sin: what
+        LlamaModel.rotary gives: [T, D/2] each, or rotary_tables' [T, 1, D] tables."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        rotate = apply_rotary_tables if cos.dim() == 3 else apply_rotary
         if not qkv.is_cuda and not self.qk_norm:
-            out = self.attn(*self._rotate_qk_together(qkv, cos, sin))
+            out = self.attn(*self._rotate_qk_together(qkv, rotate, cos, sin))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rotary(q, cos, sin).reshape(num_tokens, self.q_size)
-            k = apply_rotary(k, cos, sin).reshape(num_tokens, self.kv_size)
+            q = rotate(q, cos, sin).reshape(num_tokens, self.q_size)
+            k = rotate(k, cos, sin).reshape(num_tokens, self.kv_size)
             out = self.attn(q, k, v)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
 
-    def _rotate_qk_together(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _rotate_qk_together(self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor,
+                            sin: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU: the q and k heads sit side by side in each row of qkv, so one rotary call
         covers both (half the small torch calls per layer; elementwise, so the values are
@@ -101,7 +105,7 @@ class LlamaAttention(nn.Module):
         num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
         heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                       self.head_dim)
-        qk = apply_rotary(heads, cos, sin).view(num_tokens, qk_size)
+        qk = rotate(heads, cos, sin).view(num_tokens, qk_size)
         return qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:]
 
 
@@ -161,9 +165,18 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
                                           arch.rope_theta, arch.rope_scaling)
 
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every layer's attention rotates q and k with, looked up once per forward:
+        (cos, sin) [T, D/2]; on the CPU, rotary_tables' full-width tables (fewer torch
+        calls per layer, same bits)."""
+        cos, sin = self.rotary_emb(positions)
+        if positions.device.type == "cpu":
+            return rotary_tables(cos, sin)
+        return cos, sin
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        cos, sin = self.rotary_emb(positions)
+        cos, sin = self.rotary(positions)
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -90,7 +90,8 @@ class LayerSkipProposer:
         pos = torch.tensor(positions, dtype=torch.long).to(self.device)
         inner = self.inner
         with forward_context(self.backend, self.backend.build_metadata(common), self.kv_pool):
-            cos, sin = inner.rotary_emb(pos)
+            # LlamaModel.rotary: the form its layers take (CPU tables); else the plain one.
+            cos, sin = getattr(inner, "rotary", inner.rotary_emb)(pos)
             hidden, residual = inner.embed_tokens(ids), None
             for layer in inner.layers[:self.num_layers]:
                 hidden, residual = layer(hidden, residual, cos, sin)

@@ -12,6 +12,10 @@ along a linear ramp between two correction dimensions and multiplies cos and sin
 attention factor (mscale / mscale_all_dim). Checkpoints that rotate interleaved pairs
 (DeepSeek) have their weight rows permuted at load time (``interleaved_to_half``) so
 that this one layout serves them too.
+
+On the CPU a forward may instead turn (cos, sin) once into full-width tables
+(``rotary_tables``) that every layer applies with four torch calls
+(``apply_rotary_tables``) instead of seven: same arithmetic, same bits.
 """
 
 from __future__ import annotations
@@ -164,4 +168,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = xf[..., :half], xf[..., half:]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, D/2] -> full-width tables ([cos | cos], [-sin | sin]), each
+    [T, 1, D] float32, built once per forward for ``apply_rotary_tables``."""
+    return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
+            torch.cat((sin.neg(), sin), dim=-1).unsqueeze(1))
+
+
+def apply_rotary_tables(x: torch.Tensor, cos_full: torch.Tensor,
+                        sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rotary with rotary_tables' tables (the CPU path): x * [cos | cos] +
+    [x2 | x1] * [-sin | sin]. Bit-identical to apply_rotary: x2 * -sin is exactly
+    -(x2 * sin) and a + -b is exactly a - b (IEEE rounding is symmetric); each element
+    is still one product or two products and one add, never fused into an FMA."""
+    half = x.shape[-1] // 2
+    xf = x if x.dtype == torch.float32 else x.float()
+    swapped = xf.roll(half, dims=-1)  # [x2 | x1]: one call (slicing and cat took three)
+    rotated = (xf * cos_full).add_(swapped.mul_(sin_signed))
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
