@@ -179,9 +179,8 @@ W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw,
 
 
 # Batch-1 GEMV tiles only (--gemv-sweep): narrower rows, longer K steps, more splits.
-GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=nw)
-              for bn in (4, 8, 16) for bk in (512, 1024, 2048) for sk in (1, 2, 4)
-              for nw in (4, 8)]
+GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, LOOP_STAGES=st)
+              for bn in (4, 8) for bk in (512, 1024) for st in (1, 2, 3, 4)]
 
 
 def gemv_sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:

@@ -129,7 +129,7 @@ def _w8a16_kernel(
     SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
@@ -147,7 +147,9 @@ def _w8a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
+        # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
             if EVEN_K:
                 x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
@@ -238,6 +240,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         raise ValueError(f"w8a16_linear takes 1 to {W8A16_ROWS_LIMIT} rows, got {m}")
     cfg = dict(config or w8a16_config(m, n, k))
     split_k = cfg.pop("SPLIT_K")
+    loop_stages = cfg.pop("LOOP_STAGES", 1)
     bn, bk = block if block is not None else (1, 1)
     if block is not None:
         cfg["BLOCK_K"] = _fit_block_k(cfg["BLOCK_K"], bk, 16 if m > 1 else 1)
@@ -253,7 +256,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, **cfg)
+        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, **cfg)
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
