@@ -59,12 +59,14 @@ W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
 def w8a16_config(m: int, n: int, k: int) -> dict:
     """The W8A16 tiles for an [m, k] x [n, k] product, from the H200 sweeps
     (docs/performance.md): batch 1 reads 8 rows x 512 columns per step (1024 for a long
-    K such as down_proj's), 32 x 256 for a vocabulary-wide N; 2..16 rows split a long K
-    four ways (two for K <= 4096)."""
+    K such as down_proj's) with 3-4 steps' loads in flight, 32 x 256 for a
+    vocabulary-wide N; 2..16 rows split a long K four ways (two for K <= 4096)."""
     if m == 1:
         if n >= 65536:
             return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
-        return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512)
+        # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for o and down.
+        return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512,
+                    LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4)
     if n >= 65536:
         return dict(W8A16_DOT_CONFIG)
     return dict(W8A16_DOT_CONFIG, SPLIT_K=4 if k >= 8192 else 2)
