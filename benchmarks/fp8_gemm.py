@@ -180,7 +180,7 @@ W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw,
 
 # Batch-1 GEMV tiles only (--gemv-sweep): narrower rows, longer K steps, more splits.
 GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, LOOP_STAGES=st)
-              for bn in (4, 8) for bk in (512, 1024) for st in (1, 2, 3, 4)]
+              for bn in (8, 16) for bk in (256, 512, 1024) for st in (3, 4, 6)]
 
 
 def gemv_sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
