@@ -24,7 +24,8 @@ expert would re-read its weights, so fused_moe switches to the grouped GEMM
 Roundings follow the reference: gate and up rounded to the storage dtype, silu rounded
 before the multiply (as torch), each choice's down output rounded before its weight is
 applied, the k-sum in float32, rounded once. A choice of -1 (another rank's expert)
-reads nothing and adds nothing. Outputs are allocated from shapes alone: CUDA-graph
+adds nothing (gate/up skip it; down zeroes its activation row, or reads nothing when the
+row is chunked). Outputs are allocated from shapes alone: CUDA-graph
 capturable.
 """
 
@@ -38,7 +39,11 @@ import triton.language as tl
 # Qwen3-30B-A3B shape, gate/up runs k * I / 16 = 384 programs and down H / 8 = 256
 # (down has one program per token, so narrower columns keep every SM streaming).
 GATE_UP_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
-DOWN_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4)
+# BLOCK_K None: the whole intermediate row in one chunk when it is at most
+# DOWN_ONE_CHUNK_MAX wide (Qwen3-30B-A3B's 768: one 1024-wide load per choice), else
+# chunks of 256.
+DOWN_CONFIG = dict(BLOCK_N=8, BLOCK_K=None, num_warps=4, LOOP_STAGES=3)
+DOWN_ONE_CHUNK_MAX = 1024
 
 
 @triton.jit
@@ -85,30 +90,54 @@ def _gemv_down_sum_kernel(
     act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
     H, I, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # fixed order: the same sum every run
+    # Fixed order over the k choices: the same sum every run. ONE_CHUNK (I <= BLOCK_K):
+    # each choice is one load of its expert's rows, and the choices' loop is the
+    # innermost one, so the pipeliner keeps LOOP_STAGES experts' rows in flight (with
+    # one program per (token, column block), the choices are the only serial work).
+    for j in tl.range(0, TOP_K, num_stages=LOOP_STAGES):
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        # -1 (another rank's expert): a reduction length of 0, so the masked loads read
-        # nothing and the choice adds 0.
-        length = tl.where(expert >= 0, I, 0)
         w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
                   + offs_k[None, :])
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = offs_k < length - k0
-            a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if ONE_CHUNK:
+            # Masks along K only (uniform, so the loads stay vectorized). -1 (another
+            # rank's expert): its act row was never written, so it is zeroed here, and
+            # the rows read (expert 0's, finite) then add exactly 0.
+            k_ok = offs_k < I
+            a = tl.load(act_ptr + pair * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.where(expert >= 0, a, 0.0)
+            w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        else:
+            # -1: a reduction length of 0, so the masked loads read nothing, add 0.
+            length = tl.where(expert >= 0, I, 0)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_ok = offs_k < length - k0
+                a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_ok, other=0.0)
+                w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            y = tl.sum(acc, axis=1)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         total += y * tl.load(weights_ptr + pair)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
              mask=n_ok)
+
+
+def down_config(inter: int) -> dict:
+    """DOWN_CONFIG with its key tile resolved for an intermediate size of inter."""
+    cfg = dict(LOOP_STAGES=1, **DOWN_CONFIG) if "LOOP_STAGES" not in DOWN_CONFIG else dict(DOWN_CONFIG)
+    if cfg["BLOCK_K"] is None:
+        cfg["BLOCK_K"] = (triton.next_power_of_2(inter) if inter <= DOWN_ONE_CHUNK_MAX else 256)
+    cfg["ONE_CHUNK"] = cfg["BLOCK_K"] >= inter
+    return cfg
 
 
 def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -123,7 +152,8 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    up_cfg, down_cfg = GATE_UP_CONFIG, DOWN_CONFIG
+    up_cfg = GATE_UP_CONFIG
+    down_cfg = down_config(inter)
     _gemv_gate_up_kernel[(ids.numel(), triton.cdiv(inter, up_cfg["BLOCK_N"]))](
         hidden, w13, ids, act, hidden_size, inter, hidden.stride(0), w13.stride(0),
         w13.stride(1), TOP_K=top_k, **up_cfg)
