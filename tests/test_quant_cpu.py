@@ -36,12 +36,33 @@ def test_native_kernel_builds_here():
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, ck.LARGE_M + 1])
 def test_kernel_matches_dequantize_then_matmul(kind, m):
+    """Batch 1 multiplies the activation quantized to 8 bits per block (as llama.cpp);
+    more rows multiply it as it is."""
     n, k = 13, 96  # 13 rows: full tiles of 4 and a tail of 1
     blocks = KINDS[kind](_randn(n, k, seed=1))
     x = _randn(m, k, seed=2)
-    want = linear(x, ck.dequantize(blocks, kind))
+    x_used = ck.quantize_activation_q8(x) if m == 1 else x
+    want = linear(x_used, ck.dequantize(blocks, kind))
     _close(ck.blocks_mm(x, blocks, kind), want)
     assert torch.equal(ck.native_dequantize(blocks, kind), ck.dequantize(blocks, kind))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_batch_1_activation_quantization(kind, monkeypatch):
+    """The 8-bit activation: blocks of 32 scaled by amax / 127, rounded half to even;
+    an all-zero block stays zero; the float path is kept behind the switch."""
+    x = _randn(1, 96, seed=4)
+    x[0, 32:64] = 0.0
+    q = ck.quantize_activation_q8(x).reshape(3, 32)
+    d = x.reshape(3, 32).abs().amax(-1, keepdim=True) / 127
+    assert torch.equal(q[1], torch.zeros(32))
+    for b in (0, 2):
+        steps = q[b] / d[b]  # integers, up to the rounding of q * d / d
+        assert (steps - steps.round()).abs().max() < 1e-4
+        assert steps.round().abs().max() == 127
+    blocks = KINDS[kind](_randn(5, 96, seed=5))
+    monkeypatch.setattr(ck, "QUANTIZE_ACTIVATION_AT_BATCH_1", False)
+    _close(ck.blocks_mm(x, blocks, kind), linear(x, ck.dequantize(blocks, kind)))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

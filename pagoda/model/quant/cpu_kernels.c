@@ -10,7 +10,9 @@
  * rounds d * q + m once, as numpy's (d * q) + m does after an exact product). The M = 1
  * Q4_1 path sums d (q . x) + m sum(x) per block instead: the same sum in exact
  * arithmetic, rounded differently. Either way only float32 rounding differs from
- * dequantize-then-matmul.
+ * dequantize-then-matmul. The *_gemv_q8 entry points (batch 1, what cpu_kernels.py
+ * calls by default) quantize the activation to 8 bits first, as llama.cpp does: they
+ * equal dequantize-then-matmul of that quantized activation.
  *
  * Work split: OpenMP threads (torch's own libgomp, which is already loaded, so one
  * thread pool) take output rows. M > 1: tiles of NT rows are dequantized once into a
@@ -155,6 +157,114 @@ static float gemv_q8_0_row(const float *x, const float *sx, const uint8_t *block
         }
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+/* ---- M = 1 with the activation quantized (llama.cpp's scheme) --------------------------
+ * x is quantized once per call into int8 blocks of 32 (xq, with scale dx and, for Q4_1,
+ * the block's dx * sum(xq)), and each weight block's dot product runs on 8-bit integers:
+ * maddubs multiplies unsigned by signed bytes and adds pairs into int16, madd adds pairs
+ * of those into int32, and one float FMA per block applies dw * dx. Several times fewer
+ * instructions per weight than converting every weight to float. */
+
+/* x[K] -> xq[K] int8, dx[K/32], xs[K/32] = dx * sum(xq): q = round-half-even(x / dx),
+ * dx = amax / 127 (0 for an all-zero block, whose q are then 0). */
+static void quantize_x_q8(const float *x, int64_t K, int8_t *xq, float *dx, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / QK; b++, x += QK, xq += QK) {
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.0f;
+        int32_t sum = 0;
+        if (d == 0.0f) {
+            memset(xq, 0, QK);
+        } else {
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int i = 0; i < 4; i++) {
+                const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * i), dv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m256i qi = _mm256_cvtps_epi32(q);
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i *)lanes, qi);
+                for (int j = 0; j < 8; j++) {
+                    xq[8 * i + j] = (int8_t)lanes[j];
+                    sum += lanes[j];
+                }
+            }
+        }
+        dx[b] = d;
+        xs[b] = d * (float)sum;
+    }
+}
+
+static inline __m256 i32_sum_to_ps(__m256i prod16) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(prod16, _mm256_set1_epi16(1)));
+}
+
+/* sum_j (dw q_j + mw) (dx xq_j) = dw dx (q . xq) + mw (dx sum(xq)), per block. */
+static float gemv_q4_1_q8_row(const int8_t *xq, const float *dx, const float *xs,
+                              const uint8_t *blocks, int64_t nb) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  /* alternate: FMA latency */
+    float ym[2] = {0.0f, 0.0f};
+    for (int64_t b = 0; b < nb; b++, blocks += 20, xq += QK) {
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blocks + 4));
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low),
+                                           _mm_and_si128(qs, low));  /* weights 0..31 */
+        const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)xq));
+        acc[b & 1] = _mm256_fmadd_ps(i32_sum_to_ps(p),
+                                     _mm256_set1_ps(fp16_to_f32(blocks) * dx[b]), acc[b & 1]);
+        ym[b & 1] += fp16_to_f32(blocks + 2) * xs[b];
+    }
+    return hsum(_mm256_add_ps(acc[0], acc[1])) + (ym[0] + ym[1]);
+}
+
+/* sum_j dw q_j dx xq_j = dw dx (q . xq): signed bytes both, so |q| and xq * sign(q). */
+static float gemv_q8_0_q8_row(const int8_t *xq, const float *dx, const float *xs,
+                              const uint8_t *blocks, int64_t nb) {
+    (void)xs;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++, blocks += 34, xq += QK) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blocks + 2));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        acc[b & 1] = _mm256_fmadd_ps(i32_sum_to_ps(p),
+                                     _mm256_set1_ps(fp16_to_f32(blocks) * dx[b]), acc[b & 1]);
+    }
+    return hsum(_mm256_add_ps(acc[0], acc[1]));
+}
+
+typedef float (*gemv_q8_fn)(const int8_t *, const float *, const float *, const uint8_t *, int64_t);
+
+/* Returns 0, or -1 when the quantized activation could not be allocated. */
+static int blocks_gemv_q8(const float *x, int64_t K, const uint8_t *w, int64_t N, float *y,
+                          int threads, int64_t block_bytes, gemv_q8_fn row) {
+    const int64_t nb = K / QK;
+    int8_t *xq = malloc((size_t)K);
+    float *dx = malloc((size_t)nb * sizeof(float)), *xs = malloc((size_t)nb * sizeof(float));
+    if (xq == NULL || dx == NULL || xs == NULL) {
+        free(xq), free(dx), free(xs);
+        return -1;
+    }
+    quantize_x_q8(x, K, xq, dx, xs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) y[n] = row(xq, dx, xs, w + n * nb * block_bytes, nb);
+    free(xq), free(dx), free(xs);
+    return 0;
+}
+
+/* Exported: x[1, K] quantized to 8 bits per 32-block, then integer block dots. */
+int pagoda_q4_1_gemv_q8(const float *x, int64_t K, const uint8_t *w, int64_t N, float *y,
+                        int threads) {
+    return blocks_gemv_q8(x, K, w, N, y, threads, 20, gemv_q4_1_q8_row);
+}
+
+int pagoda_q8_0_gemv_q8(const float *x, int64_t K, const uint8_t *w, int64_t N, float *y,
+                        int threads) {
+    return blocks_gemv_q8(x, K, w, N, y, threads, 34, gemv_q8_0_q8_row);
 }
 
 typedef float (*gemv_fn)(const float *, const float *, const uint8_t *, int64_t);

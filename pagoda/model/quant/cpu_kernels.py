@@ -47,6 +47,12 @@ BLOCK_BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES}
 # A guess to tune (the crossover was not measured: the 2-core machine was shared).
 LARGE_M = 64
 
+# Batch 1 (one activation row) quantizes the activation to 8 bits per block of 32 and
+# multiplies on 8-bit integers, as llama.cpp does: several times fewer instructions per
+# weight than converting each weight to float (docs/performance.md). Results then equal
+# reference_gemv_q8, not reference_mm, up to float32 rounding.
+QUANTIZE_ACTIVATION_AT_BATCH_1 = True
+
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
@@ -141,6 +147,21 @@ def reference_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tens
     return linear(x, dequantize(blocks, kind))
 
 
+def quantize_activation_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the batch-1 kernel multiplies instead of x [1, K]: each block of 32 scaled by
+    d = amax / 127, rounded half-to-even to int8, times d again (float32)."""
+    blocks = x.float().reshape(x.shape[0], -1, QK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
+    return (q * d).reshape(x.shape)
+
+
+def reference_gemv_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The batch-1 kernel's result up to float32 rounding: the activation quantized to
+    8 bits per block (quantize_activation_q8), then dequantize-then-matmul."""
+    return reference_mm(quantize_activation_q8(x), blocks, kind)
+
+
 # --- the native kernel -------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -184,6 +205,10 @@ def _build() -> ctypes.CDLL:
     for name in ("pagoda_q4_1_mm", "pagoda_q8_0_mm"):
         fn = getattr(so, name)
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    for name in ("pagoda_q4_1_gemv_q8", "pagoda_q8_0_gemv_q8"):
+        fn = getattr(so, name)
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
     for name in ("pagoda_q4_1_dequant", "pagoda_q8_0_dequant"):
         fn = getattr(so, name)
@@ -239,6 +264,12 @@ def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         return linear(x, native_dequantize(blocks, kind))
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 1 and QUANTIZE_ACTIVATION_AT_BATCH_1:
+        fn = so.pagoda_q4_1_gemv_q8 if kind == "q4_1" else so.pagoda_q8_0_gemv_q8
+        if fn(x.data_ptr(), x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
+              torch.get_num_threads()) != 0:
+            raise MemoryError("the quantized matmul kernel could not allocate its activation")
+        return y
     fn = so.pagoda_q4_1_mm if kind == "q4_1" else so.pagoda_q8_0_mm
     if fn(x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
           torch.get_num_threads()) != 0:
