@@ -48,7 +48,7 @@ def test_kernel_matches_dequantize_then_matmul(kind, m):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_batch_1_activation_quantization(kind, monkeypatch):
+def test_activation_quantization(kind, monkeypatch):
     """The 8-bit activation: blocks of 32 scaled by amax / 127, rounded half to even;
     an all-zero block stays zero; the float path is kept behind the switch."""
     x = _randn(1, 96, seed=4)
@@ -61,7 +61,7 @@ def test_batch_1_activation_quantization(kind, monkeypatch):
         assert (steps - steps.round()).abs().max() < 1e-4
         assert steps.round().abs().max() == 127
     blocks = KINDS[kind](_randn(5, 96, seed=5))
-    monkeypatch.setattr(ck, "QUANTIZE_ACTIVATION_AT_BATCH_1", False)
+    monkeypatch.setattr(ck, "QUANTIZE_ACTIVATIONS", False)
     _close(ck.blocks_mm(x, blocks, kind), linear(x, ck.dequantize(blocks, kind)))
 
 

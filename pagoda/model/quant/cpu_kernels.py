@@ -48,10 +48,11 @@ BLOCK_BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES}
 LARGE_M = 64
 
 # Batch 1 (one activation row) quantizes the activation to 8 bits per block of 32 and
-# multiplies on 8-bit integers, as llama.cpp does: several times fewer instructions per
-# weight than converting each weight to float (docs/performance.md). Results then equal
-# reference_gemv_q8, not reference_mm, up to float32 rounding.
-QUANTIZE_ACTIVATION_AT_BATCH_1 = True
+# multiplies on 8-bit integers, as llama.cpp does (fewer instructions per weight than
+# converting each weight to float). Results then equal reference_gemv_q8, not
+# reference_mm, up to float32 rounding. More rows keep the float register tiles: an
+# 8-bit version of those measured 2x slower at 32 rows (docs/performance.md).
+QUANTIZE_ACTIVATIONS = True
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -264,12 +265,13 @@ def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         return linear(x, native_dequantize(blocks, kind))
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 1 and QUANTIZE_ACTIVATION_AT_BATCH_1:
+    if x.shape[0] == 1 and QUANTIZE_ACTIVATIONS:
         fn = so.pagoda_q4_1_gemv_q8 if kind == "q4_1" else so.pagoda_q8_0_gemv_q8
         if fn(x.data_ptr(), x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
               torch.get_num_threads()) != 0:
             raise MemoryError("the quantized matmul kernel could not allocate its activation")
         return y
+
     fn = so.pagoda_q4_1_mm if kind == "q4_1" else so.pagoda_q8_0_mm
     if fn(x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
           torch.get_num_threads()) != 0:
