@@ -30,44 +30,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
-from offline_throughput import TransformersRunner, make_prompts, summarize  # noqa: E402
+from offline_throughput import (PagodaRunner, TransformersRunner, make_prompts,  # noqa: E402
+                                summarize)
 
 LLAMA_CPP_HINT = ("llama.cpp peer skipped: `llama_cpp` is not importable. Install it with "
                   "`pip install llama-cpp-python==0.3.36` (builds from source, ~6 min on 2 cores)")
-
-
-class PagodaRunner:
-    """LLM.generate, timing every engine step (median step = the decode step time)."""
-
-    def __init__(self, max_batch: int, quantization: str | None) -> None:
-        from pagoda import LLM, SamplingParams
-        kwargs = dict(max_num_seqs=max(max_batch, 1), max_model_len=1024,
-                      enable_prefix_caching=False)
-        if quantization is not None:  # passed only when asked: LLM rejects unknown keys
-            kwargs["quantization"] = quantization
-        self.llm = LLM(**kwargs)
-        self.params = SamplingParams
-        engine = self.llm.llm_engine
-        step, self.step_s = engine.step, []
-
-        def timed_step():
-            start = time.perf_counter()
-            outs = step()
-            self.step_s.append(time.perf_counter() - start)
-            return outs
-        engine.step = timed_step
-        self.run([[1, 2, 3, 4]], 4, 1)  # warm-up
-
-    def run(self, prompts, max_tokens: int, batch: int) -> dict:
-        params = self.params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        self.step_s = []
-        outs = []
-        start = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        return summarize("pagoda", elapsed, [list(o.outputs[0].token_ids) for o in outs],
-                         self.step_s)
 
 
 class LlamaCppRunner:

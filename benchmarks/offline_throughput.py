@@ -44,10 +44,14 @@ def summarize(engine: str, seconds: float, token_ids: list, step_s: list[float])
 
 
 class PagodaRunner:
-    def __init__(self, max_batch: int) -> None:
+    """LLM.generate, timing every engine step (median step = the decode step time);
+    quantization is passed to LLM only when given."""
+
+    def __init__(self, max_batch: int, quantization: str | None = None) -> None:
         from pagoda import LLM, SamplingParams
+        kwargs = {} if quantization is None else {"quantization": quantization}
         self.llm = LLM(max_num_seqs=max(max_batch, 1), max_model_len=1024,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, **kwargs)
         self.params = SamplingParams
         engine = self.llm.llm_engine
         step, self.step_s = engine.step, []
