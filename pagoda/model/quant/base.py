@@ -62,6 +62,26 @@ def shard_dims_of(param: nn.Parameter) -> ShardDims:
     return dims
 
 
+# Pagoda's merged layers and the checkpoint layers each one holds, in order.
+MERGED_CHECKPOINT_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                            "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_layers(prefix: str) -> list[str]:
+    """The checkpoint's module names behind the layer named prefix
+    ('model.layers.0.self_attn.qkv_proj' -> its q_proj, k_proj, v_proj)."""
+    head, _, last = prefix.rpartition(".")
+    return [f"{head}.{part}" if head else part
+            for part in MERGED_CHECKPOINT_LAYERS.get(last, (last,))]
+
+
+def replace_parameter(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Swaps a loaded parameter for its processed form (never loaded again); the old
+    storage is freed once nothing else holds it."""
+    delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Which part of one checkpoint tensor this rank loads, in logical units.

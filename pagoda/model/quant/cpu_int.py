@@ -29,23 +29,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod, QuantConfig, ShardDims
+from pagoda.model.quant.base import (WEIGHT_DIMS, LinearMethod, QuantConfig, ShardDims,
+                                     replace_parameter)
 from pagoda.model.quant.cpu_kernels import (BLOCK_BYTES, QK, blocks_mm, quantize_q4_1,
                                             quantize_q8_0)
 
 # A blocks tensor [out, in / 32, bytes]: rows follow the output, blocks the input.
 BLOCK_DIMS = ShardDims(output_dim=0, input_dim=1, input_block=QK)
-
-
-def set_blocks(layer: nn.Module, blocks: torch.Tensor) -> None:
-    """Replaces layer.weight (float, or blocks as loaded) with the blocks the kernel
-    reads; it keeps the old parameter's attributes (shard_dims, weight_loader)."""
-    old = layer._parameters["weight"]
-    new = nn.Parameter(blocks, requires_grad=False)
-    new.__dict__.update(old.__dict__)
-    if blocks.dtype == torch.uint8 and old.dtype != torch.uint8:
-        new.shard_dims = BLOCK_DIMS
-    layer._parameters["weight"] = new
 
 
 def apply_blocks(layer: nn.Module, x: torch.Tensor, kind: str,
@@ -82,13 +72,11 @@ class OnlineBlockMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
-        if weight.dtype == torch.uint8:
-            return  # already blocks: process_loaded_weights can reach the LM head's layer twice
         if weight.shape[-1] % QK:
             raise ValueError(f"{self.kind} needs in_features divisible by {QK}, got "
                              f"{weight.shape[-1]}")
         quantize = quantize_q8_0 if self.kind == "q8_0" else quantize_q4_1
-        set_blocks(layer, quantize(weight.data.float().cpu()))
+        replace_parameter(layer, "weight", quantize(weight.data.float().cpu()))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:

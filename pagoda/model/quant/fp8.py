@@ -29,7 +29,8 @@ from torch import nn
 from pagoda.kernels import fp8_linear as kernels
 from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
 from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, LinearMethod,
-                                     QuantConfig, ShardDims)
+                                     QuantConfig, ShardDims, checkpoint_layers,
+                                     replace_parameter)
 
 FP8_MAX = 448.0
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
@@ -52,13 +53,6 @@ def check_fp8_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8 quantization computes in bfloat16 or float16, not {dtype}: "
                          f"pass --dtype bfloat16")
-
-
-def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Swaps a loaded parameter for its processed form (never loaded again); the old
-    storage is freed once nothing else holds it."""
-    delattr(layer, name)
-    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
 
 def spread_per_shard(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.Tensor:
@@ -99,7 +93,7 @@ class Fp8OnlineLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight, scale = quantize_weight_per_channel(layer.weight.data)
-        _replace(layer, "weight", weight)
+        replace_parameter(layer, "weight", weight)
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
@@ -147,11 +141,11 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = getattr(layer, self.scale_name).data
         if self.strategy == "channel":
-            _replace(layer, self.scale_name, scale.reshape(-1).float().contiguous())
+            replace_parameter(layer, self.scale_name, scale.reshape(-1).float().contiguous())
         elif self.strategy == "tensor":
-            _replace(layer, self.scale_name, spread_per_shard(scale, layer.shard_sizes()))
+            replace_parameter(layer, self.scale_name, spread_per_shard(scale, layer.shard_sizes()))
         if self.static_input:
-            _replace(layer, "input_scale", layer.input_scale.data.max().reshape(1).float())
+            replace_parameter(layer, "input_scale", layer.input_scale.data.max().reshape(1).float())
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -187,17 +181,11 @@ class Fp8Config(QuantConfig):
         return f"{self.name}: {self.method.name}"
 
 
-# Pagoda merges these checkpoint layers; a merged layer is ignored when its parts are.
-_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                 "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:
     """Whether the checkpoint keeps layer prefix in float. Entries are module names, or
     're:'-prefixed regular expressions (compressed-tensors); a merged layer must be
     all-ignored or not at all."""
-    head, _, last = prefix.rpartition(".")
-    parts = [f"{head}.{p}" if head else p for p in _MERGED_PARTS.get(last, (last,))]
+    parts = checkpoint_layers(prefix)
     hits = [_matches(part, ignored) for part in parts]
     if any(hits) and not all(hits):
         raise ValueError(f"the checkpoint keeps only some of {', '.join(parts)} unquantized; "

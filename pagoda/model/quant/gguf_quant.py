@@ -16,14 +16,9 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from pagoda.model.quant.base import LinearMethod
-from pagoda.model.quant.cpu_int import (BLOCK_DIMS, CpuBlockConfig, apply_blocks, block_ready,
-                                        set_blocks)
+from pagoda.model.quant.base import LinearMethod, checkpoint_layers, replace_parameter
+from pagoda.model.quant.cpu_int import BLOCK_DIMS, CpuBlockConfig, apply_blocks, block_ready
 from pagoda.model.quant.cpu_kernels import BLOCK_BYTES, Q4_0_BYTES, QK, q4_0_to_q4_1
-
-# Merged layers of the Llama family -> the checkpoint projections they hold.
-_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
 
 class GGUFBlockMethod(LinearMethod):
     """A layer whose checkpoint tensors are GGUF blocks of one type (Q4_0, Q4_1 or
@@ -50,7 +45,7 @@ class GGUFBlockMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.ggml_type == "Q4_0":
-            set_blocks(layer, q4_0_to_q4_1(layer.weight.data))
+            replace_parameter(layer, "weight", q4_0_to_q4_1(layer.weight.data))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -78,9 +73,7 @@ class GGUFQuantConfig(CpuBlockConfig):
 
     def tensor_names(self, prefix: str) -> list[str]:
         """The checkpoint weights merged into the layer named prefix."""
-        parent, _, leaf = prefix.rpartition(".")
-        parts = _MERGED.get(leaf, (leaf,))
-        return [f"{parent}.{p}.weight" if parent else f"{p}.weight" for p in parts]
+        return [f"{name}.weight" for name in checkpoint_layers(prefix)]
 
     def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
         names = self.tensor_names(prefix)
