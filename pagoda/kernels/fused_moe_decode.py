@@ -133,7 +133,7 @@ def _gemv_down_sum_kernel(
 
 def down_config(inter: int) -> dict:
     """DOWN_CONFIG with its key tile resolved for an intermediate size of inter."""
-    cfg = dict(LOOP_STAGES=1, **DOWN_CONFIG) if "LOOP_STAGES" not in DOWN_CONFIG else dict(DOWN_CONFIG)
+    cfg = {"LOOP_STAGES": 1, **DOWN_CONFIG}  # a config without stages: no pipelining
     if cfg["BLOCK_K"] is None:
         cfg["BLOCK_K"] = (triton.next_power_of_2(inter) if inter <= DOWN_ONE_CHUNK_MAX else 256)
     cfg["ONE_CHUNK"] = cfg["BLOCK_K"] >= inter
