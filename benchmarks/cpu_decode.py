@@ -30,8 +30,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
-from offline_throughput import (PagodaRunner, TransformersRunner, make_prompts,  # noqa: E402
-                                summarize)
+from offline_throughput import (PagodaRunner, TransformersRunner, best_runs,  # noqa: E402
+                                make_prompts, summarize)
 
 LLAMA_CPP_HINT = ("llama.cpp peer skipped: `llama_cpp` is not importable. Install it with "
                   "`pip install llama-cpp-python==0.3.36` (builds from source, ~6 min on 2 cores)")
@@ -86,18 +86,7 @@ def run_point(runners: dict, prompts, args, batch: int) -> dict:
     many outputs equal Pagoda's (transformers: should be all; llama.cpp computes in
     Q4_1 and need not)."""
     order = [k for k in runners if batch == 1 or k != "llama.cpp"]
-    best: dict[str, dict] = {}
-    history: dict[str, list[float]] = {name: [] for name in order}
-    for r in range(args.repeats):
-        shift = r % len(order)
-        for name in order[shift:] + order[:shift]:
-            result = runners[name].run(prompts, args.max_tokens, batch)
-            history[name].append(round(result["output_tok_per_s"], 2))
-            print(f"  batch {batch:3d} repeat {r + 1}/{args.repeats} {name:12s} "
-                  f"{result['output_tok_per_s']:7.1f} tok/s  "
-                  f"{result['median_step_ms']:7.1f} ms/step", flush=True)
-            if name not in best or result["seconds"] < best[name]["seconds"]:
-                best[name] = result
+    best, history = best_runs(runners, order, prompts, args.max_tokens, batch, args.repeats)
     row = {"batch": batch, "num_prompts": len(prompts), "repeats": args.repeats}
     ours = best["pagoda"]["token_ids"]
     for name in order:

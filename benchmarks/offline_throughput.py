@@ -114,14 +114,15 @@ class TransformersRunner:
         return summarize("transformers", elapsed, outs, step_s)
 
 
-def measure_point(runners: dict, prompts, max_tokens: int, batch: int, repeats: int) -> dict:
-    """Runs every engine `repeats` times, alternating (the first engine swaps each
-    repeat); returns the best run of each plus every run's tok/s."""
-    order = list(runners)
+def best_runs(runners: dict, order: list[str], prompts, max_tokens: int, batch: int,
+              repeats: int) -> tuple[dict, dict]:
+    """Runs each engine of order `repeats` times, the order rotating by one each repeat
+    (two engines: alternating); returns (the best run of each, every run's tok/s)."""
     best: dict[str, dict] = {}
     history: dict[str, list[float]] = {name: [] for name in order}
     for r in range(repeats):
-        for name in (order if r % 2 == 0 else order[::-1]):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
             result = runners[name].run(prompts, max_tokens, batch)
             history[name].append(round(result["output_tok_per_s"], 2))
             print(f"  batch {batch:3d} repeat {r + 1}/{repeats} {name:12s} "
@@ -129,6 +130,14 @@ def measure_point(runners: dict, prompts, max_tokens: int, batch: int, repeats: 
                   f"{result['median_step_ms']:7.1f} ms/step", flush=True)
             if name not in best or result["seconds"] < best[name]["seconds"]:
                 best[name] = result
+    return best, history
+
+
+def measure_point(runners: dict, prompts, max_tokens: int, batch: int, repeats: int) -> dict:
+    """Runs every engine `repeats` times, alternating (the first engine swaps each
+    repeat); returns the best run of each plus every run's tok/s."""
+    order = list(runners)
+    best, history = best_runs(runners, order, prompts, max_tokens, batch, repeats)
     row = {"batch": batch, "num_prompts": len(prompts), "repeats": repeats}
     for name in order:
         row[name] = dict(best[name], all_runs_tok_per_s=history[name])
