@@ -120,6 +120,8 @@ def test_planner_set_up_per_method():
     assert planner.budget.choose(["new"], 1) == {"new": 0}
     with pytest.raises(ValueError, match="must be smaller than the target's 29 layers"):
         build_draft_planner(deep, "cpu", 128, 29)
+    # A draft model costs its weight bytes over the target's per draft.
     draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="'draft_model' is not available yet"):
-        build_draft_planner(draft, "cpu", 128, 30)
+    planner, lookahead = build_draft_planner(draft, "cpu", 128, 30, 0.125)
+    assert lookahead == 2 and planner.host_proposer is None
+    assert planner.budget.min_gain == pytest.approx(0.25 + 0.125)

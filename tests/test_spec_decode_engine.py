@@ -1,5 +1,6 @@
 """Speculative decoding on the real engine (embedded SmolLM2, CPU): n-gram drafts on
-the host, layer-skip drafts on the worker (in the target's own KV cache).
+the host, layer-skip drafts on the worker (in the target's own KV cache), draft-model
+drafts (in the draft's own layers of the same blocks).
 
 Greedy and seeded outputs are token-identical to speculation off - drafts change how
 many tokens a step yields, never which - under chunked prefill, preemption, prefix
@@ -115,6 +116,16 @@ def test_layer_skip_outputs_equal_speculation_off(expected):
     # loop runs the same drafter code.
     llm = make_llm(LAYER_SKIP, async_scheduling=True)
     check_equal_to_off(llm, "layer_skip", expected, min_accepted=5)
+
+
+def test_draft_model_outputs_equal_speculation_off(expected):
+    # The embedded model drafting for itself: its greedy drafts match the greedy rows
+    # and are rejected by sampled rows as often as the sampling disagrees.
+    from pagoda.model.tokenizer import embedded_model_path
+    draft = {"model": str(embedded_model_path()), "num_speculative_tokens": 3,
+             "adaptive": False}
+    llm = make_llm(draft, async_scheduling=True)
+    check_equal_to_off(llm, "draft_model", expected, min_accepted=12)
 
 
 def test_ngram_copy_task_takes_fewer_steps(llms):

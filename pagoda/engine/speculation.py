@@ -21,28 +21,33 @@ from pagoda.core.spec_budget import MIN_GAIN, SpecBudget
 COMPUTE_BOUND_TOKENS = {"cuda": 256, "cpu": 16}
 
 
-def draft_cost(spec: SpeculativeConfig, num_target_layers: int) -> float:
+def draft_cost(spec: SpeculativeConfig, num_target_layers: int,
+               draft_weight_fraction: float = 0.0) -> float:
     """One draft token's proposer work, in target forwards: a layer-skip draft runs
     num_layers of the target's layers (its LM head is left out: the estimate only has
-    to rank depths); n-gram lookups are free."""
+    to rank depths); a draft model reads its weights once per draft (a decode step is
+    memory-bound: its cost follows the bytes read), draft_weight_fraction of the
+    target's; n-gram lookups are free."""
     if spec.method == "layer_skip":
         spec.check_target(num_target_layers)
         return spec.num_layers / num_target_layers
+    if spec.method == "draft_model":
+        return draft_weight_fraction
     return 0.0
 
 
 def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
-                        num_target_layers: int) -> tuple[Optional[DraftPlanner], int]:
-    """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off."""
+                        num_target_layers: int, draft_weight_fraction: float = 0.0
+                        ) -> tuple[Optional[DraftPlanner], int]:
+    """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off.
+    draft_weight_fraction: a draft model's weight bytes over the target's."""
     if spec is None:
         return None, 0
-    if spec.method == "draft_model":
-        raise ValueError("speculative_config method 'draft_model' is not available yet; "
-                         "use method 'ngram' or 'layer_skip'")
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
     # A draft pays when its expected gain covers its verification and its proposer.
     budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
-                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers))
+                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers,
+                                                       draft_weight_fraction))
     if spec.method == "ngram":
         from pagoda.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,

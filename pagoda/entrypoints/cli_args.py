@@ -98,8 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default: on with CUDA, off on CPU)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' (methods: ngram, layer_skip; '
-                        'draft_model is not available yet; default: off)')
+                        '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, '
+                        '"num_speculative_tokens": 4}\' (methods: ngram, layer_skip, '
+                        'draft_model; default: off)')
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: --model as given, e.g. its hub id)")
     g.add_argument("--chat-template", default=None,

@@ -38,6 +38,7 @@ class ModelInfo:
     dtype: str = ""
     weight_bytes: int = 0
     num_hidden_layers: int = 0  # what a layer-skip drafter's cost is measured against
+    draft_weight_bytes: int = 0  # a draft model's (speculative decoding), this rank's share
 
 
 class ExecutorDeadError(RuntimeError):

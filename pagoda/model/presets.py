@@ -24,6 +24,14 @@ _PRESETS: dict[str, ArchConfig] = {
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, intermediate_size=14336, **_LLAMA_31_COMMON,
     ),
+    # Llama-3.2-1B: the Llama 3 vocabulary at 1.2B parameters (a draft for the 8B).
+    "llama-3.2-1b": ArchConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192,
+        **{**_LLAMA_31_COMMON, "tie_word_embeddings": True,
+           "rope_scaling": {**_LLAMA_31_COMMON["rope_scaling"], "factor": 32.0}},
+    ),
     "llama-3.1-70b": ArchConfig(
         architecture="LlamaForCausalLM",
         hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,

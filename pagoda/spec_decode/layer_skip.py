@@ -1,6 +1,7 @@
 """Layer-skip self-speculation: the target's first m layers, its final norm and its LM
 head draft k tokens greedily, one position per forward, right after a step's tokens
-are known (on the worker, in the target's own KV cache).
+are known (on the worker, in the target's own KV cache; the loop is
+spec_decode/greedy_drafter.py's).
 
 The KV invariant that makes sharing the cache exact: the keys and values of layer
 l < m at position p are a function of the tokens at positions 0..p only, computed by
@@ -23,29 +24,16 @@ position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pagoda.attention.forward_context import forward_context
-from pagoda.attention.metadata import build_attention_metadata
+from pagoda.spec_decode.greedy_drafter import DraftStart, GreedyDrafter, Segment, segment_inputs
 
 
-@dataclass
-class DraftStart:
-    """Where a request's drafting starts: its newest token (not in the KV cache yet)
-    at `position`, the most drafts wanted, and its block ids."""
-
-    req_id: str
-    token_id: int
-    position: int
-    num_drafts: int
-    block_ids: list[int]
-
-
-class LayerSkipProposer:
+class LayerSkipProposer(GreedyDrafter):
     def __init__(self, model, num_layers: int, backend, kv_pool, block_size: int,
                  device: torch.device, max_model_len: int) -> None:
+        super().__init__(max_model_len)
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, name) for name in needed):
@@ -58,42 +46,24 @@ class LayerSkipProposer:
         self.num_layers = num_layers
         self.backend, self.kv_pool = backend, kv_pool
         self.block_size, self.device = block_size, device
-        self.max_model_len = max_model_len
 
-    @torch.inference_mode()
-    def propose(self, starts: list[DraftStart]) -> dict[str, list[int]]:
-        """req_id -> its greedy drafts (fewer where max_model_len leaves no room)."""
-        drafts: dict[str, list[int]] = {s.req_id: [] for s in starts}
-        # Draft i sits at position + i + 1 and must stay inside max_model_len.
-        limits = {s.req_id: min(s.num_drafts, self.max_model_len - 1 - s.position)
-                  for s in starts}
-        active = [s for s in starts if limits[s.req_id] > 0]
-        tokens = {s.req_id: s.token_id for s in active}
-        step = 0
-        while active:
-            positions = [s.position + step for s in active]
-            next_ids = self._forward([tokens[s.req_id] for s in active], positions,
-                                     [s.block_ids for s in active])
-            for start, token in zip(active, next_ids):
-                drafts[start.req_id].append(token)
-                tokens[start.req_id] = token
-            step += 1
-            active = [s for s in active if limits[s.req_id] > step]
-        return drafts
+    def first_position(self, start: DraftStart) -> int:
+        return start.position  # the target wrote every earlier position's layers < m
 
-    def _forward(self, token_ids: list[int], positions: list[int],
-                 tables: list[list[int]]) -> list[int]:
-        """One position per request through the first num_layers layers; the argmax."""
-        common = build_attention_metadata([1] * len(token_ids), [p + 1 for p in positions],
-                                          tables, self.block_size, self.device)
-        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def last_hidden(self, segments: list[Segment]) -> torch.Tensor:
+        """The segments through the first num_layers layers and the final norm."""
+        metadata, ids, pos, last_rows = segment_inputs(segments, self.block_size, self.device)
         inner = self.inner
-        with forward_context(self.backend, self.backend.build_metadata(common), self.kv_pool):
+        with forward_context(self.backend, self.backend.build_metadata(metadata), self.kv_pool):
             # LlamaModel.rotary: the form its layers take (CPU tables); else the plain one.
             cos, sin = getattr(inner, "rotary", inner.rotary_emb)(pos)
             hidden, residual = inner.embed_tokens(ids), None
             for layer in inner.layers[:self.num_layers]:
                 hidden, residual = layer(hidden, residual, cos, sin)
             hidden, _ = inner.norm(hidden, residual)
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        if len(last_rows) != hidden.shape[0]:
+            hidden = hidden[last_rows]
+        return hidden

@@ -106,6 +106,10 @@ class ModelRunner:
                                                self.device, is_mla=self.arch.mla is not None)
         self.backend = make_attention_backend(config.device.attention_backend,
                                               config.device.device, self.arch, self.tp)
+        from pagoda.worker.drafting import load_draft
+        # A draft model (speculative decoding): loaded before the KV cache is sized,
+        # since its layers take their share of every block.
+        self.draft = load_draft(self)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
@@ -141,6 +145,8 @@ class ModelRunner:
         the byte budget (kv_cache_memory, or the GPU memory profile) allows."""
         cache = self.config.cache
         specs = kv_cache_specs(self.model, self.block_size, self.kv_dtype)
+        if self.draft is not None:  # its layers come after the target's in every block
+            specs = specs + self.draft.kv_specs
         if cache.num_gpu_blocks_override is not None:
             return KVCacheConfig(cache.num_gpu_blocks_override, specs)
         if cache.kv_cache_memory is not None:
@@ -188,6 +194,8 @@ class ModelRunner:
         model_id = f"{self.model_path}|{model.load_format}"
         if model.load_format == "dummy":
             model_id += f"|seed={model.seed}"  # random weights: another seed, other KV
+        if self.draft is not None:  # its layers are part of every stored block
+            model_id += f"|draft={self.config.speculative.model}"
         return f"{model_id}|tp={self.tp.rank}/{self.tp.size}"
 
     def kv_offload_inventory(self):
@@ -213,7 +221,8 @@ class ModelRunner:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
                          arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes,
-                         arch.num_hidden_layers)
+                         arch.num_hidden_layers,
+                         0 if self.draft is None else self.draft.weight_bytes)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
