@@ -52,17 +52,18 @@ class LoadedDraft:
     kv_specs: list
 
 
-def load_draft_model(name: str, target_arch: ArchConfig, dtype: torch.dtype,
-                     device: torch.device, seed: int, tp, block_size: int,
+def load_draft_model(name: str, target_arch: ArchConfig, target_load_format: str,
+                     dtype: torch.dtype, device: torch.device, seed: int, tp, block_size: int,
                      kv_dtype: torch.dtype) -> LoadedDraft:
-    """Loads the draft `name` (a path, or a preset: random weights from seed + 1, so
-    another model than a same-named target) and renumbers its attention layers after
-    the target's."""
+    """Loads the draft `name` and renumbers its attention layers after the target's.
+    Random weights (seeded with seed + 1: another model than a same-shaped target) for
+    a preset, or when the target itself has dummy weights (then a directory's
+    config.json gives the shape); otherwise the weights at the path."""
     from pagoda.model.loader import load_model
     from pagoda.model.presets import is_preset
 
-    load_format = "dummy" if is_preset(name) else "auto"
-    model, arch = load_model(name, load_format, dtype, device, seed + 1, tp)
+    dummy = is_preset(name) or target_load_format == "dummy"
+    model, arch = load_model(name, "dummy" if dummy else "auto", dtype, device, seed + 1, tp)
     if arch.vocab_size != target_arch.vocab_size:
         raise ValueError(f"speculative_config draft model {name!r} has a vocabulary of "
                          f"{arch.vocab_size} tokens, the target {target_arch.vocab_size}: "

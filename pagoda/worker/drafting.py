@@ -24,7 +24,8 @@ def load_draft(runner):
     if spec is None or spec.method != "draft_model":
         return None
     from pagoda.spec_decode.draft_model import load_draft_model
-    return load_draft_model(spec.model, runner.arch, runner.dtype, runner.device,
+    return load_draft_model(spec.model, runner.arch, runner.config.model.load_format,
+                            runner.dtype, runner.device,
                             runner.config.model.seed, runner.tp, runner.block_size,
                             runner.kv_dtype)
 
