@@ -136,7 +136,8 @@ class LLMEngine:
         sched = config.scheduler
         from pagoda.engine.speculation import build_draft_planner
         planner, lookahead = build_draft_planner(config.speculative, config.device.device,
-                                                 self.max_model_len, info.num_hidden_layers)
+                                                 self.max_model_len, info.num_hidden_layers,
+                                                 async_scheduling=sched.async_scheduling)
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,

@@ -32,8 +32,10 @@ def draft_cost(spec: SpeculativeConfig, num_target_layers: int) -> float:
 
 
 def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
-                        num_target_layers: int) -> tuple[Optional[DraftPlanner], int]:
-    """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off."""
+                        num_target_layers: int, async_scheduling: bool = False
+                        ) -> tuple[Optional[DraftPlanner], int]:
+    """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off.
+    async_scheduling: the scheduler's (a drafting request then waits a step)."""
     if spec is None:
         return None, 0
     if spec.method == "draft_model":
@@ -42,7 +44,8 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_mode
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
     # A draft pays when its expected gain covers its verification and its proposer.
     budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
-                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers))
+                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers),
+                        async_scheduling=async_scheduling)
     if spec.method == "ngram":
         from pagoda.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
