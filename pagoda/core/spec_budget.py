@@ -28,8 +28,10 @@ engine just runs that step synchronously and loses the host's gap (WAIT_COST_ALO
 with synchronous scheduling nothing is lost. So a request drafts only when its
 drafts' expected tokens, alpha + ... + alpha ** k_r, cover the wait. Of the wanted
 drafts, the ones with the largest gain are taken while base_tokens + drafts stays
-within compute_bound_tokens (a request cut below its wait is dropped and its share
-goes to the others); when the step is compute-bound already, every k_r is 0.
+within compute_bound_tokens; with a wait to pay, whole prefixes go to the requests of
+best alpha first instead (a request cut to a draft or two would pay the wait for
+little), and a request left below its wait gets none. When the step is compute-bound
+already, every k_r is 0.
 
 Probes. A request whose estimate gives it no drafts learns nothing more by itself, so
 after `probe_interval` such idle steps it gets one probe: a single draft. A rejected
@@ -104,9 +106,16 @@ class _RequestState:
 
 @dataclass
 class _Wanted:
-    """choose()'s working set: drafts wanted per request, and which are probes."""
+    """choose()'s working set: drafts wanted per request, each request's alpha (read
+    once per step), and which requests are probes."""
     k: dict[str, int] = field(default_factory=dict)
+    alpha: dict[str, float] = field(default_factory=dict)
     probes: set[str] = field(default_factory=set)
+
+
+def _gain(alpha: float, k: int) -> float:
+    """Expected extra tokens of drafts 1..k: alpha + ... + alpha ** k."""
+    return sum(alpha ** i for i in range(1, k + 1))
 
 
 class SpecBudget:
@@ -196,8 +205,10 @@ class SpecBudget:
         wait = self.wait_cost(len(req_ids) if num_running is None else num_running)
         wanted = _Wanted()
         for rid in req_ids:
-            k = self._worthwhile(rid, wait)
-            if k == 0 and self._probe_due(rid):
+            state = self._state(rid)
+            alpha = wanted.alpha[rid] = state.estimate.alpha
+            k = self._worthwhile(alpha, wait)
+            if k == 0 and (state.probing or state.idle >= state.interval):
                 k = 1
                 wanted.probes.add(rid)
             wanted.k[rid] = k
@@ -206,46 +217,43 @@ class SpecBudget:
             self._account(rid, wanted.k[rid], k, rid in wanted.probes)
         return chosen
 
-    def _gain(self, alpha: float, k: int) -> float:
-        """Expected extra tokens of drafts 1..k: alpha + ... + alpha ** k."""
-        return sum(alpha ** i for i in range(1, k + 1))
-
-    def _worthwhile(self, req_id: str, wait: float) -> int:
+    def _worthwhile(self, alpha: float, wait: float) -> int:
         """The most drafts whose every gain alpha ** i is at least min_gain, or 0 when
         together they do not cover the wait."""
-        alpha, k, gain = self.alpha(req_id), 0, 1.0
+        k, gain = 0, 1.0
         while k < self.max_k and gain * alpha >= self.min_gain:
             gain *= alpha
             k += 1
-        return k if k and self._gain(alpha, k) >= wait else 0
-
-    def _probe_due(self, req_id: str) -> bool:
-        state = self._state(req_id)
-        return state.probing or state.idle >= state.interval
+        return k if k and _gain(alpha, k) >= wait else 0
 
     def _fit(self, wanted: _Wanted, spare: int, wait: float) -> dict[str, int]:
-        """The wanted drafts within `spare`; a request the cut leaves below its wait
-        gets none, and its share is offered to the others again."""
-        want = dict(wanted.k)
-        while True:
-            chosen = want if sum(want.values()) <= spare else self._best_within(want, spare)
-            short = [rid for rid, k in chosen.items()
-                     if 0 < k < want[rid] and rid not in wanted.probes
-                     and self._gain(self.alpha(rid), k) < wait]
-            if not short:
-                return dict(chosen)
-            for rid in short:  # each round drops at least one request: it ends
-                want[rid] = 0
+        """The wanted drafts within `spare`. Without a wait, the drafts of largest gain
+        (spread over the requests); with one, whole prefixes for the requests of best
+        alpha first: a request cut below its wait would pay the wait for little."""
+        if sum(wanted.k.values()) <= spare:
+            return dict(wanted.k)
+        if wait == 0.0:
+            return self._best_within(wanted, spare)
+        chosen = {rid: 0 for rid in wanted.k}
+        # Best alpha first, ties in request order (sorted is stable).
+        for rid in sorted((rid for rid, k in wanted.k.items() if k),
+                          key=lambda rid: -wanted.alpha[rid]):
+            k = min(wanted.k[rid], spare)
+            if k and (rid in wanted.probes or _gain(wanted.alpha[rid], k) >= wait):
+                chosen[rid] = k
+                spare -= k
+        return chosen
 
-    def _best_within(self, wanted: dict[str, int], spare: int) -> dict[str, int]:
+    @staticmethod
+    def _best_within(wanted: _Wanted, spare: int) -> dict[str, int]:
         """The `spare` drafts of largest gain among the wanted ones (ties: the earlier
         request, then the earlier draft), as a count per request."""
         gains = []
-        for order, (rid, k) in enumerate(wanted.items()):
-            alpha = self.alpha(rid)
+        for order, (rid, k) in enumerate(wanted.k.items()):
+            alpha = wanted.alpha[rid]
             gains.extend((-alpha ** i, order, i, rid) for i in range(1, k + 1))
         gains.sort()
-        chosen = {rid: 0 for rid in wanted}
+        chosen = {rid: 0 for rid in wanted.k}
         for _, _, _, rid in gains[:spare]:
             chosen[rid] += 1
         return chosen

@@ -79,17 +79,32 @@ def test_wait_cost_stops_alpha_045_only_in_a_busy_async_batch(min_gain, k):
     assert budget_at_045(False).wait_cost(3) == 0.0
 
 
-def test_a_request_cut_below_its_wait_gives_its_share_to_the_others():
+def test_with_a_wait_the_room_goes_to_whole_prefixes_of_the_best():
     def budget(async_scheduling: bool) -> SpecBudget:
         budget = SpecBudget(4, 10, decay=1.0, prior_weight=0, async_scheduling=async_scheduling)
-        set_alpha(budget, "a", 8, 0)  # alpha .9: gains .9 .81 .729 .656
-        set_alpha(budget, "b", 6, 2)  # alpha .7: gains .7 .49 .343, worth 1.53 > 1
+        set_alpha(budget, "a", 6, 2)  # alpha .7: gains .7 .49 .343, worth 1.53 > 1
+        set_alpha(budget, "b", 8, 0)  # alpha .9: gains .9 .81 .729 .656
+        set_alpha(budget, "c", 6, 2)
         return budget
-    assert budget(True).choose(["a", "b"], 0) == {"a": 4, "b": 3}  # room for all
-    # Spare 4: the best gains are a's first three and b's first.
-    assert budget(False).choose(["a", "b"], 6) == {"a": 3, "b": 1}
-    # Busy async: b's one draft (.7) does not pay for its wait; a takes the room.
-    assert budget(True).choose(["a", "b"], 6) == {"a": 4, "b": 0}
+    assert budget(True).choose(["a", "b"], 0) == {"a": 3, "b": 4}  # room for all
+    # Spare 4, no wait: the 4 best gains, b's first three and a's first.
+    assert budget(False).choose(["a", "b"], 6) == {"a": 1, "b": 3}
+    # Busy async: a's one draft (.7) would not pay for its wait; b, the best, takes all.
+    assert budget(True).choose(["a", "b"], 6) == {"a": 0, "b": 4}
+    # Spare 6: b 4, then a's 2 drafts (1.19) cover the wait; c gets nothing.
+    assert budget(True).choose(["a", "b", "c"], 4) == {"a": 2, "b": 4, "c": 0}
+    # Spare 5: a's one draft is short, c's too: b alone drafts.
+    assert budget(True).choose(["a", "b", "c"], 5) == {"a": 0, "b": 4, "c": 0}
+
+
+def test_equal_requests_in_a_busy_async_batch_do_not_split_the_room_into_singles():
+    budget = SpecBudget(4, 16, async_scheduling=True)
+    simulate(budget, ["w"], range(20), accepted=lambda rid, step, k: k)
+    ids = [f"r{i}" for i in range(8)]
+    # Spare 8 for 8 requests that each want 4: two of them draft 4 (in request order).
+    assert budget.choose(ids, 8) == {rid: 4 if rid in ("r0", "r1") else 0 for rid in ids}
+    budget.async_scheduling = False  # no wait: the 8 best gains, one draft each
+    assert budget.choose(ids, 8) == {rid: 1 for rid in ids}
 
 
 def test_accepted_probe_resumes_drafting_and_restarts_the_interval():
@@ -138,5 +153,6 @@ def test_not_adaptive_and_compute_bound_are_unchanged_by_async():
     budget = SpecBudget(3, 4, async_scheduling=True)
     simulate(budget, ["w"], range(20), accepted=lambda rid, step, k: k)
     assert budget.choose(["a", "b"], 4) == {"a": 0, "b": 0}  # compute-bound: none
-    # Room for 4 drafts, equal gains: a's and b's first two (each worth > 1 step).
-    assert budget.choose(["a", "b"], 0) == {"a": 2, "b": 2}
+    # Room for 4 drafts, equal estimates: a takes its 3; b's one left would not pay
+    # for its wait.
+    assert budget.choose(["a", "b"], 0) == {"a": 3, "b": 0}
