@@ -110,6 +110,9 @@ def test_planner_set_up_per_method():
     assert lookahead == 0 and planner.host_proposer is not None
     assert (planner.budget.max_k, planner.budget.compute_bound_tokens) == (4, 16)
     assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
+    assert not planner.budget.async_scheduling  # told by the engine: a drafting request waits
+    planner, _ = build_draft_planner(ngram, "cpu", 128, 30, async_scheduling=True)
+    assert planner.budget.choose(["a", "b"], 2) == {"a": 0, "b": 0}  # 0.75 < a lost step
     # A layer-skip draft costs num_layers / layers of a forward: at 29 of 30 layers no
     # draft can pay for itself, so the adaptive budget never drafts.
     deep = SpeculativeConfig.from_dict({"method": "layer_skip", "num_layers": 29,

@@ -13,7 +13,10 @@ proposed after step N are for the positions that follow step N's tokens, so a re
 that will draft must not have step N+1 scheduled before they exist. A request whose
 step in flight verifies drafts, or was asked to propose, therefore waits one step (it
 is not scheduled again until that step's update); a request that does not speculate
-this step (k = 0: the budget says drafts do not pay) keeps the overlap.
+this step (k = 0: the budget says drafts do not pay) keeps the overlap. The budget
+prices that wait (SpecBudget, told whether scheduling is async). A probe (one draft
+for a request the budget keeps idle) is asked for once: the step that verifies it
+does not ask again, so it costs one verification and, async, two waits.
 """
 
 from __future__ import annotations
@@ -106,11 +109,15 @@ class DraftPlanner:
     def to_propose(self, sampling: Iterable[Request]) -> dict[str, int]:
         """req_id -> drafts to propose after this step, for the requests that sample in
         it (the step yields at least one token each)."""
-        asked = {}
+        asked, sampling = {}, list(sampling)
+        num_running = len(self._k) + sum(r.request_id not in self._k for r in sampling)
         for request in sampling:
-            k = self._k.get(request.request_id)
+            rid = request.request_id
+            k = self._k.get(rid)
             if k is None:  # admitted this step: not running when the step was planned
-                k = self.budget.choose([request.request_id], self._base)[request.request_id]
+                k = self.budget.choose([rid], self._base, num_running)[rid]
+            if request.spec_token_ids and self.budget.is_probing(rid):
+                k = 0  # this step verifies its probe: one draft, then the outcome
             k = min(k, self._room(request, 1))
             if k > 0:
                 asked[request.request_id] = k

@@ -137,7 +137,8 @@ class LLMEngine:
         from pagoda.engine.speculation import build_draft_planner
         planner, lookahead = build_draft_planner(
             config.speculative, config.device.device, self.max_model_len,
-            info.num_hidden_layers, info.draft_weight_bytes / max(info.weight_bytes, 1))
+            info.num_hidden_layers, info.draft_weight_bytes / max(info.weight_bytes, 1),
+            async_scheduling=sched.async_scheduling)
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,

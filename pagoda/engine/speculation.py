@@ -37,17 +37,19 @@ def draft_cost(spec: SpeculativeConfig, num_target_layers: int,
 
 
 def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
-                        num_target_layers: int, draft_weight_fraction: float = 0.0
-                        ) -> tuple[Optional[DraftPlanner], int]:
+                        num_target_layers: int, draft_weight_fraction: float = 0.0,
+                        async_scheduling: bool = False) -> tuple[Optional[DraftPlanner], int]:
     """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off.
-    draft_weight_fraction: a draft model's weight bytes over the target's."""
+    draft_weight_fraction: a draft model's weight bytes over the target's;
+    async_scheduling: the scheduler's (a drafting request then waits a step)."""
     if spec is None:
         return None, 0
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
     # A draft pays when its expected gain covers its verification and its proposer.
     budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
                         min_gain=MIN_GAIN + draft_cost(spec, num_target_layers,
-                                                       draft_weight_fraction))
+                                                       draft_weight_fraction),
+                        async_scheduling=async_scheduling)
     if spec.method == "ngram":
         from pagoda.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,

@@ -1,0 +1,56 @@
+"""DraftPlanner + SpecBudget probes in the scheduler, on the fake verifying worker of
+test_spec_scheduling: at 0 % acceptance a request is asked for one draft per probe,
+verifies it once, and is not asked again while the probe is verified."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.core.draft_planner import DraftPlanner
+from pagoda.core.spec_budget import SpecBudget
+
+from test_scheduler import VOCAB, make_request, make_scheduler, next_token
+from test_spec_scheduling import VerifyingRunner, check_outputs, run
+
+
+class WrongProposer:
+    """Drafts that are never accepted; records each call's (request, drafts asked)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, tokens: list[int], k: int) -> list[int]:
+        self.calls.append((tokens[0], k))
+        return [(next_token(tokens) + 1) % VOCAB] * k
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_zero_acceptance_busy_batch_probes_one_draft_at_a_time(pipelined):
+    proposer = WrongProposer()
+    budget = SpecBudget(4, 64, async_scheduling=pipelined)
+    sched = make_scheduler(num_blocks=80, async_scheduling=pipelined,
+                           draft_planner=DraftPlanner(budget, 256, proposer))
+    requests = [make_request(f"r{i}", [i + 1, 9, 8, 7], max_tokens=130) for i in range(2)]
+    for r in requests:
+        sched.add_request(r)
+    runner = VerifyingRunner()
+    tokens, reasons = run(sched, runner, pipelined)
+    check_outputs(sched, requests, tokens, reasons)
+    assert sched.num_preemptions_total == 0  # both run to the end side by side
+    asks = {first: [k for f, k in proposer.calls if f == first] for first in (1, 2)}
+    stats = sched.draft_planner.stats
+    if pipelined:
+        # Busy async: alpha 1/2 is not worth a lost step. One probe after 64 idle steps
+        # (the next would come after 128 more, past the end): asked once for one draft,
+        # verified once, not asked again in the step that verifies it.
+        assert asks == {1: [1], 2: [1]}
+        assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 2, 0)
+    else:
+        # Synchronous: no wait to pay. Asked for 2 drafts at steps 2 and 3 (step 3 asks
+        # before the rejection it verifies is known), then 1 at steps 4..8 as
+        # alpha falls (.424 ... .258); the step-8 ask is trimmed at step 9 (alpha .234 <
+        # MIN_GAIN). Then one probe after 64 idle steps: asked at 73, verified at 74.
+        assert asks == {1: [2, 2, 1, 1, 1, 1, 1, 1], 2: [2, 2, 1, 1, 1, 1, 1, 1]}
+        # Per request: verifies at steps 3 (2 drafts), 4..8 (1 each), 74 (the probe).
+        assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (14, 16, 0)
+    assert runner.verify_steps == stats.num_drafts
