@@ -110,9 +110,12 @@ def test_planner_set_up_per_method():
     assert lookahead == 0 and planner.host_proposer is not None
     assert (planner.budget.max_k, planner.budget.compute_bound_tokens) == (4, 16)
     assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
-    assert not planner.budget.async_scheduling  # told by the engine: a drafting request waits
+    assert not planner.budget.async_scheduling  # told by the engine: drafting holds a step
     planner, _ = build_draft_planner(ngram, "cpu", 128, 30, async_scheduling=True)
-    assert planner.budget.choose(["a", "b"], 2) == {"a": 0, "b": 0}  # 0.75 < a lost step
+    assert planner.budget.hold_cost(2) == 0.5
+    # 0.75 each covers the held step; told the step runs 4 requests, 0.75 < 4 x .25.
+    assert planner.budget.choose(["a", "b"], 2) == {"a": 2, "b": 2}
+    assert planner.budget.choose(["c"], 2, num_running=4) == {"c": 0}
     # A layer-skip draft costs num_layers / layers of a forward: at 29 of 30 layers no
     # draft can pay for itself, so the adaptive budget never drafts.
     deep = SpeculativeConfig.from_dict({"method": "layer_skip", "num_layers": 29,

@@ -13,8 +13,10 @@ proposed after step N are for the positions that follow step N's tokens, so a re
 that will draft must not have step N+1 scheduled before they exist. A request whose
 step in flight verifies drafts, or was asked to propose, therefore waits one step (it
 is not scheduled again until that step's update); a request that does not speculate
-this step (k = 0: the budget says drafts do not pay) keeps the overlap. The budget
-prices that wait (SpecBudget, told whether scheduling is async). A probe (one draft
+this step (k = 0: the budget says drafts do not pay) keeps the overlap. While any
+request waits so, the scheduler holds the whole batch for a step (Scheduler.
+_holds_for_drafts) rather than run the others ahead of it; SpecBudget prices that held
+step (HOLD_COST per running request) when it decides whether a step drafts at all. A probe (one draft
 for a request the budget keeps idle) is asked for once: the step that verifies it
 does not ask again, so it costs one verification and, async, two waits.
 """

@@ -228,13 +228,16 @@ class Scheduler:
         plan = _StepPlan(self.max_num_batched_tokens)
         if self.kv_offload is not None:  # their blocks are back on the GPU
             self.waiting.prepend_many(self.kv_offload.take_ready())
-        if self.draft_planner is not None:
-            self.draft_planner.plan_step(
-                self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
-                self.max_num_batched_tokens)
-        self._schedule_running(plan)
-        if not plan.preempted:
-            self._schedule_waiting(plan)
+        if self._holds_for_drafts():
+            pass  # an empty step: the engine takes the step in flight, then schedules all
+        else:
+            if self.draft_planner is not None:
+                self.draft_planner.plan_step(
+                    self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
+                    self.max_num_batched_tokens)
+            self._schedule_running(plan)
+            if not plan.preempted:
+                self._schedule_waiting(plan)
         output = self._build_output(plan)
         if self.kv_offload is not None:
             output.kv_transfers = self.kv_offload.take_plan()
@@ -252,6 +255,15 @@ class Scheduler:
             if planner.host_proposer is None:  # the worker proposes
                 output.num_drafts_to_propose = asked
         return output
+
+    def _holds_for_drafts(self) -> bool:
+        """Async scheduling: while a request's step in flight verifies or proposes
+        drafts, nobody is scheduled ahead of its tokens. Were the others scheduled, that
+        request would sit out a whole step; held, every request loses only the host's
+        gap between steps (the price SpecBudget weighs: HOLD_COST)."""
+        planner = self.draft_planner
+        return (self.async_scheduling and planner is not None
+                and any(planner.must_wait(r) for r in self.running))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         for request in list(self.running):

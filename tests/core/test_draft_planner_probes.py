@@ -25,7 +25,7 @@ class WrongProposer:
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_zero_acceptance_busy_batch_probes_one_draft_at_a_time(pipelined):
+def test_zero_acceptance_stops_drafting_and_probes_one_draft_at_a_time(pipelined):
     proposer = WrongProposer()
     budget = SpecBudget(4, 64, async_scheduling=pipelined)
     sched = make_scheduler(num_blocks=80, async_scheduling=pipelined,
@@ -33,24 +33,32 @@ def test_zero_acceptance_busy_batch_probes_one_draft_at_a_time(pipelined):
     requests = [make_request(f"r{i}", [i + 1, 9, 8, 7], max_tokens=130) for i in range(2)]
     for r in requests:
         sched.add_request(r)
+    scheduled = []
+    schedule = sched.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(sorted(out.num_scheduled_tokens))
+        return out
+    sched.schedule = recording_schedule
     runner = VerifyingRunner()
     tokens, reasons = run(sched, runner, pipelined)
     check_outputs(sched, requests, tokens, reasons)
     assert sched.num_preemptions_total == 0  # both run to the end side by side
     asks = {first: [k for f, k in proposer.calls if f == first] for first in (1, 2)}
     stats = sched.draft_planner.stats
-    if pipelined:
-        # Busy async: alpha 1/2 is not worth a lost step. One probe after 64 idle steps
-        # (the next would come after 128 more, past the end): asked once for one draft,
-        # verified once, not asked again in the step that verifies it.
-        assert asks == {1: [1], 2: [1]}
-        assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 2, 0)
-    else:
-        # Synchronous: no wait to pay. Asked for 2 drafts at steps 2 and 3 (step 3 asks
-        # before the rejection it verifies is known), then 1 at steps 4..8 as
-        # alpha falls (.424 ... .258); the step-8 ask is trimmed at step 9 (alpha .234 <
-        # MIN_GAIN). Then one probe after 64 idle steps: asked at 73, verified at 74.
-        assert asks == {1: [2, 2, 1, 1, 1, 1, 1, 1], 2: [2, 2, 1, 1, 1, 1, 1, 1]}
-        # Per request: verifies at steps 3 (2 drafts), 4..8 (1 each), 74 (the probe).
-        assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (14, 16, 0)
+    # Asked for 2 drafts at steps 2 and 3 (step 3 asks before the rejection it verifies
+    # is known), then 1 as alpha falls (.424 ... .258); the last ask is trimmed (alpha
+    # .234 < MIN_GAIN). Then one probe step after 64 steps without drafts: each asked
+    # for one draft, verified once, not asked again in the step that verifies it.
+    assert asks == {1: [2, 2, 1, 1, 1, 1, 1, 1], 2: [2, 2, 1, 1, 1, 1, 1, 1]}
+    # Per request: verifies at 6 steps (2 drafts, then 1 each), then the probe.
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (14, 16, 0)
     assert runner.verify_steps == stats.num_drafts
+    # Async: a step is never scheduled for one request while the other waits for its
+    # drafts' outcome: the scheduler holds the batch (an empty step) instead.
+    assert all(ids in ([], ["r0", "r1"]) for ids in scheduled)
+    # Held: after each of the 8 steps that ask for drafts, and after the 2 that verify
+    # drafts and ask for none (the trimmed ask's step, the probe's verification).
+    held = sum(ids == [] for ids in scheduled[1:])
+    assert held == (10 if pipelined else 0)
