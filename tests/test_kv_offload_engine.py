@@ -38,7 +38,8 @@ def test_smollm2_outputs_with_offloading_equal_outputs_without():
             [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
     finally:
         off.llm_engine.shutdown()
-    on = LLM(kv_offloading_size=0.05, async_scheduling=True, **kwargs)
+    on = LLM(kv_offloading_size=0.05, async_scheduling=True, kv_offloading_bandwidth="cpu=inf",
+             **kwargs)
     try:
         assert one_by_one(on, revisits) == expected
         cpu = tier(on, "cpu")
@@ -63,6 +64,9 @@ DISK_BLOCKS = 6
 
 
 def tiny(path, disk_dir=None, **extra):
+    """The tiny model over the tiers; the cost model is told they load instantly (these
+    tests check the data path: every hit is loaded) unless `extra` says otherwise."""
+    extra.setdefault("kv_offloading_bandwidth", "cpu=inf,disk=inf")
     disk = {}
     if disk_dir is not None:
         disk = dict(kv_offloading_disk_path=str(disk_dir),
@@ -135,7 +139,7 @@ def test_plugin_tier_serves_blocks_the_cpu_tier_lost(tiny_llama):
     prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(5)]
     llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cpu", num_gpu_blocks_override=8,
               max_model_len=128, kv_offloading_size=2 * BLOCK_BYTES / GIB,
-              kv_offloading_tier="kv_tier_plugin:DictTier")
+              kv_offloading_tier="kv_tier_plugin:DictTier", kv_offloading_bandwidth="cpu=inf,dict=inf")
     try:
         expected = one_by_one(llm, prompts)
         plugin = kv_tier_plugin.INSTANCES[-1]
