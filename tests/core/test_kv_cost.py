@@ -141,7 +141,7 @@ def offload_with(cost, clock=None):
     return KVOffloadManager(manager, tiers, 64, cost, clock or Clock())
 
 
-def test_start_load_plans_only_the_blocks_worth_loading():
+def test_start_load_plans_only_the_blocks_worth_loading(caplog):
     # CPU loads beat recompute, disk loads lose: of a hit [cpu, cpu, disk, disk] the
     # job carries the two CPU blocks; the disk ones are counted skipped and stay there.
     offload = offload_with(model(prefill=(160, 1.0), cpu=(16 * MB, 1.0), disk=(4 * MB, 1.0)))
@@ -152,7 +152,10 @@ def test_start_load_plans_only_the_blocks_worth_loading():
         cpu.reserve(block_hash, ready=True)
         cpu.unpin(block_hash)
     disk.add_ready(r.block_hashes[2:4])
-    assert offload.start_load(r, [])
+    with caplog.at_level("DEBUG", logger="pagoda.core.kv_offload"):
+        assert offload.start_load(r, [])
+    assert caplog.messages == ["request r: 2 of 4 tier hits recomputed (disk 2): a block loads in "
+                               "cpu 62.50 ms, disk 312.50 ms, recomputes in 100.00 ms"]
     (job,) = offload.take_plan().loads
     assert job.cpu_slots == [0, 1] and job.reads == [] and len(job.gpu_block_ids) == 2
     assert (cpu.counters.hits, disk.counters.hits) == (2, 2)
