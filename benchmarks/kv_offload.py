@@ -7,13 +7,22 @@ Each configuration starts its own server and runs `pagoda bench serve --dataset-
 multi-turn` (conversations visited turn by turn: every conversation comes back after
 all the others pushed it out of GPU memory). Reported per configuration: TTFT P50/P99
 of the first turns and of the revisited turns (turn >= 2), output throughput, and the
-server's per-tier figures (hit rate, bytes, load GB/s: bytes over device-timed copies).
+server's per-tier figures (hit rate, hits skipped because recompute was expected to be
+faster, bytes, load GB/s: bytes over device-timed copies). Before the runs, the disk's
+own read ceiling is measured in the work directory (benchmarks/disk_ceiling.py: a file
+written, then read back with its cached pages dropped, and again from the page cache),
+so the disk tier's load figure is stated against it.
+
+The restart probe reports which path each server's first request took: blocks loaded
+from the disk tier, or disk hits recomputed because the cost model expected recompute
+to be faster (pagoda/core/kv_cost.py), and the estimates it weighed.
 
     # H200, Llama-3.1-8B shape (dummy bf16 weights), GPU pool capped at 32k tokens:
     python benchmarks/kv_offload.py --output benchmarks/results/h200-kv-offload.json
     # split under a 10-minute limit: the three runs, then the restart probe on the same workdir
     python benchmarks/kv_offload.py --workdir /tmp/kvo --no-restart --output a.json
     python benchmarks/kv_offload.py --workdir /tmp/kvo --restart-only --output b.json
+    # the disk's read ceiling alone: python benchmarks/disk_ceiling.py --dir /tmp --size-gib 2
     # CPU smoke test, embedded SmolLM2 at a small scale:
     python benchmarks/kv_offload.py --smoke --output benchmarks/results/cpu-kv-offload-smoke.json
 
@@ -39,18 +48,21 @@ from datetime import datetime, timezone
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
 
-from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
+from disk_ceiling import describe as describe_ceiling  # noqa: E402  (benchmarks/)
+from disk_ceiling import measure as measure_disk_ceiling  # noqa: E402
+from serve_process import start_server, stop_server  # noqa: E402
 
 GPU = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype", "bfloat16",
                   "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
            conversations=48, turns=4, first_len=2048, turn_len=256, output_len=128,
            concurrency=8, cpu_gib=32.0, small_cpu_gib=4.0, disk_gib=40.0,
-           pool_tokens=2048 * 16, kv_bytes_per_token=32 * 8 * 128 * 2 * 2, env={})
+           pool_tokens=2048 * 16, kv_bytes_per_token=32 * 8 * 128 * 2 * 2, ceiling_gib=2.0,
+           env={})
 SMOKE = dict(model=["--device", "cpu", "--max-model-len", "512",
                     "--num-gpu-blocks-override", "48"],
              conversations=10, turns=3, first_len=256, turn_len=32, output_len=16,
              concurrency=2, cpu_gib=0.25, small_cpu_gib=0.04, disk_gib=0.5,
-             pool_tokens=48 * 16, kv_bytes_per_token=30 * 3 * 64 * 2 * 4,
+             pool_tokens=48 * 16, kv_bytes_per_token=30 * 3 * 64 * 2 * 4, ceiling_gib=0.0625,
              # one intra-op thread per server: on a small shared CPU a spinning thread
              # pool only loses time
              env={"OMP_NUM_THREADS": "1"})
@@ -147,11 +159,38 @@ def probe_prompt(p: dict) -> str:
     return samples[(p["turns"] - 1) * p["conversations"]].prompt  # conversation 0, last turn
 
 
+def probe_path(url: str) -> dict:
+    """What the server's tiers did so far (after its one probe request): the disk tier's
+    hits, blocks loaded and skipped, and the cost model's estimates."""
+    from pagoda.bench.server_metrics import TIER_SEP, parse_prometheus
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        values = parse_prometheus(response.read().decode(errors="replace"))
+
+    def disk(base: str):
+        return values.get(f"pagoda:{base}{TIER_SEP}disk")
+
+    hits, skipped = disk("kv_offload_hits_total") or 0.0, disk("kv_offload_skipped_blocks_total") or 0.0
+    if not hits:
+        path = "recompute (no disk hit)"
+    elif skipped >= hits:
+        path = "recompute (disk hits skipped: recompute expected faster)"
+    elif skipped:
+        path = "partly loaded from disk"
+    else:
+        path = "loaded from disk"
+    return {"path": path, "disk_hits": hits, "disk_skipped_blocks": skipped,
+            "disk_bytes_loaded": disk("kv_offload_loaded_bytes_total") or 0.0,
+            "est_disk_load_gb_per_s": (disk("kv_offload_est_load_bytes_per_second") or 0.0) / 1e9,
+            "est_prefill_tokens_per_s": values.get("pagoda:kv_offload_est_prefill_tokens_per_second")}
+
+
 def restart_probe(p: dict, flags: list[str], warm_dir: str, workdir: str) -> dict:
-    """First-request TTFT of a server on the warm disk directory vs on an empty one."""
+    """First-request TTFT of a server on the warm disk directory vs on an empty one, and
+    the path each took."""
     prompt = probe_prompt(p)
     result = {}
     cold_dir = os.path.join(workdir, "cold-disk")
+    shutil.rmtree(cold_dir, ignore_errors=True)
     for name, directory in (("warm", warm_dir), ("cold", cold_dir)):
         disk = ["--kv-offloading-size", str(p["small_cpu_gib"]), "--kv-offloading-disk-path",
                 directory, "--kv-offloading-disk-size", str(p["disk_gib"])]
@@ -159,6 +198,7 @@ def restart_probe(p: dict, flags: list[str], warm_dir: str, workdir: str) -> dic
                                  extra_env=p["env"])
         try:
             result[f"{name}_first_request_ttft_s"] = probe_ttft(url, prompt)
+            result[f"{name}_path"] = probe_path(url)
         finally:
             stop_server(proc)
     result["speedup"] = result["cold_first_request_ttft_s"] / result["warm_first_request_ttft_s"]
@@ -176,10 +216,13 @@ def main() -> int:
                         help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
     parser.add_argument("--no-restart", action="store_true",
                         help="skip the warm-vs-cold restart probe")
+    parser.add_argument("--no-ceiling", action="store_true",
+                        help="skip measuring the disk's read ceiling")
     parser.add_argument("--restart-only", action="store_true",
                         help="only the restart probe, on --workdir's disk tier left by an "
                              "earlier cpu+disk run")
     args = parser.parse_args()
+    from pagoda.worker.kv_disk_tier import DEFAULT_IO_THREADS
     p = SMOKE if args.smoke else GPU
     flags = list(p["model"])
     if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
@@ -196,6 +239,11 @@ def main() -> int:
     working_set = p["conversations"] * final_len
     print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
           f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
+    ceiling = None
+    if not args.no_ceiling and not args.restart_only:
+        ceiling = measure_disk_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
+                                       p["kv_bytes_per_token"] * 16)
+        print(describe_ceiling(ceiling), flush=True)
     runs = {}
     for name, extra in configurations(p, disk_dir).items():
         if name not in wanted:
@@ -209,25 +257,40 @@ def main() -> int:
         print(f"{name}: revisited TTFT p50 {runs[name]['revisited_ttft_ms']['p50']:.1f} ms, "
               f"p99 {runs[name]['revisited_ttft_ms']['p99']:.1f} ms, "
               f"{runs[name]['output_throughput']:.1f} output tok/s", flush=True)
+        for tier, row in (runs[name]["kv_offload"] or {}).items():
+            print(f"  tier {tier}: hits {row.get('hits')}, skipped (recompute faster) "
+                  f"{row.get('skipped_blocks')}, hit rate {row.get('hit_rate')}, "
+                  f"load {row.get('load_gb_per_s')} GB/s", flush=True)
     restart = None if args.no_restart else restart_probe(p, flags, disk_dir, workdir)
     off = runs["off"]["revisited_ttft_ms"]["p50"] if "off" in runs else None
     ratios = {name: off / run["revisited_ttft_ms"]["p50"] for name, run in runs.items()
               if off and run["revisited_ttft_ms"]["p50"]}
     cpu_tier = ((runs.get("cpu") or {}).get("kv_offload") or {}).get("cpu") or {}
+    disk_tier = ((runs.get("cpu+disk") or {}).get("kv_offload") or {}).get("disk") or {}
     result = {
         "date": datetime.now(timezone.utc).isoformat(), "machine": platform.node(),
         "mode": "smoke" if args.smoke else "gpu", "params": p,
         "working_set_tokens": working_set, "working_set_over_pool": working_set / p["pool_tokens"],
         "runs": runs, "revisited_p50_speedup_vs_off": ratios,
-        "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "restart": restart,
+        "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
+        "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart,
     }
     print(f"revisited-turn P50 TTFT speedup vs recompute: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"CPU tier load bandwidth: {cpu_tier.get('load_gb_per_s')} GB/s")
+    if disk_tier:
+        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
+              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
+    if ceiling is not None:
+        print(describe_ceiling(ceiling))
     if restart is not None:
         print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
               f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
-              f"({restart['speedup']:.2f}x)")
+              f"({restart['speedup']:.2f}x); warm path: {restart['warm_path']['path']} "
+              f"(disk hits {restart['warm_path']['disk_hits']:.0f}, skipped "
+              f"{restart['warm_path']['disk_skipped_blocks']:.0f}, est. disk "
+              f"{restart['warm_path']['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
+              f"{restart['warm_path']['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:

@@ -96,6 +96,9 @@ class CacheConfig:
     kv_offloading_disk_path: Optional[str] = None
     kv_offloading_disk_size: Optional[float] = None
     kv_offloading_tier: Optional[str] = None
+    # "tier=GB/s,...": load bandwidths the cost model takes as given instead of measuring
+    # them ("inf": always load that tier's hits; core/kv_cost.py). None: all measured.
+    kv_offloading_bandwidth: Optional[str] = None
     # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 entries, one K and one
     # V scale per layer (the GPU needs FP8: compute capability >= 8.9; checked by the worker).
     cache_dtype: str = "auto"
@@ -117,6 +120,25 @@ class CacheConfig:
         return self.kv_offloading_size is not None
 
 
+def parse_tier_bandwidths(text) -> dict[str, float]:
+    """"cpu=20,disk=0.5" -> {"cpu": 20e9, "disk": 0.5e9} (bytes/s; "inf" allowed)."""
+    rule = "'tier=GB/s[,tier=GB/s...]' with each figure > 0 (inf allowed)"
+    if not isinstance(text, str) or not text.strip():
+        raise _fail("kv_offloading_bandwidth", rule, text)
+    figures: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            gb_per_s = float(value)
+        except ValueError:
+            gb_per_s = float("nan")
+        if not sep or not name or name in figures or not gb_per_s > 0:
+            raise _fail("kv_offloading_bandwidth", rule, text)
+        figures[name] = gb_per_s * 1e9
+    return figures
+
+
 def _check_offloading(cache: "CacheConfig") -> None:
     for name in ("kv_offloading_size", "kv_offloading_disk_size"):
         value = getattr(cache, name)
@@ -129,6 +151,11 @@ def _check_offloading(cache: "CacheConfig") -> None:
     if cache.kv_offloading_tier is not None and (
             not isinstance(cache.kv_offloading_tier, str) or ":" not in cache.kv_offloading_tier):
         raise _fail("kv_offloading_tier", "'module.path:ClassName'", cache.kv_offloading_tier)
+    if cache.kv_offloading_bandwidth is not None:
+        parse_tier_bandwidths(cache.kv_offloading_bandwidth)
+        if cache.kv_offloading_size is None:
+            raise ValueError("kv_offloading_bandwidth tunes the KV offload tiers: set "
+                             "kv_offloading_size too")
     lower = cache.kv_offloading_disk_path is not None or cache.kv_offloading_tier is not None
     if lower and cache.kv_offloading_size is None:
         raise ValueError("the disk and plugin KV tiers stage blocks through host memory: "
@@ -377,6 +404,7 @@ class EngineArgs:
     kv_offloading_disk_path: Optional[str] = None
     kv_offloading_disk_size: Optional[float] = None
     kv_offloading_tier: Optional[str] = None
+    kv_offloading_bandwidth: Optional[str] = None
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
@@ -441,6 +469,7 @@ class EngineArgs:
                               self.enable_prefix_caching, self.num_gpu_blocks_override,
                               self.kv_offloading_size, self.kv_offloading_disk_path,
                               self.kv_offloading_disk_size, self.kv_offloading_tier,
+                              kv_offloading_bandwidth=self.kv_offloading_bandwidth,
                               cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
                                       self.enable_chunked_prefill, async_scheduling),

@@ -38,7 +38,8 @@ def test_smollm2_outputs_with_offloading_equal_outputs_without():
             [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
     finally:
         off.llm_engine.shutdown()
-    on = LLM(kv_offloading_size=0.05, async_scheduling=True, **kwargs)
+    on = LLM(kv_offloading_size=0.05, async_scheduling=True, kv_offloading_bandwidth="cpu=inf",
+             **kwargs)
     try:
         assert one_by_one(on, revisits) == expected
         cpu = tier(on, "cpu")
@@ -63,6 +64,9 @@ DISK_BLOCKS = 6
 
 
 def tiny(path, disk_dir=None, **extra):
+    """The tiny model over the tiers; the cost model is told they load instantly (these
+    tests check the data path: every hit is loaded) unless `extra` says otherwise."""
+    extra.setdefault("kv_offloading_bandwidth", "cpu=inf,disk=inf")
     disk = {}
     if disk_dir is not None:
         disk = dict(kv_offloading_disk_path=str(disk_dir),
@@ -124,6 +128,33 @@ def test_disk_tier_restart_warm_hit_size_cap_and_corrupt_file(tiny_llama, tmp_pa
         corrupt.llm_engine.shutdown()
 
 
+def test_a_tier_slower_than_recompute_is_skipped_and_outputs_are_unchanged(tiny_llama, tmp_path):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(3)]
+    first = tiny(tiny_llama, tmp_path)
+    try:
+        expected = one_by_one(first, prompts)
+        one_by_one(first, [[rng.randrange(3, 384) for _ in range(120)]])  # all go down
+    finally:
+        first.llm_engine.shutdown()
+    # A restart whose disk tier is told to read at 1 byte/s: every hit (all on disk
+    # after a restart) is recomputed, and the tier keeps its copies.
+    slow = tiny(tiny_llama, tmp_path, kv_offloading_bandwidth="disk=1e-9")
+    try:
+        assert one_by_one(slow, prompts[::-1]) == expected[::-1]
+        disk = tier(slow, "disk")
+        assert disk["hits"] == 6 and disk["skipped_blocks"] == 6
+        assert disk["loaded_blocks"] == 0 and disk["bytes_loaded"] == 0
+        assert disk["blocks"] == DISK_BLOCKS and disk["est_load_bytes_per_s"] == 1.0
+        cpu = tier(slow, "cpu")  # measured at start-up
+        assert cpu["est_load_bytes_per_s"] > 0 and cpu["est_prefill_tokens_per_s"] > 0
+        slow.llm_engine.audit_kv_cache()
+    finally:
+        slow.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="names tier\\(s\\) nvme; the tiers are cpu, disk"):
+        tiny(tiny_llama, tmp_path, kv_offloading_bandwidth="nvme=1")
+
+
 def test_read_only_disk_directory_fails_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="kv-offloading-disk-path /proc/.* cannot create"):
         tiny(tiny_llama, "/proc/pagoda-kv")
@@ -135,7 +166,7 @@ def test_plugin_tier_serves_blocks_the_cpu_tier_lost(tiny_llama):
     prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(5)]
     llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cpu", num_gpu_blocks_override=8,
               max_model_len=128, kv_offloading_size=2 * BLOCK_BYTES / GIB,
-              kv_offloading_tier="kv_tier_plugin:DictTier")
+              kv_offloading_tier="kv_tier_plugin:DictTier", kv_offloading_bandwidth="cpu=inf,dict=inf")
     try:
         expected = one_by_one(llm, prompts)
         plugin = kv_tier_plugin.INSTANCES[-1]
@@ -157,3 +188,9 @@ def test_offloading_flags_are_checked():
         LLM(device="cpu", kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size must be"):
         LLM(device="cpu", kv_offloading_size=-1)
+    with pytest.raises(ValueError, match="kv_offloading_bandwidth must be 'tier=GB/s"):
+        LLM(device="cpu", kv_offloading_size=1.0, kv_offloading_bandwidth="disk")
+    with pytest.raises(ValueError, match="kv_offloading_bandwidth must be 'tier=GB/s"):
+        LLM(device="cpu", kv_offloading_size=1.0, kv_offloading_bandwidth="disk=0")
+    with pytest.raises(ValueError, match="set kv_offloading_size too"):
+        LLM(device="cpu", kv_offloading_bandwidth="disk=1")

@@ -127,6 +127,38 @@ def test_disk_tier_survives_a_restart_and_rejects_a_corrupt_block(tmp_path):
     disk.close()
 
 
+def flip_payload_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_disk_tier_reads_a_batch_in_parallel_and_judges_only_the_first_failure(tmp_path):
+    disk = DiskTier(fmt(), str(tmp_path), 1 << 20, io_threads=4)
+    keys, blocks = [key(n) for n in range(6)], [block(n) for n in range(6)]
+    disk.store(keys, blocks)  # written by the pool, one file each
+    assert disk.contents() == keys and disk.stats()["writes"] == 6
+    out = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(6)]
+    assert disk.load(keys, out) == 6
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks))
+    flip_payload_byte(disk._file(key(2)))
+    flip_payload_byte(disk._file(key(4)))
+    os.remove(disk._file(key(5)))
+    assert disk.load(keys, out) == 2
+    stats = disk.stats()
+    assert stats["invalid_files"] == 1 and stats["read_failures"] == 1 and stats["reads"] == 8
+    assert not os.path.exists(disk._file(key(2)))  # the failure judged: dropped
+    assert os.path.exists(disk._file(key(4)))  # after it: not loaded, so not judged
+    assert disk.contents() == [key(n) for n in (0, 1, 3, 4, 5)]
+    assert disk.load([key(5)], out[:1]) == 0  # gone: counted, nothing to delete
+    assert disk.stats()["read_failures"] == 2 and disk.contents() == [key(n) for n in (0, 1, 3, 4)]
+    with pytest.raises(ValueError, match="io_threads must be"):
+        DiskTier(fmt(), str(tmp_path / "other"), 1 << 20, io_threads=0)
+    disk.close()
+
+
 def test_disk_tier_ignores_truncated_and_foreign_files_at_start_up(tmp_path):
     disk = DiskTier(fmt(), str(tmp_path), 1 << 20)
     disk.store([key(1), key(2)], [block(1), block(2)])
@@ -219,3 +251,22 @@ def test_cpu_tier_by_hash():
     assert cpu.load([key(3)], [out]) == 1 and torch.equal(out, block(3))
     cpu.evict([key(2)])
     assert cpu.stats() == {"blocks": 1.0, "capacity": 2.0}
+
+
+def test_start_up_probes_measure_the_cpu_and_lower_tiers_without_binding_slots(tmp_path):
+    from pagoda.worker.kv_cost_probe import cpu_load_sample, lower_load_sample
+    disk = DiskTier(fmt(), str(tmp_path), 1 << 20)
+    pool, cpu, engine = make_engine([disk])
+    try:
+        num_bytes, seconds = cpu_load_sample(engine, num_pool_blocks=8)
+        assert num_bytes == 6 * BLOCK_BYTES and seconds > 0  # every CPU slot, 6 < 8 blocks
+        assert lower_load_sample(engine, disk) is None  # holds nothing yet
+        disk.store([key(1), key(2), key(3)], [block(1), block(2), block(3)])
+        num_bytes, seconds = lower_load_sample(engine, disk)
+        assert num_bytes == 3 * BLOCK_BYTES and seconds > 0
+        assert torch.equal(cpu.row(2), block(3)) and cpu.lookup([key(3)]) == 0  # not bound
+        flip_payload_byte(disk._file(key(1)))  # the oldest: read first, so none is intact
+        assert lower_load_sample(engine, disk) is None
+        assert disk.contents() == [key(2), key(3)]
+    finally:
+        engine.close()

@@ -277,7 +277,7 @@ def format_serve_table(report: dict) -> str:
         for name, value in server.get("peak_memory_bytes", {}).items():
             row(f"peak {name} (MiB):", value / 2**20)
         for tier, figures in (server.get("kv_offload") or {}).items():
-            for name in ("hit_rate", "hits", "bytes_loaded", "bytes_stored", "load_gb_per_s",
+            for name in ("hit_rate", "hits", "skipped_blocks", "bytes_loaded", "bytes_stored", "load_gb_per_s",
                          "peak_usage", "failed_reads", "invalid_files"):
                 row(f"kv tier {tier} {name}:", figures.get(name))
     lines.append("=" * width)

@@ -25,6 +25,7 @@ _TIER_LABEL = re.compile(r'tier="([^"]*)"')
 # Per-tier series are kept apart as "<name>|tier=<tier>" besides the sum over tiers.
 TIER_SEP = "|tier="
 KV_OFFLOAD_DELTAS = {"hits": "kv_offload_hits", "queries": "kv_offload_queries",
+                     "skipped_blocks": "kv_offload_skipped_blocks",
                      "bytes_stored": "kv_offload_stored_bytes",
                      "bytes_loaded": "kv_offload_loaded_bytes",
                      "failed_reads": "kv_offload_failed_reads",

@@ -22,6 +22,15 @@ It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
 - Aborts: a job in flight still writes its GPU blocks, so an aborted request's job is
   orphaned and its blocks are released only when the worker reports it done.
 
+Cost-aware loads (core/kv_cost.py): given a LoadCostModel, `start_load` loads only the
+leading blocks of the hit whose load is expected to beat recomputing them; the
+blocks dropped are counted per tier as `skipped` (the tier keeps them). The model
+learns from the worker's load timings (`apply_report`) and from the steps' timing:
+the scheduler calls `step_scheduled` when it builds a step and `step_done` when its
+results arrive; a step's seconds run from the later of its scheduling and the previous
+step's results (with async scheduling the device starts a step when the previous one
+ends) to its results. Without a model every hit is loaded.
+
 Per step at most `max_blocks_per_step` blocks are stored and as many loaded (the
 worker's staging for one step is bounded); evicted blocks beyond that are dropped
 (counted per tier as `dropped`).
@@ -30,17 +39,24 @@ worker's staging for one step is bounded); evicted blocks beyond that are droppe
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from pagoda.core.block_hash import BlockHash
 from pagoda.core.block_pool import KVCacheBlock
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cost import LoadCostModel
 from pagoda.core.kv_tiers import (KVTransferPlan, KVTransferReport, LoadJob, TierIOTotals,
                                   TierRead, TierStack, TierWrite, accumulate_io, tier_snapshot)
 from pagoda.core.request import Request
 
+logger = logging.getLogger(__name__)
+# step_scheduled entries kept at most (each is dropped by its step_done; a bound in case
+# a step's results never come, e.g. after a failed step).
+_MAX_STEPS_TIMED = 64
 
 @dataclass
 class _Job:
@@ -57,7 +73,10 @@ class _Job:
 
 class KVOffloadManager:
     def __init__(self, kv_cache_manager: KVCacheManager, tiers: TierStack,
-                 max_blocks_per_step: int) -> None:
+                 max_blocks_per_step: int, cost: Optional[LoadCostModel] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """cost: decides which hits are worth loading (None: every hit is loaded).
+        clock: the step timing's time source (tests pass their own)."""
         if not kv_cache_manager.enable_caching:
             raise ValueError("KV offloading needs prefix caching (enable_prefix_caching=True)")
         if not isinstance(max_blocks_per_step, int) or max_blocks_per_step < 1:
@@ -78,6 +97,12 @@ class KVOffloadManager:
         self._job_of: dict[str, int] = {}  # request id -> its job
         self._ready: list[Request] = []  # loaded, to go back to the waiting queue
         self.io_totals: dict[str, TierIOTotals] = {}
+        self.cost = cost
+        if cost is not None and cost.tier_names != [t.name for t in tiers.tiers]:
+            raise ValueError("the cost model's tiers must be the tier stack's, in order")
+        self._clock = clock
+        self._scheduled_at: dict[int, float] = {}  # id(SchedulerOutput) -> when built
+        self._last_step_done: float = float("-inf")
 
     # ------------------------------------------------------------ scheduler's calls
 
@@ -106,7 +131,7 @@ class KVOffloadManager:
         if start >= max_hit_blocks or budget < 1 or num_free < 1:
             return False
         hashes = list(request.block_hashes[start:max_hit_blocks])
-        sources = self.tiers.lookup(hashes)[:min(budget, num_free)]
+        sources = self._worth_loading(request, self.tiers.lookup(hashes)[:min(budget, num_free)])
         slots, reads = self._pin_sources(hashes, sources)
         sources = sources[:len(slots)]
         if not sources:
@@ -126,6 +151,27 @@ class KVOffloadManager:
         for tier_index in sources:
             self.tiers.tiers[tier_index].counters.loaded += 1
         return True
+
+    def _worth_loading(self, request: Request, sources: list[int]) -> list[int]:
+        """The leading sources whose load beats recompute (all without a cost model);
+        the others are counted as skipped in their tiers."""
+        if self.cost is None or not sources:
+            return sources
+        decision = self.cost.choose(sources)
+        for tier_index, count in decision.skipped.items():
+            self.tiers.tiers[tier_index].counters.skipped += count
+        if decision.skipped and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s: %d of %d tier hits recomputed (%s): a block loads in %s, "
+                         "recomputes in %.2f ms", request.request_id,
+                         len(sources) - decision.num_load, len(sources),
+                         ", ".join(f"{self.tiers.tiers[t].name} {n}" for t, n in decision.skipped.items()),
+                         ", ".join(f"{self.tiers.tiers[t].name} {self.cost.load_seconds(t) * 1e3:.2f} ms"
+                                   for t in sorted(set(sources))),
+                         self.cost.recompute_seconds() * 1e3)
+        elif decision.explored:
+            logger.debug("request %s: %d tier hits loaded to measure a tier again",
+                         request.request_id, len(sources))
+        return sources[:decision.num_load]
 
     def _pin_sources(self, hashes: list[BlockHash], sources: list[int]) -> tuple[list[int], list[TierRead]]:
         """Pins each source block, and reserves a CPU slot for each read from a lower
@@ -232,8 +278,29 @@ class KVOffloadManager:
             plan.poll = True
         return None if plan.is_empty else plan
 
+    def step_scheduled(self, step) -> None:
+        """The scheduler built `step` (a SchedulerOutput) now: the start of its timing."""
+        if self.cost is not None and step.total_num_scheduled_tokens:
+            if len(self._scheduled_at) >= _MAX_STEPS_TIMED:
+                self._scheduled_at.clear()
+            self._scheduled_at[id(step)] = self._clock()
+
+    def step_done(self, step) -> None:
+        """`step`'s results arrived now: its tokens per second feed the prefill estimate."""
+        if self.cost is None:
+            return
+        now = self._clock()
+        started = self._scheduled_at.pop(id(step), None)
+        if started is not None:
+            self.cost.observe_prefill(step.total_num_scheduled_tokens,
+                                      now - max(started, self._last_step_done))
+        self._last_step_done = now
+
     def apply_report(self, report: KVTransferReport) -> None:
         accumulate_io(self.io_totals, report.io)
+        if self.cost is not None:
+            for name, num_bytes in report.io.bytes_loaded.items():
+                self.cost.observe_load(name, num_bytes, sum(report.io.load_seconds.get(name, ())))
         cpu = self.tiers.cpu
         for store_id in report.stores_done:
             for block_hash in self._store_batches.pop(store_id):
@@ -281,9 +348,15 @@ class KVOffloadManager:
             self._ready.append(job.request)
 
     def stats(self) -> list[dict]:
-        """Per tier, top first: usage, lookups, blocks moved, bytes, latencies."""
-        return [tier_snapshot(tier, self.io_totals.get(tier.name, TierIOTotals()))
+        """Per tier, top first: usage, lookups, blocks moved and skipped, bytes, latencies,
+        and the cost model's load bandwidth and prefill estimates (None without one)."""
+        rows = [tier_snapshot(tier, self.io_totals.get(tier.name, TierIOTotals()))
                 for tier in self.tiers.tiers]
+        for index, row in enumerate(rows):
+            row["est_load_bytes_per_s"] = (None if self.cost is None
+                                           else self.cost.bandwidth[index].value)
+            row["est_prefill_tokens_per_s"] = None if self.cost is None else self.cost.prefill.value
+        return rows
 
     # ------------------------------------------------------------ audit
 

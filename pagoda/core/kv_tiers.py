@@ -50,6 +50,7 @@ class TierCounters:
 
     queries: int = 0  # blocks looked up in this tier (not found in a tier above)
     hits: int = 0  # of those, found here
+    skipped: int = 0  # hits not loaded: recomputing them was expected to be faster
     stored: int = 0  # blocks written into this tier
     loaded: int = 0  # blocks read out of this tier towards the GPU
     evicted: int = 0  # blocks dropped to make room
@@ -376,6 +377,7 @@ def tier_snapshot(tier: TierIndex, io: TierIOTotals) -> dict:
         "tier": tier.name, "capacity_blocks": tier.capacity, "blocks": len(tier),
         "usage": len(tier) / tier.capacity, "queries": counters.queries, "hits": counters.hits,
         "stored_blocks": counters.stored, "loaded_blocks": counters.loaded,
+        "skipped_blocks": counters.skipped,
         "evicted_blocks": counters.evicted, "dropped_blocks": counters.dropped,
         "failed_reads": counters.failed_reads, "bytes_stored": io.bytes_stored,
         "bytes_loaded": io.bytes_loaded, "invalid_files": io.invalid_files,

@@ -241,6 +241,7 @@ class Scheduler:
         output = self._build_output(plan)
         if self.kv_offload is not None:
             output.kv_transfers = self.kv_offload.take_plan()
+            self.kv_offload.step_scheduled(output)  # times steps: the prefill estimate
         # Scheduled tokens count as computed from the next step on.
         for request in plan.scheduled:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
@@ -457,8 +458,10 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Applies one step's results; returns an output per request that has news."""
         runner = model_runner_output
-        if self.kv_offload is not None and runner.kv_transfers is not None:
-            self.kv_offload.apply_report(runner.kv_transfers)
+        if self.kv_offload is not None:
+            self.kv_offload.step_done(scheduler_output)
+            if runner.kv_transfers is not None:
+                self.kv_offload.apply_report(runner.kv_transfers)
         index_of = {rid: i for i, rid in enumerate(runner.req_ids)}
         outputs: list[EngineCoreOutput] = []
         for rid in scheduler_output.num_scheduled_tokens:

@@ -182,8 +182,15 @@ class LLMEngine:
                 logger.info("KV tier %s: %d blocks kept from an earlier run", entry.name, kept)
             tiers.append(tier)
         logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
+        from pagoda.config import parse_tier_bandwidths
+        from pagoda.core.kv_cost import LoadCostModel
+        bandwidth = config.cache.kv_offloading_bandwidth
+        cost = LoadCostModel([t.name for t in tiers], inventory.block_bytes,
+                             self.kv_cache_manager.block_size, inventory.prefill_sample,
+                             inventory.load_samples,
+                             parse_tier_bandwidths(bandwidth) if bandwidth else None)
         return KVOffloadManager(self.kv_cache_manager, TierStack(tiers),
-                                inventory.max_blocks_per_step)
+                                inventory.max_blocks_per_step, cost)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

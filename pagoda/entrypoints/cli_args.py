@@ -65,6 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-tier", default=None, metavar="MODULE:CLASS",
                    help="an out-of-tree KV tier below the CPU tier, a subclass of "
                         "pagoda.worker.kv_tier_api.KVTier")
+    g.add_argument("--kv-offloading-bandwidth", default=None, metavar="TIER=GBPS,...",
+                   help="load bandwidths (GB/s) the KV tiers' cost model takes as given "
+                        "instead of measuring, e.g. disk=2 ('inf': always load that tier's "
+                        "hits); a hit is loaded only when that beats recomputing it")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="maximum number of sequences running in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,

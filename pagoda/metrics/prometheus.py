@@ -12,8 +12,10 @@ apps in one process - as in tests - never clash). Two kinds of metric:
   compile and per-step bitmask times) and process peak memory, read at scrape time from
   the latest EngineStats snapshot by a custom collector;
 - with KV offloading, per tier (label `tier`: cpu, disk, a plugin's name): lookups
-  and hits in blocks, bytes stored and loaded, evicted/dropped blocks, failed reads,
-  invalid files, usage, and load/store latency histograms (`pagoda:kv_offload_*`).
+  and hits in blocks, hits skipped (recomputed: faster than loading), bytes stored and
+  loaded, evicted/dropped blocks, failed reads, invalid files, usage, load/store latency
+  histograms, and the cost model's estimates of each tier's load bandwidth and of the
+  prefill throughput it compares them with (`pagoda:kv_offload_*`).
 
 `ServerMetrics.recent` (a RequestLog, pagoda/metrics/recent.py) keeps the same
 finished requests for the live dashboard: the latest ones and a latency window.
@@ -145,6 +147,8 @@ def _structured_metrics(snapshot, labels: list[str]):
 _TIER_COUNTERS = (
     ("queries", "pagoda:kv_offload_queries", "KV blocks looked up in the tier (missed above it)"),
     ("hits", "pagoda:kv_offload_hits", "KV blocks found in the tier"),
+    ("skipped_blocks", "pagoda:kv_offload_skipped_blocks",
+     "KV blocks found in the tier but recomputed: recomputing was expected to be faster"),
     ("bytes_stored", "pagoda:kv_offload_stored_bytes", "bytes of KV blocks stored into the tier"),
     ("bytes_loaded", "pagoda:kv_offload_loaded_bytes", "bytes of KV blocks loaded out of the tier"),
     ("evicted_blocks", "pagoda:kv_offload_evicted_blocks", "KV blocks evicted from the tier (LRU)"),
@@ -158,6 +162,8 @@ _TIER_GAUGES = (
     ("usage", "pagoda:kv_offload_usage_perc", "fraction of the tier's blocks held (0-1)"),
     ("blocks", "pagoda:kv_offload_blocks", "KV blocks held by the tier"),
     ("capacity_blocks", "pagoda:kv_offload_capacity_blocks", "KV blocks the tier can hold"),
+    ("est_load_bytes_per_s", "pagoda:kv_offload_est_load_bytes_per_second",
+     "the cost model's estimate of the tier's load bandwidth"),
 )
 _TIER_HISTOGRAMS = (
     ("load_seconds", "pagoda:kv_offload_load_seconds", "time of one load batch out of the tier"),
@@ -175,7 +181,15 @@ def _kv_offload_metrics(model_name: str, tiers: list[dict]):
     for key, name, doc in _TIER_GAUGES:
         family = GaugeMetricFamily(name, doc, labels=names)
         for tier in tiers:
-            family.add_metric([model_name, tier["tier"]], float(tier[key]))
+            if tier.get(key) is not None:  # the estimates exist only with a cost model
+                family.add_metric([model_name, tier["tier"]], float(tier[key]))
+        yield family
+    prefill = tiers[0].get("est_prefill_tokens_per_s")
+    if prefill is not None:
+        family = GaugeMetricFamily("pagoda:kv_offload_est_prefill_tokens_per_second",
+                                   "the cost model's estimate of the prefill throughput that "
+                                   "tier loads are weighed against", labels=["model_name"])
+        family.add_metric([model_name], float(prefill))
         yield family
     for key, name, doc in _TIER_HISTOGRAMS:
         family = HistogramMetricFamily(name, doc, labels=names)

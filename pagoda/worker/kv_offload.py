@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -72,6 +72,10 @@ class OffloadInventory:
     tiers: list[TierInventory]  # CPU first
     max_blocks_per_step: int
     block_bytes: int
+    # Start-up measurements for the cost model (worker/kv_cost_probe.py): one prefill
+    # forward's (tokens, seconds), and per tier name a load's (bytes, seconds).
+    prefill_sample: Optional[tuple[int, float]] = None
+    load_samples: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def _timed_event(stream) -> torch.cuda.Event:

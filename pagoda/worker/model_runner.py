@@ -199,8 +199,12 @@ class ModelRunner:
         return f"{model_id}|tp={self.tp.rank}/{self.tp.size}"
 
     def kv_offload_inventory(self):
-        """The offload tiers for the engine's bookkeeping (None: offloading is off)."""
-        return self._kv_offload_inventory
+        """The offload tiers for the engine's bookkeeping (None: offloading is off), with
+        the start-up measurements of the tiers' cost model."""
+        if self.kv_offload is None:
+            return None
+        from pagoda.worker.kv_cost_probe import measure_start_rates
+        return measure_start_rates(self, self._kv_offload_inventory)
 
     def shutdown_kv_offload(self) -> None:
         """Stops the offload I/O threads and releases the tiers (the disk lock)."""
