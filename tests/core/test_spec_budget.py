@@ -1,5 +1,5 @@
 """SpecBudget: acceptance estimates and per-step draft counts, asserted exactly (the
-wait cost and probes: test_spec_budget_probes.py)."""
+held-step price and probes: test_spec_budget_probes.py)."""
 
 from __future__ import annotations
 
