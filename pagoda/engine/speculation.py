@@ -14,11 +14,14 @@ from pagoda.config import SpeculativeConfig
 from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.spec_budget import MIN_GAIN, SpecBudget
 
-# Tokens per step from which a forward is compute-bound, when speculative_config does
-# not say (compute_bound_tokens). GPU: an 8B model's decode GEMMs on an H200 reach the
-# ridge (~790 TFLOP/s over ~4.3 TB/s, ~185 FLOP per weight byte) at a couple of hundred
-# rows. CPU (2 cores, SmolLM2-135M): a step's cost doubles from 1 to ~16 tokens.
-COMPUTE_BOUND_TOKENS = {"cuda": 256, "cpu": 16}
+# Tokens per step from which drafts stop paying, when speculative_config does not say
+# (compute_bound_tokens). GPU: an 8B model's decode GEMMs on an H200 reach the ridge
+# (~790 TFLOP/s over ~4.3 TB/s, ~185 FLOP per weight byte) at a couple of hundred rows,
+# but verify rows cost more before that (attention, sampling, host work per row):
+# measured at 80 % acceptance, 160-row steps (32 requests x 5) still paid 1.6x over off,
+# 640-row steps (128 x 5) lost (0.84x), and 256 rows at 128 requests lost too (0.71x).
+# CPU (2 cores, SmolLM2-135M): a step's cost doubles from 1 to ~16 tokens.
+COMPUTE_BOUND_TOKENS = {"cuda": 128, "cpu": 16}
 
 
 def draft_cost(spec: SpeculativeConfig, num_target_layers: int,
