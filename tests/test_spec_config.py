@@ -112,8 +112,8 @@ def test_planner_set_up_per_method():
     assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
     assert not planner.budget.async_scheduling  # told by the engine: drafting holds a step
     planner, _ = build_draft_planner(ngram, "cpu", 128, 30, async_scheduling=True)
-    assert planner.budget.hold_cost(2) == 0.5
-    # 0.75 each covers the held step; told the step runs 4 requests, 0.75 < 4 x .25.
+    assert planner.budget.hold_cost(2) == pytest.approx(2 * (0.2 + 0.8 / 63))
+    # 0.75 each covers the held step; told the step runs 4 requests, 0.75 < 4 x .238.
     assert planner.budget.choose(["a", "b"], 2) == {"a": 2, "b": 2}
     assert planner.budget.choose(["c"], 2, num_running=4) == {"c": 0}
     # A layer-skip draft costs num_layers / layers of a forward: at 29 of 30 layers no

@@ -16,7 +16,7 @@ is not scheduled again until that step's update); a request that does not specul
 this step (k = 0: the budget says drafts do not pay) keeps the overlap. While any
 request waits so, the scheduler holds the whole batch for a step (Scheduler.
 _holds_for_drafts) rather than run the others ahead of it; SpecBudget prices that held
-step (HOLD_COST per running request) when it decides whether a step drafts at all. A probe (one draft
+step (SpecBudget.hold_cost) when it decides whether a step drafts at all. A probe (one draft
 for a request the budget keeps idle) is asked for once: the step that verifies it
 does not ask again, so it costs one verification and, async, two waits.
 """

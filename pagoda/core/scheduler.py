@@ -261,7 +261,7 @@ class Scheduler:
         """Async scheduling: while a request's step in flight verifies or proposes
         drafts, nobody is scheduled ahead of its tokens. Were the others scheduled, that
         request would sit out a whole step; held, every request loses only the host's
-        gap between steps (the price SpecBudget weighs: HOLD_COST)."""
+        gap between steps (the price SpecBudget.hold_cost weighs)."""
         planner = self.draft_planner
         return (self.async_scheduling and planner is not None
                 and any(planner.must_wait(r) for r in self.running))

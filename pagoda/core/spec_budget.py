@@ -31,9 +31,10 @@ scheduler then holds the whole batch for that step (Scheduler: a synchronous ste
 were the others scheduled ahead, each drafting request would lose a whole step
 (measured on an H200 at 80 % acceptance and 8-128 requests: 0.79-0.94x of off), while
 a held step costs every request only the overlap, the host's gap between steps:
-HOLD_COST of a token each. So a step drafts only when its drafts' expected tokens,
-summed over the batch, cover HOLD_COST times the running requests; otherwise nobody
-drafts. Synchronous scheduling pays nothing.
+from HOLD_COST_ALONE of a token alone to HOLD_COST_BUSY in a batch of
+HOLD_COST_BUSY_FROM (measured; see the constants). So a step drafts only when its
+drafts' expected tokens, summed over the batch, cover hold_cost(running requests);
+otherwise nobody drafts. Synchronous scheduling pays nothing.
 
 Probes. With no drafts the estimates learn nothing, so after `probe_interval` steps in
 a row without drafts, one probe step gives every request one draft (one held step for
@@ -43,10 +44,10 @@ the text changed: that request's old counts are dropped (alpha 2/3 after the
 success) and the interval starts over. Probes take spare room like any draft.
 
 The arithmetic at 0 % acceptance, async: probe steps after 64, 128, 256, ... idle
-steps, each costing about HOLD_COST of a step for everyone: a 128-token request sees
-at most 2 (0.4 % of its steps); at the cap, one per 1,024 steps. An engine's first
-requests start from alpha 1/2 (2 drafts worth 0.75 > HOLD_COST): they draft until about
-6 rejections bring alpha below MIN_GAIN, then later requests inherit the low
+steps, each costing at most a token a request: a 128-token request sees at most 2
+(1.6 % of its steps); at the cap, one per 1,024 steps. An engine's first requests
+start from alpha 1/2 (2 drafts worth 0.75): alone or in small batches they draft until
+about 6 rejections bring alpha below MIN_GAIN, then later requests inherit the low
 engine-wide estimate.
 """
 
@@ -63,9 +64,15 @@ MIN_GAIN = 0.25
 DEFAULT_DECAY = 0.9
 PRIOR_WEIGHT = 4.0
 # What a held (synchronous) step costs each running request under async scheduling, in
-# tokens: the host's gap between steps, when the GPU idles (an 8B model on an H200:
-# batch-1 steps of 4.9 ms async, 5.8 ms synchronous with 4 verify rows).
-HOLD_COST = 0.25
+# tokens: the host's gap between steps, when the GPU idles. Measured on an H200 with an
+# 8B model: alone about 0.2 of a step (batch-1 steps of 4.8 ms async, 5.8 ms held with 4
+# verify rows); in a batch of 64 one draft each at 80 % acceptance (0.8 expected tokens
+# a request) still lost (0.86x of off), so a held step costs a request about a whole
+# token there. In between, linear in the batch size (the host's work per step grows
+# with it while the forward's time hardly does).
+HOLD_COST_ALONE = 0.2
+HOLD_COST_BUSY = 1.0
+HOLD_COST_BUSY_FROM = 64  # running requests from which a held step costs HOLD_COST_BUSY
 # Idle steps before the first probe step, and the most its doubling may reach (the
 # module docstring gives the arithmetic).
 PROBE_INTERVAL = 64
@@ -136,7 +143,10 @@ class SpecBudget:
 
     def hold_cost(self, num_running: int) -> float:
         """Tokens a drafting step costs the batch: async, a held step for everyone."""
-        return HOLD_COST * num_running if self.async_scheduling else 0.0
+        if not self.async_scheduling:
+            return 0.0
+        share = min(1.0, (num_running - 1) / (HOLD_COST_BUSY_FROM - 1))
+        return num_running * (HOLD_COST_ALONE + (HOLD_COST_BUSY - HOLD_COST_ALONE) * share)
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from pagoda.core.spec_budget import HOLD_COST, SpecBudget
+from pagoda.core.spec_budget import SpecBudget
 
 
 def simulate(budget: SpecBudget, req_ids: list[str], steps: range,
@@ -44,13 +44,14 @@ ZERO_ACCEPTANCE = {1: 2, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 70: 1, 198: 1, 454: 1, 96
 def test_zero_acceptance_stops_then_probes_the_batch_on_a_doubling_schedule(async_scheduling):
     budget = SpecBudget(4, 1000, async_scheduling=async_scheduling)
     drafted = simulate(budget, ["r", "s"], range(1, 3100))
-    # Async, the two requests' drafts (.75 then 2 x .42 ...) cover the held step's
-    # 2 x HOLD_COST until they stop on their own.
+    # Async, the two requests' drafts (2 x .75, then 2 x .42 ... 2 x .26) cover the held
+    # step's cost (2 x .213) until they stop on their own.
     assert drafted == {"r": ZERO_ACCEPTANCE, "s": ZERO_ACCEPTANCE}
     assert budget.probe_interval == 1024
     # A later 128-step request inherits the low estimate: at most 2 probe steps, each
-    # a held step (HOLD_COST of a token): under 0.5 % of its steps.
-    assert 2 * HOLD_COST / 128 < 0.005
+    # a held step (at most a token a request): under 2 % of its steps.
+    if async_scheduling:
+        assert budget.hold_cost(64) == 64.0 and 2 * budget.hold_cost(1) < budget.hold_cost(2)
 
 
 def test_high_acceptance_keeps_max_k():
@@ -73,15 +74,16 @@ def budget_with(alphas: dict[str, tuple[int, int]], async_scheduling: bool,
 def test_async_drafts_only_when_the_batch_gain_covers_the_held_step():
     # alpha .45 (9 / 20): one draft worth .45 each (.2025 < MIN_GAIN).
     assert budget_with({"r": (8, 10)}, True).alpha("r") == 0.45
-    assert budget_with({"r": (8, 10)}, True).choose(["r"], 1) == {"r": 1}  # .45 >= .25
-    # Told the step runs 2 requests (one admitted beside it): .45 < 2 x .25.
-    assert budget_with({"r": (8, 10)}, True).choose(["r"], 1, num_running=2) == {"r": 0}
-    assert budget_with({"r": (8, 10)}, False).choose(["r"], 1, num_running=2) == {"r": 1}
+    assert budget_with({"r": (8, 10)}, True).choose(["r"], 1) == {"r": 1}  # .45 >= .2
+    # Told the step runs 3 requests (two admitted beside it): .45 < 3 x .225.
+    assert budget_with({"r": (8, 10)}, True).hold_cost(3) == pytest.approx(3 * (0.2 + 0.8 / 31.5))
+    assert budget_with({"r": (8, 10)}, True).choose(["r"], 1, num_running=3) == {"r": 0}
+    assert budget_with({"r": (8, 10)}, False).choose(["r"], 1, num_running=3) == {"r": 1}
     # One good request carries the batch: alpha .9 (gains .9 .81 .729 .656 = 3.1) over
-    # three hopeless ones (alpha .1: no draft) pays for 4 x .25.
+    # three hopeless ones (alpha .1: no draft) pays for 4 x .238.
     mixed = {"good": (8, 0), "x": (0, 8), "y": (0, 8), "z": (0, 8)}
     assert budget_with(mixed, True).choose(list(mixed), 4) == {"good": 4, "x": 0, "y": 0, "z": 0}
-    # Thirteen hopeless ones beside it: 3.1 < 14 x .25, nobody drafts.
+    # Thirteen hopeless ones beside it: 3.1 < 14 x .365, nobody drafts.
     many = {"good": (8, 0), **{f"h{i}": (0, 8) for i in range(13)}}
     assert set(budget_with(many, True).choose(list(many), 14).values()) == {0}
     assert budget_with(many, False).choose(list(many), 14)["good"] == 4
@@ -104,12 +106,12 @@ def test_accepted_probe_resumes_drafting_and_restarts_the_interval():
                                                        if s < 454}
     # The probe at 454 is accepted: r's old counts dropped, alpha 2/3 -> 3 drafts, then 4.
     assert r[454] == 1 and r[455] == 3 and all(r[s] == 4 for s in range(456, 509))
-    # From 500 nothing is accepted: the decayed successes keep it drafting (3, then 2)
-    # until 515; the interval restarted with the accepted probe: probe steps at 515 +
+    # From 500 nothing is accepted: the decayed successes keep it drafting (3, 2, then 1)
+    # until 517; the interval restarted with the accepted probe: probe steps at 517 +
     # 64, then 128 and 256 later, for both requests.
-    assert [r[s] for s in range(509, 516)] == [3, 3, 3, 2, 2, 2, 2] and 516 not in r
-    probes = {579: 1, 707: 1, 963: 1}
-    assert {s: k for s, k in r.items() if s > 515} == probes
+    assert [r[s] for s in range(509, 518)] == [3, 3, 3, 2, 2, 2, 2, 1, 1] and 518 not in r
+    probes = {581: 1, 709: 1, 965: 1}
+    assert {s: k for s, k in r.items() if s > 517} == probes
     assert {s: k for s, k in drafted["s"].items() if s > 453} == {454: 1, **probes}
 
 
