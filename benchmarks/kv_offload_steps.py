@@ -180,7 +180,9 @@ def summarize(mode, p, turn_of, added, first, trace, tokens_per_s, tiers) -> dic
         "output_tokens_per_s": tokens_per_s,
         "cpu_tier": None if cpu is None else {
             "hits": cpu["hits"], "bytes_loaded": cpu["bytes_loaded"],
-            "load_gb_per_s": cpu.get("load_gb_per_s")},
+            # bytes over the timed copies (device events on CUDA, wall time on CPU)
+            "load_gb_per_s": (cpu["bytes_loaded"] / cpu["load_seconds"]["sum"] / 1e9
+                              if cpu["load_seconds"]["sum"] else None)},
     }
 
 
@@ -204,7 +206,7 @@ def main() -> None:
         print(f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
               f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
               f"{steps['histogram']}; {row['output_tokens_per_s']:.1f} output tok/s; "
-              f"loads {row['load_jobs']}", flush=True)
+              f"loads {row['load_jobs']}; CPU tier {row['cpu_tier']}", flush=True)
         for path in row["loaded_request_paths"]:
             print(f"        {path['requests']:4d} x {path['steps_after_arrival']}")
     if "off" in results:
