@@ -28,7 +28,9 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -186,11 +188,24 @@ def summarize(mode, p, turn_of, added, first, trace, tokens_per_s, tiers) -> dic
     }
 
 
+def run_child(mode: str, smoke: bool) -> dict:
+    """One mode in its own process: each engine's GPU memory and pinned CPU tier are
+    gone before the next one starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--modes", mode,
+                        "--output", out] + (["--smoke"] if smoke else []), check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     parser.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     parser.add_argument("--output", default=None, help="JSON file to write")
+    parser.add_argument("--child", action="store_true",
+                        help="internal: run the one mode given and write its row to --output")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -198,10 +213,14 @@ def main() -> None:
         parser.error(f"unknown mode(s) {unknown}; choose from {MODES}")
     p = SMOKE if args.smoke else GPU
     if args.smoke:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children
+    if args.child:
+        with open(args.output, "w") as f:
+            json.dump(run_mode(modes[0], p), f)
+        return
     results = {}
     for mode in modes:
-        results[mode] = row = run_mode(mode, p)
+        results[mode] = row = run_child(mode, args.smoke)
         ttft, steps = row["revisited_ttft_ms"], row["revisited_steps_to_first_token"]
         print(f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
               f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
