@@ -19,6 +19,17 @@ It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
   them until admission instead could deadlock: a request put back in front of it
   (a preemption) may need exactly those blocks. A request is loaded once per wait:
   `release` at its admission ends that.
+- Inline loads: a job whose blocks all sit in CPU slots (no lower-tier read) and that
+  fits in `max_inline_blocks_per_step` is copied by the worker on the compute stream
+  before this step's forward (worker/kv_offload.py). Stream order makes its blocks
+  valid for this step's forward, so `start_load` registers them in the GPU prefix
+  cache at once and the scheduler admits the request in the same schedule() (no step
+  spent waiting, no report to wait for). The job keeps its GPU references until
+  `take_plan` ends the schedule(), so no other allocation of that step takes a block
+  it just loaded (its request may yet fail to be admitted in it). The worker's report
+  then only releases the CPU slots' pins: a slot must not be rewritten while the copy
+  from it may still be in flight (and while pinned, the CPU tier keeps the block, so
+  evicting a loaded block from the GPU never plans a store of it).
 - Aborts: a job in flight still writes its GPU blocks, so an aborted request's job is
   orphaned and its blocks are released only when the worker reports it done.
 
@@ -43,6 +54,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Callable, Optional
 
 from pagoda.core.block_hash import BlockHash
@@ -58,6 +70,14 @@ logger = logging.getLogger(__name__)
 # a step's results never come, e.g. after a failed step).
 _MAX_STEPS_TIMED = 64
 
+class LoadStart(IntEnum):
+    """What `start_load` did (falsy: nothing)."""
+
+    NONE = 0  # no load: admit the request now
+    WAIT = 1  # a load in flight: the request waits for it out of the queue
+    INLINE = 2  # its blocks are in the GPU prefix cache from this step on: admit it now
+
+
 @dataclass
 class _Job:
     job: LoadJob
@@ -67,25 +87,39 @@ class _Job:
     sources: list[int]  # tier of each block
     held: list[KVCacheBlock]  # GPU references: the prefix hits, then the job's blocks
     load_blocks: list[KVCacheBlock]
-    done: bool = False
-    orphaned: bool = False
+    gpu_ready: bool = False  # its blocks are registered in the GPU prefix cache
+    done: bool = False  # the worker reported it (its tier pins are released)
+    orphaned: bool = False  # nobody waits for it: forgotten once reported
+
+    @property
+    def inline(self) -> bool:
+        return self.job.inline
 
 
 class KVOffloadManager:
     def __init__(self, kv_cache_manager: KVCacheManager, tiers: TierStack,
                  max_blocks_per_step: int, cost: Optional[LoadCostModel] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_inline_blocks_per_step: int = 0) -> None:
         """cost: decides which hits are worth loading (None: every hit is loaded).
-        clock: the step timing's time source (tests pass their own)."""
+        clock: the step timing's time source (tests pass their own).
+        max_inline_blocks_per_step: blocks per step that CPU-only jobs may load inline
+        (0: every load is asynchronous)."""
         if not kv_cache_manager.enable_caching:
             raise ValueError("KV offloading needs prefix caching (enable_prefix_caching=True)")
         if not isinstance(max_blocks_per_step, int) or max_blocks_per_step < 1:
             raise ValueError(f"max_blocks_per_step must be an integer >= 1, got {max_blocks_per_step!r}")
+        if not isinstance(max_inline_blocks_per_step, int) or max_inline_blocks_per_step < 0:
+            raise ValueError("max_inline_blocks_per_step must be an integer >= 0, got "
+                             f"{max_inline_blocks_per_step!r}")
         self.manager = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
         self.block_size = kv_cache_manager.block_size
         self.tiers = tiers
         self.max_blocks_per_step = max_blocks_per_step
+        self.max_inline_blocks_per_step = max_inline_blocks_per_step
+        self._step_inline = 0  # blocks loaded inline in the step being scheduled
+        self._inline_this_step: list[_Job] = []  # their GPU references go at take_plan
         self.pool.on_evict = self._on_gpu_evict
         self._ids = itertools.count()
         self._plan = KVTransferPlan()
@@ -108,49 +142,57 @@ class KVOffloadManager:
 
     def is_loading(self, request_id: str) -> bool:
         job_id = self._job_of.get(request_id)
-        return job_id is not None and not self._jobs[job_id].done
+        return job_id is not None and not self._jobs[job_id].gpu_ready
 
     @property
     def num_loading(self) -> int:
-        return sum(1 for job in self._jobs.values() if not job.done and not job.orphaned)
+        return sum(1 for job in self._jobs.values() if not job.gpu_ready and not job.orphaned)
 
     @property
     def has_in_flight(self) -> bool:
         return bool(self._store_batches or self._writes
                     or any(not job.done for job in self._jobs.values()))
 
-    def start_load(self, request: Request, gpu_hits: list[KVCacheBlock]) -> bool:
+    def start_load(self, request: Request, gpu_hits: list[KVCacheBlock]) -> LoadStart:
         """Plans loading the request's blocks that follow its GPU prefix hits from the
-        tiers; True if a load started (the request must wait for it, out of the queue)."""
+        tiers. WAIT: the request must wait for the load, out of the queue; INLINE: the
+        blocks are in the GPU prefix cache now (look the request up again and admit it);
+        NONE: nothing to load."""
         if request.request_id in self._job_of or request.sampling_params.prompt_logprobs is not None:
-            return False  # loaded once already (admit it now), or every prompt position must run
+            return LoadStart.NONE  # loaded once already, or every prompt position must run
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         start = len(gpu_hits)
         budget = self.max_blocks_per_step - self._step_loads
         num_free = self.pool.num_free_blocks - sum(1 for b in gpu_hits if b.ref_cnt == 0)
         if start >= max_hit_blocks or budget < 1 or num_free < 1:
-            return False
+            return LoadStart.NONE
         hashes = list(request.block_hashes[start:max_hit_blocks])
         sources = self._worth_loading(request, self.tiers.lookup(hashes)[:min(budget, num_free)])
         slots, reads = self._pin_sources(hashes, sources)
         sources = sources[:len(slots)]
         if not sources:
-            return False
+            return LoadStart.NONE
         hashes = hashes[:len(sources)]
         self.pool.touch(gpu_hits)
         load_blocks = self.pool.get_new_blocks(len(sources))  # may evict: stores planned
-        job = LoadJob(next(self._ids), slots, [b.block_id for b in load_blocks], reads)
+        inline = not reads and len(sources) <= self.max_inline_blocks_per_step - self._step_inline
+        job = LoadJob(next(self._ids), slots, [b.block_id for b in load_blocks], reads, inline)
         tokens = [tuple(request.all_token_ids[(start + i) * self.block_size:
                                               (start + i + 1) * self.block_size])
                   for i in range(len(sources))]
-        self._jobs[job.job_id] = _Job(job, request, hashes, tokens, sources,
-                                      list(gpu_hits) + load_blocks, load_blocks)
+        entry = _Job(job, request, hashes, tokens, sources, list(gpu_hits) + load_blocks, load_blocks)
+        self._jobs[job.job_id] = entry
         self._job_of[request.request_id] = job.job_id
         self._plan.loads.append(job)
         self._step_loads += len(sources)
         for tier_index in sources:
             self.tiers.tiers[tier_index].counters.loaded += 1
-        return True
+        if not inline:
+            return LoadStart.WAIT
+        self._step_inline += len(sources)
+        self._register_blocks(entry, len(sources))
+        self._inline_this_step.append(entry)
+        return LoadStart.INLINE
 
     def _worth_loading(self, request: Request, sources: list[int]) -> list[int]:
         """The leading sources whose load beats recompute (all without a cost model);
@@ -209,18 +251,24 @@ class KVOffloadManager:
         return ready
 
     def release(self, request: Request) -> None:
-        """The request was admitted: its finished job is forgotten (a later wait, after a
-        preemption, may load again)."""
+        """The request was admitted: its job is forgotten (a later wait, after a
+        preemption, may load again); an inline job not reported yet is kept until it is
+        (its CPU slots stay pinned meanwhile)."""
         job_id = self._job_of.pop(request.request_id, None)
-        if job_id is not None:
-            job = self._jobs.pop(job_id)
-            if not job.done:
-                raise RuntimeError(f"internal error: request {request.request_id!r} admitted "
-                                   "while its KV load is in flight")
+        if job_id is None:
+            return
+        job = self._jobs[job_id]
+        if not job.gpu_ready:
+            raise RuntimeError(f"internal error: request {request.request_id!r} admitted "
+                               "while its KV load is in flight")
+        if job.done:
+            del self._jobs[job_id]
+        else:
+            job.orphaned = True
 
     def abort(self, request: Request) -> None:
         """The request finished without being admitted again (aborted): a job in flight
-        keeps its blocks until the worker reports it done."""
+        keeps its blocks (an inline one, its CPU pins) until the worker reports it done."""
         job_id = self._job_of.pop(request.request_id, None)
         if job_id is None:
             return
@@ -269,6 +317,13 @@ class KVOffloadManager:
     def take_plan(self) -> Optional[KVTransferPlan]:
         """This step's plan for the worker (None: nothing to do and nothing in flight)."""
         plan, self._plan = self._plan, KVTransferPlan()
+        # The step's allocations are over: the inline loads' blocks may be evicted from
+        # the next step on (whose store gathers the worker queues after these copies).
+        for job in self._inline_this_step:
+            self.pool.free_blocks(reversed(job.held))
+            job.held = []
+        self._inline_this_step = []
+        self._step_inline = 0
         if self._step_store_hashes:
             plan.store_id = next(self._ids)
             self._store_batches[plan.store_id] = self._step_store_hashes
@@ -321,6 +376,31 @@ class KVOffloadManager:
             self._finish_job(self._jobs[job_id], num_intact)
 
     def _finish_job(self, job: _Job, num_intact: int) -> None:
+        """The worker reported the job: its tier pins go; an asynchronous job's intact
+        blocks are registered on the GPU and its request is ready to be admitted."""
+        if job.inline and num_intact != len(job.load_blocks):
+            raise RuntimeError(f"internal error: inline KV load {job.job.job_id} reported "
+                               f"{num_intact} of {len(job.load_blocks)} blocks")
+        self._release_sources(job, num_intact)
+        job.done = True
+        if not job.inline:
+            self._register_blocks(job, num_intact)
+            self.pool.free_blocks(reversed(job.held))
+            job.held = []
+            if not job.orphaned:
+                self._ready.append(job.request)
+        if job.orphaned:
+            del self._jobs[job.job.job_id]
+
+    def _register_blocks(self, job: _Job, num_intact: int) -> None:
+        """The job's first num_intact blocks hold their KV: into the GPU prefix cache."""
+        for block, block_hash, tokens in zip(job.load_blocks[:num_intact], job.hashes, job.tokens):
+            self.pool.cache_full_block(block, block_hash, tokens)  # False: cached meanwhile
+        job.gpu_ready = True
+
+    def _release_sources(self, job: _Job, num_intact: int) -> None:
+        """Unpins the job's source blocks in their tiers; a lower-tier block read into a
+        CPU slot is committed there if intact, dropped (and counted) if not."""
         cpu = self.tiers.cpu
         for index, (block_hash, tier_index) in enumerate(zip(job.hashes, job.sources)):
             if tier_index == 0:
@@ -337,15 +417,6 @@ class KVOffloadManager:
                 lower.counters.failed_reads += 1
                 if lower.entry(block_hash).pins == 0:
                     lower.remove(block_hash)
-        for block, block_hash, tokens in zip(job.load_blocks[:num_intact], job.hashes, job.tokens):
-            self.pool.cache_full_block(block, block_hash, tokens)  # False: cached meanwhile
-        job.done = True
-        self.pool.free_blocks(reversed(job.held))
-        job.held = []
-        if job.orphaned:
-            del self._jobs[job.job.job_id]
-        else:
-            self._ready.append(job.request)
 
     def stats(self) -> list[dict]:
         """Per tier, top first: usage, lookups, blocks moved and skipped, bytes, latencies,

@@ -235,12 +235,17 @@ class LoadJob:
     """Bring blocks back to the GPU: block i of the job goes from CPU slot cpu_slots[i]
     to GPU block gpu_block_ids[i]. `reads` first fill some of those slots from lower
     tiers (in block order). The job is done once every intact leading block is on the
-    GPU; the worker reports how many leading blocks are intact (a failed read stops it)."""
+    GPU; the worker reports how many leading blocks are intact (a failed read stops it).
+
+    inline: the blocks all come from CPU slots (no reads) and the worker copies them on
+    the compute stream before this step's forward, so this very step may read them
+    (the scheduler registers them at once); the report then only releases the slots."""
 
     job_id: int
     cpu_slots: list[int]
     gpu_block_ids: list[int]
     reads: list[TierRead] = field(default_factory=list)
+    inline: bool = False
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Iterable, Optional, Union
 
 from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_offload import KVOffloadManager
+from pagoda.core.kv_offload import KVOffloadManager, LoadStart
 from pagoda.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -373,10 +373,14 @@ class Scheduler:
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Schedules the waiting request at the head of the queue; False if it does not fit."""
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        if self.kv_offload is not None and self.kv_offload.start_load(request, hit_blocks):
-            if self.waiting.pop() is not request:
-                raise RuntimeError("internal error: the loading request must be the head of the queue")
-            return True  # it waits for its blocks, out of the queue, computing nothing
+        if self.kv_offload is not None:
+            started = self.kv_offload.start_load(request, hit_blocks)
+            if started == LoadStart.WAIT:
+                if self.waiting.pop() is not request:
+                    raise RuntimeError("internal error: the loading request must be the head of the queue")
+                return True  # it waits for its blocks, out of the queue, computing nothing
+            if started == LoadStart.INLINE:  # loaded before this step's forward: hits now
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold

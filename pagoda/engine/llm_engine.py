@@ -190,7 +190,8 @@ class LLMEngine:
                              inventory.load_samples,
                              parse_tier_bandwidths(bandwidth) if bandwidth else None)
         return KVOffloadManager(self.kv_cache_manager, TierStack(tiers),
-                                inventory.max_blocks_per_step, cost)
+                                inventory.max_blocks_per_step, cost,
+                                max_inline_blocks_per_step=inventory.max_inline_blocks_per_step)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -9,6 +9,9 @@ Data paths (the CPU tier is the hub, worker/kv_cpu_tier.py):
 - load, CPU -> GPU: one host-to-device copy per run of consecutive slots into a
   staging tensor, then one scatter per layer (index_copy_) into the pool, on the copy
   stream; the job is reported done once its event has completed (polled, not waited);
+- inline load, CPU -> GPU (a job the scheduler marked `inline`: CPU slots only, small):
+  the same copies, all inline jobs of the plan in one batch, on the compute stream
+  before this step's forward, so that forward may read the blocks (invariant 5);
 - lower tiers (disk, plugin) <-> CPU slots: two I/O threads, a reader (loads) and a
   writer (stores and evictions, in plan order), calling the KVTier interface. A job
   whose blocks come partly from a lower tier is read first, then copied as above.
@@ -29,6 +32,12 @@ Ordering invariants (why no copy reads or writes a block at the wrong time):
    stream; a disk write from a slot first waits for its store's event.
 4. The loaded blocks become visible (hashed in the GPU prefix cache) only once the
    worker reports the load's event complete, so no forward reads them before.
+5. Inline loads are the exception to 4: their blocks are visible from the step that
+   plans them, and their copies are queued on the compute stream before that step's
+   forward (after the step's store gathers, invariant 2), so every forward that may
+   read the blocks runs after the copies land. A slot they read may still be the
+   target of a store in flight on the copy stream: the compute stream first waits for
+   that store's event. Their slots stay pinned until their event is reported complete.
 """
 
 from __future__ import annotations
@@ -54,6 +63,12 @@ GIB = 1 << 30
 # Bytes stored, and bytes loaded, per step at most: bounds the device staging memory a
 # step takes beside the pool (the scheduler drops stores and defers loads beyond it).
 MAX_TRANSFER_BYTES_PER_STEP = 1 << 30
+# Bytes per step loaded inline (on the compute stream, ahead of the step's forward, which
+# waits for them): 512 MiB is ~13 ms at the ~40 GB/s an H200 host link gives, less than
+# one mixed prefill/decode step, while a load waited for asynchronously costs its request
+# about three steps (report, re-admission, results). Larger loads, and any from a lower
+# tier, stay asynchronous.
+MAX_INLINE_LOAD_BYTES_PER_STEP = 512 << 20
 # How long an idle step (nothing to compute) waits for a transfer to finish.
 IDLE_POLL_SECONDS = 0.002
 
@@ -72,6 +87,7 @@ class OffloadInventory:
     tiers: list[TierInventory]  # CPU first
     max_blocks_per_step: int
     block_bytes: int
+    max_inline_blocks_per_step: int = 0  # blocks a step may load inline (0: none)
     # Start-up measurements for the cost model (worker/kv_cost_probe.py): one prefill
     # forward's (tokens, seconds), and per tier name a load's (bytes, seconds).
     prefill_sample: Optional[tuple[int, float]] = None
@@ -148,7 +164,8 @@ class KVCopyEngine:
         self._io_guard = threading.Lock()
         self._done: queue.Queue = queue.Queue()  # from the I/O threads
         self._pending_stores: list[tuple[int, torch.cuda.Event, float, list[int], list[bytes]]] = []
-        self._pending_loads: list[tuple[int, int, torch.cuda.Event, float]] = []
+        # ([(job id, blocks)], done event, start event): one entry per batch of copies
+        self._pending_loads: list[tuple[list[tuple[int, int]], torch.cuda.Event, float]] = []
         self._num_thread_ops = 0  # submitted to the I/O threads, not yet drained
         self._invalid_seen = {tier.name: 0.0 for tier in lower}
         self.reader = _IOThread("pagoda-kv-read")
@@ -167,7 +184,12 @@ class KVCopyEngine:
         if plan.evictions or plan.writes:
             self._num_thread_ops += len(plan.writes)
             self.writer.submit(lambda: self._write(plan.evictions, plan.writes, store_event))
+        inline = [job for job in plan.loads if job.inline]
+        if inline:
+            self._load_inline(inline)
         for job in plan.loads:
+            if job.inline:
+                continue
             load = _Load(job, after)
             if job.reads:
                 self._num_thread_ops += 1
@@ -212,6 +234,28 @@ class KVCopyEngine:
         self._report.stores_done.append(store_id)
         self._record_io("stored", self.cpu.name, len(slots), _elapsed(start, done))
 
+    def _load_inline(self, jobs: list[LoadJob]) -> None:
+        """The inline jobs' blocks, in one batch, on the current (compute) stream: the
+        step's forward, queued after, reads them (invariant 5)."""
+        if any(job.reads for job in jobs):
+            raise ValueError("an inline KV load reads CPU slots only")
+        start = time.perf_counter()
+        slots = [slot for job in jobs for slot in job.cpu_slots]
+        block_ids = [block_id for job in jobs for block_id in job.gpu_block_ids]
+        counts = [(job.job_id, len(job.gpu_block_ids)) for job in jobs]
+        if not self.cuda:
+            self._copy_slots_to_pool(slots, block_ids)
+            self._finish_load(counts, start)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        wanted = set(slots)
+        for _, stored, _, store_slots, _ in self._pending_stores:
+            if not wanted.isdisjoint(store_slots):
+                stream.wait_event(stored)  # a store into one of these slots lands first
+        began = _timed_event(stream)
+        self._copy_slots_to_pool(slots, block_ids)
+        self._pending_loads.append((counts, _timed_event(stream), began))
+
     def _issue_load(self, load: _Load, num_blocks: int) -> None:
         """Copies the job's first num_blocks blocks from their CPU slots to the GPU."""
         job = load.job
@@ -222,7 +266,7 @@ class KVCopyEngine:
         slots = job.cpu_slots[:num_blocks]
         if not self.cuda:
             self._copy_slots_to_pool(slots, job.gpu_block_ids[:num_blocks])
-            self._finish_load(job.job_id, num_blocks, start)
+            self._finish_load([(job.job_id, num_blocks)], start)
             return
         with torch.cuda.stream(self.copy_stream):
             if load.after is not None:
@@ -230,7 +274,7 @@ class KVCopyEngine:
             began = _timed_event(self.copy_stream)
             self._copy_slots_to_pool(slots, job.gpu_block_ids[:num_blocks])
             done = _timed_event(self.copy_stream)
-        self._pending_loads.append((job.job_id, num_blocks, done, began))
+        self._pending_loads.append(([(job.job_id, num_blocks)], done, began))
 
     def _copy_slots_to_pool(self, slots: list[int], block_ids: list[int]) -> None:
         """On the current stream: the slots' bytes into a staging tensor, then one
@@ -244,10 +288,12 @@ class KVCopyEngine:
             self.layout.scatter(self.pool.cache(page.index), page, ids,
                                 self.layout.layer_view(staging, page))
 
-    def _finish_load(self, job_id: int, num_blocks: int, start,
+    def _finish_load(self, counts: list[tuple[int, int]], start,
                      done: Optional[torch.cuda.Event] = None) -> None:
-        self._report.loads_done[job_id] = num_blocks
-        self._record_io("loaded", self.cpu.name, num_blocks, _elapsed(start, done))
+        """Reports the jobs of one batch of copies: (job id, intact blocks) each."""
+        for job_id, num_blocks in counts:
+            self._report.loads_done[job_id] = num_blocks
+        self._record_io("loaded", self.cpu.name, sum(n for _, n in counts), _elapsed(start, done))
 
     # ---- the I/O threads --------------------------------------------------------------
     def _read(self, load: _Load) -> None:
@@ -361,11 +407,11 @@ class KVCopyEngine:
                 still.append((store_id, event, start, slots, hashes))
         self._pending_stores = still
         waiting = []
-        for job_id, num_blocks, event, start in self._pending_loads:
+        for counts, event, start in self._pending_loads:
             if event.query():
-                self._finish_load(job_id, num_blocks, start, event)
+                self._finish_load(counts, start, event)
             else:
-                waiting.append((job_id, num_blocks, event, start))
+                waiting.append((counts, event, start))
         self._pending_loads = waiting
 
     def _handle(self, item: tuple) -> None:
@@ -428,5 +474,6 @@ def build_kv_offload(config, pool: KVCachePool, model_id: str, dtype: torch.dtyp
         tiers=[TierInventory(cpu.name, num_slots, [])]
         + [TierInventory(t.name, t.capacity_blocks(), list(t.contents())) for t in lower],
         max_blocks_per_step=max(1, MAX_TRANSFER_BYTES_PER_STEP // layout.block_bytes),
-        block_bytes=layout.block_bytes)
+        block_bytes=layout.block_bytes,
+        max_inline_blocks_per_step=MAX_INLINE_LOAD_BYTES_PER_STEP // layout.block_bytes)
     return engine, inventory

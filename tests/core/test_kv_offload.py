@@ -18,12 +18,13 @@ from pagoda.sampling_params import SamplingParams
 BS = 4
 
 
-def make(num_blocks=8, cpu=4, disk=None, per_step=64):
+def make(num_blocks=8, cpu=4, disk=None, per_step=64, inline=0):
     manager = KVCacheManager(num_blocks, BS)
     tiers = [TierIndex("cpu", cpu, slotted=True)]
     if disk:
         tiers.append(TierIndex("disk", disk, slotted=False))
-    return manager, KVOffloadManager(manager, TierStack(tiers), per_step)
+    return manager, KVOffloadManager(manager, TierStack(tiers), per_step,
+                                     max_inline_blocks_per_step=inline)
 
 
 def req(rid, tokens, max_tokens=4):
@@ -129,7 +130,9 @@ def test_offload_needs_prefix_caching():
 class FakeWorker:
     """Executes plans on simulated memory, completing each transfer after a random
     delay, and checks that every position a forward treats as computed holds the
-    request's own token."""
+    request's own token. An inline load is copied at once (before the forward, after the
+    stores' gathers) and reported after a random delay; its slots must not change
+    until then."""
 
     def __init__(self, num_blocks, cpu_slots, rng, fail_rate):
         self.gpu = [[None] * BS for _ in range(num_blocks)]
@@ -148,7 +151,14 @@ class FakeWorker:
         if plan.evictions or plan.writes:
             self._later(lambda r, p=plan: self._write(p, r))
         for job in plan.loads:
-            self._later(lambda r, j=job: self._load(j, r))
+            if job.inline:
+                assert not job.reads
+                copied = [self.cpu[slot] for slot in job.cpu_slots]
+                for data, block_id in zip(copied, job.gpu_block_ids):
+                    self.gpu[block_id] = list(data)
+                self._later(lambda r, j=job, c=copied: self._inline_done(j, c, r))
+            else:
+                self._later(lambda r, j=job: self._load(j, r))
         due, self.pending = ([p for p in self.pending if p[0] <= self.step],
                              [p for p in self.pending if p[0] > self.step])
         for _, fn in due:
@@ -163,6 +173,10 @@ class FakeWorker:
         for write in plan.writes:
             self.disk[write.block_hash] = self.cpu[write.cpu_slot]
             report.writes_done[write.op_id] = True
+
+    def _inline_done(self, job, copied, report):
+        assert [self.cpu[slot] for slot in job.cpu_slots] == copied, "a slot changed under its copy"
+        report.loads_done[job.job_id] = len(job.cpu_slots)
 
     def _load(self, job, report):
         intact = len(job.cpu_slots)
@@ -210,22 +224,25 @@ def random_step(scheduler, rng, documents, step, abort_rate=0.08):
 # FCFS only: see test_priority_preemption_of_a_request_scheduled_this_step below.
 # Without aborts the backlog must still drain: nothing may wait forever on blocks that
 # loads hold (a request put back in front of a loaded one once needed exactly those).
+# inline 3: CPU-only loads of up to 3 blocks a step are loaded inline, the rest async.
+@pytest.mark.parametrize("inline", [0, 3], ids=["async", "inline"])
 @pytest.mark.parametrize("abort_rate", [0.08, 0.0], ids=["aborts", "no-aborts"])
-@pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale_kv(seed, abort_rate):
+@pytest.mark.parametrize("seed", range(4, 10))  # seeds whose runs preempt in every variant
+def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale_kv(seed, abort_rate, inline):
     rng = random.Random(seed)
     num_blocks, cpu_slots = 14, 6
     manager = KVCacheManager(num_blocks, BS)
     tiers = TierStack([TierIndex("cpu", cpu_slots, slotted=True), TierIndex("disk", 10, slotted=False)])
-    offload = KVOffloadManager(manager, tiers, max_blocks_per_step=5)
+    offload = KVOffloadManager(manager, tiers, max_blocks_per_step=5, max_inline_blocks_per_step=inline)
     scheduler = Scheduler(manager, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=48,
                           kv_offload=offload)
     worker = FakeWorker(num_blocks, cpu_slots, rng, fail_rate=0.1)
     documents = [[rng.randrange(50) for _ in range(rng.randrange(8, 24))] for _ in range(4)]
-    preemptions = loads = 0
+    preemptions = loads = inline_loads = 0
     for step in range(2000):  # arrivals stop at 300; then the backlog drains
         out = random_step(scheduler, rng, documents, step, abort_rate)
         loads += len(out.kv_transfers.loads) if out.kv_transfers else 0
+        inline_loads += sum(job.inline for job in out.kv_transfers.loads) if out.kv_transfers else 0
         preemptions += len(out.preempted_req_ids)
         report = KVTransferReport()
         worker.step = step
@@ -242,6 +259,7 @@ def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale
     assert audit.in_use == 0 and audit.free + audit.cached == num_blocks
     assert all(entry.pins == 0 for tier in tiers.tiers for entry in tier.entries.values())
     assert loads > 0 and preemptions > 0 and tiers.cpu.counters.stored > 0
+    assert (inline_loads > 0) == bool(inline) and inline_loads < loads
 
 
 # Found by this file's fuzz: under the priority policy a request scheduled earlier in
