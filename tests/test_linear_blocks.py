@@ -49,3 +49,24 @@ def test_fallbacks_are_f_linear():
     x3 = torch.randn(2, 3, 64)  # not 2-D
     w = torch.randn(1024, 64)
     assert torch.equal(linear(x3, w), F.linear(x3, w))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17])
+def test_rows_linear_matches_f_linear(rows):
+    """2..SMALL_ROWS rows take the register-tile kernel (float32 rounding apart from
+    F.linear); other row counts stay bit-identical to it."""
+    from pagoda.model.layers.matmul import SMALL_ROWS, rows_linear
+    from pagoda.model.quant.cpu_kernels import native_status
+    if native_status() != "native":
+        pytest.skip(f"the compiled CPU kernel is unavailable here: {native_status()}")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(200, 96, generator=gen)  # 200 columns: a partial 4-row tile
+    bias = torch.randn(200, generator=gen)
+    want = F.linear(x, weight, bias)
+    got = rows_linear(x, weight, bias)
+    if 2 <= rows <= SMALL_ROWS:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got, want)  # the kernel ran (other rounding)
+    else:
+        assert torch.equal(got, want)

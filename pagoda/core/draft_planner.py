@@ -150,8 +150,10 @@ class DraftPlanner:
             proposal = self.host_proposer(request.all_token_ids, asked) if asked > 0 else []
         else:
             proposal = list(worker_drafts or ())[:max(asked, 0)]
-        if asked > 0 and not proposal:
-            self.budget.observe(rid, 0, 0)  # asked and found nothing: a failed draft
+        if asked > 0 and not proposal and self.budget.async_scheduling:
+            # Asked and found nothing: async, the request was held for it, a failed
+            # draft; synchronous, the ask cost nothing and says nothing of acceptance.
+            self.budget.observe(rid, 0, 0)
         return proposal
 
     def forget(self, req_id: str) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagoda.model.layers.linear import (ColumnParallelLinear, LayerWeightLoader, ShardId,
                                         check_tp, check_tp_group, copy_checked)
-from pagoda.model.layers.matmul import linear
+from pagoda.model.layers.matmul import rows_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -100,7 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(hidden)
-        return linear(hidden, self.weight)
+        return rows_linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

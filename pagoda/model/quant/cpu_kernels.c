@@ -348,3 +348,20 @@ void pagoda_q8_0_dequant(const uint8_t *w, int64_t N, int64_t K, float *out, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) dequant_q8_0_row(w + n * (K / QK) * 34, K / QK, out + n * K);
 }
+
+/* Float32 weights [N, K] (K a multiple of 8) times a few rows of x: the register tiles
+ * read the weight where it lies, once per MT rows (its NT-row tile stays in L1 for the
+ * next rows). For decode-sized steps (2 to a few rows: verify steps of speculative
+ * decoding, small batches), where a float GEMM library's small-M path costs 2-3x its
+ * one-row GEMV although the weight bytes read are the same. */
+int pagoda_f32_mm(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                  float *y, int threads) {
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT;
+        const int nt = N - n0 < NT ? (int)(N - n0) : NT;
+        tile_rows(x, M, K, w + n0 * K, N, n0, nt, y);
+    }
+    return 0;
+}

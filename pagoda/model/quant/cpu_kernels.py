@@ -203,7 +203,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     so = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("pagoda_q4_1_mm", "pagoda_q8_0_mm"):
+    for name in ("pagoda_q4_1_mm", "pagoda_q8_0_mm", "pagoda_f32_mm"):
         fn = getattr(so, name)
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -276,4 +276,21 @@ def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
     if fn(x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
           torch.get_num_threads()) != 0:
         raise MemoryError("the quantized matmul kernel could not allocate its tile buffer")
+    return y
+
+
+def float_small_mm(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [M, K] @ weight [N, K].T for float32 CPU tensors through the kernel's register
+    tiles (one pass over the weight), or None where the kernel does not apply (no
+    native kernel, K not a multiple of 8, another dtype or device). Not bit-identical to
+    F.linear: the sums run in another order (float32 rounding)."""
+    so = native_kernel()
+    if (so is None or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != "cpu" or weight.device.type != "cpu"
+            or not weight.is_contiguous() or weight.shape[1] != x.shape[1] or x.shape[1] % 8):
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    so.pagoda_f32_mm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                     y.data_ptr(), torch.get_num_threads())
     return y

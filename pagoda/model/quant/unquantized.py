@@ -1,5 +1,6 @@
 """The default linear method: one float weight [out, in] in the model's dtype, multiplied
-by ``pagoda.model.layers.matmul.linear`` (F.linear, split into column blocks on the CPU)."""
+by ``pagoda.model.layers.matmul.rows_linear`` (F.linear, split into column blocks on the
+CPU; a register-tile kernel for steps of a few rows there)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagoda.model.layers.matmul import linear
+from pagoda.model.layers.matmul import rows_linear
 from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod
 
 
@@ -21,7 +22,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        return rows_linear(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()
