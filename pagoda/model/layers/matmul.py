@@ -35,9 +35,10 @@ _BLOCK_BYTES = 1 << 20
 _MIN_BLOCKS = 4
 # Blocks narrower than this many output columns are not worth a split.
 _MIN_BLOCK_COLS = 64
-# rows_linear's register-tile kernel runs for 2 to this many rows (it measured faster
-# than MKL from 1 to 16 rows on the 2-core AVX2 machine: docs/performance.md).
-SMALL_ROWS = 16
+# rows_linear's register-tile kernel runs for 2 to this many rows (it measured 1.1-3x
+# faster than MKL from 1 to 32 rows on the 2-core AVX2 machine, mixed at 64:
+# docs/performance.md).
+SMALL_ROWS = 32
 
 
 def num_blocks(out_features: int, in_features: int, element_size: int, threads: int) -> int:
