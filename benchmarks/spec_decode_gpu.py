@@ -70,16 +70,14 @@ class ReplayProposer:
         return drafts
 
 
-def zero_residual_branches(engine) -> int:
-    """Zeroes every decoder layer's o_proj and down_proj weight in place (see the module
-    docstring; in place, so captured CUDA graphs read the zeros). Returns how many."""
+def zero_model_residual_branches(model) -> int:
+    """Zeroes every decoder layer's o_proj and down_proj weight of model in place (see
+    the module docstring; in place, so captured CUDA graphs read the zeros). Returns
+    how many."""
     import torch
-    runner = getattr(engine.executor, "runner", None)
-    if runner is None:
-        raise SystemExit("replay needs the in-process executor (one GPU, tensor_parallel_size 1)")
     zeroed = 0
     with torch.no_grad():
-        for name, module in runner.model.named_modules():
+        for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] not in ("o_proj", "down_proj"):
                 continue
             method = getattr(getattr(module, "quant_method", None), "name", None)
@@ -92,31 +90,21 @@ def zero_residual_branches(engine) -> int:
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
             zeroed += 1
+    return zeroed
+
+
+def zero_residual_branches(engine) -> int:
+    """The target's residual branches zeroed (zero_model_residual_branches), checked to
+    be every layer's two."""
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        raise SystemExit("replay needs the in-process executor (one GPU, tensor_parallel_size 1)")
+    zeroed = zero_model_residual_branches(runner.model)
     expected = 2 * engine.model_info.num_hidden_layers
     if zeroed != expected:
         raise SystemExit(f"zeroed {zeroed} projections, expected {expected} (o_proj and "
                          "down_proj of every layer): not a Llama layout")
     return zeroed
-
-
-class DraftAcceptance:
-    """Counts the verify outcomes the planner reports to its budget: successes and
-    first rejections, so successes / (successes + rejections) estimates the chance that
-    a draft is accepted given the ones before it were (the replay's 1 - corrupt)."""
-
-    def __init__(self, budget) -> None:
-        self.successes = self.rejections = 0
-        observe = budget.observe
-
-        def counting(req_id: str, num_drafts: int, num_accepted: int) -> None:
-            if num_drafts:  # 0: the proposer had nothing, not a draft
-                self.successes += num_accepted
-                self.rejections += num_accepted < num_drafts
-            observe(req_id, num_drafts, num_accepted)
-        budget.observe = counting
-
-    def snapshot(self) -> tuple[int, int]:
-        return self.successes, self.rejections
 
 
 def make_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

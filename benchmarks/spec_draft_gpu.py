@@ -36,6 +36,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ siblings
 
 MODES = ("off", "always", "adaptive")
 
@@ -60,28 +61,20 @@ def matched_draft_dir(target: str, num_layers: int) -> str:
     return path
 
 
-def zero_residual_writes(model) -> int:
-    """Zeroes every decoder layer's attention-output and MLP-down weight; the count."""
+def match_draft_to_target(engine) -> None:
+    """Both models' layers write nothing to the residual stream; the draft reads the
+    target's embedding, final norm and LM head."""
     import torch
-    count = 0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-                param.zero_()
-                count += 1
-    return count
-
-
-def match_draft_to_target(runner) -> None:
-    """Both models' layers write nothing; the draft reads the target's embedding, final
-    norm and LM head."""
-    import torch
-    target, draft = runner.model, runner.draft.model
-    assert zero_residual_writes(target) and zero_residual_writes(draft)
-    theirs = dict(target.named_parameters())
+    from spec_decode_gpu import zero_model_residual_branches, zero_residual_branches
+    zero_residual_branches(engine)
+    draft = engine.executor.runner.draft
+    if zero_model_residual_branches(draft.model) != 2 * draft.arch.num_hidden_layers:
+        raise SystemExit("the matched draft is not a Llama layout")
+    theirs = dict(engine.executor.runner.model.named_parameters())
+    mine = dict(draft.model.named_parameters())
     with torch.no_grad():
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            dict(draft.named_parameters())[name].copy_(theirs[name])
+            mine[name].copy_(theirs[name])
 
 
 class Bench:
@@ -96,9 +89,8 @@ class Bench:
             kwargs.update(device="cpu", kv_cache_memory=64 << 20)
         self.llm = LLM(args.model, **kwargs)
         self.engine = self.llm.llm_engine
-        runner = self.engine.executor.runner
         if args.draft == "matched":
-            match_draft_to_target(runner)
+            match_draft_to_target(self.engine)
         self.planner = self.engine.scheduler.draft_planner
         self.vocab = self.engine.model_info.vocab_size
         info = self.engine.model_info
