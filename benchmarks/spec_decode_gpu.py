@@ -107,6 +107,26 @@ def zero_residual_branches(engine) -> int:
     return zeroed
 
 
+class DraftAcceptance:
+    """Counts the verify outcomes the planner reports to its budget: successes and
+    first rejections, so successes / (successes + rejections) estimates the chance that
+    a draft is accepted given the ones before it were (the replay's 1 - corrupt)."""
+
+    def __init__(self, budget) -> None:
+        self.successes = self.rejections = 0
+        observe = budget.observe
+
+        def counting(req_id: str, num_drafts: int, num_accepted: int) -> None:
+            if num_drafts:  # 0: the proposer had nothing, not a draft
+                self.successes += num_accepted
+                self.rejections += num_accepted < num_drafts
+            observe(req_id, num_drafts, num_accepted)
+        budget.observe = counting
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.successes, self.rejections
+
+
 def make_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, vocab_size, size=(count, length)).tolist()
