@@ -228,9 +228,8 @@ class Scheduler:
         plan = _StepPlan(self.max_num_batched_tokens)
         if self.kv_offload is not None:  # their blocks are back on the GPU
             self.waiting.prepend_many(self.kv_offload.take_ready())
-        if self._holds_for_drafts():
-            pass  # an empty step: the engine takes the step in flight, then schedules all
-        else:
+        # Held for drafts: an empty step (the engine takes the step in flight first).
+        if not self._holds_for_drafts():
             if self.draft_planner is not None:
                 self.draft_planner.plan_step(
                     self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
@@ -272,9 +271,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if self.draft_planner is not None:
-                if self.draft_planner.must_wait(request):
-                    continue
+            if self.draft_planner is not None:  # nobody waits here: see _holds_for_drafts
                 self.draft_planner.trim(request)
             num_new = self._num_new_tokens(request, plan.token_budget)
             if num_new <= 0:

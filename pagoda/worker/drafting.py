@@ -54,15 +54,7 @@ def _draft_model_proposer(runner, spec, max_model_len: int):
     config = runner.config
     backend = make_attention_backend(config.device.attention_backend, config.device.device,
                                      runner.draft.arch, runner.tp)
-    graphs = None
-    if (runner.device.type == "cuda" and not config.device.enforce_eager
-            and backend.supports_cuda_graphs()):
-        from pagoda.worker.cuda_graph import CudaGraphRunner
-        graphs = CudaGraphRunner(runner.draft.model, backend, runner.kv_pool,
-                                 config.scheduler.max_num_seqs,
-                                 -(-max_model_len // runner.block_size), runner.device,
-                                 config.scheduler.max_num_batched_tokens)
-        graphs.capture()
+    graphs = runner.capture_cuda_graphs(runner.draft.model, backend, max_model_len)
     return DraftModelProposer(runner.draft, backend, runner.kv_pool, runner.block_size,
                               runner.device, max_model_len,
                               config.scheduler.max_num_batched_tokens,

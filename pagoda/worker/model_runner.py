@@ -179,14 +179,7 @@ class ModelRunner:
                 self.warmup_seconds = warm_up_kernels(self, max_model_len)
             self.warmup_seconds += warm_up_logits(self, logits_rows_bucket(
                 self.config.scheduler.max_num_seqs))
-        if self._use_cuda_graphs():
-            from pagoda.worker.cuda_graph import CudaGraphRunner
-            max_blocks = -(-max_model_len // self.block_size)
-            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.kv_pool,
-                                                self.config.scheduler.max_num_seqs, max_blocks,
-                                                self.device,
-                                                self.config.scheduler.max_num_batched_tokens)
-            self.graph_runner.capture()
+        self.graph_runner = self.capture_cuda_graphs(self.model, self.backend, max_model_len)
 
     def _model_id(self) -> str:
         """What the KV of these weights depends on (the disk tier's files name it)."""
@@ -212,9 +205,20 @@ class ModelRunner:
             self.kv_offload.close()
             self.kv_offload = None
 
-    def _use_cuda_graphs(self) -> bool:
-        return (self.device.type == "cuda" and not self.config.device.enforce_eager
-                and self.backend.supports_cuda_graphs())
+    def capture_cuda_graphs(self, model, backend, max_model_len: int):
+        """CUDA graphs of model's steps over this worker's KV pool (the target's, or a
+        draft model's with its own backend); None where graphs do not run (CPU,
+        enforce_eager, a backend without graph support)."""
+        if (self.device.type != "cuda" or self.config.device.enforce_eager
+                or not backend.supports_cuda_graphs()):
+            return None
+        from pagoda.worker.cuda_graph import CudaGraphRunner
+        scheduler = self.config.scheduler
+        graphs = CudaGraphRunner(model, backend, self.kv_pool, scheduler.max_num_seqs,
+                                 -(-max_model_len // self.block_size), self.device,
+                                 scheduler.max_num_batched_tokens)
+        graphs.capture()
+        return graphs
 
     # ---- one step -------------------------------------------------------------------
     def _make_generator(self, seed: int) -> torch.Generator:
