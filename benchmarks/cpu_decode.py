@@ -19,7 +19,6 @@ JSON (default benchmarks/results/cpu-decode.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, _HERE)
 
 from offline_throughput import (PagodaRunner, TransformersRunner, best_runs,  # noqa: E402
                                 make_prompts, summarize)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 LLAMA_CPP_HINT = ("llama.cpp peer skipped: `llama_cpp` is not importable. Install it with "
                   "`pip install llama-cpp-python==0.3.36` (builds from source, ~6 min on 2 cores)")
@@ -154,10 +154,7 @@ def main() -> None:
               "max_tokens": args.max_tokens,
               "llama_cpp": getattr(runners.get("llama.cpp"), "version", None),
               "results": results}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

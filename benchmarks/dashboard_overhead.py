@@ -42,6 +42,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
 
 from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 STREAM_PATH = "/v1/engine/stats/stream"
 
@@ -205,10 +206,7 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device},
               "args": {k: v for k, v in vars(args).items() if k != "output"},
               "throughput": ab, "sample": sample}
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {output}")
+    write_json(output, result)
 
 
 if __name__ == "__main__":

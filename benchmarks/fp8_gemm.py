@@ -26,7 +26,6 @@ W8A16 and W8A8 tiles per shape and M. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ from datetime import datetime, timezone
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 LLAMA_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                    "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -327,10 +327,7 @@ def main():
         "configs": {"W8A16_GEMV": kl.W8A16_GEMV_CONFIG, "W8A16_DOT": kl.W8A16_DOT_CONFIG,
                     "W8A8_SMALL": kl.W8A8_SMALL_CONFIG, "W8A8_LARGE": kl.W8A8_LARGE_CONFIG},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_json(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

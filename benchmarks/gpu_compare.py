@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 def measure_ceilings(device) -> dict:
@@ -514,12 +515,9 @@ def main() -> None:
             continue
         with open(child_out) as f:
             report["engines"].append(json.load(f))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report)
     print(json.dumps(report["ceilings"]))
     print_table(report)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the pack
 from disk_ceiling import describe as describe_ceiling  # noqa: E402  (benchmarks/)
 from disk_ceiling import measure as measure_disk_ceiling  # noqa: E402
 from serve_process import start_server, stop_server  # noqa: E402
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 GPU = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype", "bfloat16",
                   "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
@@ -292,10 +293,7 @@ def main() -> int:
               f"{restart['warm_path']['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
               f"{restart['warm_path']['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.output}")
+        write_json(args.output, result)
     return 0
 
 

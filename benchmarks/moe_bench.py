@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 # ---------------------------------------------------------------- sizes -----------
@@ -304,9 +305,7 @@ def main() -> None:
     for preset in ([] if args.skip_models else models):
         report["models"].append(model_entry(preset, args, ceilings))
         print(json.dumps(report["models"][-1])[:600], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report, indent=1)
     print_table(report)
 
 

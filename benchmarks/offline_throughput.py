@@ -16,12 +16,12 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from datetime import datetime, timezone
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -195,10 +195,7 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "threads": args.threads, "torch": torch.__version__},
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "results": results}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 class StageTimers:
@@ -274,10 +275,7 @@ def main() -> None:
                           "threads": args.threads, "torch": torch.__version__},
               "args": vars(args), "tok_per_s_with_timers": tokens / elapsed,
               "stages": rows, "profiler": ops}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 # Kernel name fragments -> kind, first match wins (names are lower-cased).
 KINDS = [
@@ -209,10 +210,7 @@ def main() -> None:
         calls = " ".join(f"{k}={v:.1f}" for k, v in r["runtime_ms"].items())
         print(f"{r['step']:>4} {r['tokens']:>6} {r['host_ms']:>7.1f} {r['device_ms']:>7.1f} "
               f"{r['span_ms']:>7.1f}  {kinds} | {calls}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
 
 from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 PARAGRAPH = ("The old lighthouse keeper climbed the spiral stairs every evening, counting each "
              "step as the waves broke against the rocks below. Ships passed in the distance, "
@@ -141,9 +142,7 @@ def main(argv=None) -> int:
         "server_over_offline": server / offline, "pair_ratios": pair_ratios,
         "server_exit_code": exit_code,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.output, result)
     print(f"offline LLM.generate: {offline:.1f} output tok/s (best of {len(offline_runs)})")
     print(f"server, {args.num_requests} streams: {server:.1f} output tok/s (best of {len(server_runs)})")
     print(f"server / offline = {server / offline:.3f}  (target >= 0.85); back-to-back pairs: "

@@ -47,6 +47,7 @@ from typing import Optional
 
 import aiohttp
 import numpy as np
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -616,9 +617,7 @@ def main(argv=None) -> int:
     }
     output = args.output or os.path.join(
         REPO_ROOT, "benchmarks", "results", f"soak-{args.device}-{date:%Y-%m-%d}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(output, report)
     print(f"{'PASS' if summary['passed'] else 'FAIL'}; JSON: {output}")
     return 0 if summary["passed"] else 1
 

@@ -15,7 +15,6 @@ whether the greedy output equals off's (it must). Writes JSON to --output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -24,6 +23,7 @@ from datetime import datetime, timezone
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 TEXTS = [
     "The library opens at nine in the morning and closes at six in the evening. "
@@ -136,10 +136,7 @@ def main() -> None:
         }, args.max_tokens),
     }
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.output}")
+        write_json(args.output, results)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ refused.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -47,6 +46,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 KEY_LEN = 8  # prompts differ in their first KEY_LEN tokens: the replay's lookup key
 
@@ -281,10 +281,7 @@ def main() -> None:
     except ImportError:
         pass
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.output}")
+        write_json(args.output, results)
     bench.engine.shutdown()
 
 

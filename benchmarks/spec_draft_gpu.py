@@ -32,11 +32,13 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
-import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ siblings
+from result_file import write_json  # noqa: E402  (benchmarks/)
+from spec_decode_gpu import (make_prompts, zero_model_residual_branches,  # noqa: E402
+                             zero_residual_branches)
 
 MODES = ("off", "always", "adaptive")
 
@@ -65,7 +67,6 @@ def match_draft_to_target(engine) -> None:
     """Both models' layers write nothing to the residual stream; the draft reads the
     target's embedding, final norm and LM head."""
     import torch
-    from spec_decode_gpu import zero_model_residual_branches, zero_residual_branches
     zero_residual_branches(engine)
     draft = engine.executor.runner.draft
     if zero_model_residual_branches(draft.model) != 2 * draft.arch.num_hidden_layers:
@@ -123,10 +124,6 @@ class Bench:
                 "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
-def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    return np.random.default_rng(seed).integers(3, vocab, size=(count, length)).tolist()
-
-
 def sweep(bench: Bench) -> list[dict]:
     args = bench.args
     rows = []
@@ -182,10 +179,7 @@ def main() -> None:
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.output}")
+        write_json(args.output, results)
     bench.engine.shutdown()
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the pack
 
 from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
 from spec_decode_cpu import NGRAM, grounded_messages  # noqa: E402
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 CONFIGS = {"off": None, "ngram": NGRAM}
 REPORTED = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput",
@@ -104,10 +105,7 @@ def main() -> None:
                "cpu_count": os.cpu_count(),
                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.output}")
+        write_json(args.output, results)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 # Never finishes within the benchmark's max_tokens: at least 64 records of a few fields.
 LONG_SCHEMA = {"type": "object", "properties": {"records": {
@@ -177,10 +178,7 @@ def main() -> None:
     }
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"{device}-structured-overhead{'-smoke' if args.smoke else ''}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {out}")
+    write_json(out, result)
 
 
 if __name__ == "__main__":

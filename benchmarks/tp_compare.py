@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(BENCH_DIR))
 
 from gpu_compare import (measure_ceilings, model_bytes_and_flops, random_prompts,  # noqa: E402
                          token_arrival_times)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 def run_config(preset: str, tp: int, args, nccl_only: bool = False) -> dict:
@@ -124,9 +125,7 @@ def main() -> None:
                                "stderr_tail": (err or "")[-3000:]}
         report["configs"].append(entry)
         print(json.dumps(entry)[:600], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report, indent=1)
     print(f"\n{'config':<22}{'batch-1 ms/tok':>16}{'roofline ms':>13}{'static tok/s':>14}")
     for e in report["configs"]:
         r = e["result"]

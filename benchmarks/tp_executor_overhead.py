@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
 def run_backend(backend: str, args) -> dict:
@@ -128,9 +129,7 @@ def main() -> None:
         result = run_child(backend, args)
         report["results"].append(result)
         print(json.dumps(result)[:600], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report, indent=1)
     print(f"\n{args.preset} tp {args.tp} on {args.device}")
     print(f"{'backend':<10}{'start-up s':>12}{'batch-1 ms/tok':>16}{'static tok/s':>14}")
     for r in report["results"]:

@@ -37,6 +37,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
 
 from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
+from result_file import write_json  # noqa: E402  (benchmarks/)
 
 # name -> (random input len, shared prefix len); prompt length = input + prefix
 WORKLOADS = {"short": (64, 0), "long": (2112, 0), "cached": (64, 2048)}
@@ -187,9 +188,7 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "server_flags": flags,
            "config": {k: v for k, v in vars(args).items() if k != "server_args"},
            "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.output, out, indent=1)
     print(f"\nsaved {args.output} (server log: {log_path})")
     return 0
 
