@@ -308,3 +308,19 @@ def test_gpu_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         torch.testing.assert_close(out[:n].float(), ref.float(), atol=2e-2, rtol=1e-2)
         assert torch.equal(cache, ref_pool.cache(0))
+
+
+def test_split_plan_uses_short_slices_only_when_the_grid_is_small():
+    from pagoda.kernels.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, SMALL_GRID_MIN_SPLIT,
+                                             choose_num_splits, min_split_tokens)
+    sms = 132
+    # Batch 1 over 4 KV heads: 4 programs unsplit, so slices of 32 tokens.
+    assert min_split_tokens(1, 4, sms) == SMALL_GRID_MIN_SPLIT == 32
+    assert choose_num_splits(1, 4, 32, sms) == 1
+    assert choose_num_splits(1, 4, 128, sms) == 4
+    assert choose_num_splits(1, 4, 2304, sms) == MAX_SPLITS
+    # 64 requests x 8 KV heads fill the SMs: long slices, and only as many as pay.
+    assert min_split_tokens(64, 8, sms) == MIN_SPLIT_TOKENS == 256
+    assert choose_num_splits(64, 8, 256, sms) == 1
+    assert choose_num_splits(64, 8, 1024, sms) == 2  # 4 * 132 / 512 programs, rounded up
+    assert choose_num_splits(0, 8, 1024, sms) == 1

@@ -58,6 +58,7 @@ def row_context(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs:
 @dataclass
 class MLATritonPlan(MLAPlan):
     num_splits: int = 1
+    min_split: int = 1  # the shortest slice (tokens) the latent kernel gives a program
 
 
 class MLATritonBackend(MLATorchBackend):
@@ -83,32 +84,32 @@ class MLATritonBackend(MLATorchBackend):
                                       common.num_reqs, common.slot_mapping.shape[0])
             plan = MLAPlan(common, None, common.slot_mapping.shape[0], req, length)
             longest = common.block_tables.shape[1] * common.block_size
-        return MLATritonPlan(**vars(plan), num_splits=self._num_splits(plan, longest))
+        return MLATritonPlan(**vars(plan), **self._split_plan(plan, longest))
 
-    def _num_splits(self, plan: MLAPlan, longest: int) -> int:
+    def _split_plan(self, plan: MLAPlan, longest: int) -> dict:
+        """num_splits and min_split of the latent kernel (a fixed split count spreads
+        even short contexts over every slice)."""
         from pagoda.kernels.mla_decode import mla_tile_config
-        from pagoda.kernels.paged_decode import choose_num_splits
+        from pagoda.kernels.paged_decode import choose_num_splits, min_split_tokens
 
         if self.num_decode_splits is not None:
-            return self.num_decode_splits
-        device = plan.common.query_start_loc.device
+            return {"num_splits": self.num_decode_splits, "min_split": 1}
+        sms = self._sm_count(plan.common.query_start_loc.device)
         head_blocks = -(-self.num_heads // mla_tile_config(torch.bfloat16)["BLOCK_H"])
-        return choose_num_splits(plan.num_latent_rows, head_blocks, longest,
-                                 self._sm_count(device))
+        return {"num_splits": choose_num_splits(plan.num_latent_rows, head_blocks, longest, sms),
+                "min_split": min_split_tokens(plan.num_latent_rows, head_blocks, sms)}
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: MLATritonPlan) -> torch.Tensor:
         from pagoda.kernels.mla_decode import mla_decode
-        from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS
 
         if q.dtype not in _SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
             raise ValueError(f"q ({q.dtype}) and the latent cache ({kv_cache.dtype}) must share "
                              f"one of float16, bfloat16, float32")
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
-        min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
         mla_decode(out, q, kv_cache, metadata.common.block_tables, metadata.row_req,
                    metadata.row_len, self.scale, self.kv_lora_rank, metadata.num_splits,
-                   min_split_tokens=min_split)
+                   min_split_tokens=metadata.min_split)
         return out
 
     def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -144,7 +145,7 @@ class MLATritonBackend(MLATorchBackend):
         plan = MLAPlan(capture_metadata(g, batch_size, num_tokens), None, rows,
                        g.row_req[:rows], g.row_len[:rows])
         longest = g.block_tables.shape[1] * g.block_size
-        return MLATritonPlan(**vars(plan), num_splits=self._num_splits(plan, longest))
+        return MLATritonPlan(**vars(plan), **self._split_plan(plan, longest))
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
                        num_tokens: Optional[int] = None) -> None:

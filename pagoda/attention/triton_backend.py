@@ -48,6 +48,7 @@ class TritonMetadata(BackendMetadata):
     num_decodes: int  # requests with one query row (an upper bound without host copies)
     num_splits: int  # context slices of the decode kernel
     zero_padding_rows: bool
+    min_split: int  # the shortest slice (tokens) the decode kernel gives a program
 
 
 class TritonBackend(AttentionBackend):
@@ -67,7 +68,7 @@ class TritonBackend(AttentionBackend):
         self._num_sms: dict[int, int] = {}
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
-        from pagoda.kernels.paged_decode import choose_num_splits
+        from pagoda.kernels.paged_decode import choose_num_splits, min_split_tokens
 
         if common.has_host_copies:
             if common.max_query_len == 1:
@@ -80,19 +81,21 @@ class TritonBackend(AttentionBackend):
             num_decodes = common.num_reqs
             longest = common.block_tables.shape[1] * common.block_size
         if self.num_decode_splits is not None:
-            num_splits = self.num_decode_splits
+            # A fixed split count spreads even short contexts over every slice.
+            num_splits, min_split = self.num_decode_splits, 1
         else:
-            num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest,
-                                           self._sm_count(common.query_start_loc.device))
+            sms = self._sm_count(common.query_start_loc.device)
+            num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest, sms)
+            min_split = min_split_tokens(num_decodes, self.num_kv_heads, sms)
         return TritonMetadata(common, num_decodes, num_splits,
-                              zero_padding_rows=common.has_host_copies)
+                              zero_padding_rows=common.has_host_copies, min_split=min_split)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata,
                 out: Optional[torch.Tensor] = None,
                 kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
         from pagoda.kernels.paged_attention import paged_attention_chunks
-        from pagoda.kernels.paged_decode import MIN_SPLIT_TOKENS, paged_attention_decode
+        from pagoda.kernels.paged_decode import paged_attention_decode
 
         self._check_inputs(q, kv_cache, out)
         common = metadata.common
@@ -107,12 +110,10 @@ class TritonBackend(AttentionBackend):
                                    skip_single_token=metadata.num_decodes > 0,
                                    kv_scales=kv_scales)
         if metadata.num_decodes > 0:
-            # A fixed split count spreads even short contexts over every slice.
-            min_split = 1 if self.num_decode_splits is not None else MIN_SPLIT_TOKENS
             paged_attention_decode(out, q, kv_cache, common.block_tables,
                                    common.query_start_loc, common.seq_lens,
                                    common.num_reqs, self.scale, metadata.num_splits,
-                                   min_split_tokens=min_split, kv_scales=kv_scales)
+                                   min_split_tokens=metadata.min_split, kv_scales=kv_scales)
         return out
 
     def _check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,

@@ -35,15 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile sizes: output columns per program and the reduction chunk. At batch 1 on the
-# Qwen3-30B-A3B shape, gate/up runs k * I / 16 = 384 programs and down H / 8 = 256
-# (down has one program per token, so narrower columns keep every SM streaming).
-GATE_UP_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+# Tile sizes: output columns per program, the reduction chunk and launch options, the
+# fastest of benchmarks/batch1_kernel_sweep.py's tiles on the H200 for both the
+# Qwen3-30B-A3B (I = 768) and DeepSeek-V2-Lite (I = 1408) layers (docs/performance.md).
+# At batch 1 on the Qwen3 shape, gate/up runs k * I / 8 = 768 programs and down H / 4 =
+# 512 (down has one program per token, so narrow columns keep every SM streaming).
+GATE_UP_CONFIG = dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=2)
 # BLOCK_K None: the whole intermediate row in one chunk when it is at most
-# DOWN_ONE_CHUNK_MAX wide (Qwen3-30B-A3B's 768: one 1024-wide load per choice), else
+# DOWN_ONE_CHUNK_MAX wide (768 -> one 1024-wide load per choice, 1408 -> 2048), else
 # chunks of 256.
-DOWN_CONFIG = dict(BLOCK_N=8, BLOCK_K=None, num_warps=4, LOOP_STAGES=3)
-DOWN_ONE_CHUNK_MAX = 1024
+DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=2, LOOP_STAGES=3)
+DOWN_ONE_CHUNK_MAX = 2048
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Triton split-K (flash-decoding) paged attention for decode rows (query length 1).
 
-Owns `paged_attention_decode` and `choose_num_splits`.
+Owns `paged_attention_decode`, `choose_num_splits` and `min_split_tokens` (the split
+plan the MLA latent kernel shares).
 
 Grid (requests, kv heads, splits). A program takes the one query row of its request,
 all query heads of one KV head (padded to at least 16 rows for the tensor cores), and
@@ -33,8 +34,11 @@ import triton.language as tl
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.store_kv import check_kv_scales
 
-# A slice shorter than this costs more in the merge than it saves in parallelism.
+# A slice shorter than this costs more in the merge than it saves in parallelism...
 MIN_SPLIT_TOKENS = 256
+# ...unless the unsplit grid (requests x KV heads) leaves most SMs idle, as a batch-1
+# step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
+SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
 
 
@@ -124,13 +128,22 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
+def min_split_tokens(num_decode_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """The shortest context slice worth its own program: SMALL_GRID_MIN_SPLIT when the
+    unsplit grid has fewer programs than the GPU has SMs, else MIN_SPLIT_TOKENS."""
+    if num_decode_reqs * num_kv_heads < num_sms:
+        return SMALL_GRID_MIN_SPLIT
+    return MIN_SPLIT_TOKENS
+
+
 def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
     """Context slices per (request, kv head): enough programs to fill the GPU about
-    four times over, no slice under MIN_SPLIT_TOKENS, at most MAX_SPLITS."""
-    if num_decode_reqs <= 0 or max_seq_len <= MIN_SPLIT_TOKENS:
+    four times over, no slice under min_split_tokens, at most MAX_SPLITS."""
+    min_split = min_split_tokens(num_decode_reqs, num_kv_heads, num_sms)
+    if num_decode_reqs <= 0 or max_seq_len <= min_split:
         return 1
-    by_length = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
+    by_length = triton.cdiv(max_seq_len, min_split)
     by_occupancy = triton.cdiv(4 * num_sms, num_decode_reqs * num_kv_heads)
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 

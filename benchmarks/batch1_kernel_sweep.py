@@ -1,0 +1,254 @@
+"""Tile sweep of the kernels of a batch-1 decode step that are not dense GEMMs (a program).
+
+    python benchmarks/batch1_kernel_sweep.py --out benchmarks/results/batch1_sweep.json
+    python benchmarks/batch1_kernel_sweep.py --smoke      # CPU interpreter, tiny shapes
+
+Three parts, each timed as the engine sees it: `--calls` back-to-back launches captured
+in one CUDA graph, replayed, the replay's time divided by the launch count (the tail of
+one launch overlaps the head of the next, as inside the engine's step graph):
+
+- MoE GEMV decode path (pagoda/kernels/fused_moe_decode.py) at one token: the gate/up
+  kernel and the down kernel separately, over tiles (BLOCK_N, BLOCK_K, warps, stages),
+  for the Qwen3-30B-A3B layer (128 experts, top 8, hidden 2048, intermediate 768) and
+  the DeepSeek-V2-Lite layer (64, top 6, 2048, 1408); bandwidth over the bytes of the
+  chosen experts' weights;
+- paged decode attention (pagoda/kernels/paged_decode.py) at batch 1 over context
+  lengths, split counts and minimum slice lengths, for 32 query heads over 4 and 8 KV
+  heads (Qwen3-30B-A3B, Llama-3.1-8B);
+- a measured copy of 256 MiB: the bandwidth ceiling.
+
+Prints each part's table sorted by time and the best entry; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from benchmarks.result_file import write_json  # noqa: E402
+from pagoda.kernels import fused_moe_decode as fmd  # noqa: E402
+from pagoda.kernels.mla_decode import mla_decode  # noqa: E402
+from pagoda.kernels.paged_decode import paged_attention_decode  # noqa: E402
+
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
+
+
+def graph_us(fn, calls: int, repeat: int) -> float:
+    """Device microseconds per call of fn, from a CUDA graph of `calls` launches; NaN
+    for a tile the GPU cannot run (too much shared memory)."""
+    try:
+        fn()
+    except triton.runtime.errors.OutOfResources:
+        return float("nan")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def cpu_us(fn, calls: int, repeat: int) -> float:
+    import time
+    fn()
+    start = time.perf_counter()
+    for _ in range(max(1, repeat // 10)):
+        fn()
+    return (time.perf_counter() - start) * 1e6 / max(1, repeat // 10)
+
+
+def moe_inputs(shape, device, dtype):
+    experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, hidden, generator=gen).to(device, dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(device, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(device, dtype)
+    ids = torch.randperm(experts, generator=gen)[:top_k].to(device, torch.int32)
+    weights = torch.rand(top_k, generator=gen).to(device)
+    act = torch.randn(top_k, inter, generator=gen).to(device, dtype)
+    out = torch.empty(1, hidden, device=device, dtype=dtype)
+    return x, w13, w2, ids, weights, act, out
+
+
+def sweep_gate_up(name, shape, args, timer) -> list[dict]:
+    experts, top_k, hidden, inter = shape
+    x, w13, _, ids, _, act, _ = moe_inputs(shape, args.device, args.dtype)
+    nbytes = top_k * 2 * inter * hidden * x.element_size()
+    rows = []
+    for block_n, block_k, warps, stages in itertools.product(
+            args.gate_up_block_n, args.gate_up_block_k, args.warps, args.stages):
+        def call():
+            fmd._gemv_gate_up_kernel[(top_k, triton.cdiv(inter, block_n))](
+                x, w13, ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+                TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                num_stages=stages)
+        us = timer(call, args.calls, args.repeat)
+        rows.append({"model": name, "kernel": "gate_up", "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "num_warps": warps, "num_stages": stages, "us": us,
+                     "TB_per_s": nbytes / us / 1e6})
+    return rows
+
+
+def sweep_down(name, shape, args, timer) -> list[dict]:
+    experts, top_k, hidden, inter = shape
+    _, _, w2, ids, weights, act, out = moe_inputs(shape, args.device, args.dtype)
+    nbytes = top_k * hidden * inter * act.element_size()
+    one_chunk = triton.next_power_of_2(inter)
+    rows = []
+    for block_n, block_k, warps, stages in itertools.product(
+            args.down_block_n, [one_chunk, *args.down_block_k], args.warps, args.stages):
+        if block_k > one_chunk or (block_k == one_chunk and block_k > 2048):
+            continue
+        def call():
+            fmd._gemv_down_sum_kernel[(1, triton.cdiv(hidden, block_n))](
+                act, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1),
+                out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+                ONE_CHUNK=block_k >= inter, LOOP_STAGES=stages, num_warps=warps)
+        us = timer(call, args.calls, args.repeat)
+        rows.append({"model": name, "kernel": "down", "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "num_warps": warps, "loop_stages": stages, "us": us,
+                     "TB_per_s": nbytes / us / 1e6})
+    return rows
+
+
+def sweep_attention(args, timer) -> list[dict]:
+    page, head_dim, heads = 16, 128, 32
+    rows = []
+    for kv_heads, context in itertools.product(args.kv_heads, args.contexts):
+        num_blocks = triton.cdiv(max(args.contexts), page) + 1
+        cache = torch.randn(2, num_blocks, page, kv_heads, head_dim, device=args.device,
+                            dtype=args.dtype)
+        q = torch.randn(1, heads, head_dim, device=args.device, dtype=args.dtype)
+        out = torch.empty_like(q)
+        tables = torch.arange(num_blocks, device=args.device, dtype=torch.int32)[None, :]
+        qsl = torch.tensor([0, 1], device=args.device, dtype=torch.int32)
+        seq_lens = torch.tensor([context], device=args.device, dtype=torch.int32)
+        nbytes = 2 * context * kv_heads * head_dim * cache.element_size()
+        for splits, min_split in itertools.product(args.splits, args.min_splits):
+            def call():
+                paged_attention_decode(out, q, cache, tables, qsl, seq_lens, 1, head_dim ** -0.5,
+                                       splits, min_split_tokens=min_split)
+            us = timer(call, args.calls, args.repeat)
+            rows.append({"kernel": "decode_attention", "kv_heads": kv_heads, "context": context,
+                         "num_splits": splits, "min_split": min_split, "us": us,
+                         "TB_per_s": nbytes / us / 1e6})
+    return rows
+
+
+def sweep_mla(args, timer) -> list[dict]:
+    """DeepSeek-V2-Lite's latent decode: 16 heads over one 576-wide entry per token
+    (kv_lora_rank 512 + rope 64)."""
+    page, heads, rank, entry = 16, 16, 512, 576
+    rows = []
+    num_blocks = triton.cdiv(max(args.contexts), page) + 1
+    cache = torch.randn(num_blocks, page, entry, device=args.device, dtype=args.dtype)
+    q = torch.randn(1, heads, entry, device=args.device, dtype=args.dtype)
+    out = torch.empty(1, heads, rank, device=args.device, dtype=args.dtype)
+    tables = torch.arange(num_blocks, device=args.device, dtype=torch.int32)[None, :]
+    row_req = torch.zeros(1, device=args.device, dtype=torch.int32)
+    for context in args.contexts:
+        row_len = torch.tensor([context], device=args.device, dtype=torch.int32)
+        nbytes = context * entry * cache.element_size()
+        for splits, min_split in itertools.product(args.splits, args.min_splits):
+            def call():
+                mla_decode(out, q, cache, tables, row_req, row_len, entry ** -0.5, rank,
+                           splits, min_split_tokens=min_split)
+            us = timer(call, args.calls, args.repeat)
+            rows.append({"kernel": "mla_decode", "kv_heads": 1, "context": context,
+                         "num_splits": splits, "min_split": min_split, "us": us,
+                         "TB_per_s": nbytes / us / 1e6})
+    return rows
+
+
+def copy_ceiling(args) -> float:
+    if args.device != "cuda":
+        return float("nan")
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us(lambda: dst.copy_(src), 4, args.repeat)
+    return 2 * src.numel() / us / 1e6
+
+
+def print_best(rows: list[dict], keys: tuple[str, ...], top: int) -> None:
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(k) for k in keys), []).append(row)
+    for key, group in groups.items():
+        group.sort(key=lambda r: r["us"])
+        print(f"\n== {dict(zip(keys, key))}")
+        for row in group[:top]:
+            print("  " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in row.items() if k not in keys))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/batch1_kernel_sweep.json")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--parts", default="gate_up,down,attention,mla")
+    p.add_argument("--models", default=",".join(MOE_SHAPES))
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    args.gate_up_block_n, args.gate_up_block_k = [8, 16, 32], [128, 256, 512]
+    args.down_block_n, args.down_block_k = [4, 8, 16, 32], [256, 512]
+    args.warps, args.stages = [2, 4, 8], [2, 3, 4]
+    args.kv_heads, args.contexts = [4, 8], [128, 256, 1024, 4096]
+    args.splits, args.min_splits = [1, 2, 4, 8, 16], [16, 32, 64, 256]
+    args.device, args.dtype = "cuda", torch.bfloat16
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.device, args.dtype = "cpu", torch.float32
+        args.gate_up_block_n, args.gate_up_block_k = [16], [256]
+        args.down_block_n, args.down_block_k = [8], [256]
+        args.warps, args.stages = [4], [2]
+        args.kv_heads, args.contexts, args.splits, args.min_splits = [4], [64], [1, 2], [16]
+        args.calls, args.repeat = 1, 10
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    timer = graph_us if args.device == "cuda" else cpu_us
+    parts = args.parts.split(",")
+    shapes = ({"tiny": (8, 2, 64, 48)} if args.smoke
+              else {m: MOE_SHAPES[m] for m in args.models.split(",") if m})
+    rows: list[dict] = []
+    for name, shape in shapes.items():
+        if "gate_up" in parts:
+            rows += sweep_gate_up(name, shape, args, timer)
+        if "down" in parts:
+            rows += sweep_down(name, shape, args, timer)
+    if "attention" in parts:
+        rows += sweep_attention(args, timer)
+    if "mla" in parts:
+        rows += sweep_mla(args, timer)
+    ceiling = copy_ceiling(args)
+    print(f"copy ceiling: {ceiling:.2f} TB/s")
+    rows = [r for r in rows if r["us"] == r["us"]]  # NaN: the tile did not fit
+    print_best([r for r in rows if "model" in r], ("model", "kernel"), 6)
+    print_best([r for r in rows if "model" not in r], ("kernel", "kv_heads", "context"), 6)
+    write_json(args.out, {"benchmark": "batch1_kernel_sweep", "copy_TB_per_s": ceiling,
+                          "device": torch.cuda.get_device_name() if args.device == "cuda"
+                          else "cpu", "torch": torch.__version__, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
