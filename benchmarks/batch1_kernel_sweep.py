@@ -177,6 +177,40 @@ def sweep_mla(args, timer) -> list[dict]:
     return rows
 
 
+def sweep_mla_projections(args, timer) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed query (q_nope W_UK + rope) and value projection
+    (o_lat W_UV^T) at one token: 16 heads, qk_nope 128, rope 64, rank 512, v 128."""
+    from pagoda.kernels import mla_absorb as ab
+    heads, nope, rope, rank, v = 16, 128, 64, 512, 128
+    dev, dt = args.device, args.dtype
+    q = torch.randn(1, heads * (nope + rope), device=dev, dtype=dt)
+    q_nope, q_rope = q.view(1, heads, nope + rope).split([nope, rope], dim=-1)
+    w = torch.randn(heads, nope + v, rank, device=dev, dtype=dt) * 0.05
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    cos = torch.rand(1, rope // 2, device=dev)
+    o_lat = torch.randn(1, heads, rank, device=dev, dtype=dt)
+    saved = {k: getattr(ab, k) for k in ("BLOCK_R", "BLOCK_D", "ABSORB_WARPS", "BLOCK_V",
+                                         "PROJECT_V_WARPS")}
+    rows = []
+    for block_r, block_d, warps in itertools.product(args.absorb_r, args.absorb_d, args.warps):
+        ab.BLOCK_R, ab.BLOCK_D, ab.ABSORB_WARPS = block_r, block_d, warps
+        us = timer(lambda: ab.absorb_q(q_nope, q_rope, w_uk, cos, cos), args.calls, args.repeat)
+        rows.append({"model": "deepseek-v2-lite", "kernel": "absorb_q", "BLOCK_R": block_r,
+                     "BLOCK_D": block_d, "num_warps": warps, "us": us})
+    for block_v, warps in itertools.product(args.project_v, args.warps):
+        ab.BLOCK_V, ab.PROJECT_V_WARPS = block_v, warps
+        us = timer(lambda: ab.project_v(o_lat, w_uv), args.calls, args.repeat)
+        rows.append({"model": "deepseek-v2-lite", "kernel": "project_v", "BLOCK_V": block_v,
+                     "num_warps": warps, "us": us})
+    bmm = lambda: torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1
+                                                                                 ).reshape(1, -1)
+    rows.append({"model": "deepseek-v2-lite", "kernel": "project_v", "BLOCK_V": "torch bmm",
+                 "num_warps": 0, "us": timer(bmm, args.calls, args.repeat)})
+    for k, val in saved.items():
+        setattr(ab, k, val)
+    return rows
+
+
 def copy_ceiling(args) -> float:
     if args.device != "cuda":
         return float("nan")
@@ -203,7 +237,7 @@ def parse_args():
     p.add_argument("--out", default="benchmarks/results/batch1_kernel_sweep.json")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--parts", default="gate_up,down,attention,mla")
+    p.add_argument("--parts", default="gate_up,down,attention,mla,mla_proj")
     p.add_argument("--models", default=",".join(MOE_SHAPES))
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
@@ -212,6 +246,7 @@ def parse_args():
     args.warps, args.stages = [2, 4, 8], [2, 3, 4]
     args.kv_heads, args.contexts = [4, 8], [128, 256, 1024, 4096]
     args.splits, args.min_splits = [1, 2, 4, 8, 16], [16, 32, 64, 256]
+    args.absorb_r, args.absorb_d, args.project_v = [32, 64, 128, 256], [32, 64, 128], [4, 8, 16, 32]
     args.device, args.dtype = "cuda", torch.bfloat16
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -220,6 +255,7 @@ def parse_args():
         args.down_block_n, args.down_block_k = [8], [256]
         args.warps, args.stages = [4], [2]
         args.kv_heads, args.contexts, args.splits, args.min_splits = [4], [64], [1, 2], [16]
+        args.absorb_r, args.absorb_d, args.project_v = [64], [32], [16]
         args.calls, args.repeat = 1, 10
     return args
 
@@ -240,6 +276,8 @@ def main() -> None:
         rows += sweep_attention(args, timer)
     if "mla" in parts:
         rows += sweep_mla(args, timer)
+    if "mla_proj" in parts:
+        rows += sweep_mla_projections(args, timer)
     ceiling = copy_ceiling(args)
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     rows = [r for r in rows if r["us"] == r["us"]]  # NaN: the tile did not fit

@@ -63,3 +63,20 @@ def test_absorb_q_refuses_mismatched_shapes(ab):
         ab.absorb_q(q_nope, q_rope, w_uk[:1], cos, sin)
     with pytest.raises(ValueError, match="cos / sin"):
         ab.absorb_q(q_nope, q_rope, w_uk, cos[:, :2], sin[:, :2])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("tokens,heads,rank,nope,v", [(1, 2, 40, 16, 16), (3, 3, 72, 8, 24)])
+def test_project_v_matches_bmm(ab, dtype, tol, tokens, heads, rank, nope, v):
+    """W_UV is the strided slice of kv_b_proj's weight the layer passes; v is not a
+    multiple of BLOCK_V in the second case; the result is contiguous."""
+    gen = torch.Generator().manual_seed(tokens)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=gen) * rank ** -0.5).to(dtype)
+    w_uv = kv_b.to(DEVICE).view(heads, nope + v, rank)[:, nope:]
+    o_lat = torch.randn(tokens, heads, rank, generator=gen).to(dtype).to(DEVICE)
+    got = ab.project_v(o_lat, w_uv)
+    want = torch.bmm(o_lat.transpose(0, 1).float(), w_uv.transpose(1, 2).float())
+    assert got.shape == (tokens, heads, v) and got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, want.transpose(0, 1).to(dtype), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="disagree"):
+        ab.project_v(o_lat, w_uv[:1])

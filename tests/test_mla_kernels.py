@@ -220,3 +220,36 @@ def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
     graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, DEVICE, max_num_tokens=12)
     replayed = _run(model, graphs, pool(), STEPS, graphs=[(3, 12), (2, 6), (3, None), (2, None)])
     assert (replayed - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_rope_store_matches_the_unfused_path(dtype):
+    """kv_a_proj_with_mqa's output (rows strided, as a slice of a wider buffer) -> the
+    cache entry [rms_norm(c) * w, rope(k_rope)], as the layer's torch path builds and
+    store_latent writes it; -1 slots write nothing."""
+    from pagoda.model.layers.layernorm import RMSNorm
+    from pagoda.model.layers.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(5)
+    rank, rope, tokens = 24, 8, 5
+    wide = torch.randn(tokens, rank + rope + 6, generator=gen).to(dtype)
+    kv_a = wide[:, :rank + rope]
+    norm = RMSNorm(rank, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(rank, generator=gen) + 0.5)
+    norm = norm.to(dtype)
+    angles = torch.rand(tokens, rope // 2, generator=gen) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 17, -1, 0, 19])
+    cache = torch.randn(5, BLOCK_SIZE, rank + rope, generator=gen).to(dtype)
+    c, k_rope = kv_a.split([rank, rope], dim=-1)
+    latent = torch.cat((norm._normalize_reference(c.contiguous()),
+                        apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)), dim=-1)
+    expected = cache.clone()
+    real = slots >= 0
+    expected.view(-1, rank + rope).index_copy_(0, slots[real], latent[real])
+    got = cache.to(DEVICE)
+    MLA_STORE.norm_rope_store_latent(kv_a.to(DEVICE), norm.weight.to(DEVICE), 1e-6,
+                                     cos.to(DEVICE), sin.to(DEVICE), got, slots.to(DEVICE))
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got.cpu(), expected, rtol=tol, atol=tol)

@@ -1,4 +1,5 @@
-"""MLA decode: the absorbed query in one Triton kernel.
+"""MLA decode: the absorbed query, and the output's value projection, one Triton kernel
+each.
 
 ``absorb_q(q_nope, q_rope, w_uk, cos, sin)`` -> q [T, H, kv_lora_rank + qk_rope]:
 per head, q_nope @ W_UK (the latent part) next to the rotated q_rope (rotate_half
@@ -12,6 +13,13 @@ first column block also write the head's rotated rope part (math in float32, one
 rounding, as apply_rotary). Inputs may be strided views (q_nope / q_rope are slices of
 the q projection's output, W_UK of kv_b_proj's weight): only their last dim must be
 contiguous. No host sync: CUDA-graph capturable.
+
+``project_v(o_lat, w_uv)`` -> [T, H, v_head_dim]: per head, the latent attention output
+o_lat [T, H, kv_lora_rank] times W_UV^T (w_uv [H, v_head_dim, kv_lora_rank], a view of
+kv_b_proj's weight), float32 accumulation, one rounding (as the bmm it replaces, its
+reference). One program per (token, head, block of BLOCK_V output columns); the
+output is contiguous, so the layer's reshape to [T, H * v_head_dim] is free (the bmm's
+transposed result cost a copy kernel).
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ import triton.language as tl
 # the qk_nope chunk reduced per step.
 BLOCK_R = 64
 BLOCK_D = 32
+ABSORB_WARPS = 4
+# Value columns per program of project_v (v_head_dim 128 -> 8 programs per head, token).
+BLOCK_V = 16
+PROJECT_V_WARPS = 4
 
 
 @triton.jit
@@ -87,5 +99,44 @@ def absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
         w_uk.stride(0), w_uk.stride(1), cos.stride(0), sin.stride(0),
         out.stride(0), out.stride(1),
         NOPE=nope, RANK=rank, HALF=rope // 2, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
-        BLOCK_HALF=max(2, triton.next_power_of_2(rope // 2)), num_warps=4)
+        BLOCK_HALF=max(2, triton.next_power_of_2(rope // 2)), num_warps=ABSORB_WARPS)
+    return out
+
+
+@triton.jit
+def _project_v_kernel(
+    o_ptr, w_ptr, out_ptr, num_heads, s_o_t, s_o_h, s_w_h, s_w_v, s_out_t, s_out_h,
+    RANK: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_RANK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    token, head = row // num_heads, row % num_heads
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < V
+    offs_r = tl.arange(0, BLOCK_RANK)
+    r_ok = offs_r < RANK
+    o = tl.load(o_ptr + token * s_o_t + head * s_o_h + offs_r, mask=r_ok, other=0.0)
+    w = tl.load(w_ptr + head * s_w_h + offs_v[:, None] * s_w_v + offs_r[None, :],
+                mask=v_ok[:, None] & r_ok[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + token * s_out_t + head * s_out_h + offs_v,
+             acc.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def project_v(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, rank], w_uv [H, v, rank] (last dims contiguous) -> [T, H, v]
+    contiguous, in o_lat's dtype."""
+    num_tokens, heads, rank = o_lat.shape
+    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
+        raise ValueError(f"project_v: o_lat {tuple(o_lat.shape)} and w_uv "
+                         f"{tuple(w_uv.shape)} disagree")
+    if o_lat.stride(2) != 1 or w_uv.stride(2) != 1:
+        raise ValueError("project_v needs o_lat and w_uv contiguous along kv_lora_rank")
+    v_dim = w_uv.shape[1]
+    out = torch.empty(num_tokens, heads, v_dim, dtype=o_lat.dtype, device=o_lat.device)
+    if num_tokens == 0:
+        return out
+    _project_v_kernel[(num_tokens * heads, triton.cdiv(v_dim, BLOCK_V))](
+        o_lat, w_uv, out, heads, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0),
+        w_uv.stride(1), out.stride(0), out.stride(1), RANK=rank, V=v_dim, BLOCK_V=BLOCK_V,
+        BLOCK_RANK=triton.next_power_of_2(rank), num_warps=PROJECT_V_WARPS)
     return out

@@ -5,15 +5,17 @@ q_proj (or q_a_proj -> q_a_layernorm -> q_b_proj), kv_a_proj_with_mqa (-> the
 compressed KV c and the shared rotary key k_rope), kv_a_layernorm (on c), kv_b_proj
 (c -> per head k_nope and v) and o_proj. ``MLALatentAttention`` is its Attention
 layer: it declares the latent KV spec (one entry of kv_lora_rank + qk_rope_head_dim
-values per token), stores [norm(c), rope(k_rope)] through the KV pool and runs the
+values per token), stores [norm(c), rope(k_rope)] (one kernel on CUDA:
+pagoda.kernels.mla_store.norm_rope_store_latent) and runs the
 rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
 
 - latent rows (decodes; every row in a CUDA graph): q_lat = q_nope W_UK per head,
   attention over the cached entries, o = o_lat W_UV^T; W_UK / W_UV are views of
   kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied. The query
-  [q_lat, rope(q_rope)] is one Triton kernel on CUDA (pagoda.kernels.mla_absorb, unless
-  PAGODA_FUSED_OPS=0), bmm + rotary + cat otherwise (its reference), so q_rope reaches
-  this layer un-rotated with the step's cos / sin;
+  [q_lat, rope(q_rope)] and the value projection are one Triton kernel each on CUDA
+  (pagoda.kernels.mla_absorb, unless PAGODA_FUSED_OPS=0), bmm + rotary + cat and a bmm
+  otherwise (their references), so q_rope reaches this layer un-rotated with the
+  step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
   this step's rows alike), decompressed by kv_b_proj into K = [k_nope, k_rope] and V,
   then causal attention.
@@ -58,6 +60,17 @@ def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tenso
     return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
 
 
+def value_projection(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [N, H, kv_lora_rank] -> [N, H, v_head_dim] (o_lat W_UV^T per head): one
+    Triton kernel on CUDA with a contiguous result, this bmm (its reference) elsewhere."""
+    if o_lat.is_cuda:
+        from pagoda.kernels import fused_ops  # imports triton: CUDA only
+        if fused_ops.FUSED_OPS_ENABLED:
+            from pagoda.kernels.mla_absorb import project_v
+            return project_v(o_lat, w_uv)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
 def replicated_linear(input_size: int, output_size: int) -> ColumnParallelLinear:
     """A projection every rank holds whole: a column-parallel layer of one rank."""
     return ColumnParallelLinear(input_size, output_size, bias=False, tp_rank=0, tp_size=1)
@@ -74,16 +87,17 @@ class MLALatentAttention(Attention):
         return MLAAttentionSpec(block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
                                 str(dtype).removeprefix("torch."))
 
-    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                kv_b_proj: ColumnParallelLinear, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_a: torch.Tensor,
+                kv_a_layernorm: RMSNorm, kv_b_proj: ColumnParallelLinear, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope] (not yet rotated; cos / sin
-        [T, qk_rope / 2]), latent [T, kv_lora_rank + qk_rope] (this step's entries, rope
-        applied) -> [T, H * v_head_dim]; stores the latents."""
+        [T, qk_rope / 2]), kv_a [T, kv_lora_rank + qk_rope] (kv_a_proj_with_mqa's output:
+        c, then the un-rotated k_rope) -> [T, H * v_head_dim]; stores this step's latent
+        entries [kv_a_layernorm(c), rope(k_rope)]."""
         ctx = get_forward_context()
         plan = ctx.metadata
-        ctx.kv_pool.store(self.layer_idx, plan.common, latent)
         cache = ctx.kv_pool.cache(self.layer_idx)
+        self._store_latents(kv_a, kv_a_layernorm, cos, sin, cache, ctx)
         mla, num_tokens, heads = self.mla, q_nope.shape[0], self.num_heads
         w = kv_b_proj.weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
@@ -102,11 +116,27 @@ class MLALatentAttention(Attention):
                                                    cache, kv_b_proj, ctx)
         return out.reshape(num_tokens, heads * mla.v_head_dim)
 
+    def _store_latents(self, kv_a, kv_a_layernorm, cos, sin, cache, ctx) -> None:
+        """One Triton launch on CUDA (pagoda.kernels.mla_store.norm_rope_store_latent,
+        unless PAGODA_FUSED_OPS=0); the torch code here is its reference."""
+        plan, rank = ctx.metadata, self.mla.kv_lora_rank
+        if kv_a.is_cuda and cache.is_cuda:
+            from pagoda.kernels import fused_ops  # imports triton: CUDA only
+            if fused_ops.FUSED_OPS_ENABLED:
+                from pagoda.kernels.mla_store import norm_rope_store_latent
+                norm_rope_store_latent(kv_a, kv_a_layernorm.weight, kv_a_layernorm.eps,
+                                       cos, sin, cache, plan.common.slot_mapping)
+                return
+        c, k_rope = kv_a.split([rank, self.mla.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
+        latent = torch.cat((kv_a_layernorm(c.contiguous()), k_rope), dim=-1)
+        ctx.kv_pool.store(self.layer_idx, plan.common, latent)
+
     def _latent(self, q_nope, q_rope, cos, sin, cache, w_uk, w_uv, ctx) -> torch.Tensor:
         """The absorbed path: [N, H, *] queries (q_rope not rotated) -> [N, H, v_head_dim]."""
         q = absorbed_query(q_nope, q_rope, w_uk, cos, sin)
         o_lat = ctx.backend.forward(q, cache, ctx.metadata)  # [N, H, kv_lora_rank]
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return value_projection(o_lat, w_uv)
 
     def _prefill(self, q_nope, q_rope, cache, kv_b_proj, ctx) -> torch.Tensor:
         """The decompressed path for the plan's prefill rows -> [P, H, v_head_dim]."""
@@ -162,11 +192,8 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_rope = q.view(num_tokens, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c, k_rope = self.kv_a_proj_with_mqa(hidden).split(
-            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
-        latent = torch.cat((self.kv_a_layernorm(c.contiguous()), k_rope), dim=-1)
-        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj, cos, sin)
+        out = self.attn(q_nope, q_rope, self.kv_a_proj_with_mqa(hidden), self.kv_a_layernorm,
+                        self.kv_b_proj, cos, sin)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
