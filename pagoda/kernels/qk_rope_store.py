@@ -36,29 +36,30 @@ from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
 
 @triton.jit
-def _norm_rope_heads(
-    base_ptr, heads, head_mask, weight_ptr, cos, sin, eps,
+def _norm_rope_head(
+    head_ptr, live_half, weight_ptr, cos, sin, eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
 ):
-    """Heads `heads` of a row starting at base_ptr (each HEAD_DIM wide, adjacent):
-    (first halves, second halves) normed and rotated, rounded to the row's dtype."""
-    half: tl.constexpr = HEAD_DIM // 2
-    dtype = base_ptr.dtype.element_ty
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    half_mask = head_mask[:, None] & (dims < half)
-    first = base_ptr + heads[:, None] * HEAD_DIM + dims
-    x1 = tl.load(first, mask=half_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=half_mask, other=0.0).to(tl.float32)
+    """One head at head_ptr: its (first half, second half) normed and rotated, rounded
+    to the row's dtype. live_half: HEAD_DIM // 2 for a real head, 0 for the masked
+    tail of a group (a scalar bound, not a scalar mask: the interpreter refuses masks
+    combined from a scalar and a vector)."""
+    half = HEAD_DIM // 2
+    dtype = head_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_HALF)
+    half_mask = dims < live_half
+    x1 = tl.load(head_ptr + dims, mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(head_ptr + half + dims, mask=half_mask, other=0.0).to(tl.float32)
     if HAS_QK_NORM:
-        # The sum of squares over the whole head as one padded row, as rms_norm sums it
-        # (the halves' loads above hit the same lines in the cache).
-        cols = tl.arange(0, BLOCK_DIM)[None, :]
-        x = tl.load(base_ptr + heads[:, None] * HEAD_DIM + cols,
-                    mask=head_mask[:, None] & (cols < HEAD_DIM), other=0.0).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        # The sum of squares as rms_norm takes it: the head as one padded 1-D row of
+        # BLOCK_DIM (same launch width: the same reduction tree on the GPU). The halves'
+        # loads above hit the same cache lines.
+        cols = tl.arange(0, BLOCK_DIM)
+        x = tl.load(head_ptr + cols, mask=cols < 2 * live_half, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
         w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
         w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
         # normed rounded to the dtype, times the weight in float32, rounded again.
@@ -87,59 +88,94 @@ def _qk_norm_rope_store_kernel(
     KV_FP8: tl.constexpr,
 ):
     # Program (token, group): groups [0, q_groups) are q heads, the next kv_groups k
-    # heads, the last kv_groups v heads; HEADS_PER_PROGRAM heads each (tail masked).
+    # heads, the last kv_groups v heads; HEADS_PER_PROGRAM heads each (tail masked),
+    # q and k heads one after another (unrolled), v heads as one tile.
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    q_groups: tl.constexpr = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
-    kv_groups: tl.constexpr = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
-    half: tl.constexpr = HEAD_DIM // 2
+    q_groups = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    half = HEAD_DIM // 2
     row = qkv_ptr + token * stride_qkv_t
-    lanes = tl.arange(0, HEADS_PER_PROGRAM)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    if group < q_groups + kv_groups:  # q or k: both rotate
+    dims = tl.arange(0, BLOCK_HALF)
+    if group < q_groups:
         cos = tl.load(cos_ptr + token * stride_cos_t + dims, mask=dims < half, other=0.0)
         sin = tl.load(sin_ptr + token * stride_sin_t + dims, mask=dims < half, other=0.0)
         cos, sin = cos.to(tl.float32), sin.to(tl.float32)
-        if group < q_groups:
-            heads = group * HEADS_PER_PROGRAM + lanes
-            head_mask = heads < NUM_HEADS
-            out1, out2 = _norm_rope_heads(row, heads, head_mask, q_weight_ptr, cos, sin, eps,
-                                          HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
-            mask = head_mask[:, None] & (dims < half)
-            q_first = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims
-            tl.store(q_first, out1, mask=mask)
-            tl.store(q_first + half, out2, mask=mask)
-        else:
-            slot = tl.load(slot_mapping_ptr + token)
-            if slot >= 0:  # -1: a padding row, nothing to store
-                heads = (group - q_groups) * HEADS_PER_PROGRAM + lanes
-                head_mask = heads < NUM_KV_HEADS
-                out1, out2 = _norm_rope_heads(row + NUM_HEADS * HEAD_DIM, heads, head_mask,
-                                              k_weight_ptr, cos, sin, eps,
-                                              HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
-                if KV_FP8:
-                    k_scale = tl.load(kv_scales_ptr)
-                    out1, out2 = quantize_e4m3(out1, k_scale), quantize_e4m3(out2, k_scale)
-                dst = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
-                       + (slot % PAGE_SIZE) * stride_cache_tok
-                       + heads[:, None] * stride_cache_head + dims)
-                mask = head_mask[:, None] & (dims < half)
-                tl.store(dst, out1.to(cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + half, out2.to(cache_ptr.dtype.element_ty), mask=mask)
-    else:  # v: copied (or quantized) as it is
+        for i in tl.static_range(HEADS_PER_PROGRAM):
+            head = group * HEADS_PER_PROGRAM + i
+            live_half = tl.where(head < NUM_HEADS, half, 0)
+            out1, out2 = _norm_rope_head(row + head * HEAD_DIM, live_half, q_weight_ptr, cos,
+                                         sin, eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF,
+                                         HAS_QK_NORM)
+            q_first = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + dims
+            tl.store(q_first, out1, mask=dims < live_half)
+            tl.store(q_first + half, out2, mask=dims < live_half)
+    else:
         slot = tl.load(slot_mapping_ptr + token)
-        if slot >= 0:
-            heads = (group - q_groups - kv_groups) * HEADS_PER_PROGRAM + lanes
-            cols = tl.arange(0, BLOCK_DIM)[None, :]
-            mask = (heads < NUM_KV_HEADS)[:, None] & (cols < HEAD_DIM)
-            src = row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + heads[:, None] * HEAD_DIM + cols
-            v = tl.load(src, mask=mask)
-            if KV_FP8:
-                v = quantize_e4m3(v, tl.load(kv_scales_ptr + 1))
-            dst = (cache_ptr + stride_cache_kv + (slot // PAGE_SIZE) * stride_cache_block
-                   + (slot % PAGE_SIZE) * stride_cache_tok
-                   + heads[:, None] * stride_cache_head + cols)
-            tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        if slot >= 0:  # -1: a padding row, nothing to store
+            slot_ptr = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
+                        + (slot % PAGE_SIZE) * stride_cache_tok)
+            if group < q_groups + kv_groups:
+                _rope_store_k(row + NUM_HEADS * HEAD_DIM, (group - q_groups) * HEADS_PER_PROGRAM,
+                              k_weight_ptr, cos_ptr + token * stride_cos_t,
+                              sin_ptr + token * stride_sin_t, eps, slot_ptr, stride_cache_head,
+                              kv_scales_ptr, NUM_KV_HEADS, HEAD_DIM, HEADS_PER_PROGRAM,
+                              BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM, KV_FP8)
+            else:
+                _store_v(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM,
+                         (group - q_groups - kv_groups) * HEADS_PER_PROGRAM,
+                         slot_ptr + stride_cache_kv, stride_cache_head, kv_scales_ptr,
+                         NUM_KV_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, KV_FP8)
+
+
+@triton.jit
+def _rope_store_k(
+    k_row, first_head, weight_ptr, cos_row, sin_row, eps, slot_ptr, stride_cache_head,
+    kv_scales_ptr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """k heads first_head.. of one row: normed, rotated, stored at slot_ptr (K half)."""
+    half = HEAD_DIM // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    for i in tl.static_range(HEADS_PER_PROGRAM):
+        head = first_head + i
+        live_half = tl.where(head < NUM_KV_HEADS, half, 0)
+        out1, out2 = _norm_rope_head(k_row + head * HEAD_DIM, live_half, weight_ptr, cos, sin,
+                                     eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
+        if KV_FP8:  # from the rounded k, as store_kv quantizes what rotary returned
+            k_scale = tl.load(kv_scales_ptr)
+            out1, out2 = quantize_e4m3(out1, k_scale), quantize_e4m3(out2, k_scale)
+        dst = slot_ptr + head * stride_cache_head + dims
+        tl.store(dst, out1.to(slot_ptr.dtype.element_ty), mask=dims < live_half)
+        tl.store(dst + half, out2.to(slot_ptr.dtype.element_ty), mask=dims < live_half)
+
+
+@triton.jit
+def _store_v(
+    v_row, first_head, slot_ptr, stride_cache_head, kv_scales_ptr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """v heads first_head.. of one row, copied (or quantized) to slot_ptr (V half)."""
+    heads = first_head + tl.arange(0, HEADS_PER_PROGRAM)[:, None]
+    cols = tl.arange(0, BLOCK_DIM)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (cols < HEAD_DIM)
+    v = tl.load(v_row + heads * HEAD_DIM + cols, mask=mask)
+    if KV_FP8:
+        v = quantize_e4m3(v, tl.load(kv_scales_ptr + 1))
+    tl.store(slot_ptr + heads * stride_cache_head + cols, v.to(slot_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def default_heads_per_program(num_tokens: int) -> int:
@@ -215,6 +251,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         PAGE_SIZE=kv_cache.shape[2], HEADS_PER_PROGRAM=per_program,
         BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=has_norm, KV_FP8=kv_fp8,
-        num_warps=min(8, max(1, per_program * block_dim // 512)),
+        # rms_norm's warps for a row of block_dim: the same reduction order.
+        num_warps=min(8, max(1, block_dim // 512)),
     )
     return q
