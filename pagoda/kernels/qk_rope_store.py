@@ -12,8 +12,9 @@ this kernel reproduces their roundings exactly, in their order:
   - store (as store_kv): the rounded k and plain v cast to the cache dtype, or for an
     FP8 cache divided by the layer's scale and rounded to e4m3 by store_kv's own
     `quantize_e4m3`.
-Only float32 reduction order may differ from fused_ops.rms_norm on a GPU (a 2-D tile's
-row sums against a 1-D sum).
+Each head's sum of squares is a 1-D sum as wide as rms_norm's row for that head
+(next power of two of head_dim), launched with rms_norm's warp count, so compiled the
+reduction runs the same tree too (the GPU tests assert bit equality).
 
 Grid (tokens, head groups): each program handles HEADS_PER_PROGRAM heads of one token
 row, q groups first (normed, rotated, written to the new contiguous q), then k groups
@@ -94,22 +95,11 @@ def _qk_norm_rope_store_kernel(
     group = tl.program_id(1)
     q_groups = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
-    half = HEAD_DIM // 2
     row = qkv_ptr + token * stride_qkv_t
-    dims = tl.arange(0, BLOCK_HALF)
     if group < q_groups:
-        cos = tl.load(cos_ptr + token * stride_cos_t + dims, mask=dims < half, other=0.0)
-        sin = tl.load(sin_ptr + token * stride_sin_t + dims, mask=dims < half, other=0.0)
-        cos, sin = cos.to(tl.float32), sin.to(tl.float32)
-        for i in tl.static_range(HEADS_PER_PROGRAM):
-            head = group * HEADS_PER_PROGRAM + i
-            live_half = tl.where(head < NUM_HEADS, half, 0)
-            out1, out2 = _norm_rope_head(row + head * HEAD_DIM, live_half, q_weight_ptr, cos,
-                                         sin, eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF,
-                                         HAS_QK_NORM)
-            q_first = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + dims
-            tl.store(q_first, out1, mask=dims < live_half)
-            tl.store(q_first + half, out2, mask=dims < live_half)
+        _rope_q(row, group * HEADS_PER_PROGRAM, q_weight_ptr, cos_ptr + token * stride_cos_t,
+                sin_ptr + token * stride_sin_t, eps, q_out_ptr + token * (NUM_HEADS * HEAD_DIM),
+                NUM_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
     else:
         slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:  # -1: a padding row, nothing to store
@@ -126,6 +116,30 @@ def _qk_norm_rope_store_kernel(
                          (group - q_groups - kv_groups) * HEADS_PER_PROGRAM,
                          slot_ptr + stride_cache_kv, stride_cache_head, kv_scales_ptr,
                          NUM_KV_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, KV_FP8)
+
+
+@triton.jit
+def _rope_q(
+    q_row, first_head, weight_ptr, cos_row, sin_row, eps, out_row,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+):
+    """q heads first_head.. of one row: normed, rotated, written to the output row."""
+    half = HEAD_DIM // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    for i in tl.static_range(HEADS_PER_PROGRAM):
+        head = first_head + i
+        live_half = tl.where(head < NUM_HEADS, half, 0)
+        out1, out2 = _norm_rope_head(q_row + head * HEAD_DIM, live_half, weight_ptr, cos, sin,
+                                     eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
+        tl.store(out_row + head * HEAD_DIM + dims, out1, mask=dims < live_half)
+        tl.store(out_row + head * HEAD_DIM + half + dims, out2, mask=dims < live_half)
 
 
 @triton.jit
