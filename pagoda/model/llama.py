@@ -81,7 +81,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         rotate = apply_rotary_tables if cos.dim() == 3 else apply_rotary
-        if not qkv.is_cuda and not self.qk_norm:
+        q = self._fused_qk_rope_store(qkv, cos, sin) if cos.dim() == 2 else None
+        if q is not None:  # k/v already in the cache
+            out = self.attn.forward_stored(q)
+        elif not qkv.is_cuda and not self.qk_norm:
             out = self.attn(*self._rotate_qk_together(qkv, rotate, cos, sin))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -95,6 +98,30 @@ class LlamaAttention(nn.Module):
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
+
+    def _fused_qk_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> Optional[torch.Tensor]:
+        """q [T, q_size], normed and rotated, with k and v normed, rotated and stored by
+        one kernel (kernels/qk_rope_store.py, the same roundings as the unfused
+        path); None where that kernel does not stand in: the pool does not store this
+        layer with its Triton kernel (CPU, torch stores), PAGODA_FUSED_OPS=0, or norm
+        weights in another dtype than qkv (then the unfused path runs)."""
+        target = self.attn.kv_store_target()
+        if target is None:  # also the CPU: no triton imported below
+            return None
+        from pagoda.kernels import fused_ops, qk_rope_store  # imports triton
+        if not fused_ops.FUSED_OPS_ENABLED:
+            return None
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.qk_norm:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if (q_weight.dtype != qkv.dtype or k_weight.dtype != qkv.dtype
+                    or self.k_norm.eps != eps):
+                return None
+        return qk_rope_store.qk_norm_rope_store(
+            qkv, cos, sin, q_weight, k_weight, eps, target.cache, target.slot_mapping,
+            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _rotate_qk_together(self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor,
                             sin: torch.Tensor

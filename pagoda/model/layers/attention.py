@@ -12,9 +12,16 @@ attention/kv_quant.py) and passes it to the pool's store and the backend when it
 cache is float8. A checkpoint's scales load into it whatever the cache dtype (an
 unscaled cache simply does not read them). The buffer is at a fixed address from load
 on: CUDA graphs read its current values.
+
+A model may write the layer's k/v itself with a kernel fused with what precedes the
+store (kernels/qk_rope_store.py: q/k norm + rotary + store in one launch):
+``kv_store_target()`` says whether and where (only where the pool would itself write
+this layer with the Triton store_kv kernel), then ``forward_stored(q)`` attends.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -26,6 +33,13 @@ from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 # Checkpoint names of the KV cache scales, under the layer's attention block
 # (model.layers.N.self_attn.k_scale), as compressed-tensors / FP8 checkpoints save them.
 KV_SCALE_NAMES = {"k_scale": 0, "v_scale": 1}
+
+
+class KVStoreTarget(NamedTuple):
+    """Where a fused kernel writes one layer's k/v this step, as the pool would."""
+    cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # int64 [>= T]; -1: a padding row, nothing written
+    kv_scales: Optional[torch.Tensor]  # float32 [k_scale, v_scale] of an FP8 cache, else None
 
 
 class Attention(nn.Module):
@@ -74,12 +88,43 @@ class Attention(nn.Module):
         ctx.kv_pool.store(self.layer_idx, ctx.metadata.common,
                           k.view(num_tokens, self.num_kv_heads, self.head_dim),
                           v.view(num_tokens, self.num_kv_heads, self.head_dim), scales=scales)
+        return self._attend(ctx, q, cache, scales)
+
+    def _attend(self, ctx, q: torch.Tensor, cache: torch.Tensor,
+                scales: Optional[torch.Tensor]) -> torch.Tensor:
+        num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if scales is None:  # an unscaled cache: the backends' plain signature
             out = ctx.backend.forward(q, cache, ctx.metadata)
         else:
             out = ctx.backend.forward(q, cache, ctx.metadata, kv_scales=scales)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def kv_store_target(self) -> Optional[KVStoreTarget]:
+        """This layer's cache, the step's slot mapping and the FP8 scales when the KV
+        pool writes this layer with the Triton store_kv kernel (exactly the
+        FullAttentionLayout, use_triton: CUDA, or the interpreter in tests), so that a
+        kernel writing the same [2, blocks, block_size, Hkv, D] bytes may stand in for
+        it. None otherwise (torch stores, other layouts, subclasses): call forward."""
+        from pagoda.worker.kv_pool import FullAttentionLayout  # the worker's, read only
+        ctx = get_forward_context()
+        # The pool exposes no layout accessor; its per-layer list is read here only.
+        layouts = getattr(ctx.kv_pool, "_layouts", None)
+        layout = layouts[self.layer_idx] if layouts is not None else None
+        if type(layout) is not FullAttentionLayout or not layout.use_triton:
+            return None
+        cache = ctx.kv_pool.cache(self.layer_idx)
+        if cache.dim() != 5:
+            return None
+        scales = self.kv_scales if is_fp8(cache.dtype) else None
+        return KVStoreTarget(cache, ctx.metadata.common.slot_mapping, scales)
+
+    def forward_stored(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D] -> [T, H*D] when this step's k/v are already in this layer's cache
+        (written where kv_store_target said)."""
+        ctx = get_forward_context()
+        cache = ctx.kv_pool.cache(self.layer_idx)
+        return self._attend(ctx, q, cache, self.kv_scales if is_fp8(cache.dtype) else None)
 
 
 def kv_cache_specs(model: nn.Module, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
