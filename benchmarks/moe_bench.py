@@ -188,6 +188,9 @@ def run_model(preset: str, args) -> dict:
     arrivals = token_arrival_times(engine)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     result["batch1_ms_per_token"] = statistics.median(gaps) * 1e3
+    if args.batch1_only:
+        engine.shutdown()
+        return result
     prompts = [{"prompt_token_ids": p}
                for p in random_prompts(rng, [args.static_in] * args.batch, vocab)]
     start = time.perf_counter()
@@ -212,8 +215,9 @@ def model_entry(preset: str, args, ceilings: dict) -> dict:
         entry["roofline_all_experts_ms"] = sizes["all_bytes"] / bw * 1e3
     argv = [sys.executable, os.path.abspath(__file__), "--child", preset,
             *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if k not in ("models", "out", "child", "smoke", "child_timeout", "skip_models")],
-            *(["--smoke"] if args.smoke else [])]
+              if k not in ("models", "out", "child", "smoke", "child_timeout", "skip_models",
+                           "batch1_only")],
+            *(["--smoke"] if args.smoke else []), *(["--batch1-only"] if args.batch1_only else [])]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=args.child_timeout)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -237,6 +241,8 @@ def parse_args():
     p.add_argument("--static-in", type=int, default=1024)
     p.add_argument("--static-out", type=int, default=128)
     p.add_argument("--skip-models", action="store_true", help="only the kernel part (a)")
+    p.add_argument("--batch1-only", action="store_true",
+                   help="models: the batch-1 decode only, not the 256-request run")
     p.add_argument("--out", default="benchmarks/results/moe_bench.json")
     p.add_argument("--child-timeout", type=float, default=1500.0)
     p.add_argument("--smoke", action="store_true",

@@ -172,6 +172,11 @@ class KVCachePool:
         """Layer layer_idx's storage, as its layout shapes it."""
         return self.caches[layer_idx]
 
+    def layout(self, layer_idx: int) -> KVLayout:
+        """How layer layer_idx's storage is shaped and written (a fused kernel may stand
+        in for its store only where it writes the same bytes)."""
+        return self._layouts[layer_idx]
+
     def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor,
               scales: Optional[torch.Tensor] = None) -> None:
         """Writes this step's entries of one layer (full attention: k, v, each

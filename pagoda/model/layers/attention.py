@@ -108,9 +108,7 @@ class Attention(nn.Module):
         it. None otherwise (torch stores, other layouts, subclasses): call forward."""
         from pagoda.worker.kv_pool import FullAttentionLayout  # the worker's, read only
         ctx = get_forward_context()
-        # The pool exposes no layout accessor; its per-layer list is read here only.
-        layouts = getattr(ctx.kv_pool, "_layouts", None)
-        layout = layouts[self.layer_idx] if layouts is not None else None
+        layout = ctx.kv_pool.layout(self.layer_idx)
         if type(layout) is not FullAttentionLayout or not layout.use_triton:
             return None
         cache = ctx.kv_pool.cache(self.layer_idx)
