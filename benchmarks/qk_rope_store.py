@@ -83,14 +83,21 @@ class Step:
         return q.reshape(tokens, -1)
 
 
-def check(step: Step) -> bool:
-    """The fused kernel's q and cache bytes equal the unfused path's."""
+def check(step: Step) -> dict:
+    """How the fused kernel's q and cache compare with the unfused path's: equal bits,
+    or within one unit in the last place of the dtype (each compiled kernel contracts
+    its own float32 multiply-adds into FMAs, so a value can round the other way), and
+    the count of values that differ."""
     step.cache.zero_()
     ref_q = step.unfused()
     ref_cache = step.cache.clone()
     step.cache.zero_()
     q = step.fused()
-    return bool(torch.equal(q, ref_q) and torch.equal(step.cache, ref_cache))
+    ulp = torch.finfo(q.dtype).eps
+    within = all(torch.allclose(a.float(), b.float(), rtol=ulp, atol=0)
+                 for a, b in ((q, ref_q), (step.cache, ref_cache)))
+    differ = int((q != ref_q).sum() + (step.cache != ref_cache).sum())
+    return {"bitwise": differ == 0, "within_one_ulp": within, "values_differing": differ}
 
 
 def time_us(fn, smoke: bool) -> float:
@@ -122,7 +129,7 @@ def bench(name, tokens, smoke, device) -> dict:
     row = dict(model=name, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                qk_norm=qk_norm, unfused_launches=5 if qk_norm else 3,
                default_heads_per_program=qk_rope_store.default_heads_per_program(tokens),
-               matches_unfused=check(step))
+               **check(step))
     row["eager_unfused_us"] = time_us(step.unfused, smoke)
     row["eager_fused_us"] = time_us(step.fused, smoke)
     if not smoke:
@@ -131,7 +138,7 @@ def bench(name, tokens, smoke, device) -> dict:
         row["graph_fused_us_by_heads_per_program"] = {
             str(n): graph_us(lambda n=n: step.fused(n)) for n in HEADS_PER_PROGRAM}
     modes = ("eager",) if smoke else ("eager", "graph")
-    print(f"{name:>14} T={tokens:<4} matches={row['matches_unfused']} " + "  ".join(
+    print(f"{name:>14} T={tokens:<4} within_1ulp={row['within_one_ulp']} differing={row['values_differing']} " + "  ".join(
         f"{m}: {row[f'{m}_unfused_us']:8.2f} -> {row[f'{m}_fused_us']:7.2f} us" for m in modes))
     if not smoke:
         print(" " * 22 + "graph by heads/program: " + "  ".join(
@@ -158,8 +165,8 @@ def main() -> None:
     write_json(out, dict(
         benchmark="qk_rope_store", smoke=args.smoke, device=name,
         torch=torch.__version__, triton=__import__("triton").__version__, results=rows))
-    if not all(row["matches_unfused"] for row in rows):
-        sys.exit("the fused kernel differs from the unfused path (see matches_unfused)")
+    if not all(row["within_one_ulp"] for row in rows):
+        sys.exit("the fused kernel differs from the unfused path by more than one ulp")
 
 
 if __name__ == "__main__":

@@ -193,9 +193,13 @@ def _store_v(
 
 
 def default_heads_per_program(num_tokens: int) -> int:
-    """Heads per program: few at small batches (a decode token spreads over ~10
-    programs for 32 + 4 + 4 heads), more at large ones (fewer, fuller programs)."""
-    return 4 if num_tokens <= 128 else 8
+    """Heads per program: one at decode sizes (a batch-1 token spreads over 40 programs
+    for 32 + 4 + 4 heads: 1.5 us against 2.7 us with 4 heads per program on the H200),
+    more at large batches (fewer, fuller programs: 4 is best at 256 rows);
+    benchmarks/qk_rope_store.py sweeps it."""
+    if num_tokens <= 16:
+        return 1
+    return 2 if num_tokens <= 64 else 4
 
 
 def _check_inputs(qkv, cos, sin, q_norm_weight, k_norm_weight, kv_cache, slot_mapping,
