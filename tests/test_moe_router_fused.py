@@ -183,6 +183,26 @@ def test_route_on_cpu_is_gate_then_select_experts():
         routing.route(hidden.cpu(), gate.cpu(), cfg, None)
 
 
+def test_fused_moe_takes_precomputed_topk():
+    """FusedMoE.forward(hidden, topk=route(...)) is forward(hidden, router_logits);
+    exactly one of the two is accepted."""
+    from pagoda.model.layers.moe.fused_moe import FusedMoE
+    from pagoda.model.parallel import SINGLE_RANK
+    cfg, hidden_size, fp32 = CASES["v2_group_limited"]
+    experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, hidden_size, 8, cfg,
+                       SINGLE_RANK, torch.float32)
+    gen = torch.Generator().manual_seed(12)
+    for param in (experts.w13_weight, experts.w2_weight):
+        param.data = torch.randn(param.shape, generator=gen) * 0.2
+    gate = _gate(cfg.num_experts, hidden_size, fp32, torch.float32, seed=12).cpu()
+    hidden = torch.randn(3, hidden_size, generator=gen)
+    want = experts(hidden, gate(hidden))
+    assert torch.equal(experts(hidden, topk=routing.route(hidden, gate, cfg)), want)
+    for bad in ({}, {"router_logits": gate(hidden), "topk": routing.route(hidden, gate, cfg)}):
+        with pytest.raises(ValueError, match="exactly one"):
+            experts(hidden, **bad)
+
+
 @gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_route_dispatches_on_cuda(mrf, name, monkeypatch):
