@@ -249,5 +249,6 @@ def test_real_shapes_and_cuda_graph(mrf):
         _check(out, routing.select_experts_torch(logits, qwen), logits, qwen, None)
         assert gate.router_scratch.counter.item() == 0
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        routing.route(hidden, gate, qwen)  # the layer's scratch exists: captured
         with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
             mrf.RouterScratch.create(qwen.num_experts, hidden.device)

@@ -39,6 +39,7 @@ find the counter at 0, as the test checks).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,6 +147,7 @@ class FusedRouterTiles:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=256)  # once per (rows, layer shape): off the launch path
 def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEConfig,
                   block_x: Optional[int] = None, num_warps: Optional[int] = None
                   ) -> FusedRouterTiles:
