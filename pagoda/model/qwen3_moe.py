@@ -6,7 +6,8 @@ MLP of intermediate_size.
 The block is transformers' Qwen3MoeSparseMoeBlock: a router linear ``mlp.gate``
 (replicated, in the model's dtype), softmax top-k (renormalised when norm_topk_prob),
 and the routed experts (FusedMoE; no shared experts), all-reduced over the
-tensor-parallel group. Everything else, loading included, is LlamaForCausalLM's; this
+tensor-parallel group; the router linear and the routing go through routing.route (one
+kernel on CUDA at decode sizes). Everything else, loading included, is LlamaForCausalLM's; this
 file only adds the block and the per-expert checkpoint names
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
 """
@@ -23,6 +24,7 @@ from pagoda.model.layers.linear import ShardId
 from pagoda.model.layers.moe.deepseek_moe import is_moe_layer
 from pagoda.model.layers.moe.fused_moe import FusedMoE, map_expert_weight_name
 from pagoda.model.layers.moe.gate import MoEGate
+from pagoda.model.layers.moe.routing import route
 from pagoda.model.llama import LlamaForCausalLM
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
@@ -38,7 +40,7 @@ class Qwen3MoeSparseBlock(nn.Module):
                                 reduce_results=True, expert_parallel=tp.expert_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+        return self.experts(hidden, topk=route(hidden, self.gate, self.experts.cfg))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -28,6 +28,7 @@ from pagoda.model.layers.linear import (MergedColumnParallelLinear, RowParallelL
                                         check_tp_group)
 from pagoda.model.layers.moe.fused_moe import FusedMoE
 from pagoda.model.layers.moe.gate import MoEGate
+from pagoda.model.layers.moe.routing import route
 from pagoda.model.parallel import TensorParallel
 
 
@@ -84,7 +85,8 @@ class DeepseekMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]: routed experts (weights scaled by routed_scaling_factor)
         plus shared experts, one all-reduce for both."""
-        out = self.experts(hidden_states, self.gate(hidden_states))
+        out = self.experts(hidden_states, topk=route(
+            hidden_states, self.gate, self.experts.cfg, self.experts.e_score_correction_bias))
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         if self.tp.size > 1:

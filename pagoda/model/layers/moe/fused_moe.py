@@ -139,11 +139,16 @@ class FusedMoE(nn.Module):
         return torch.where((local >= 0) & (local < self.num_local_experts), local,
                            torch.full_like(local, -1))
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states [T, H], router_logits [T, E] -> [T, H]: the weighted sum of each
-        token's chosen experts (this rank's part when reduce_results is False)."""
-        topk_weights, topk_ids = select_experts(router_logits, self.cfg,
-                                                self.e_score_correction_bias)
+    def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
+                topk: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """hidden_states [T, H] and either router_logits [T, E] or topk, the routing
+        already done ((weights float32 [T, k], global ids int32 [T, k]), routing.route)
+        -> [T, H]: the weighted sum of each token's chosen experts (this rank's part
+        when reduce_results is False)."""
+        if (router_logits is None) == (topk is None):
+            raise ValueError("FusedMoE.forward takes router_logits or topk (exactly one)")
+        topk_weights, topk_ids = topk if topk is not None else select_experts(
+            router_logits, self.cfg, self.e_score_correction_bias)
         if self.expert_parallel and self.tp.size > 1:
             topk_ids = self._local_ids(topk_ids)
         if hidden_states.is_cuda:

@@ -4,6 +4,10 @@ every tensor-parallel rank (each rank routes every token itself, so no collectiv
 ``fp32=True`` keeps the weight in float32 whatever the model's dtype and computes the
 logits in float32, as transformers' DeepSeek routers do (sigmoid / grouped choices are
 sensitive to rounding); Qwen3-MoE's router runs in the model's dtype.
+
+MoE blocks call it through pagoda.model.layers.moe.routing.route, which on CUDA at
+decode sizes computes the logits and the routing in one kernel (the gate then only
+lends its weight and keeps that kernel's per-layer scratch).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class MoEGate(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         self.weight.keep_dtype = fp32
+        # The fused router kernel's per-layer scratch and counter (routing.route makes
+        # it on the first CUDA call; a plain attribute: no state_dict entry, and
+        # materialize() would leave a buffer's counter uninitialised).
+        self.router_scratch = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> router logits [T, E] (float32 when fp32, else hidden's dtype)."""

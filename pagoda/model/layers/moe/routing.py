@@ -19,18 +19,28 @@ The order of the k choices within a row is topk's; it does not change the MoE ou
 On CUDA, up to ROUTING_KERNEL_MAX_TOKENS rows (decode and small batches), the same
 computation runs as one Triton kernel (pagoda.kernels.moe_routing; this torch code is
 its reference); larger batches take the torch ops, whose launch cost is amortised.
+
+``route(hidden, gate, cfg, correction_bias)`` is what an MoE block calls: the router
+gate's logits then select_experts, or on CUDA, up to FUSED_ROUTER_MAX_TOKENS rows, the
+router linear and the routing in one launch (pagoda.kernels.moe_router_fused).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagoda.model.moe_config import MoEConfig
 
+if TYPE_CHECKING:
+    from pagoda.model.layers.moe.gate import MoEGate
+
 # Rows up to which CUDA inputs are routed by the one-kernel path (0: never).
 ROUTING_KERNEL_MAX_TOKENS = 256
+# Rows up to which route() runs the router linear and the routing as one kernel on
+# CUDA (0: never; at most moe_router_fused.MAX_FUSED_TOKENS).
+FUSED_ROUTER_MAX_TOKENS = 16
 
 
 def _scores(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -57,6 +67,32 @@ def _grouped_choice(choice: torch.Tensor, group_scores: torch.Tensor, cfg: MoECo
     return torch.topk(masked, k=cfg.num_experts_per_tok, dim=-1, sorted=False).indices
 
 
+def _check_bias(cfg: MoEConfig, correction_bias: Optional[torch.Tensor]) -> None:
+    if (correction_bias is not None) != (cfg.topk_method == "noaux_tc"):
+        raise ValueError(f"topk_method {cfg.topk_method!r} "
+                         + ("needs an e_score_correction_bias" if correction_bias is None
+                            else "takes no e_score_correction_bias"))
+
+
+def route(hidden: torch.Tensor, gate: "MoEGate", cfg: MoEConfig,
+          correction_bias: Optional[torch.Tensor] = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]):
+    select_experts(gate(hidden), cfg, correction_bias), in one kernel launch on CUDA for
+    up to FUSED_ROUTER_MAX_TOKENS rows when the kernel covers the shapes and dtypes."""
+    if hidden.is_cuda and hidden.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
+        from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+        if mrf.fused_router_covers(hidden, gate.weight, gate.fp32):
+            _check_bias(cfg, correction_bias)
+            scratch = gate.router_scratch
+            if scratch is None or scratch.logits.device != hidden.device:
+                scratch = gate.router_scratch = mrf.RouterScratch.create(
+                    gate.weight.shape[0], hidden.device)
+            return mrf.fused_route(hidden, gate.weight, cfg, correction_bias, gate.fp32,
+                                   scratch)
+    return select_experts(gate(hidden), cfg, correction_bias)
+
+
 def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
                    correction_bias: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +103,7 @@ def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
     if router_logits.dim() != 2 or router_logits.shape[1] != cfg.num_experts:
         raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got "
                          f"{tuple(router_logits.shape)}")
-    if (correction_bias is not None) != (cfg.topk_method == "noaux_tc"):
-        raise ValueError(f"topk_method {cfg.topk_method!r} "
-                         + ("needs an e_score_correction_bias" if correction_bias is None
-                            else "takes no e_score_correction_bias"))
+    _check_bias(cfg, correction_bias)
     if router_logits.is_cuda and router_logits.shape[0] <= ROUTING_KERNEL_MAX_TOKENS:
         from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_topk  # triton
         if cfg.num_experts <= MAX_KERNEL_EXPERTS:

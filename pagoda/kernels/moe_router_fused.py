@@ -1,0 +1,216 @@
+"""The MoE router linear and the expert routing in one Triton launch, for decode-sized
+batches (T <= MAX_FUSED_TOKENS rows).
+
+``fused_route(hidden, weight, cfg, correction_bias, fp32_logits, scratch)`` returns
+what ``select_experts(MoEGate(hidden), cfg, correction_bias)`` returns (its reference,
+pagoda.model.layers.moe.routing): (topk_weights float32 [T, k], topk_ids int32 [T, k]).
+Unfused that is two launches per MoE layer at decode: the router GEMV through cuBLAS
+(badly tiled for a [E, H] weight of half a megabyte) and the routing kernel.
+
+Design, "the last program routes":
+- the grid is cdiv(E, BLOCK_X) programs; each reads BLOCK_X experts' weight rows (so
+  the weight streams through many SMs at once) and computes their logits for every row
+  (a 3-d [BLOCK_T, BLOCK_X, BLOCK_H] float32 accumulator, reduced once at the end, in
+  a fixed order: the result does not depend on which program finishes first, so every
+  tensor-parallel rank routes identically);
+- the logits are rounded as MoEGate's output is: to the hidden dtype (Qwen3's router
+  runs in the model dtype), or kept float32 (``fp32_logits``: DeepSeek's float32 router,
+  hidden cast to float32); then written to the layer's float32 scratch [T, E];
+- each program then counts itself on the layer's arrival counter (one atomic add,
+  acq_rel at gpu scope, after a CTA barrier so that all its threads' scratch stores
+  come before the release: the pattern of CUTLASS's semaphores); the program that
+  sees it arrived last reads the whole scratch (through L2: cache modifier .cg, no
+  stale L1 line) and routes every row with pagoda.kernels.moe_routing.route_rows (the
+  same arithmetic as the routing kernel), then stores 0 into the counter.
+
+Invariant of the scratch and the counter (RouterScratch, one per MoE layer, made on the
+first call outside CUDA-graph capture): the counter is 0 whenever no launch of that
+layer's router is running, and no two launches of one layer's router run at once.
+Both hold because launches of one layer are serialized: a layer runs once per model
+forward and forwards run one after another on one stream (eagerly or replayed from
+CUDA graphs), and each launch's last program resets the counter before the launch
+ends. A per-device shared scratch would be just as correct on one stream; per layer it
+costs a few kilobytes and stays correct if two models (a draft and a target) ever run
+on different streams.
+
+No host sync, outputs allocated from shapes alone: CUDA-graph capturable (replays
+find the counter at 0, as the test checks).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_rows
+from pagoda.model.moe_config import MoEConfig
+
+# The most rows one launch routes (the whole [T, H] hidden tile is re-read by every
+# program, and the decode batches this kernel is for are small).
+MAX_FUSED_TOKENS = 16
+# The most experts: the last program holds a row's E logits in registers.
+MAX_FUSED_EXPERTS = MAX_KERNEL_EXPERTS
+# Register budget, in float32 elements per program, of the GEMV accumulator and of the
+# tiles the last program routes at once.
+_ACC_ELEMENTS = 4096
+_ROUTE_ELEMENTS = 4096
+_ROUNDING = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _router_fused_kernel(
+    x_ptr, w_ptr, bias_ptr, scratch_ptr, counter_ptr, weights_ptr, ids_ptr,
+    num_tokens, hidden_size, stride_x, stride_w, num_experts, group_size,
+    routed_scaling_factor,
+    LOGITS_DTYPE: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROUTE_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- this program's logits: experts [pid * BLOCK_X, +BLOCK_X), every row ----------
+    rows = tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    ex = tl.program_id(0) * BLOCK_X + tl.arange(0, BLOCK_X)
+    ex_ok = ex < num_experts
+    hs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_T, BLOCK_X, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden_size, BLOCK_H):
+        h = h0 + hs
+        h_ok = h < hidden_size
+        x = tl.load(x_ptr + rows[:, None] * stride_x + h[None, :],
+                    mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ex[:, None].to(tl.int64) * stride_w + h[None, :],
+                    mask=ex_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    logits = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_X]
+    if ROUND_LOGITS:  # MoEGate's output dtype, as select_experts sees it
+        logits = logits.to(LOGITS_DTYPE).to(tl.float32)
+    tl.store(scratch_ptr + rows[:, None] * num_experts + ex[None, :], logits,
+             mask=row_ok[:, None] & ex_ok[None, :])
+    # -- arrival: every thread's stores above precede the release of the add ----------
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        # The last program: every tile is in the scratch; route all rows.
+        experts = tl.arange(0, BLOCK_E)
+        valid = experts < num_experts
+        slots = tl.arange(0, BLOCK_K)[None, :]
+        for r0 in range(0, num_tokens, ROUTE_T):
+            r = r0 + tl.arange(0, ROUTE_T)
+            r_ok = r < num_tokens
+            tile = tl.load(scratch_ptr + r[:, None] * num_experts + experts[None, :],
+                           mask=r_ok[:, None] & valid[None, :], other=0.0,
+                           cache_modifier=".cg")
+            chosen_w, chosen_ids = route_rows(
+                tile, valid, experts, bias_ptr, num_experts, group_size,
+                routed_scaling_factor, TOP_K, SIGMOID, HAS_BIAS, GROUPED, GROUP_BY_TOP2,
+                N_GROUP, TOPK_GROUP, RENORMALIZE, BLOCK_G, BLOCK_K)
+            out = r[:, None] * TOP_K + slots
+            keep = r_ok[:, None] & (slots < TOP_K)
+            tl.store(weights_ptr + out, chosen_w, mask=keep)
+            tl.store(ids_ptr + out, chosen_ids, mask=keep)
+        tl.store(counter_ptr, 0)  # ready for the next launch (and graph replay)
+
+
+@dataclass
+class RouterScratch:
+    """One MoE layer's fused-router state: float32 logits [MAX_FUSED_TOKENS, E] and the
+    arrival counter int32 [1] (0 between launches; see the module docstring)."""
+    logits: torch.Tensor
+    counter: torch.Tensor
+
+    @classmethod
+    def create(cls, num_experts: int, device: torch.device) -> "RouterScratch":
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the fused MoE router's scratch is made on its first call, "
+                               "which must run eagerly, before CUDA-graph capture")
+        return cls(torch.empty(MAX_FUSED_TOKENS, num_experts, dtype=torch.float32,
+                               device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+
+@dataclass(frozen=True)
+class FusedRouterTiles:
+    """Launch shape: BLOCK_X experts per program, BLOCK_H hidden columns per step,
+    ROUTE_T rows routed at once by the last program, num_warps."""
+    block_x: int
+    block_h: int
+    route_t: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=256)  # once per (rows, layer shape): off the launch path
+def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEConfig,
+                  block_x: Optional[int] = None, num_warps: Optional[int] = None
+                  ) -> FusedRouterTiles:
+    """About 128 programs (one H200 wave: 132 SMs) each streaming a few experts'
+    weight rows; the accumulator and the routed tiles within the register budget."""
+    block_t = triton.next_power_of_2(max(num_tokens, 1))
+    if block_x is None:
+        block_x = max(1, triton.next_power_of_2(num_experts) // 128)
+    num_warps = num_warps or 4
+    budget = _ACC_ELEMENTS * num_warps // 4
+    block_h = max(32, min(triton.next_power_of_2(hidden_size), budget // (block_t * block_x)))
+    block_e = triton.next_power_of_2(num_experts)
+    per_row = block_e * (max(2, triton.next_power_of_2(cfg.n_group)) if cfg.grouped else 1)
+    route_t = max(1, min(block_t, _ROUTE_ELEMENTS // per_row))
+    return FusedRouterTiles(block_x, block_h, triton.next_power_of_2(route_t), num_warps)
+
+
+def fused_router_covers(hidden: torch.Tensor, weight: torch.Tensor, fp32_logits: bool
+                        ) -> bool:
+    """Whether fused_route computes this call (else: the gate's linear + select_experts)."""
+    return (hidden.dim() == 2 and 0 < hidden.shape[0] <= MAX_FUSED_TOKENS
+            and weight.shape[0] <= MAX_FUSED_EXPERTS
+            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.dtype == (torch.float32 if fp32_logits else hidden.dtype))
+
+
+def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
+                correction_bias: Optional[torch.Tensor], fp32_logits: bool,
+                scratch: RouterScratch, tiles: Optional[FusedRouterTiles] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H], weight [E, H] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]),
+    as select_experts(F.linear(hidden, weight) (fp32_logits: in float32), cfg, bias).
+    The caller (routing.route) has checked fused_router_covers and the bias."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts = weight.shape[0]
+    if not fused_router_covers(hidden, weight, fp32_logits):
+        raise ValueError(f"fused_route: hidden {tuple(hidden.shape)} {hidden.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}: not covered (at most "
+                         f"{MAX_FUSED_TOKENS} rows and {MAX_FUSED_EXPERTS} experts; weight "
+                         f"dtype float32 for fp32 logits, else the hidden dtype)")
+    if weight.shape != (cfg.num_experts, hidden_size) or scratch.logits.shape[1] != num_experts:
+        raise ValueError(f"fused_route: weight {tuple(weight.shape)}, scratch "
+                         f"{tuple(scratch.logits.shape)} for {cfg.num_experts} experts of "
+                         f"hidden {hidden_size}")
+    k = cfg.num_experts_per_tok
+    topk_weights = torch.empty(num_tokens, k, dtype=torch.float32, device=hidden.device)
+    topk_ids = torch.empty(num_tokens, k, dtype=torch.int32, device=hidden.device)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    bias = correction_bias.float().contiguous() if correction_bias is not None else w
+    tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg)
+    round_logits = not fp32_logits and hidden.dtype != torch.float32
+    _router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
+        x, w, bias, scratch.logits, scratch.counter, topk_weights, topk_ids,
+        num_tokens, hidden_size, x.stride(0), w.stride(0), num_experts,
+        num_experts // cfg.n_group, float(cfg.routed_scaling_factor),
+        LOGITS_DTYPE=_ROUNDING.get(hidden.dtype, tl.float32), ROUND_LOGITS=round_logits,
+        BLOCK_T=triton.next_power_of_2(num_tokens), BLOCK_X=tiles.block_x,
+        BLOCK_H=tiles.block_h, ROUTE_T=tiles.route_t,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        TOP_K=k, SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
+        GROUPED=cfg.grouped, GROUP_BY_TOP2=cfg.topk_method == "noaux_tc",
+        N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
+        BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
+        BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps)
+    return topk_weights, topk_ids
