@@ -141,7 +141,9 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Reduced over K once, at the end: a per-step reduction crosses warps through
+        # shared memory (a barrier every step).
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
             x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
@@ -158,8 +160,8 @@ def _gemv_kernel(
                 k_ok = offs_k < k_end - k0
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, axis=2)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
