@@ -73,15 +73,19 @@ def _regs_ok(m: int, cfg: dict) -> bool:
 
 
 def _default_split(n: int, k: int, cfg: dict, sms: int) -> int:
-    """Phase 1's split: 2 when the column blocks are fewer than two per SM."""
-    blocks = -(-n // cfg["BLOCK_N"])
-    return 2 if blocks < 2 * sms and k >= 2 * cfg["BLOCK_K"] else 1
+    """Phase 1's split: doubled (up to 16) while the programs are fewer than two per SM
+    and each split keeps at least one BLOCK_K step."""
+    blocks, split = -(-n // cfg["BLOCK_N"]), 1
+    while blocks * split < 2 * sms and k >= 2 * split * cfg["BLOCK_K"] and split < 16:
+        split *= 2
+    return split
 
 
 def phase1(m: int, n: int, k: int, sms: int, smoke: bool) -> list[dict]:
     """The grid of tile shapes and warps, 3 stages, split by _default_split."""
     if smoke:
         grid = [(bn, bk, 4, False) for bn in (8, 16) for bk in (32, 64)]
+        grid += [(16, 32, 4, True)] if m > 1 else []
     elif m == 1:
         grid = [(bn, bk, w, False) for bn in (4, 8, 16) for bk in (256, 512, 1024)
                 for w in (4, 8)]
@@ -100,14 +104,16 @@ def phase1(m: int, n: int, k: int, sms: int, smoke: bool) -> list[dict]:
 
 
 def phase2(best: list[dict], n: int, k: int, sms: int) -> list[dict]:
-    """LOOP_STAGES x SPLIT_K around each of the best phase-1 configs (a split that
-    leaves a split less than one BLOCK_K, or more than 8 programs per SM, is skipped)."""
+    """LOOP_STAGES x SPLIT_K around each of the best phase-1 configs. Splits of 8 and 16
+    only for fewer column blocks than SMs (a router); a split shorter than one BLOCK_K,
+    or more than 8 programs per SM, is skipped."""
     out = []
     for base in best:
         blocks = -(-n // base["BLOCK_N"])
         for stages in (2, 3, 4):
-            for split in (1, 2, 4):
-                if k < split * base["BLOCK_K"] or blocks * split > 8 * sms:
+            for split in (1, 2, 4, 8, 16):
+                if (k < split * base["BLOCK_K"] or (split > 1 and blocks * split > 8 * sms)
+                        or (split > 4 and blocks >= sms)):
                     continue
                 cfg = dict(base, LOOP_STAGES=stages, SPLIT_K=split)
                 if cfg not in out and cfg not in best:
@@ -318,9 +324,21 @@ def parse_args(argv=None):
                    help="phase 2 varies stages and splits around this many phase-1 configs")
     p.add_argument("--margin", type=float, default=0.03,
                    help="list a shape only when gemv beats cuBLAS by more than this")
+    p.add_argument("--time-limit", type=float, default=480,
+                   help="seconds after which the remaining shapes are skipped (listed)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, interpreted")
     p.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "gemv-sweep.json"))
     return p.parse_args(argv)
+
+
+def _select_shapes(args) -> dict:
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if not args.shapes:
+        return shapes
+    unknown = set(args.shapes.split(",")) - set(shapes)
+    if unknown:
+        raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {sorted(shapes)}")
+    return {s: shapes[s] for s in args.shapes.split(",")}
 
 
 def main(argv=None) -> dict:
@@ -331,36 +349,36 @@ def main(argv=None) -> dict:
     import triton
     from pagoda.kernels import gemv as kg
     device = torch.device("cpu" if args.smoke else "cuda")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.shapes:
-        unknown = set(args.shapes.split(",")) - set(shapes)
-        if unknown:
-            raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {sorted(shapes)}")
-        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    shapes = _select_shapes(args)
     rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
     if max(rows) > kg.GEMV_MAX_ROWS:
         raise SystemExit(f"--rows: the kernel takes at most {kg.GEMV_MAX_ROWS} rows")
     dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter gets bf16 wrong
     bench = Bench(device, 1 if args.smoke else args.trials, 1 if args.smoke else args.replays)
-    copy_bw = copy_bandwidth(device)
-    started = time.time()
-    results = {}
-    for name, (n, k) in shapes.items():
-        results[name] = [sweep_cell(bench, kg, n, k, m, dtype, args.smoke, args.refine)
-                         for m in rows]
-        print_shape(name, results[name], copy_bw)
-        sys.stdout.flush()
-    entries = table_entries([c for cells in results.values() for c in cells], args.margin)
-    print_table(entries)
-    print(f"\nswept in {time.time() - started:.0f} s")
     out = {"date": datetime.now(timezone.utc).isoformat(), "host": platform.node(),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "triton": triton.__version__,
-           "dtype": str(dtype), "copy_bytes_per_s": copy_bw, "smoke": args.smoke,
-           "margin": args.margin, "shapes": results,
-           "gemv_configs": [{"key": list(key), "config": cfg, "cublas_us": c_us,
-                             "gemv_us": g_us} for key, cfg, c_us, g_us in entries]}
+           "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
+           "copy_bytes_per_s": copy_bandwidth(device), "smoke": args.smoke,
+           "margin": args.margin, "shapes": {}, "not_run": [], "gemv_configs": []}
+    started, entries = time.time(), []
+    for name, (n, k) in shapes.items():
+        if time.time() - started > args.time_limit:
+            out["not_run"].append(name)
+            continue
+        out["shapes"][name] = [sweep_cell(bench, kg, n, k, m, dtype, args.smoke, args.refine)
+                               for m in rows]
+        print_shape(name, out["shapes"][name], out["copy_bytes_per_s"])
+        entries = table_entries([c for cells in out["shapes"].values() for c in cells],
+                                args.margin)
+        out["gemv_configs"] = [{"key": list(key), "config": cfg, "cublas_us": c_us,
+                                "gemv_us": g_us} for key, cfg, c_us, g_us in entries]
+        write_json(args.out, out)  # after every shape: a run cut short keeps what it did
+        sys.stdout.flush()
+    print_table(entries)
+    print(f"\nswept in {time.time() - started:.0f} s")
     write_json(args.out, out)
+    if out["not_run"]:
+        print(f"time limit reached; not run: --shapes {','.join(out['not_run'])}")
     return out
 
 
