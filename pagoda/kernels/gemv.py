@@ -72,15 +72,22 @@ def rows_bucket(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Tiles for a shape not in GEMV_CONFIGS: narrow column blocks so N / BLOCK_N programs
-    cover the SMs, K split in two when there are still fewer than ~2 per SM (132 on an
-    H200), 3 K steps in flight. Untuned guesses; the table holds measured ones."""
-    block_n = 8 if m <= 2 else 4
-    block_k = 512 if m <= 2 else 256
-    blocks = triton.cdiv(n, block_n)
-    split = 2 if blocks < 256 and k >= 2 * block_k else 1
+    """Tiles for a shape not in GEMV_CONFIGS (untuned guesses; the table holds measured
+    ones): one row reads 8 weight rows x 512 columns per K step; up to 4 rows take the
+    FMA product on 4 x 256 (its [M, N, K] accumulator stays within 32 registers a
+    thread); more rows take tl.dot on 32 x 128. The K split doubles (up to 8) while the
+    programs are fewer than two per SM of an H200 (132), 3 K steps of loads in flight."""
+    if m == 1:
+        block_n, block_k, dot = 8, 512, False
+    elif m <= 4:
+        block_n, block_k, dot = 4, 256, False
+    else:
+        block_n, block_k, dot = 32, 128, True
+    blocks, split = triton.cdiv(n, block_n), 1
+    while blocks * split < 264 and k >= 2 * split * block_k and split < 8:
+        split *= 2
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, LOOP_STAGES=3,
-                num_warps=4, DOT=False)
+                num_warps=4, DOT=dot)
 
 
 @triton.jit
