@@ -43,12 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-# The most rows the kernel takes (the FMA product grows with M; beyond this cuBLAS's
-# tensor-core GEMM reads the weight once as well and wins).
+# The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
+# larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
 GEMV_MAX_ROWS = 16
 
 # Routing table: (N, K, rows bucket) -> kernel config, where the rows bucket is M rounded
-# up to a power of two (1, 2, 4, 8, 16; the graph runner pads decode batches to those).
+# up to a power of two (1, 2, 4, 8, 16: the decode graphs' and eager steps' row buckets,
+# pagoda.worker.shape_buckets).
 # An entry means: on the H200, in a CUDA graph, this config beat torch F.linear (cuBLAS)
 # at that shape; maybe_gemv routes only shapes listed here (N, K are the per-rank weight
 # shape, so a tensor-parallel layer has its own entries). Fill it from
