@@ -82,13 +82,15 @@ def test_dot_rows(kg, dtype, m):
 
 @pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
-def test_split_k_deterministic_and_counters_reset(kg, dot, m):
-    """SPLIT_K = 3 over K = 100 (the last split partial): matches the reference, two calls
-    are bitwise equal, and every counter is 0 afterwards (ready for a graph replay)."""
+@pytest.mark.parametrize("split", [3, 16])
+def test_split_k_deterministic_and_counters_reset(kg, dot, m, split):
+    """K = 100 in 3 splits of 48 (the last one partial) or in 16 of 16 (the last nine
+    empty: they add zeros): matches the reference, two calls are bitwise equal, and every
+    counter is 0 afterwards (ready for the next launch or graph replay)."""
     if dot and m == 1:
         pytest.skip("DOT needs M > 1")
     x, w, b = _rand(m, 100, seed=11), _rand(48, 100, seed=12), _rand(48, seed=13)
-    cfg = _cfg(block_n=16, block_k=16, split=3, dot=dot)
+    cfg = _cfg(block_n=16, block_k=16, split=split, dot=dot)
     y1 = _check_close(kg, x, w, b, cfg)
     y2 = kg.gemv(x, w, b, cfg)
     assert torch.equal(y1, y2)
