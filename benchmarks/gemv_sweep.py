@@ -3,6 +3,7 @@ the dense projection shapes of Qwen3-30B-A3B, Llama-3.1-8B and DeepSeek-V2-Lite.
 
     python3 benchmarks/gemv_sweep.py --out benchmarks/results/h200-gemv-sweep.json
     python3 benchmarks/gemv_sweep.py --shapes qkv_30b,o_30b --rows 1 4    # a subset
+    python3 benchmarks/gemv_sweep.py --extra 2560x2048,2048x2048           # other shapes
     python3 benchmarks/gemv_sweep.py --smoke          # CPU, tiny shapes, interpreted
 
 For each shape (N x K, bf16) and M rows (default 1, 2, 4, 8), side by side:
@@ -296,10 +297,12 @@ def print_shape(name: str, cells: list[dict], copy_bw) -> None:
 
 
 def table_entries(cells: list[dict], margin: float) -> list[tuple]:
-    """((N, K, M), config, cublas us, gemv us) where gemv won by more than margin."""
+    """((N, K, M), config, cublas us, gemv us) where gemv won by more than margin (M a
+    power of two: the table's row buckets)."""
     out = []
     for c in cells:
-        if "best" in c and c["speedup_graph"] > 1 + margin:
+        bucket = c["M"] & (c["M"] - 1) == 0
+        if bucket and "best" in c and c["speedup_graph"] > 1 + margin:
             out.append(((c["N"], c["K"], c["M"]), c["best"]["config"],
                         c["cublas"]["graph_us"], c["best"]["graph_us"]))
     return out
@@ -317,6 +320,8 @@ def print_table(entries: list[tuple]) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=None, help="comma-separated names of SHAPES (all)")
+    p.add_argument("--extra", default=None,
+                   help="comma-separated NxK shapes to sweep (alone, or with --shapes)")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="M values (1 2 4 8)")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--replays", type=int, default=5)
@@ -332,13 +337,23 @@ def parse_args(argv=None):
 
 
 def _select_shapes(args) -> dict:
+    """--shapes names (default all) plus --extra NxK shapes (e.g. a tensor-parallel
+    rank's)."""
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if not args.shapes:
-        return shapes
-    unknown = set(args.shapes.split(",")) - set(shapes)
-    if unknown:
-        raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {sorted(shapes)}")
-    return {s: shapes[s] for s in args.shapes.split(",")}
+    if args.shapes:
+        unknown = set(args.shapes.split(",")) - set(shapes)
+        if unknown:
+            raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {sorted(shapes)}")
+        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    elif args.extra:
+        shapes = {}
+    for spec in (args.extra.split(",") if args.extra else []):
+        try:
+            n, k = (int(v) for v in spec.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--extra: want NxK shapes such as 2560x2048, got {spec!r}")
+        shapes[f"{n}x{k}"] = (n, k)
+    return shapes
 
 
 def main(argv=None) -> dict:
