@@ -109,7 +109,6 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K
@@ -117,59 +116,14 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-            w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
-            if EVEN_K:
-                x = tl.load(x_ptr + k0 + offs_k)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < k_end - k0
-                x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        acc = tl.sum(acc2, axis=1)[None, :]
+        acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N,
+                       EVEN_K, LOOP_STAGES)
     elif DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-            w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
-            x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < k_end - k0
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION, BLOCK_M,
+                        BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, LOOP_STAGES)
     else:
-        # Reduced over K once, at the end: a per-step reduction crosses warps through
-        # shared memory (a barrier every step).
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-            w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
-            x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
-            if EVEN_K:
-                if EVEN_M:
-                    x = tl.load(x_ptrs)
-                else:
-                    x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < k_end - k0
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc = tl.sum(acc3, axis=2)
+        acc = _fma_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, BLOCK_M, BLOCK_N,
+                        BLOCK_K, EVEN_M, EVEN_N, EVEN_K, LOOP_STAGES)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -180,6 +134,86 @@ def _gemv_kernel(
         _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs_m,
                         offs_n, n_ok, pid_n, pid_k, M, N, HAS_BIAS, SPLIT_K, BLOCK_M,
                         BLOCK_N)
+
+
+@triton.jit
+def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+             LOOP_STAGES: tl.constexpr):
+    """[1, BLOCK_N] float32: one row of x times the block's weight rows over
+    [k_start, k_end); a [BLOCK_N, BLOCK_K] accumulator reduced over K once, at the end.
+    LOOP_STAGES > 1: Triton's pipeliner keeps that many K steps' loads in flight (the
+    kernel is bound by the bytes in flight per SM, not by arithmetic)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + offs_k)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc2, axis=1)[None, :]
+
+
+@triton.jit
+def _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 by tl.dot: x [BLOCK_M >= 16, BLOCK_K] (padding rows
+    masked to 0) times the weight slab read as [BLOCK_K, BLOCK_N]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
+        x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _fma_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr,
+              EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 by FMAs: a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
+    reduced over K once, at the end (a per-step reduction crosses warps through shared
+    memory: a barrier every step)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+        if EVEN_K:
+            if EVEN_M:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return tl.sum(acc3, axis=2)
 
 
 @triton.jit
