@@ -138,7 +138,8 @@ class Bench:
         self.trials, self.replays = trials, replays
         self.cuda = device.type == "cuda"
         props = torch.cuda.get_device_properties(device) if self.cuda else None
-        self.l2 = props.L2_cache_size if props is not None else 0
+        # (older torch builds lack the attribute: assume 64 MiB, more than an H200's)
+        self.l2 = getattr(props, "L2_cache_size", 64 << 20) if props is not None else 0
         self.sms = props.multi_processor_count if props is not None else 4
 
     def weights(self, w):
