@@ -239,16 +239,25 @@ def _try_config(bench, kg, cfg, x, ws, ref) -> dict:
     return dict(row, status="ok", rel_err=err, graph_us=us)
 
 
-def sweep_cell(bench, kg, n: int, k: int, m: int, dtype, smoke: bool, refine: int) -> dict:
+def make_weights(bench, n: int, k: int, dtype) -> list:
+    """A random weight [n, k] (rows of unit norm on average) and its copies, made on the
+    device (a CPU generator would take seconds for the largest shapes)."""
+    import torch
+    gen = torch.Generator(bench.device).manual_seed(n * 31 + k)
+    w = torch.randn(n, k, generator=gen, device=bench.device) / math.sqrt(k)
+    return bench.weights(w.to(dtype))
+
+
+def sweep_cell(bench, kg, ws: list, m: int, smoke: bool, refine: int) -> dict:
     """cuBLAS and every candidate at one (shape, M) (phase 2 around the `refine` best of
     phase 1); the best candidate eager too."""
     import torch
     import torch.nn.functional as F
-    gen = torch.Generator().manual_seed(n * 31 + k * 7 + m)
-    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype).to(bench.device)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(bench.device)
+    w = ws[0]
+    n, k = w.shape
+    gen = torch.Generator(bench.device).manual_seed(m)
+    x = torch.randn(m, k, generator=gen, device=bench.device).to(w.dtype)
     ref = x.float() @ w.float().t()
-    ws = bench.weights(w)
     cell = {"N": n, "K": k, "M": m, "weight_copies": len(ws),
             "bytes": (n * k + m * k + m * n) * w.element_size(),
             "cublas": {"graph_us": bench.graph(F.linear, x, ws),
@@ -277,7 +286,7 @@ def print_shape(name: str, cells: list[dict], copy_bw) -> None:
     n, k = cells[0]["N"], cells[0]["K"]
     wbytes = n * k * 2
     roof = f", roofline {wbytes / copy_bw * 1e6:.2f} us" if copy_bw else ""
-    print(f"\n{name}: N={n} K={k} ({wbytes / 1e6:.1f} MB bf16{roof})")
+    print(f"\n{name}: N={n} K={k} ({wbytes / 1e6:.1f} MB{roof})")
     print(f"{'M':>3} {'cublas eager':>12} {'cublas graph':>12} {'TB/s':>5} {'gemv graph':>10} "
           f"{'TB/s':>5} {'gemv eager':>10} {'speedup':>7}  best config (of n ok / tried)")
     for c in cells:
@@ -381,8 +390,10 @@ def main(argv=None) -> dict:
         if time.time() - started > args.time_limit:
             out["not_run"].append(name)
             continue
-        out["shapes"][name] = [sweep_cell(bench, kg, n, k, m, dtype, args.smoke, args.refine)
+        ws = make_weights(bench, n, k, dtype)
+        out["shapes"][name] = [sweep_cell(bench, kg, ws, m, args.smoke, args.refine)
                                for m in rows]
+        del ws
         print_shape(name, out["shapes"][name], out["copy_bytes_per_s"])
         entries = table_entries([c for cells in out["shapes"].values() for c in cells],
                                 args.margin)
