@@ -1,6 +1,8 @@
 """The default linear method: one float weight [out, in] in the model's dtype, multiplied
 by ``pagoda.model.layers.matmul.rows_linear`` (F.linear, split into column blocks on the
-CPU; a register-tile kernel for steps of a few rows there)."""
+CPU; a register-tile kernel for steps of a few rows there). On CUDA, steps of a few bf16 /
+fp16 rows whose shape pagoda.kernels.gemv.GEMV_CONFIGS lists take that Triton GEMV
+instead (PAGODA_TRITON_GEMV=0 turns it off)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ from torch import nn
 from pagoda.model.layers.matmul import rows_linear
 from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod
 
+# Devices whose steps may take the Triton GEMV. Its module is imported on first use there,
+# so CPU-only runs never load triton. (Tests add "cpu": the kernel's interpreter.)
+GEMV_DEVICES = ("cuda",)
+
 
 class UnquantizedLinearMethod(LinearMethod):
     name = "unquantized"
@@ -22,6 +28,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.device.type in GEMV_DEVICES:
+            from pagoda.kernels.gemv import maybe_gemv
+            y = maybe_gemv(x, layer.weight, bias)  # None unless tuned faster than cuBLAS
+            if y is not None:
+                return y
         return rows_linear(x, layer.weight, bias)
 
 
