@@ -17,6 +17,15 @@ from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod
 # Devices whose steps may take the Triton GEMV. Its module is imported on first use there,
 # so CPU-only runs never load triton. (Tests add "cpu": the kernel's interpreter.)
 GEMV_DEVICES = ("cuda",)
+_maybe_gemv = None  # pagoda.kernels.gemv.maybe_gemv once imported (no import per call)
+
+
+def _gemv_router():
+    global _maybe_gemv
+    if _maybe_gemv is None:
+        from pagoda.kernels.gemv import maybe_gemv
+        _maybe_gemv = maybe_gemv
+    return _maybe_gemv
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -29,8 +38,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.device.type in GEMV_DEVICES:
-            from pagoda.kernels.gemv import maybe_gemv
-            y = maybe_gemv(x, layer.weight, bias)  # None unless tuned faster than cuBLAS
+            y = _gemv_router()(x, layer.weight, bias)  # None unless tuned faster than cuBLAS
             if y is not None:
                 return y
         return rows_linear(x, layer.weight, bias)
