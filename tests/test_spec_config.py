@@ -123,6 +123,9 @@ def test_planner_set_up_per_method():
     planner, lookahead = build_draft_planner(deep, "cuda", 128, 30)
     assert lookahead == 2 and planner.host_proposer is None
     assert planner.budget.min_gain == pytest.approx(0.25 + 29 / 30)
+    # Async, a worker drafter's requests are scheduled optimistically: nothing is held.
+    planner, _ = build_draft_planner(deep, "cuda", 128, 30, async_scheduling=True)
+    assert not planner.budget.drafting_holds and planner.budget.hold_cost(64) == 0.0
     assert planner.budget.choose(["new"], 1) == {"new": 0}
     with pytest.raises(ValueError, match="must be smaller than the target's 29 layers"):
         build_draft_planner(deep, "cpu", 128, 29)
