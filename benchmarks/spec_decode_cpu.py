@@ -7,8 +7,12 @@ Two workloads, each run with speculation off and on in the same process:
 Prints per configuration: output tok/s, speedup over off, acceptance rate (accepted /
 drafted), mean accepted length (tokens per verify step, the bonus included) and
 whether the greedy output equals off's (it must). Writes JSON to --output.
+`--async-scheduling on` runs every configuration with async scheduling, `both` adds
+the layer-skip configurations with it to the synchronous ones (a layer-skip request
+is scheduled optimistically then: core/optimistic_drafts.py).
 
     python benchmarks/spec_decode_cpu.py --output benchmarks/results/cpu-spec-decode.json
+    python benchmarks/spec_decode_cpu.py --async-scheduling both --requests 3 --max-tokens 64
     python benchmarks/spec_decode_cpu.py --smoke      # seconds: one short prompt each
 """
 
@@ -64,10 +68,13 @@ def chat_messages(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
 
 
-def run_config(spec, conversations, max_tokens: int) -> dict:
-    """Batch 1: each conversation alone, greedy; tok/s over the timed requests."""
+def run_config(config, conversations, max_tokens: int) -> dict:
+    """Batch 1: each conversation alone, greedy; tok/s over the timed requests.
+    config: (speculative config or None, async scheduling)."""
     from pagoda import LLM, SamplingParams
-    llm = LLM(max_model_len=1024, kv_cache_memory=64 << 20, speculative_config=spec)
+    spec, async_scheduling = config
+    llm = LLM(max_model_len=1024, kv_cache_memory=64 << 20, speculative_config=spec,
+              async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     llm.chat(conversations[0], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     engine = llm.llm_engine
@@ -79,7 +86,7 @@ def run_config(spec, conversations, max_tokens: int) -> dict:
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
         outputs.append(out.token_ids)
-    result = {"config": spec, "output_tokens": tokens, "seconds": seconds,
+    result = {"config": spec, "async_scheduling": async_scheduling, "output_tokens": tokens, "seconds": seconds,
               "tok_per_s": tokens / seconds, "outputs": outputs}
     after = engine.get_stats().spec_decode
     if after is not None:
@@ -110,11 +117,24 @@ def compare(name: str, conversations, configs: dict, max_tokens: int) -> dict:
     return runs
 
 
+def layer_skip_configs(async_mode: str) -> dict:
+    """label -> (speculative config, async scheduling) of the layer-skip workload."""
+    ways = {"off": [False], "on": [True], "both": [False, True]}[async_mode]
+    configs = {}
+    for on in ways:
+        suffix = " async" if async_mode == "both" and on else ""
+        configs.update({f"off{suffix}": (None, on), f"layer_skip adaptive{suffix}": (LAYER_SKIP, on),
+                        f"layer_skip k=2 always{suffix}": ({**LAYER_SKIP, "adaptive": False}, on)})
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=6, help="requests per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
+                        help="async scheduling for every run (on), or layer-skip both ways")
     parser.add_argument("--smoke", action="store_true", help="one short request each: checks it runs")
     parser.add_argument("--output", default=None, help="JSON results file")
     args = parser.parse_args()
@@ -123,17 +143,18 @@ def main() -> None:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
+    on = args.async_scheduling == "on"
     results = {
         "benchmark": "spec_decode_cpu", "machine": platform.platform(),
         "processor": platform.processor(), "torch_threads": torch.get_num_threads(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "async_scheduling": args.async_scheduling,
         "grounded_ngram": compare("grounded (n-gram)", grounded_messages(args.requests), {
-            "off": None, "ngram adaptive": NGRAM, "ngram k=4 always": {**NGRAM, "adaptive": False},
+            "off": (None, on), "ngram adaptive": (NGRAM, on),
+            "ngram k=4 always": ({**NGRAM, "adaptive": False}, on),
         }, args.max_tokens),
-        "chat_layer_skip": compare("chat (layer skip, 29 of 30 layers)", chat_messages(args.requests), {
-            "off": None, "layer_skip adaptive": LAYER_SKIP,
-            "layer_skip k=2 always": {**LAYER_SKIP, "adaptive": False},
-        }, args.max_tokens),
+        "chat_layer_skip": compare("chat (layer skip, 29 of 30 layers)", chat_messages(args.requests),
+                                   layer_skip_configs(args.async_scheduling), args.max_tokens),
     }
     if args.output:
         write_json(args.output, results)

@@ -14,7 +14,8 @@ H200, with one of two drafts per run (`--draft`):
 One engine per run; "off" detaches the scheduler's planner, "always" turns the
 adaptive budget off (k drafts every step), "adaptive" is the default. Reports batch-1
 ms per output token and output tok/s at the given concurrencies, with the measured
-acceptance.
+acceptance. Async scheduling is the engine's default (on for CUDA); `--async-scheduling
+on|off` sets it: async, drafting steps are scheduled optimistically (nothing held).
 
     python3 benchmarks/spec_draft_gpu.py --draft matched --output benchmarks/results/h200-spec-draft-matched.json
     python3 benchmarks/spec_draft_gpu.py --draft llama-3.2-1b --output benchmarks/results/h200-spec-draft-1b.json
@@ -88,6 +89,8 @@ class Bench:
                       speculative_config={"model": draft, "num_speculative_tokens": args.k})
         if args.smoke:
             kwargs.update(device="cpu", kv_cache_memory=64 << 20)
+        if args.async_scheduling is not None:
+            kwargs["async_scheduling"] = args.async_scheduling == "on"
         self.llm = LLM(args.model, **kwargs)
         self.engine = self.llm.llm_engine
         if args.draft == "matched":
@@ -96,6 +99,7 @@ class Bench:
         self.vocab = self.engine.model_info.vocab_size
         info = self.engine.model_info
         self.draft_fraction = info.draft_weight_bytes / info.weight_bytes
+        self.async_scheduling = self.engine.async_scheduling
 
     def configure(self, mode: str, concurrency: int) -> None:
         scheduler = self.engine.scheduler
@@ -127,7 +131,8 @@ class Bench:
 def sweep(bench: Bench) -> list[dict]:
     args = bench.args
     rows = []
-    print(f"\n== {args.model} + draft {args.draft} (k={args.k}, draft bytes "
+    print(f"\n== {args.model} + draft {args.draft} (k={args.k}, async scheduling "
+          f"{'on' if bench.async_scheduling else 'off'}, draft bytes "
           f"{bench.draft_fraction:.3f} of the target's), {args.input_len} in / "
           f"{args.output_len} out")
     print(f"{'conc':>6}{'off':>10}{'always':>10}{'adaptive':>10}{'adapt/off':>10}"
@@ -161,6 +166,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                        help="default: the engine's (on for CUDA)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny preset, a few tokens")
     parser.add_argument("--output", default=None, help="JSON results file")
     args = parser.parse_args()
@@ -172,6 +179,7 @@ def main() -> None:
     results = {"benchmark": "spec_draft_gpu", "model": args.model, "draft": args.draft,
                "draft_layers": args.draft_layers if args.draft == "matched" else None,
                "k": args.k, "draft_weight_fraction": bench.draft_fraction,
+               "async_scheduling": bench.async_scheduling,
                "machine": platform.platform(),
                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "rows": sweep(bench)}

@@ -42,6 +42,22 @@ def test_diffs_of_a_removed_request_are_dropped():
     assert gathered[0].tolist() == [3, 0, 0, 0]
 
 
+def test_truncate_keeps_the_first_blocks_and_drops_unflushed_ones_past_them():
+    table = DeviceBlockTable(max_rows=2, max_blocks_per_req=6, device="cpu")
+    table.add("a", [5, 6])
+    table.gather(["a"])  # flushed
+    table.append("a", [7, 8])  # pending
+    table.truncate("a", 3)  # the scheduler freed block 8: its diff must not land later
+    table.append("a", [9, 4])
+    assert table.num_blocks == {"a": 5}
+    assert _rows(table, ["a"], [5]) == [[5, 6, 7, 9, 4]]
+    table.truncate("a", 1)
+    table.append("a", [2])
+    assert _rows(table, ["a"], [2]) == [[5, 2]]
+    with pytest.raises(ValueError, match="holds 2 blocks, cannot keep 3"):
+        table.truncate("a", 3)
+
+
 def test_the_table_grows_and_rejects_too_many_blocks():
     table = DeviceBlockTable(max_rows=1, max_blocks_per_req=2, device="cpu")
     table.add("a", [1, 2])

@@ -110,7 +110,7 @@ def test_planner_set_up_per_method():
     assert lookahead == 0 and planner.host_proposer is not None
     assert (planner.budget.max_k, planner.budget.compute_bound_tokens) == (4, 16)
     assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
-    assert not planner.budget.async_scheduling  # told by the engine: drafting holds a step
+    assert not planner.budget.drafting_holds  # told by the engine: drafting holds a step
     planner, _ = build_draft_planner(ngram, "cpu", 128, 30, async_scheduling=True)
     assert planner.budget.hold_cost(2) == pytest.approx(2 * (0.2 + 0.8 / 63))
     # 0.75 each covers the held step; told the step runs 4 requests, 0.75 < 4 x .238.
@@ -123,6 +123,9 @@ def test_planner_set_up_per_method():
     planner, lookahead = build_draft_planner(deep, "cuda", 128, 30)
     assert lookahead == 2 and planner.host_proposer is None
     assert planner.budget.min_gain == pytest.approx(0.25 + 29 / 30)
+    # Async, a worker drafter's requests are scheduled optimistically: nothing is held.
+    planner, _ = build_draft_planner(deep, "cuda", 128, 30, async_scheduling=True)
+    assert not planner.budget.drafting_holds and planner.budget.hold_cost(64) == 0.0
     assert planner.budget.choose(["new"], 1) == {"new": 0}
     with pytest.raises(ValueError, match="must be smaller than the target's 29 layers"):
         build_draft_planner(deep, "cpu", 128, 29)

@@ -85,14 +85,17 @@ def test_draft_with_other_weights_leaves_outputs_unchanged(checkpoints, expected
     assert_all_blocks_free(llm)
 
 
-def test_confidence_threshold_withholds_unsure_drafts(checkpoints, expected):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_confidence_threshold_withholds_unsure_drafts(checkpoints, expected, async_scheduling):
+    # Async, optimistic steps count 3 drafts; the worker computes rows only for those
+    # its drafter proposed.
     drafted = {}
     for threshold in (None, THRESHOLD):
         spec = {"model": checkpoints["target"], "num_speculative_tokens": 3,
                 "adaptive": False, "draft_confidence_threshold": threshold}
         if threshold is None:
             del spec["draft_confidence_threshold"]
-        llm = make_llm(checkpoints["target"], spec)
+        llm = make_llm(checkpoints["target"], spec, async_scheduling)
         greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         assert run(llm, greedy) == expected
         drafted[threshold] = llm.llm_engine.get_stats().spec_decode.num_draft_tokens
@@ -106,3 +109,56 @@ def test_draft_needs_the_targets_vocabulary_and_context(checkpoints):
     with pytest.raises(ValueError, match="holds 64 positions, fewer than max_model_len"):
         make_llm(checkpoints["target"], {"model": checkpoints["short"],
                                          "num_speculative_tokens": 2})
+
+
+def watch_schedules(llm) -> dict:
+    """Counts, from here on, the steps scheduled with placeholder drafts (optimistic)
+    and the schedule() calls that held the batch for drafts."""
+    from pagoda.core.optimistic_drafts import is_placeholder
+    scheduler = llm.llm_engine.scheduler
+    planner = scheduler.draft_planner
+    counts = {"optimistic": 0, "held": 0}
+    schedule, holds = scheduler.schedule, planner.holds_batch
+
+    def counting_schedule():
+        out = schedule()
+        counts["optimistic"] += any(map(is_placeholder, out.scheduled_spec_decode_tokens.values()))
+        return out
+
+    def counting_holds(running):
+        held = holds(running)
+        counts["held"] += held
+        return held
+    scheduler.schedule, planner.holds_batch = counting_schedule, counting_holds
+    return counts
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_async_speculation_keeps_the_overlap_through_stops_and_seeds(checkpoints, draft):
+    """Async scheduling with a worker drafter never holds the batch: steps are scheduled
+    optimistically, and outputs still equal speculation off's when requests stop on a
+    stop token or max_tokens in the middle of their drafts (the step launched after
+    the stop is dropped), and with seeded sampling (its randomness per output index)."""
+    off = make_llm(checkpoints["target"])
+    spec = {"model": checkpoints[draft], "num_speculative_tokens": 3, "adaptive": False}
+    llm = make_llm(checkpoints["target"], spec, async_scheduling=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reference = run(off, greedy)
+    stops = [tokens[9] for tokens in reference]  # mid-generation: mid-draft for some
+    params = [SamplingParams(max_tokens=24 - i, temperature=0, stop_token_ids=[stop])
+              for i, stop in enumerate(stops)]
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    want = ([o.outputs[0].token_ids for o in off.generate(prompts(), params, use_tqdm=False)],
+            run(off, seeded))
+    counts = watch_schedules(llm)
+    stopped = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    spec_stats = llm.llm_engine.get_stats().spec_decode
+    accepted = (spec_stats.num_accepted_tokens, spec_stats.num_draft_tokens)
+    assert (stopped, run(llm, seeded)) == want
+    for tokens, stop, param in zip(stopped, stops, params):
+        assert tokens[-1] == stop or len(tokens) == param.max_tokens
+    assert counts["held"] == 0 and counts["optimistic"] > 10, counts
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    if draft == "target":  # greedy drafts of the target itself: all accepted
+        assert accepted[0] == accepted[1] > 30
+    assert_all_blocks_free(llm)

@@ -76,6 +76,16 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self._len += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None:
+            raise ValueError(f"{block} is already on the free list")
+        first = self._head.next_free
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self._len += 1
+
     def popleft(self) -> KVCacheBlock:
         if self._len == 0:
             raise IndexError("pop from an empty free block queue")
@@ -206,6 +216,19 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def return_unused(self, blocks: list[KVCacheBlock]) -> None:
+        """Gives back blocks a request took but never wrote (slots for drafts that were
+        rejected): held by it alone and never cached, they go to the head of the free
+        list in their order, so the next allocation takes them first, as if they had
+        never been taken."""
+        for block in blocks:
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise ValueError(f"only a block in use by one request and not cached can "
+                                 f"be returned unused, got {block}")
+        for block in reversed(blocks):
+            block.ref_cnt = 0
+            self.free_queue.appendleft(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use."""

@@ -186,6 +186,21 @@ class KVCacheManager:
                     self.block_pool.uncache(block)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> Optional[int]:
+        """Returns the request's blocks past those num_tokens tokens need, unused (they
+        were taken for slots no step writes: core/optimistic_drafts.py); the number of
+        blocks it keeps, or None when it had none to spare."""
+        blocks = self._req_to_blocks.get(request.request_id)
+        keep = _cdiv(max(num_tokens, 0), self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return None
+        if keep < self._num_cached_blocks.get(request.request_id, 0):
+            raise ValueError(f"cannot trim request {request.request_id!r} to {keep} blocks: "
+                             "its cached blocks hold real tokens")
+        self.block_pool.return_unused(blocks[keep:])
+        del blocks[keep:]
+        return keep
+
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached prefixes; False (nothing done) while any block is in use."""
         return self.block_pool.reset_prefix_cache()

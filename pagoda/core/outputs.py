@@ -58,6 +58,10 @@ class SchedulerOutput:
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
     # KV offload tiers: blocks to move this step, or a poll for transfers in flight.
     kv_transfers: Optional[KVTransferPlan] = None
+    # req_id -> how many of its block ids the worker keeps: the scheduler freed the
+    # rest (taken for drafts rejected since; core/optimistic_drafts.py). Applied
+    # before this step's new blocks.
+    trimmed_block_tables: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

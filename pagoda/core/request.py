@@ -68,8 +68,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        # Async scheduling: tokens a step in flight will sample, not yet appended. The
-        # next step already computes the first of them (the worker feeds it on device).
+        # Async scheduling: tokens the steps in flight will sample, not yet appended
+        # (1 + k for a step verifying k drafts: as if all were accepted,
+        # core/optimistic_drafts.py). The next step already computes the first of them
+        # (the worker feeds it on device, or from its host when it drafted).
         self.num_output_placeholders = 0
         # Draft tokens proposed by speculative decoding, scheduled after the real ones.
         self.spec_token_ids: list[int] = []

@@ -14,12 +14,13 @@ draft tokens the model rejected.
 
 Async scheduling (vLLM v1's): the engine calls schedule() for step N+1 before
 update_from_output() of step N. A request whose step N samples holds one output
-placeholder until that update; step N+1 already computes the placeholder's position
-(the worker takes the token from step N's sampled ids on the device). A request whose
-placeholders would reach max_tokens or max_model_len is not scheduled again; one that
-stops on eos or a stop string wastes the one step already scheduled (its output is
-dropped). A request preempted while its step is in flight still receives that step's
-token.
+placeholder until that update (1 + k with k drafts: speculating requests are
+scheduled optimistically, core/optimistic_drafts.py); step N+1 already computes the
+placeholder's position (the worker takes the token from step N's sampled ids on the
+device). A request whose placeholders would reach max_tokens or max_model_len is not
+scheduled again; one that stops on eos or a stop string wastes the one step already
+scheduled (its output is dropped). A request preempted while its step is in flight
+still receives that step's token.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Iterable, Optional, Union
 from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_offload import KVOffloadManager, LoadStart
+from pagoda.core.optimistic_drafts import DraftRollback
 from pagoda.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -119,6 +121,9 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_planner = draft_planner
+        if draft_planner is not None:
+            draft_planner.async_scheduling = async_scheduling
+        self.rollback = DraftRollback(kv_cache_manager, num_lookahead_tokens, max_model_len)
         # A waiting request whose blocks the tiers load leaves the queue until they are
         # on the GPU, then goes back to its head (core/kv_offload.py).
         self.kv_offload = kv_offload
@@ -188,6 +193,7 @@ class Scheduler:
         del self.requests[rid]
         self.finished_req_ids.add(rid)
         self._num_tokens_sent.pop(rid, None)
+        self.rollback.forget(rid)
         self._prompt_logprobs_emitted.pop(rid, None)
         self._prompt_logprobs_received.pop(rid, None)
         if self.draft_planner is not None:
@@ -229,7 +235,7 @@ class Scheduler:
         if self.kv_offload is not None:  # their blocks are back on the GPU
             self.waiting.prepend_many(self.kv_offload.take_ready())
         # Held for drafts: an empty step (the engine takes the step in flight first).
-        if not self._holds_for_drafts():
+        if self.draft_planner is None or not self.draft_planner.holds_batch(self.running):
             if self.draft_planner is not None:
                 self.draft_planner.plan_step(
                     self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
@@ -246,8 +252,8 @@ class Scheduler:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 output.sampling_req_ids.add(request.request_id)
-                if self.async_scheduling:
-                    request.num_output_placeholders += 1
+                if self.async_scheduling:  # its tokens if every draft is accepted
+                    request.num_output_placeholders += 1 + len(request.spec_token_ids)
         planner = self.draft_planner
         if planner is not None:
             asked = planner.to_propose(
@@ -256,25 +262,18 @@ class Scheduler:
                 output.num_drafts_to_propose = asked
         return output
 
-    def _holds_for_drafts(self) -> bool:
-        """Async scheduling: while a request's step in flight verifies or proposes
-        drafts, nobody is scheduled ahead of its tokens. Were the others scheduled, that
-        request would sit out a whole step; held, every request loses only the host's
-        gap between steps (the price SpecBudget.hold_cost weighs)."""
-        planner = self.draft_planner
-        return (self.async_scheduling and planner is not None
-                and any(planner.must_wait(r) for r in self.running))
-
     def _schedule_running(self, plan: _StepPlan) -> None:
         for request in list(self.running):
             if plan.token_budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if self.draft_planner is not None:  # nobody waits here: see _holds_for_drafts
-                self.draft_planner.trim(request)
+            if self.draft_planner is not None:  # nobody waits here: see holds_batch
+                self.draft_planner.prepare(request)
             num_new = self._num_new_tokens(request, plan.token_budget)
             if num_new <= 0:
+                if self.draft_planner is not None:
+                    self.draft_planner.unprepare(request)
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
@@ -329,6 +328,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        self.rollback.forget(request.request_id)  # the worker drops its whole table
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._num_tokens_sent.pop(request.request_id, None)
@@ -338,7 +338,8 @@ class Scheduler:
 
     def _schedule_drafts(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         """Keeps the draft tokens that fit in this step's num_new, drops the rest."""
-        num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+        num_drafts = (request.num_computed_tokens + num_new - request.num_tokens
+                      - request.num_output_placeholders)
         if num_drafts > 0:
             del request.spec_token_ids[num_drafts:]
             plan.spec_tokens[request.request_id] = list(request.spec_token_ids)
@@ -451,6 +452,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
             finished_req_ids=finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
+            trimmed_block_tables=self.rollback.take_trims(),
         )
 
     # ------------------------------------------------------- update_from_output
@@ -470,11 +472,11 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # finished or aborted since schedule()
             expects_sample = rid in scheduler_output.sampling_req_ids
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, [])
             if expects_sample and request.num_output_placeholders:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= 1 + len(drafts)
             index = index_of.get(rid)
             sampled = runner.sampled_token_ids[index] if index is not None else []
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, [])
             error = runner.errors.get(rid) or self._check_sampled(request, sampled, drafts,
                                                                   expects_sample)
             if error is not None:
@@ -506,9 +508,9 @@ class Scheduler:
                     runner: ModelRunnerOutput, index: Optional[int]) -> list[EngineCoreOutput]:
         rid = request.request_id
         preempted = request.status == RequestStatus.PREEMPTED  # while this step was in flight
-        if sampled:
+        if sampled and not preempted:
             # Accepted drafts + one bonus/sampled token: the rejected drafts' KV is invalid.
-            request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            self.rollback.roll_back(request, drafts, sampled)
         if self.draft_planner is not None:
             self.draft_planner.observe(request, drafts, sampled)
         new_token_ids = self._append_until_stop(request, sampled)

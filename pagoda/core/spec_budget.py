@@ -15,8 +15,9 @@ Pure bookkeeping (no torch), owned by the scheduler. Inputs:
   forward costs about the same for any token count up to the point where it becomes
   compute-bound (`compute_bound_tokens`); drafts beyond it cost as much as real tokens
   and at an acceptance below one they only slow the step down.
-- whether the scheduler runs async (step N+1 scheduled before step N's tokens are
-  known) and how many requests run: that sets what a drafting step costs (below).
+- whether a drafting step holds the batch (`drafting_holds`: async scheduling with
+  the host proposer, n-gram) and how many requests run: that sets what a drafting
+  step costs (below).
 
 The choice. Draft i of request r (i = 1..max_k) gains alpha_r ** i expected tokens.
 Drafts whose gain is below MIN_GAIN are never worth their proposer's work and their
@@ -25,25 +26,28 @@ wanted drafts, the ones with the largest gain are taken while base_tokens + draf
 stays within compute_bound_tokens. When the step is compute-bound already, every k_r
 is 0.
 
-Async scheduling adds a price per step. A request that drafts cannot have its next
-step scheduled before this one's tokens are known (DraftPlanner.must_wait), and the
-scheduler then holds the whole batch for that step (Scheduler: a synchronous step):
-were the others scheduled ahead, each drafting request would lose a whole step
-(measured on an H200 at 80 % acceptance and 8-128 requests: 0.79-0.94x of off), while
-a held step costs every request only the overlap, the host's gap between steps:
-from HOLD_COST_ALONE of a token alone to HOLD_COST_BUSY in a batch of
-HOLD_COST_BUSY_FROM (measured; see the constants). So a step drafts only when its
-drafts' expected tokens, summed over the batch, cover hold_cost(running requests);
-otherwise nobody drafts. Synchronous scheduling pays nothing.
+A held step adds a price per step. Under async scheduling with the host proposer
+(n-gram), a request that drafts cannot have its next step scheduled before this
+one's tokens are known (DraftPlanner.must_wait), and the scheduler then holds the
+whole batch for that step (Scheduler: a synchronous step): were the others scheduled
+ahead, each drafting request would lose a whole step (measured on an H200 at 80 %
+acceptance and 8-128 requests: 0.79-0.94x of off), while a held step costs every
+request only the overlap, the host's gap between steps: from HOLD_COST_ALONE of a
+token alone to HOLD_COST_BUSY in a batch of HOLD_COST_BUSY_FROM (measured; see the
+constants). So a step drafts only when its drafts' expected tokens, summed over the
+batch, cover hold_cost(running requests); otherwise nobody drafts. Synchronous
+scheduling pays nothing, and neither do proposers on the worker (layer_skip,
+draft_model) under async scheduling: their requests are scheduled optimistically
+(core/optimistic_drafts.py), nothing is held.
 
 Probes. With no drafts the estimates learn nothing, so after `probe_interval` steps in
-a row without drafts, one probe step gives every request one draft (one held step for
-the whole batch, not one per request). A probe step where no draft is accepted doubles
+a row without drafts, one probe step gives every request one draft (where drafting holds,
+one held step for the whole batch, not one per request). A probe step where no draft is accepted doubles
 the interval (up to `max_probe_interval`); an accepted probe is taken as a sign that
 the text changed: that request's old counts are dropped (alpha 2/3 after the
 success) and the interval starts over. Probes take spare room like any draft.
 
-The arithmetic at 0 % acceptance, async: probe steps after 64, 128, 256, ... idle
+The arithmetic at 0 % acceptance, held steps: probe steps after 64, 128, 256, ... idle
 steps, each costing at most a token a request: a 128-token request sees at most 2
 (1.6 % of its steps); at the cap, one per 1,024 steps. An engine's first requests
 start from alpha 1/2 (2 drafts worth 0.75): alone or in small batches they draft until
@@ -93,7 +97,7 @@ class _Estimate:
 class _RequestState:
     estimate: _Estimate
     # A probe was chosen for it and its verification is not observed yet: it keeps one
-    # draft a step until then (an async request verifies it two steps later).
+    # draft a step until then (async, a request verifies it one or two steps later).
     probing: bool = False
 
 
@@ -105,7 +109,7 @@ def _gain(alpha: float, k: int) -> float:
 class SpecBudget:
     def __init__(self, max_k: int, compute_bound_tokens: int, adaptive: bool = True,
                  decay: float = DEFAULT_DECAY, min_gain: float = MIN_GAIN,
-                 prior_weight: float = PRIOR_WEIGHT, async_scheduling: bool = False,
+                 prior_weight: float = PRIOR_WEIGHT, drafting_holds: bool = False,
                  probe_interval: int = PROBE_INTERVAL,
                  max_probe_interval: int = MAX_PROBE_INTERVAL) -> None:
         if max_k < 1:
@@ -123,7 +127,8 @@ class SpecBudget:
         self.decay = decay
         self.min_gain = min_gain
         self.prior_weight = prior_weight
-        self.async_scheduling = async_scheduling
+        # Async scheduling with a host proposer: a drafting step holds the batch.
+        self.drafting_holds = drafting_holds
         self.base_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_interval = probe_interval  # steps without drafts before a probe step
@@ -142,8 +147,9 @@ class SpecBudget:
         return state is not None and state.probing
 
     def hold_cost(self, num_running: int) -> float:
-        """Tokens a drafting step costs the batch: async, a held step for everyone."""
-        if not self.async_scheduling:
+        """Tokens a drafting step costs the batch: where drafting holds, a held step for
+        everyone; nothing otherwise."""
+        if not self.drafting_holds:
             return 0.0
         share = min(1.0, (num_running - 1) / (HOLD_COST_BUSY_FROM - 1))
         return num_running * (HOLD_COST_ALONE + (HOLD_COST_BUSY - HOLD_COST_ALONE) * share)

@@ -44,7 +44,8 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_mode
                         async_scheduling: bool = False) -> tuple[Optional[DraftPlanner], int]:
     """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off.
     draft_weight_fraction: a draft model's weight bytes over the target's;
-    async_scheduling: the scheduler's (a drafting request then waits a step)."""
+    async_scheduling: the scheduler's (with the host proposer, n-gram, a drafting step
+    then holds the batch; worker proposers are scheduled optimistically)."""
     if spec is None:
         return None, 0
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
@@ -52,7 +53,7 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_mode
     budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
                         min_gain=MIN_GAIN + draft_cost(spec, num_target_layers,
                                                        draft_weight_fraction),
-                        async_scheduling=async_scheduling)
+                        drafting_holds=async_scheduling and spec.method == "ngram")
     if spec.method == "ngram":
         from pagoda.spec_decode.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,

@@ -65,6 +65,17 @@ class DeviceBlockTable:
         self._pending.extend((row, col, b) for col, b in enumerate(new_block_ids, start))
         self.num_blocks[req_id] = end
 
+    def truncate(self, req_id: str, num_blocks: int) -> None:
+        """Keeps the request's first num_blocks blocks (the scheduler freed the rest);
+        the columns past them are stale from here on."""
+        row = self.row_of[req_id]
+        if not 0 <= num_blocks <= self.num_blocks[req_id]:
+            raise ValueError(f"request {req_id!r} holds {self.num_blocks[req_id]} blocks, "
+                             f"cannot keep {num_blocks}")
+        self.num_blocks[req_id] = num_blocks
+        # Unflushed writes past the cut are void: a later append writes those columns.
+        self._pending = [p for p in self._pending if p[0] != row or p[1] < num_blocks]
+
     def remove(self, req_id: str) -> None:
         """A request leaving the batch (finished or preempted); its row is free again."""
         row = self.row_of.pop(req_id, None)

@@ -6,6 +6,11 @@ drafting starts (its accepted tokens decide the position).
 The scheduler asks for drafts through SchedulerOutput.num_drafts_to_propose; the
 drafts go back in ModelRunnerOutput.spec_token_ids. n-gram drafts are the host's
 (pagoda.core.draft_planner): no drafter here then.
+
+Every asked request's kept tokens and new drafts are on the worker's host once it has
+drafted (the drafting loop reads them): `record_kept` keeps them in its state, so that
+an optimistic next step (scheduled before the scheduler has seen them, with
+placeholder drafts: core/optimistic_drafts.py) is corrected on the worker's host.
 """
 
 from __future__ import annotations
@@ -87,6 +92,21 @@ def draft_starts(states: dict, inputs, sampled: torch.Tensor,
                                  state.block_ids, state.prompt_token_ids,
                                  state.output_token_ids, tail))
     return starts
+
+
+def record_kept(states: dict, inputs, starts: list[DraftStart],
+                proposals: dict[str, list[int]]) -> None:
+    """After drafting: each asked request's state takes its tokens the scheduler has
+    not seen (start.tail: a pending one, then the step's kept ones) as unsent output
+    tokens, the drafts the step rejected of those the scheduler counted, and its new
+    drafts (input_batch.py, optimistic steps)."""
+    for start in starts:
+        state = states[start.req_id]
+        num_kept = len(start.tail) - int(start.req_id in inputs.pending_output)
+        state.output_token_ids.extend(start.tail)
+        state.num_unsent += len(start.tail)
+        state.num_rejected = state.num_scheduled_drafts + 1 - num_kept
+        state.proposed = proposals.get(start.req_id, [])
 
 
 def _pending_tokens(inputs, first_row: dict[str, int], asked: list[str]) -> dict[str, int]:

@@ -8,6 +8,18 @@ know yet: the token the previous step sampled (still on the device), at the requ
 first unknown position, before any draft tokens. Its row gets a placeholder id on the
 host and is filled on the device from `PrevSampled`, so the host never waits for the
 previous step.
+
+Optimistic steps (core/optimistic_drafts.py): after a step in which a request was
+asked to propose drafts (SchedulerOutput.num_drafts_to_propose), the worker has read
+its kept tokens on its host (worker/drafting.py record_kept): they join the state's
+output tokens at once (`num_unsent`: the scheduler has not sent them yet; its diffs
+send them again later and are checked against them). While such tokens are unsent the
+scheduler's view of the request is optimistic: its num_computed_tokens counts every
+draft of that step as accepted and its drafts are placeholders. The state corrects
+both on the host, where it knows the truth: num_computed_tokens minus that step's
+rejected drafts, and its own proposals as the drafts (fewer rows where it proposed
+fewer than the scheduler counted). Sequence lengths and slot mappings follow from the
+true positions; the scheduler's extra slots are never written.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import torch
 
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.metadata import build_attention_metadata
+from pagoda.core.optimistic_drafts import is_placeholder
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.host_copy import tensor_to_device
 from pagoda.sampling_params import SamplingParams
@@ -37,6 +50,19 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator] = None
     spec_token_ids: list[int] = field(default_factory=list)
+    # Optimistic steps (module docstring): output tokens (at the end of
+    # output_token_ids) the scheduler has not sent yet; the drafts that the last step
+    # the worker read on its host rejected of those the scheduler counted; the drafts
+    # proposed after it; and the drafts the scheduler counted in this step.
+    num_unsent: int = 0
+    num_rejected: int = 0
+    proposed: list[int] = field(default_factory=list)
+    num_scheduled_drafts: int = 0
+
+    @property
+    def num_unproposed(self) -> int:
+        """Drafts the scheduler counted this step that the worker did not propose."""
+        return self.num_scheduled_drafts - len(self.spec_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +125,12 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
         states.pop(req_id, None)
         if block_table is not None:
             block_table.remove(req_id)
+    for req_id, keep in out.trimmed_block_tables.items():
+        state = states.get(req_id)
+        if state is not None:
+            del state.block_ids[keep:]  # in place: a draft model keys on the list
+            if block_table is not None:
+                block_table.truncate(req_id, keep)
     for new in out.scheduled_new_reqs:
         gen = make_generator(new.sampling_params.seed) if new.sampling_params.seed is not None else None
         states[new.req_id] = CachedRequestState(
@@ -108,13 +140,41 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
             block_table.add(new.req_id, new.block_ids)
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]
-        state.output_token_ids.extend(cached.new_token_ids)
+        _take_sent_tokens(state, cached.new_token_ids)
         state.block_ids.extend(cached.new_block_ids)
-        state.num_computed_tokens = cached.num_computed_tokens
+        # Optimistic (tokens unsent): the scheduler counts the last step's drafts as accepted.
+        surplus = state.num_rejected if state.num_unsent else 0
+        state.num_computed_tokens = cached.num_computed_tokens - surplus
         if block_table is not None and cached.new_block_ids:
             block_table.append(cached.req_id, cached.new_block_ids)
     for req_id in out.num_scheduled_tokens:  # drafts last only for the step they are in
-        states[req_id].spec_token_ids = list(out.scheduled_spec_decode_tokens.get(req_id, ()))
+        _set_drafts(states[req_id], out.scheduled_spec_decode_tokens.get(req_id, []))
+
+
+def _take_sent_tokens(state: CachedRequestState, new_token_ids: list[int]) -> None:
+    """Appends the tokens the scheduler sent; those the worker holds unsent already
+    must be the same (it kept them from the same sampled rows)."""
+    overlap = min(state.num_unsent, len(new_token_ids))
+    if overlap:
+        known = len(state.output_token_ids) - state.num_unsent
+        if state.output_token_ids[known:known + overlap] != new_token_ids[:overlap]:
+            raise RuntimeError(f"internal error: request {state.req_id!r}: the scheduler sent "
+                               f"{new_token_ids[:overlap]}, the worker kept "
+                               f"{state.output_token_ids[known:known + overlap]}")
+        state.num_unsent -= overlap
+    state.output_token_ids.extend(new_token_ids[overlap:])
+
+
+def _set_drafts(state: CachedRequestState, scheduled: list[int]) -> None:
+    """This step's drafts: the scheduler's, or, optimistic, the worker's own proposals
+    (the scheduler sent as many placeholders as it counted)."""
+    state.num_scheduled_drafts = len(scheduled)
+    placeholders = is_placeholder(scheduled)
+    if placeholders != bool(state.num_unsent and scheduled):
+        raise RuntimeError(f"internal error: request {state.req_id!r} is scheduled with "
+                           f"drafts {scheduled} while the worker holds {state.num_unsent} "
+                           "tokens the scheduler has not seen")
+    state.spec_token_ids = state.proposed[:len(scheduled)] if placeholders else list(scheduled)
 
 
 def _pending_source(req_id: str, state: CachedRequestState, end: int,
@@ -177,6 +237,7 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
     row = 0
     for req_id, n in out.num_scheduled_tokens.items():
         state = states[req_id]
+        n -= state.num_unproposed  # rows only for the drafts there are
         start = state.num_computed_tokens
         end = start + n
         req_ids.append(req_id)

@@ -291,9 +291,10 @@ class ModelRunner:
             sampled, single_row_index(inputs.sample_req_ids))
         proposals = None
         if self.drafter is not None and launched.to_propose and sampled is not None:
-            from pagoda.worker.drafting import draft_starts
-            proposals = self.drafter.propose(draft_starts(self.states, inputs, sampled,
-                                                          launched.to_propose))
+            from pagoda.worker.drafting import draft_starts, record_kept
+            starts = draft_starts(self.states, inputs, sampled, launched.to_propose)
+            proposals = self.drafter.propose(starts)
+            record_kept(self.states, inputs, starts, proposals)
         return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
                                  packed_logprobs, wanted, prompt_logprobs,
                                  drafts=inputs.verified_drafts, spec_token_ids=proposals,

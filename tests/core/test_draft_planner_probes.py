@@ -27,7 +27,7 @@ class WrongProposer:
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_zero_acceptance_stops_drafting_and_probes_one_draft_at_a_time(pipelined):
     proposer = WrongProposer()
-    budget = SpecBudget(4, 64, async_scheduling=pipelined)
+    budget = SpecBudget(4, 64, drafting_holds=pipelined)
     sched = make_scheduler(num_blocks=80, async_scheduling=pipelined,
                            draft_planner=DraftPlanner(budget, 256, proposer))
     requests = [make_request(f"r{i}", [i + 1, 9, 8, 7], max_tokens=130) for i in range(2)]

@@ -10,9 +10,11 @@ come from an oracle that knows the true continuation and corrupts some of it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pagoda.core.draft_planner import DraftPlanner
+from pagoda.core.optimistic_drafts import PLACEHOLDER_DRAFT
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.spec_budget import SpecBudget
 from pagoda.sample.verify import accept_draft_tokens
@@ -33,23 +35,70 @@ def oracle(tokens: list[int], k: int) -> list[int]:
 
 
 @dataclass
+class _Optimism:
+    """What the worker knows that the scheduler does not yet, per request (the real
+    worker's CachedRequestState fields of the same names)."""
+
+    num_unsent: int = 0  # tokens at the end of seq.tokens the scheduler has not sent
+    num_rejected: int = 0  # drafts its last step rejected (scheduled - accepted)
+    proposed: list = field(default_factory=list)  # drafts proposed after its last step
+
+
+@dataclass
 class VerifyingRunner(FakeRunner):
     """FakeRunner with verify rows, the previous step's tokens fed from its own record
-    (async scheduling), and drafts proposed on the worker when asked."""
+    (async scheduling), and drafts proposed on the worker when asked. Like the real
+    worker, a request asked to propose keeps its kept tokens on the worker's host, and
+    its optimistic next step (placeholder drafts) is corrected there: drafts from its
+    own proposals, positions from its own count of rejected drafts."""
 
     last_sampled: dict = field(default_factory=dict)
     verify_steps: int = 0
+    optimistic_steps: int = 0
     lookahead: int = 0
+    optimism: dict = field(default_factory=dict)  # req_id -> _Optimism
+
+    def _apply_diff(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.seqs.pop(rid, None)
+            self.optimism.pop(rid, None)
+        for rid, keep in out.trimmed_block_tables.items():
+            if rid in self.seqs:
+                assert keep < len(self.seqs[rid].blocks)
+                del self.seqs[rid].blocks[keep:]
+        cached = out.scheduled_cached_reqs
+        super()._apply_diff(dataclasses.replace(out, scheduled_cached_reqs=[]))
+        for new in out.scheduled_new_reqs:
+            self.optimism[new.req_id] = _Optimism()
+        for data in cached:
+            seq, mine = self.seqs[data.req_id], self.optimism[data.req_id]
+            known = len(seq.tokens) - mine.num_unsent
+            overlap = min(mine.num_unsent, len(data.new_token_ids))
+            assert seq.tokens[known:known + overlap] == data.new_token_ids[:overlap]
+            seq.tokens += data.new_token_ids[overlap:]
+            mine.num_unsent -= overlap
+            surplus = mine.num_rejected if mine.num_unsent else 0
+            assert data.num_computed_tokens - surplus == seq.num_computed, data.req_id
+            seq.blocks += data.new_block_ids
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diff(out)
         req_ids, sampled, proposals, now = [], [], {}, {}
         for rid, num_tokens in out.num_scheduled_tokens.items():
-            seq = self.seqs[rid]
-            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            seq, mine = self.seqs[rid], self.optimism[rid]
+            scheduled = out.scheduled_spec_decode_tokens.get(rid, [])
+            drafts = scheduled
+            if mine.num_unsent:  # optimistic: the worker's own drafts, at true positions
+                assert all(d == PLACEHOLDER_DRAFT for d in scheduled), rid
+                drafts = mine.proposed[:len(scheduled)]
+                self.optimistic_steps += 1
+            else:
+                assert PLACEHOLDER_DRAFT not in scheduled, rid
             tokens = list(seq.tokens)
-            start, end = seq.num_computed, seq.num_computed + num_tokens
-            if end == len(tokens) + len(drafts) + 1:  # pending: last step's token
+            start = seq.num_computed
+            end = start + num_tokens - (len(scheduled) - len(drafts))
+            pending = end == len(tokens) + len(drafts) + 1  # last step's token
+            if pending:
                 assert not drafts, f"{rid}: verifies drafts before its last token is known"
                 tokens.append(self.last_sampled[rid])
             known = len(tokens)
@@ -70,6 +119,11 @@ class VerifyingRunner(FakeRunner):
                 now[rid] = kept[-1]
                 if rid in out.num_drafts_to_propose:
                     proposals[rid] = oracle(tokens[:known] + kept, out.num_drafts_to_propose[rid])
+                    tail = tokens[len(seq.tokens):known] + kept  # the pending one, if any
+                    seq.tokens += tail
+                    mine.num_unsent += len(tail)
+                    mine.num_rejected = len(scheduled) + 1 - len(kept)
+                    mine.proposed = proposals[rid]
             assert bool(kept) == (rid in out.sampling_req_ids)
             # The scheduler rolls the rejected drafts back; so does the worker.
             seq.num_computed = end - (len(drafts) + 1 - len(kept)) if kept else end
@@ -127,6 +181,8 @@ def test_outputs_equal_plain_decoding_under_chunking_preemption_and_async():
             check_outputs(sched, requests, tokens, reasons)
             assert sched.num_preemptions_total > 0, (pipelined, host)
             assert runner.verify_steps > 10, (pipelined, host)
+            # Async with the worker's proposer: scheduled optimistically, never held.
+            assert (runner.optimistic_steps > 10) == (pipelined and not host)
             stats = sched.draft_planner.stats
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
             assert stats.accepted_per_pos[0] >= stats.accepted_per_pos[1] >= stats.accepted_per_pos[2]
