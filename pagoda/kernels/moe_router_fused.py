@@ -156,7 +156,9 @@ def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEC
     block_t = triton.next_power_of_2(max(num_tokens, 1))
     if block_x is None:
         block_x = max(1, triton.next_power_of_2(num_experts) // 128)
-    num_warps = num_warps or 4
+    # One token: one warp per program (1024-wide hidden chunks), the fastest launch of
+    # benchmarks/moe_router_bench.py's sweep on the H200 for both MoE presets.
+    num_warps = num_warps or (1 if block_t == 1 else 4)
     budget = _ACC_ELEMENTS * num_warps // 4
     block_h = max(32, min(triton.next_power_of_2(hidden_size), budget // (block_t * block_x)))
     block_e = triton.next_power_of_2(num_experts)
