@@ -211,3 +211,50 @@ def test_bfloat16_qwen3_30b_layer_shape_and_cuda_graph(fm):
             dst.copy_(src)
         graph.replay()
         torch.testing.assert_close(out, fm.fused_moe(*fresh))
+
+
+def _shared_mlp(hidden: int, inter: int, chunks: int, dtype: torch.dtype, seed: int):
+    """A shared MLP's (gate_up [2 * Is, H], down [H, Is]) weights, Is = chunks * inter."""
+    gen = torch.Generator().manual_seed(seed)
+    shared_inter = chunks * inter
+    gate_up = torch.randn(2 * shared_inter, hidden, generator=gen) * hidden ** -0.5
+    down = torch.randn(hidden, shared_inter, generator=gen) * shared_inter ** -0.5
+    return gate_up.to(dtype).to(DEVICE), down.to(dtype).to(DEVICE)
+
+
+def _shared_reference(x, gate_up, down):
+    """GatedMLP's torch order of roundings: the projection, silu, the product, down."""
+    g, u = (x @ gate_up.t()).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u) @ down.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_gemv_adds_the_shared_mlp_in_its_launches(fm, monkeypatch, dtype, small_tiles):
+    """A shared MLP of two expert-sized chunks rides along the GEMV kernels: the result is
+    the routed sum plus the shared MLP, each rounded on its own, then added (DeepSeek's
+    block); with small tiles both kernels loop over several chunks of each row; a token
+    whose choices are all another rank's still gets the shared MLP."""
+    if small_tiles:
+        from pagoda.kernels import fused_moe_decode as dec
+        monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
+        monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
+    x, w13, w2, weights, ids = _case(3, 5, 40, 24, 2, dtype, seed=13)
+    ids[1] = -1
+    gate_up, down = _shared_mlp(40, 24, 2, dtype, seed=14)
+    got = fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down))
+    expected = (fm.fused_moe_reference(x, w13, w2, weights, ids)
+                + _shared_reference(x, gate_up, down))
+    assert got.dtype == dtype and got.shape == (3, 40)
+    scale = expected.float().abs().max().item()
+    assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
+    assert torch.equal(got, fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down)))
+
+
+def test_shared_mlp_refusals(fm):
+    x, w13, w2, weights, ids = _case(1, 4, 32, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match="no whole number"):
+        fm.fused_moe(x, w13, w2, weights, ids, shared=_shared_mlp(32, 24, 1, torch.float32, 0))
+    with pytest.raises(ValueError, match="gemv path only"):
+        fm.fused_moe(x, w13, w2, weights, ids, path="fused",
+                     shared=_shared_mlp(32, 16, 2, torch.float32, 0))

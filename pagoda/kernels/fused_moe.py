@@ -256,25 +256,36 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
         **config)
 
 
+def gemv_path_takes(num_pairs: int) -> bool:
+    """Whether fused_moe's default path for num_pairs (token, choice) pairs is the
+    decode GEMV, the one path that also takes a shared MLP."""
+    return FUSED_EPILOGUES and 0 < num_pairs <= DECODE_GEMV_MAX_PAIRS
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              path: str | None = None) -> torch.Tensor:
+              path: str | None = None,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
-    -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice)."""
+    -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice).
+    shared: a shared MLP's (gate_up, down) weights added in the same launches, on the
+    gemv path only (fused_moe_decode.fused_moe_gemv)."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     if path is None:
-        path = ("gemv" if FUSED_EPILOGUES and num_pairs <= DECODE_GEMV_MAX_PAIRS
+        path = ("gemv" if gemv_path_takes(num_pairs)
                 else "fused" if FUSED_EPILOGUES else "unfused")
     if path not in PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; one of {', '.join(PATHS)}")
+    if shared is not None and (path != "gemv" or num_pairs == 0):
+        raise ValueError("a shared MLP rides along the gemv path only (gemv_path_takes)")
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
     if path == "gemv":
-        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared)
     config = pick_config(num_pairs, w13.shape[0])
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
         topk_ids, config["BLOCK_M"], w13.shape[0])

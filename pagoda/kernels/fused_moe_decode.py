@@ -27,9 +27,19 @@ applied, the k-sum in float32, rounded once. A choice of -1 (another rank's expe
 adds nothing (gate/up skip it; down zeroes its activation row, or reads nothing when the
 row is chunked). Outputs are allocated from shapes alone: CUDA-graph
 capturable.
+
+Shared experts (DeepSeek): a shared MLP whose intermediate size Is is a whole number of
+expert intermediates I rides along in the same two launches: its Is / I chunks are
+extra pairs of every token in the gate/up kernel (weight rows of the shared gate_up
+instead of an expert's), and the down kernel adds the shared projection, summed over
+its chunks in float32 and rounded once, to the routed sum rounded on its own, as the
+unfused block's `routed + shared` rounds. That saves the shared MLP's four launches
+(gate/up GEMM, SiLU-and-mul, down GEMM, the add) at decode.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -60,39 +70,56 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, w13_ptr, ids_ptr, act_ptr,
-    H, I, stride_xm, stride_we, stride_wn,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr,
+    H, I, stride_xm, stride_we, stride_wn, num_routed_pairs, shared_inter, stride_swn,
+    TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    # Pairs [0, num_routed_pairs): (token, choice), expert ids[pair] of w13. Pairs past
+    # them (SHARED_CHUNKS > 0): (token, chunk c) of the shared MLP ws13 [2 * Is, H],
+    # whose gate rows [c * I, (c + 1) * I) and up rows Is + the same are an expert's.
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if expert < 0:  # another rank's expert: down reads nothing of this row either
-        return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + (pair // TOP_K) * stride_xm
-    w_gate = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-    w_up = w_gate + I * stride_wn
+    if pair >= num_routed_pairs:  # (never, without shared chunks)
+        shared_pair = pair - num_routed_pairs
+        token = shared_pair // SHARED_CHUNKS
+        w_gate = (ws13_ptr + (shared_pair % SHARED_CHUNKS) * I * stride_swn
+                  + offs_n[:, None] * stride_swn + offs_k[None, :])
+        w_up = w_gate + shared_inter * stride_swn
+        length = H
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        token = pair // TOP_K
+        w_gate = (w13_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
+                  + offs_k[None, :])
+        w_up = w_gate + I * stride_wn
+        # -1 (another rank's expert): nothing read, and down reads nothing of this row.
+        length = tl.where(expert >= 0, H, 0)
+    n_ok = offs_n < I
+    x_row = x_ptr + token * stride_xm
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_ok = offs_k < H - k0
+        k_ok = offs_k < length - k0
         x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
         acc_g += tl.load(w_gate + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
         acc_u += tl.load(w_up + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
     act = silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1),
                            act_ptr.dtype.element_ty)
-    tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+    # A row of another rank's expert is not stored (a vector mask from a scalar bound:
+    # the interpreter refuses a scalar bool combined with a vector).
+    tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty),
+             mask=offs_n < tl.where(length > 0, I, 0))
 
 
 @triton.jit
 def _gemv_down_sum_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
-    H, I, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, ws2_ptr,
+    H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn,
+    TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,29 +135,46 @@ def _gemv_down_sum_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
                   + offs_k[None, :])
-        if ONE_CHUNK:
-            # Masks along K only (uniform, so the loads stay vectorized). -1 (another
-            # rank's expert): its act row was never written, so it is zeroed here, and
-            # the rows read (expert 0's, finite) then add exactly 0.
-            k_ok = offs_k < I
-            a = tl.load(act_ptr + pair * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            a = tl.where(expert >= 0, a, 0.0)
-            w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        else:
-            # -1: a reduction length of 0, so the masked loads read nothing, add 0.
-            length = tl.where(expert >= 0, I, 0)
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                k_ok = offs_k < length - k0
-                a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_ok, other=0.0)
-                w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            y = tl.sum(acc, axis=1)
+        # -1 (another rank's expert): its act row was never written, so the reduction
+        # length is 0 (masked loads read nothing, add 0).
+        y = _down_rows(act_ptr + pair * I, w_rows, tl.where(expert >= 0, I, 0), I, n_ok,
+                       offs_k, BLOCK_N, BLOCK_K, ONE_CHUNK)
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         total += y * tl.load(weights_ptr + pair)
+    if SHARED_CHUNKS > 0:
+        # The shared MLP's down projection over its SHARED_CHUNKS * I columns, summed in
+        # float32 and rounded once (as its own GEMM), then added to the routed sum
+        # rounded on its own: round(round(routed) + round(shared)), the unfused order.
+        shared = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c in range(0, SHARED_CHUNKS):
+            w_rows = ws2_ptr + offs_n[:, None] * stride_swn + c * I + offs_k[None, :]
+            act_row = act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I
+            shared += _down_rows(act_row, w_rows, I, I, n_ok, offs_k, BLOCK_N, BLOCK_K,
+                                 ONE_CHUNK)
+        total = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        total += shared.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
              mask=n_ok)
+
+
+@triton.jit
+def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """float32 [BLOCK_N]: the w_rows block times act_row over its first length (<= I)
+    columns (w_rows: [BLOCK_N, BLOCK_K] pointers of the first chunk)."""
+    if ONE_CHUNK:
+        # Masks along K only (uniform, so the loads stay vectorized).
+        k_ok = offs_k < length
+        a = tl.load(act_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k < length - k0
+        a = tl.load(act_row + k0 + offs_k, mask=k_ok, other=0.0)
+        w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
 
 
 def down_config(inter: int) -> dict:
@@ -143,23 +187,50 @@ def down_config(inter: int) -> dict:
 
 
 def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
-    one pair) -> [T, H] in hidden's dtype."""
+    one pair) -> [T, H] in hidden's dtype. shared: a shared MLP's (gate_up [2 * Is, H],
+    down [H, Is]) with Is a multiple of the experts' I (shared_chunks_of); its output is
+    added to every token's (see the module docstring)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = w2.shape[1], w2.shape[2]
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe_gemv needs w13 and w2 contiguous along their last dim")
+    chunks = 0 if shared is None else shared_chunks_of(shared, w13, w2)
+    ws13, ws2 = shared if shared is not None else (w13, w2)  # unread without chunks
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    routed = ids.numel()
+    act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype,
+                      device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     up_cfg = GATE_UP_CONFIG
     down_cfg = down_config(inter)
-    _gemv_gate_up_kernel[(ids.numel(), triton.cdiv(inter, up_cfg["BLOCK_N"]))](
-        hidden, w13, ids, act, hidden_size, inter, hidden.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=top_k, **up_cfg)
+    _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, up_cfg["BLOCK_N"]))](
+        hidden, w13, ids, act, ws13, hidden_size, inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), routed, ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
+        SHARED_CHUNKS=chunks, **up_cfg)
     _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg["BLOCK_N"]))](
-        act, w2, ids, weights, out, hidden_size, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, **down_cfg)
+        act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), routed, ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks, **down_cfg)
     return out
+
+
+def shared_chunks_of(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
+                     w2: torch.Tensor) -> int:
+    """How many expert-sized chunks a shared MLP (gate_up [2 * Is, H], down [H, Is]) is
+    (Is / I); ValueError when it cannot ride along the experts' kernels."""
+    gate_up, down = shared
+    hidden_size, inter = w2.shape[1], w2.shape[2]
+    shared_inter = down.shape[-1]
+    if (gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape != (2 * shared_inter, hidden_size)
+            or down.shape[0] != hidden_size or shared_inter % inter or shared_inter == 0):
+        raise ValueError(f"shared MLP gate_up {tuple(gate_up.shape)} / down "
+                         f"{tuple(down.shape)} is no whole number of [{2 * inter}, "
+                         f"{hidden_size}] experts")
+    if gate_up.dtype != w13.dtype or down.dtype != w2.dtype:
+        raise ValueError("the shared MLP's weights must have the experts' dtype")
+    if gate_up.stride(1) != 1 or down.stride(1) != 1:
+        raise ValueError("the shared MLP's weights must be contiguous along their last dim")
+    return shared_inter // inter

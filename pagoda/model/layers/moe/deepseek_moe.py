@@ -86,9 +86,8 @@ class DeepseekMoE(nn.Module):
         """[T, H] -> [T, H]: routed experts (weights scaled by routed_scaling_factor)
         plus shared experts, one all-reduce for both."""
         out = self.experts(hidden_states, topk=route(
-            hidden_states, self.gate, self.experts.cfg, self.experts.e_score_correction_bias))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+            hidden_states, self.gate, self.experts.cfg, self.experts.e_score_correction_bias),
+            shared=self.shared_experts)
         if self.tp.size > 1:
             check_tp_group("DeepseekMoE", self.tp.rank, self.tp.size)
             out = tp_all_reduce(out)

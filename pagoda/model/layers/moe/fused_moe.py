@@ -140,25 +140,52 @@ class FusedMoE(nn.Module):
                            torch.full_like(local, -1))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
-                topk: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                topk: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                shared: Optional[nn.Module] = None) -> torch.Tensor:
         """hidden_states [T, H] and either router_logits [T, E] or topk, the routing
         already done ((weights float32 [T, k], global ids int32 [T, k]), routing.route)
         -> [T, H]: the weighted sum of each token's chosen experts (this rank's part
-        when reduce_results is False)."""
+        when reduce_results is False), plus shared(hidden_states) when a shared MLP
+        (a GatedMLP that does not reduce) is given: at decode on CUDA computed in the
+        experts' two GEMV launches (kernels/fused_moe_decode.py), else on its own."""
         if (router_logits is None) == (topk is None):
             raise ValueError("FusedMoE.forward takes router_logits or topk (exactly one)")
         topk_weights, topk_ids = topk if topk is not None else select_experts(
             router_logits, self.cfg, self.e_score_correction_bias)
         if self.expert_parallel and self.tp.size > 1:
             topk_ids = self._local_ids(topk_ids)
+        shared_weights = self._shared_weights(shared, hidden_states, topk_ids.numel())
         if hidden_states.is_cuda:
             from pagoda.kernels.fused_moe import fused_moe  # imports triton: CUDA only
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids)
+                            topk_ids, shared=shared_weights)
         else:
             out = fused_moe_reference(hidden_states, self.w13_weight, self.w2_weight,
                                       topk_weights, topk_ids)
+        if shared is not None and shared_weights is None:
+            out = out + shared(hidden_states)
         if self.reduce_results and self.tp.size > 1:
             check_tp_group("FusedMoE", self.tp.rank, self.tp.size)
             out = tp_all_reduce(out)
         return out
+
+    def _shared_weights(self, shared: Optional[nn.Module], hidden: torch.Tensor,
+                        num_pairs: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The shared MLP's (gate_up, down) weights when the decode kernels take them:
+        CUDA, the GEMV path, plain weights of the experts' dtype whose intermediate is a
+        whole number of this rank's expert intermediates; else None."""
+        if shared is None or not hidden.is_cuda:
+            return None
+        from pagoda.kernels.fused_moe import gemv_path_takes  # imports triton: CUDA only
+        from pagoda.kernels.fused_moe_decode import shared_chunks_of
+        if not gemv_path_takes(num_pairs):
+            return None
+        weights = (getattr(shared.gate_up_proj, "weight", None),
+                   getattr(shared.down_proj, "weight", None))
+        if any(w is None for w in weights):
+            return None
+        try:
+            shared_chunks_of(weights, self.w13_weight, self.w2_weight)
+        except ValueError:
+            return None
+        return weights
