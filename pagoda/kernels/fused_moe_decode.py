@@ -167,14 +167,16 @@ def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
         k_ok = offs_k < length
         a = tl.load(act_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = offs_k < length - k0
-        a = tl.load(act_row + k0 + offs_k, mask=k_ok, other=0.0)
-        w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+        y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            chunk_ok = offs_k < length - k0
+            a_chunk = tl.load(act_row + k0 + offs_k, mask=chunk_ok, other=0.0)
+            w_chunk = tl.load(w_rows + k0, mask=n_ok[:, None] & chunk_ok[None, :], other=0.0)
+            acc += w_chunk.to(tl.float32) * a_chunk.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+    return y
 
 
 def down_config(inter: int) -> dict:
