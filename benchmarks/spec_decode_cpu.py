@@ -13,6 +13,7 @@ is scheduled optimistically then: core/optimistic_drafts.py).
 
     python benchmarks/spec_decode_cpu.py --output benchmarks/results/cpu-spec-decode.json
     python benchmarks/spec_decode_cpu.py --async-scheduling both --requests 3 --max-tokens 64
+    python benchmarks/spec_decode_cpu.py --skip-ngram --confidence 0.3 0.5 0.7
     python benchmarks/spec_decode_cpu.py --smoke      # seconds: one short prompt each
 """
 
@@ -117,14 +118,24 @@ def compare(name: str, conversations, configs: dict, max_tokens: int) -> dict:
     return runs
 
 
-def layer_skip_configs(async_mode: str) -> dict:
-    """label -> (speculative config, async scheduling) of the layer-skip workload."""
+def layer_skip_configs(async_mode: str, confidences: list[float]) -> dict:
+    """label -> (speculative config, async scheduling) of the layer-skip workload; each
+    confidence threshold adds k = 2 and k = 4 (always drafting) with it, beside k = 4
+    without one."""
     ways = {"off": [False], "on": [True], "both": [False, True]}[async_mode]
     configs = {}
     for on in ways:
         suffix = " async" if async_mode == "both" and on else ""
         configs.update({f"off{suffix}": (None, on), f"layer_skip adaptive{suffix}": (LAYER_SKIP, on),
                         f"layer_skip k=2 always{suffix}": ({**LAYER_SKIP, "adaptive": False}, on)})
+        if confidences:
+            configs[f"k=4 always{suffix}"] = (
+                {**LAYER_SKIP, "adaptive": False, "num_speculative_tokens": 4}, on)
+        for threshold in confidences:
+            for k in (2, 4):
+                configs[f"k={k} conf {threshold}{suffix}"] = (
+                    {**LAYER_SKIP, "adaptive": False, "num_speculative_tokens": k,
+                     "draft_confidence_threshold": threshold}, on)
     return configs
 
 
@@ -135,6 +146,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
                         help="async scheduling for every run (on), or layer-skip both ways")
+    parser.add_argument("--confidence", type=float, nargs="*", default=[],
+                        help="layer-skip draft confidence thresholds to compare")
+    parser.add_argument("--skip-ngram", action="store_true", help="the layer-skip workload only")
     parser.add_argument("--smoke", action="store_true", help="one short request each: checks it runs")
     parser.add_argument("--output", default=None, help="JSON results file")
     args = parser.parse_args()
@@ -149,13 +163,15 @@ def main() -> None:
         "processor": platform.processor(), "torch_threads": torch.get_num_threads(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "async_scheduling": args.async_scheduling,
-        "grounded_ngram": compare("grounded (n-gram)", grounded_messages(args.requests), {
+    }
+    if not args.skip_ngram:
+        results["grounded_ngram"] = compare("grounded (n-gram)", grounded_messages(args.requests), {
             "off": (None, on), "ngram adaptive": (NGRAM, on),
             "ngram k=4 always": ({**NGRAM, "adaptive": False}, on),
-        }, args.max_tokens),
-        "chat_layer_skip": compare("chat (layer skip, 29 of 30 layers)", chat_messages(args.requests),
-                                   layer_skip_configs(args.async_scheduling), args.max_tokens),
-    }
+        }, args.max_tokens)
+    results["chat_layer_skip"] = compare(
+        "chat (layer skip, 29 of 30 layers)", chat_messages(args.requests),
+        layer_skip_configs(args.async_scheduling, args.confidence), args.max_tokens)
     if args.output:
         write_json(args.output, results)
 

@@ -230,8 +230,8 @@ class SpeculativeConfig:
     adaptive: pick each request's k per step from its acceptance and the step's load
     (pagoda.core.spec_budget); compute_bound_tokens: tokens per step from which the
     forward is compute-bound and drafts stop paying (None: per device, resolved at start).
-    draft_confidence_threshold: a model drafter stops once its own probability of its
-    next guess falls below this (draft_model only).
+    draft_confidence_threshold: a model drafter (layer_skip, draft_model) stops once its
+    own probability of its next guess falls below this.
     """
 
     method: str
@@ -246,7 +246,7 @@ class SpeculativeConfig:
 
     # Which optional keys each method takes (others are refused, never ignored).
     _METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-                    "layer_skip": ("num_layers",),
+                    "layer_skip": ("num_layers", "draft_confidence_threshold"),
                     "draft_model": ("model", "draft_confidence_threshold")}
 
     def __post_init__(self) -> None:
@@ -254,11 +254,12 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise _fail("num_speculative_tokens", "an integer >= 1", None)
         _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
-        for method, keys in self._METHOD_KEYS.items():
-            for key in keys:
-                if method != self.method and getattr(self, key) is not None:
-                    raise ValueError(f"speculative_config key {key!r} belongs to method "
-                                     f"{method!r}, not {self.method!r}")
+        own = self._METHOD_KEYS.get(self.method, ())
+        for key in dict.fromkeys(k for keys in self._METHOD_KEYS.values() for k in keys):
+            if key not in own and getattr(self, key) is not None:
+                owners = [m for m, keys in self._METHOD_KEYS.items() if key in keys]
+                raise ValueError(f"speculative_config key {key!r} belongs to method "
+                                 f"{' / '.join(map(repr, owners))}, not {self.method!r}")
         if not isinstance(self.adaptive, bool):
             raise _fail("speculative_config adaptive", "true or false", self.adaptive)
         _check_positive_int("compute_bound_tokens", self.compute_bound_tokens)
@@ -278,10 +279,14 @@ class SpeculativeConfig:
             raise ValueError("layer_skip speculation needs num_layers (the target's first "
                              "layers that draft)")
         _check_positive_int("num_layers", self.num_layers)
+        self._check_confidence()
 
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("draft_model speculation needs 'model' (a path or preset)")
+        self._check_confidence()
+
+    def _check_confidence(self) -> None:
         threshold = self.draft_confidence_threshold
         if threshold is not None and (isinstance(threshold, bool)
                                       or not isinstance(threshold, (int, float))

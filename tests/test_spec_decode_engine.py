@@ -118,6 +118,16 @@ def test_layer_skip_outputs_equal_speculation_off(expected):
     check_equal_to_off(llm, "layer_skip", expected, min_accepted=5)
 
 
+def test_layer_skip_confidence_threshold_withholds_unsure_drafts(expected):
+    """With a threshold, a verify step carries fewer than k drafts whenever the drafter
+    doubts its next guess (k = 2 always: without one every step carries 2); the
+    outputs stay those of speculation off."""
+    llm = make_llm({**LAYER_SKIP, "draft_confidence_threshold": 0.6})
+    check_equal_to_off(llm, "layer_skip confident", expected, min_accepted=5)
+    spec = llm.llm_engine.get_stats().spec_decode
+    assert 0 < spec.num_draft_tokens < 2 * spec.num_drafts, spec
+
+
 def test_draft_model_outputs_equal_speculation_off(expected):
     # The embedded model drafting for itself: its greedy drafts match the greedy rows
     # and are rejected by sampled rows as often as the sampling disagrees.

@@ -24,6 +24,8 @@ position.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagoda.attention.forward_context import forward_context
@@ -32,8 +34,9 @@ from pagoda.spec_decode.greedy_drafter import DraftStart, GreedyDrafter, Segment
 
 class LayerSkipProposer(GreedyDrafter):
     def __init__(self, model, num_layers: int, backend, kv_pool, block_size: int,
-                 device: torch.device, max_model_len: int) -> None:
-        super().__init__(max_model_len)
+                 device: torch.device, max_model_len: int,
+                 confidence_threshold: Optional[float] = None) -> None:
+        super().__init__(max_model_len, confidence_threshold)
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, name) for name in needed):

@@ -45,7 +45,7 @@ def make_drafter(runner, max_model_len: int) -> Optional[GreedyDrafter]:
         from pagoda.spec_decode.layer_skip import LayerSkipProposer
         return LayerSkipProposer(runner.model, spec.num_layers, runner.backend,
                                  runner.kv_pool, runner.block_size, runner.device,
-                                 max_model_len)
+                                 max_model_len, spec.draft_confidence_threshold)
     if spec.method == "draft_model":
         return _draft_model_proposer(runner, spec, max_model_len)
     raise ValueError(f"speculative_config method {spec.method!r} is not available on the "
