@@ -120,8 +120,8 @@ def compare(name: str, conversations, configs: dict, max_tokens: int) -> dict:
 
 def layer_skip_configs(async_mode: str, confidences: list[float]) -> dict:
     """label -> (speculative config, async scheduling) of the layer-skip workload; each
-    confidence threshold adds k = 2 and k = 4 (always drafting) with it, beside k = 4
-    without one."""
+    confidence threshold adds the adaptive budget, k = 2 and k = 4 (always drafting)
+    with it, beside k = 4 without one."""
     ways = {"off": [False], "on": [True], "both": [False, True]}[async_mode]
     configs = {}
     for on in ways:
@@ -132,6 +132,8 @@ def layer_skip_configs(async_mode: str, confidences: list[float]) -> dict:
             configs[f"k=4 always{suffix}"] = (
                 {**LAYER_SKIP, "adaptive": False, "num_speculative_tokens": 4}, on)
         for threshold in confidences:
+            configs[f"adaptive conf {threshold}{suffix}"] = (
+                {**LAYER_SKIP, "draft_confidence_threshold": threshold}, on)
             for k in (2, 4):
                 configs[f"k={k} conf {threshold}{suffix}"] = (
                     {**LAYER_SKIP, "adaptive": False, "num_speculative_tokens": k,
