@@ -12,7 +12,6 @@ checks the kernel's whole arithmetic. The GPU's own float8 conversion instructio
 the bfloat16 path run only with CUDA (the GPU-only test below).
 """
 
-import importlib
 import math
 import os
 
@@ -24,6 +23,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.attention.kv_quant import FP8_KV_DTYPE, quantize_kv  # noqa: E402
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
@@ -36,17 +36,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 POISON = 0x7E  # e4m3 448: what unused slots hold (the interpreter cannot read NaN)
 
 
-def _load_kernels():
-    """The kernel modules, re-decorated for the interpreter if imported compiled."""
-    from pagoda.kernels import paged_attention, paged_decode, store_kv
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(store_kv._store_kv_kernel, InterpretedFunction):
-            for module in (store_kv, paged_attention, paged_decode):  # dependency order
-                importlib.reload(module)
-
-
-_load_kernels()
+kernel_modules("store_kv", "paged_attention", "paged_decode")
 
 
 def fp8_pool(num_blocks, block_size, num_kv_heads, head_dim, use_triton) -> KVCachePool:

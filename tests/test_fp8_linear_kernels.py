@@ -15,7 +15,6 @@ compiled, plus the torch._scaled_mm path.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -25,6 +24,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -33,22 +33,12 @@ FP8 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module")
 def kq():
-    from pagoda.kernels import fp8_quant
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(fp8_quant._quant_rows_kernel, InterpretedFunction):
-            importlib.reload(fp8_quant)
-    return fp8_quant
+    return kernel_modules("fp8_quant")[0]
 
 
 @pytest.fixture(scope="module")
 def kl(kq):
-    from pagoda.kernels import fp8_linear
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(fp8_linear._w8a16_kernel, InterpretedFunction):
-            importlib.reload(fp8_linear)
-    return fp8_linear
+    return kernel_modules("fp8_linear")[0]
 
 
 def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):

@@ -10,7 +10,6 @@ cases run compiled, plus bfloat16 at the Qwen3-30B-A3B layer shape and a CUDA gr
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -20,6 +19,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
@@ -27,12 +27,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def fm():
-    from pagoda.kernels import fused_moe
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(fused_moe._moe_gemm_kernel, InterpretedFunction):
-            importlib.reload(fused_moe)
-    return fused_moe
+    return kernel_modules("fused_moe_decode", "fused_moe")[1]
 
 
 def _case(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,

@@ -22,6 +22,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.model.layers.activation import SiluAndMul  # noqa: E402
 from pagoda.model.layers.layernorm import RMSNorm  # noqa: E402
@@ -32,16 +33,7 @@ TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3}
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 
-def _load_fused_ops():
-    from pagoda.kernels import fused_ops
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(fused_ops._rms_norm_kernel, InterpretedFunction):
-            importlib.reload(fused_ops)
-    return fused_ops
-
-
-fused_ops = _load_fused_ops()
+(fused_ops,) = kernel_modules("fused_ops")
 
 
 def _rand(*shape, dtype, seed=0, scale=1.0):

@@ -11,7 +11,6 @@ exactly when the table lists their shape and the switch is on.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -21,6 +20,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -28,12 +28,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
 
 @pytest.fixture(scope="module")
 def kg():
-    from pagoda.kernels import gemv
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(gemv._gemv_kernel, InterpretedFunction):
-            importlib.reload(gemv)
-    return gemv
+    return kernel_modules("gemv")[0]
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):

@@ -6,7 +6,6 @@ projection's output, W_UK a slice of kv_b_proj's weight. Shapes leave partial bl
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -16,6 +15,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.model.layers import mla as mla_layer  # noqa: E402
 
@@ -24,12 +24,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 @pytest.fixture(scope="module")
 def ab():
-    from pagoda.kernels import mla_absorb
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(mla_absorb._absorb_q_kernel, InterpretedFunction):
-            importlib.reload(mla_absorb)
-    return mla_absorb
+    return kernel_modules("mla_absorb")[0]
 
 
 def _case(tokens, heads, nope, rope, rank, v, dtype, seed=0):

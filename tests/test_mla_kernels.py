@@ -7,7 +7,6 @@ uses hold NaN in the kernel's cache: a kernel reading past a context would poiso
 output.
 """
 
-import importlib
 import os
 
 import pytest
@@ -18,6 +17,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.mla_backend import latent_attention_ref, plan_eager  # noqa: E402
@@ -26,18 +26,7 @@ from pagoda.attention.mla_triton import MLATritonBackend, row_context  # noqa: E
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def _kernels():
-    """The kernel modules, re-decorated for the interpreter if imported compiled."""
-    from pagoda.kernels import mla_decode, mla_store
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(mla_decode._mla_decode_kernel, InterpretedFunction):
-            importlib.reload(mla_decode)
-            importlib.reload(mla_store)
-    return mla_decode, mla_store
-
-
-MLA_DECODE, MLA_STORE = _kernels()
+MLA_DECODE, MLA_STORE = kernel_modules("mla_decode", "mla_store")
 BLOCK_SIZE = 4
 
 

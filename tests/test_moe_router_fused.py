@@ -14,7 +14,6 @@ gives the same result (what a CUDA-graph replay relies on).
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -24,6 +23,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.model.layers.moe import routing  # noqa: E402
 from pagoda.model.layers.moe.gate import MoEGate  # noqa: E402
@@ -35,13 +35,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def mrf():
-    from pagoda.kernels import moe_router_fused, moe_routing
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(moe_router_fused._router_fused_kernel, InterpretedFunction):
-            importlib.reload(moe_routing)
-            importlib.reload(moe_router_fused)
-    return moe_router_fused
+    return kernel_modules("moe_routing", "moe_router_fused")[1]
 
 
 # name -> (MoEConfig, hidden size, float32 gate)

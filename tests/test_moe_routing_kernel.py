@@ -12,7 +12,6 @@ CUDA graph, and above the row threshold (torch path).
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -22,6 +21,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.model.layers.moe import routing  # noqa: E402
 from pagoda.model.moe_config import MoEConfig  # noqa: E402
@@ -32,12 +32,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def mr():
-    from pagoda.kernels import moe_routing
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(moe_routing._route_kernel, InterpretedFunction):
-            importlib.reload(moe_routing)
-    return moe_routing
+    return kernel_modules("moe_routing")[0]
 
 
 CONFIGS = {

@@ -12,7 +12,6 @@ Caches start poisoned (NaN, or the e4m3 byte 448 for FP8): every slot no real ro
 names must come back untouched.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.attention.forward_context import forward_context  # noqa: E402
 from pagoda.attention.kv_quant import FP8_KV_DTYPE, as_bits, quantize_kv  # noqa: E402
@@ -42,18 +42,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 FP8_POISON = 0x7E  # e4m3 448 (the interpreter cannot read the NaN bytes)
 
 
-def _load_kernels():
-    """The kernel modules, re-decorated for the interpreter if imported compiled."""
-    from pagoda.kernels import fused_ops, qk_rope_store, store_kv
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(qk_rope_store._qk_norm_rope_store_kernel, InterpretedFunction):
-            for module in (store_kv, fused_ops, qk_rope_store):  # dependency order
-                importlib.reload(module)
-    return fused_ops, qk_rope_store, store_kv
-
-
-fused_ops, qk_rope_store, store_kv_module = _load_kernels()
+store_kv_module, fused_ops, qk_rope_store = kernel_modules("store_kv", "fused_ops",
+                                                           "qk_rope_store")
 
 
 def _rand(*shape, dtype, gen, scale=1.0):

@@ -13,7 +13,6 @@ output row must be written, no unused slot read or written, and the cache must e
 the reference's byte for byte.
 """
 
-import importlib
 import math
 import os
 
@@ -25,6 +24,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
@@ -36,17 +36,7 @@ from kv_pool_helpers import pool_holding, store_and_attend  # noqa: E402
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def _load_kernels():
-    """Imports the kernel modules, re-decorating them for the interpreter if needed."""
-    from pagoda.kernels import paged_attention, paged_decode, store_kv
-    if not ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(paged_attention._chunk_kernel, InterpretedFunction):
-            for module in (paged_attention, paged_decode, store_kv):  # dependency order
-                importlib.reload(module)
-
-
-_load_kernels()
+kernel_modules("store_kv", "paged_attention", "paged_decode")
 
 # The reference stores with torch's index_copy, the case under test with the kernel.
 TORCH_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=False)}
