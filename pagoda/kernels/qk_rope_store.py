@@ -97,20 +97,23 @@ def _qk_norm_rope_store_kernel(
     kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     row = qkv_ptr + token * stride_qkv_t
     if group < q_groups:
-        _rope_q(row, group * HEADS_PER_PROGRAM, q_weight_ptr, cos_ptr + token * stride_cos_t,
-                sin_ptr + token * stride_sin_t, eps, q_out_ptr + token * (NUM_HEADS * HEAD_DIM),
-                NUM_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
+        _norm_rope_heads(row, group * HEADS_PER_PROGRAM, q_weight_ptr,
+                         cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, eps,
+                         q_out_ptr + token * (NUM_HEADS * HEAD_DIM), HEAD_DIM, kv_scales_ptr,
+                         NUM_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
+                         HAS_QK_NORM, False)
     else:
         slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:  # -1: a padding row, nothing to store
             slot_ptr = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
                         + (slot % PAGE_SIZE) * stride_cache_tok)
             if group < q_groups + kv_groups:
-                _rope_store_k(row + NUM_HEADS * HEAD_DIM, (group - q_groups) * HEADS_PER_PROGRAM,
-                              k_weight_ptr, cos_ptr + token * stride_cos_t,
-                              sin_ptr + token * stride_sin_t, eps, slot_ptr, stride_cache_head,
-                              kv_scales_ptr, NUM_KV_HEADS, HEAD_DIM, HEADS_PER_PROGRAM,
-                              BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM, KV_FP8)
+                _norm_rope_heads(row + NUM_HEADS * HEAD_DIM,
+                                 (group - q_groups) * HEADS_PER_PROGRAM, k_weight_ptr,
+                                 cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t,
+                                 eps, slot_ptr, stride_cache_head, kv_scales_ptr, NUM_KV_HEADS,
+                                 HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
+                                 HAS_QK_NORM, KV_FP8)
             else:
                 _store_v(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM,
                          (group - q_groups - kv_groups) * HEADS_PER_PROGRAM,
@@ -119,57 +122,36 @@ def _qk_norm_rope_store_kernel(
 
 
 @triton.jit
-def _rope_q(
-    q_row, first_head, weight_ptr, cos_row, sin_row, eps, out_row,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr,
-):
-    """q heads first_head.. of one row: normed, rotated, written to the output row."""
-    half = HEAD_DIM // 2
-    dims = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
-    sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
-    for i in tl.static_range(HEADS_PER_PROGRAM):
-        head = first_head + i
-        live_half = tl.where(head < NUM_HEADS, half, 0)
-        out1, out2 = _norm_rope_head(q_row + head * HEAD_DIM, live_half, weight_ptr, cos, sin,
-                                     eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
-        tl.store(out_row + head * HEAD_DIM + dims, out1, mask=dims < live_half)
-        tl.store(out_row + head * HEAD_DIM + half + dims, out2, mask=dims < live_half)
-
-
-@triton.jit
-def _rope_store_k(
-    k_row, first_head, weight_ptr, cos_row, sin_row, eps, slot_ptr, stride_cache_head,
+def _norm_rope_heads(
+    src_row, first_head, weight_ptr, cos_row, sin_row, eps, dst_row, dst_head_stride,
     kv_scales_ptr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    QUANT_FP8: tl.constexpr,
 ):
-    """k heads first_head.. of one row: normed, rotated, stored at slot_ptr (K half)."""
+    """Heads first_head.. (of NUM) of one row: normed, rotated, written to dst_row +
+    head * dst_head_stride: q's output row, or the K half of a cache slot (QUANT_FP8: an
+    FP8 cache, quantized from the rounded k, as store_kv quantizes what rotary
+    returned)."""
     half = HEAD_DIM // 2
     dims = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
     sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
     for i in tl.static_range(HEADS_PER_PROGRAM):
         head = first_head + i
-        live_half = tl.where(head < NUM_KV_HEADS, half, 0)
-        out1, out2 = _norm_rope_head(k_row + head * HEAD_DIM, live_half, weight_ptr, cos, sin,
-                                     eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
-        if KV_FP8:  # from the rounded k, as store_kv quantizes what rotary returned
+        live_half = tl.where(head < NUM, half, 0)
+        out1, out2 = _norm_rope_head(src_row + head * HEAD_DIM, live_half, weight_ptr, cos,
+                                     sin, eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
+        if QUANT_FP8:
             k_scale = tl.load(kv_scales_ptr)
             out1, out2 = quantize_e4m3(out1, k_scale), quantize_e4m3(out2, k_scale)
-        dst = slot_ptr + head * stride_cache_head + dims
-        tl.store(dst, out1.to(slot_ptr.dtype.element_ty), mask=dims < live_half)
-        tl.store(dst + half, out2.to(slot_ptr.dtype.element_ty), mask=dims < live_half)
+        dst = dst_row + head * dst_head_stride + dims
+        tl.store(dst, out1.to(dst_row.dtype.element_ty), mask=dims < live_half)
+        tl.store(dst + half, out2.to(dst_row.dtype.element_ty), mask=dims < live_half)
 
 
 @triton.jit
