@@ -107,15 +107,21 @@ class Attention(nn.Module):
         kernel writing the same [2, blocks, block_size, Hkv, D] bytes may stand in for
         it. None otherwise (torch stores, other layouts, subclasses): call forward."""
         from pagoda.worker.kv_pool import FullAttentionLayout  # the worker's, read only
-        ctx = get_forward_context()
-        layout = ctx.kv_pool.layout(self.layer_idx)
-        if type(layout) is not FullAttentionLayout or not layout.use_triton:
+        if not self.pool_stores_with_triton(FullAttentionLayout):
             return None
+        ctx = get_forward_context()
         cache = ctx.kv_pool.cache(self.layer_idx)
         if cache.dim() != 5:
             return None
         scales = self.kv_scales if is_fp8(cache.dtype) else None
         return KVStoreTarget(cache, ctx.metadata.common.slot_mapping, scales)
+
+    def pool_stores_with_triton(self, layout_type: type) -> bool:
+        """Whether the KV pool writes this layer with layout_type's Triton store (exactly
+        that layout, use_triton): only then may a fused kernel that writes the same
+        bytes stand in for the pool's store."""
+        layout = get_forward_context().kv_pool.layout(self.layer_idx)
+        return type(layout) is layout_type and layout.use_triton
 
     def forward_stored(self, q: torch.Tensor) -> torch.Tensor:
         """q [T, H*D] -> [T, H*D] when this step's k/v are already in this layer's cache

@@ -117,11 +117,13 @@ class MLALatentAttention(Attention):
         return out.reshape(num_tokens, heads * mla.v_head_dim)
 
     def _store_latents(self, kv_a, kv_a_layernorm, cos, sin, cache, ctx) -> None:
-        """One Triton launch on CUDA (pagoda.kernels.mla_store.norm_rope_store_latent,
-        unless PAGODA_FUSED_OPS=0); the torch code here is its reference."""
+        """One Triton launch (pagoda.kernels.mla_store.norm_rope_store_latent) where the
+        pool itself would store with its Triton kernel (CUDA), unless
+        PAGODA_FUSED_OPS=0; the torch code here is its reference."""
+        from pagoda.worker.kv_pool import MLALatentLayout  # the worker's, read only
         plan, rank = ctx.metadata, self.mla.kv_lora_rank
-        if kv_a.is_cuda and cache.is_cuda:
-            from pagoda.kernels import fused_ops  # imports triton: CUDA only
+        if self.pool_stores_with_triton(MLALatentLayout):
+            from pagoda.kernels import fused_ops  # imports triton
             if fused_ops.FUSED_OPS_ENABLED:
                 from pagoda.kernels.mla_store import norm_rope_store_latent
                 norm_rope_store_latent(kv_a, kv_a_layernorm.weight, kv_a_layernorm.eps,
