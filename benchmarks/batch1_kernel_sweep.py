@@ -15,7 +15,7 @@ one launch overlaps the head of the next, as inside the engine's step graph):
 - paged decode attention (pagoda/kernels/paged_decode.py) at batch 1 over context
   lengths, split counts and minimum slice lengths, for 32 query heads over 4 and 8 KV
   heads (Qwen3-30B-A3B, Llama-3.1-8B);
-- a measured copy of 256 MiB: the bandwidth ceiling.
+- the bandwidth ceiling (gpu_compare.measure_ceilings' copy).
 
 Prints each part's table sorted by time and the best entry; writes JSON.
 """
@@ -28,12 +28,14 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(BENCH_DIR), BENCH_DIR]  # pagoda, and benchmarks/ modules
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from benchmarks.result_file import write_json  # noqa: E402
+from gpu_compare import measure_ceilings  # noqa: E402
+from result_file import write_json  # noqa: E402
 from pagoda.kernels import fused_moe_decode as fmd  # noqa: E402
 from pagoda.kernels.mla_decode import mla_decode  # noqa: E402
 from pagoda.kernels.paged_decode import paged_attention_decode  # noqa: E402
@@ -211,15 +213,6 @@ def sweep_mla_projections(args, timer) -> list[dict]:
     return rows
 
 
-def copy_ceiling(args) -> float:
-    if args.device != "cuda":
-        return float("nan")
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_us(lambda: dst.copy_(src), 4, args.repeat)
-    return 2 * src.numel() / us / 1e6
-
-
 def print_best(rows: list[dict], keys: tuple[str, ...], top: int) -> None:
     groups: dict = {}
     for row in rows:
@@ -278,7 +271,7 @@ def main() -> None:
         rows += sweep_mla(args, timer)
     if "mla_proj" in parts:
         rows += sweep_mla_projections(args, timer)
-    ceiling = copy_ceiling(args)
+    ceiling = measure_ceilings(torch.device(args.device)).get("copy_bytes_per_s", float("nan")) / 1e12
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     rows = [r for r in rows if r["us"] == r["us"]]  # NaN: the tile did not fit
     print_best([r for r in rows if "model" in r], ("model", "kernel"), 6)
