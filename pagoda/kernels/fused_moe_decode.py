@@ -126,31 +126,41 @@ def _gemv_down_sum_kernel(
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Fixed order over the k choices: the same sum every run. ONE_CHUNK (I <= BLOCK_K):
-    # each choice is one load of its expert's rows, and the choices' loop is the
-    # innermost one, so the pipeliner keeps LOOP_STAGES experts' rows in flight (with
-    # one program per (token, column block), the choices are the only serial work).
-    for j in tl.range(0, TOP_K, num_stages=LOOP_STAGES):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
-                  + offs_k[None, :])
+    shared = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # One loop over the k choices, then the shared MLP's SHARED_CHUNKS chunks, in a
+    # fixed order (the same sums every run). ONE_CHUNK (I <= BLOCK_K): each iteration
+    # is one load of an expert's (or chunk's) rows, and this loop is the innermost one,
+    # so the pipeliner keeps LOOP_STAGES rows in flight across choices and chunks alike
+    # (with one program per (token, column block), they are the only serial work).
+    for j in tl.range(0, TOP_K + SHARED_CHUNKS, num_stages=LOOP_STAGES):
+        routed = j < TOP_K
+        pair = token * TOP_K + j  # meaningful for a routed choice only
+        expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int64)
         # -1 (another rank's expert): its act row was never written, so the reduction
         # length is 0 (masked loads read nothing, add 0).
-        y = _down_rows(act_ptr + pair * I, w_rows, tl.where(expert >= 0, I, 0), I, n_ok,
-                       offs_k, BLOCK_N, BLOCK_K, ONE_CHUNK)
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        total += y * tl.load(weights_ptr + pair)
+        length = tl.where(expert >= 0, I, 0)
+        w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
+                  + offs_k[None, :])
+        act_row = act_ptr + pair * I
+        if SHARED_CHUNKS > 0:
+            # Chunk c of the shared MLP's down weight ws2 [H, SHARED_CHUNKS * I] and the
+            # act row its gate/up pair wrote (past the routed pairs).
+            c = j - TOP_K
+            w_rows = tl.where(routed, w_rows,
+                              ws2_ptr + offs_n[:, None] * stride_swn + c * I + offs_k[None, :])
+            act_row = tl.where(routed, act_row,
+                               act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I)
+            length = tl.where(routed, length, I)
+        y = _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N, BLOCK_K, ONE_CHUNK)
+        weight = tl.load(weights_ptr + pair, mask=routed, other=0.0)
+        # Adding 0.0 leaves a float32 sum unchanged: each sum sees its own terms only.
+        total += tl.where(routed, y.to(out_ptr.dtype.element_ty).to(tl.float32) * weight, 0.0)
+        if SHARED_CHUNKS > 0:
+            shared += tl.where(routed, 0.0, y)
     if SHARED_CHUNKS > 0:
-        # The shared MLP's down projection over its SHARED_CHUNKS * I columns, summed in
-        # float32 and rounded once (as its own GEMM), then added to the routed sum
-        # rounded on its own: round(round(routed) + round(shared)), the unfused order.
-        shared = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for c in range(0, SHARED_CHUNKS):
-            w_rows = ws2_ptr + offs_n[:, None] * stride_swn + c * I + offs_k[None, :]
-            act_row = act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I
-            shared += _down_rows(act_row, w_rows, I, I, n_ok, offs_k, BLOCK_N, BLOCK_K,
-                                 ONE_CHUNK)
+        # The shared MLP's down projection summed in float32 and rounded once (as its
+        # own GEMM), then added to the routed sum rounded on its own:
+        # round(round(routed) + round(shared)), the unfused order.
         total = total.to(out_ptr.dtype.element_ty).to(tl.float32)
         total += shared.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
