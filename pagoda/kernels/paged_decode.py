@@ -21,6 +21,8 @@ Requests whose query length is not 1 exit at once in both kernels.
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
 slice's output (the merge is linear in them), both read from kv_scales on the device.
+The word kernel (_decode_words_kernel, config key fp8_path) reads an FP8 cache as int32
+words instead; see the section above it for why.
 """
 
 from __future__ import annotations
