@@ -1,13 +1,17 @@
-"""Tile sweep of the paged decode attention kernel, bf16 vs FP8 KV cache (a program).
+"""Sweep of the paged decode attention kernel: bf16 vs FP8 KV cache, kernel paths x tiles (a program).
 
     python benchmarks/decode_tiles.py --out benchmarks/results/decode_tiles_h200.json
 
 One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, block 16)
-at batch x context (default 256 x 1024 and 64 x 8192): for each KV dtype and each tile
-(BLOCK_N, num_warps, num_stages) the kernel's time (triton.testing.do_bench, L2 flushed)
-and the achieved bandwidth over the KV bytes it must read, beside a measured copy.
-The FP8 cache holds the bf16 values rounded to e4m3 (scales 1.0); outputs are checked
-against the bf16 cache's within FP8 rounding before any timing.
+at batch x context (default 256 x 1024, 64 x 4096 and 32 x 1024). For each KV dtype, each
+FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt") and each tile
+(BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
+the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
+its default tile, beside a measured copy. num_stages 5 / 7 / 9 are the ones that give the
+K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config). The FP8 cache holds the
+bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
+kernel reading the same rounded values before it is timed. `--sweep wide` adds the full
+BLOCK_N x warps x stages product for the "tile" path.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from itertools import product
 from pathlib import Path
 
@@ -27,6 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import choose_num_splits, paged_attention_decode  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+# (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
+BF16_TILES = [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (32, 4, 9)]
+FP8_TILES = {
+    "tile": [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (128, 4, 7)],
+    "words_bits": [(128, 4, 4), (64, 4, 3), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
+                   (128, 8, 5)],
+    "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5)],
+}
 
 
 def make_case(batch: int, context: int, device) -> dict:
@@ -51,57 +64,87 @@ def run(case: dict, cache: torch.Tensor, splits: int, config, scales) -> torch.T
     return out
 
 
+def variants(dtype: str, wide: bool) -> list[tuple[str, dict | None]]:
+    """(label, config) pairs for one KV dtype; config None = the defaults."""
+    def cfg(path, tile):
+        if tile is None:
+            return None
+        c = dict(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2])
+        return c if path is None else dict(c, fp8_path=path)
+    if dtype == "bf16":
+        tiles = BF16_TILES + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
+        return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
+    out = []
+    for path, tiles in FP8_TILES.items():
+        if path == "tile" and wide:
+            tiles = tiles + list(product((32, 64, 128, 256), (4, 8), (2, 3, 4)))
+        out += [(f"{path} {t or 'default'}", cfg(path, t)) for t in tiles]
+    return out
+
+
+def sweep_case(spec: str, device, sms: int, wide: bool, rows: list) -> None:
+    batch, context = map(int, spec.split("x"))
+    case = make_case(batch, context, device)
+    caches = {"bf16": case["cache"], "fp8": case["cache"].to(torch.float8_e4m3fn)}
+    scales = torch.ones(2, device=device, dtype=torch.float32)
+    splits = choose_num_splits(batch, KV_HEADS, context, sms)
+    ref = run(case, caches["fp8"].to(torch.bfloat16), splits, None, None).float()
+    base_us = None
+    for dtype, cache in caches.items():
+        kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
+        sc = scales if dtype == "fp8" else None
+        for label, config in variants(dtype, wide):
+            row = {"case": spec, "dtype": dtype, "variant": label, "config": config,
+                   "splits": splits}
+            try:
+                out = run(case, cache, splits, config, sc)
+                if dtype == "fp8":
+                    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+                ms = do_bench(lambda: run(case, cache, splits, config, sc))
+            except Exception as e:  # out of resources, or a wrong result: recorded, not fatal
+                rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"{spec:>9s} {dtype:4s} {label:28s} {type(e).__name__}", flush=True)
+                continue
+            if base_us is None:  # bf16, default tile: the first row of the case
+                base_us = ms * 1e3
+            row.update(us=ms * 1e3, gbps=kv_bytes / ms / 1e6, speedup_vs_bf16=base_us / (ms * 1e3))
+            rows.append(row)
+            print(f"{spec:>9s} {dtype:4s} {label:28s} {row['us']:8.1f} us {row['gbps']:6.0f} GB/s"
+                  f"  x{row['speedup_vs_bf16']:.2f} vs bf16 default", flush=True)
+    del case, caches
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/decode_tiles.json")
-    p.add_argument("--cases", default="256x1024,64x8192")
+    p.add_argument("--cases", default="256x1024,64x4096,32x1024")
+    p.add_argument("--sweep", choices=("focused", "wide"), default="focused")
     args = p.parse_args()
+    start = time.time()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     copy_gbps = 2 * x.numel() / do_bench(lambda: x.clone()) / 1e6
     del x
-    scales = torch.ones(2, device=device, dtype=torch.float32)
-    tiles = [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-             for bn, w, s in product((32, 64, 128, 256), (4, 8), (2, 3, 4))]
-    rows = []
+    rows: list = []
     for spec in args.cases.split(","):
-        batch, context = map(int, spec.split("x"))
-        case = make_case(batch, context, device)
-        caches = {"bf16": case["cache"], "fp8": case["cache"].to(torch.float8_e4m3fn)}
-        splits = choose_num_splits(batch, KV_HEADS, context, sms)
-        ref = run(case, caches["fp8"].to(torch.bfloat16), splits, None, None).float()
-        for dtype, cache in caches.items():
-            kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
-            best = None
-            for tile in tiles:
-                try:
-                    out = run(case, cache, splits, tile, scales if dtype == "fp8" else None)
-                    if dtype == "fp8":
-                        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-                    ms = do_bench(lambda: run(case, cache, splits, tile,
-                                              scales if dtype == "fp8" else None))
-                except Exception as e:  # out of resources: recorded, not fatal
-                    rows.append({"case": spec, "dtype": dtype, "tile": tile, "error": type(e).__name__})
-                    continue
-                row = {"case": spec, "dtype": dtype, "tile": tile, "splits": splits,
-                       "us": ms * 1e3, "gbps": kv_bytes / ms / 1e6}
-                rows.append(row)
-                if best is None or row["us"] < best["us"]:
-                    best = row
-            default = run  # the tile decode_tile_config picks, for comparison
-            ms = do_bench(lambda: default(case, cache, splits, None,
-                                          scales if dtype == "fp8" else None))
-            print(f"{spec:>9s} {dtype:4s} default {ms * 1e3:8.1f} us {kv_bytes / ms / 1e6:7.0f} GB/s"
-                  f" | best {best['us']:8.1f} us {best['gbps']:7.0f} GB/s {best['tile']}", flush=True)
-            rows.append({"case": spec, "dtype": dtype, "tile": "default", "splits": splits,
-                         "us": ms * 1e3, "gbps": kv_bytes / ms / 1e6})
+        sweep_case(spec, device, sms, args.sweep == "wide", rows)
+    best = {}
+    for row in rows:
+        key = (row["case"], row["dtype"])
+        if "us" in row and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    for (spec, dtype), row in best.items():
+        print(f"best {spec:>9s} {dtype:4s} {row['variant']:28s} {row['us']:8.1f} us "
+              f"{row['gbps']:6.0f} GB/s x{row['speedup_vs_bf16']:.2f}")
     report = {"benchmark": "decode_tiles", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
-              "platform": platform.platform(), "copy_gbps": copy_gbps, "rows": rows}
+              "platform": platform.platform(), "copy_gbps": copy_gbps,
+              "seconds": time.time() - start, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
+    print(f"copy {copy_gbps:.0f} GB/s; {time.time() - start:.0f} s; wrote {args.out}")
 
 
 if __name__ == "__main__":

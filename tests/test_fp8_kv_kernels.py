@@ -216,3 +216,109 @@ def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=1e-2)
     assert torch.equal(case.pools[True].cache(0).view(torch.uint8),
                        case.pools[False].cache(0).view(torch.uint8))
+
+
+def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    """Decode rows over an FP8 cache holding every finite e4m3 byte (subnormals and both
+    signs included): q, cache, block tables, query_start_loc with one 3-token row (the
+    decode kernel must leave it alone), and the torch reference of the decode rows."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-ctx // block_size) for ctx in contexts]
+    num_blocks = sum(needed) + 3
+    raw = torch.randint(0, 256, (2, num_blocks, block_size, num_kv_heads, head_dim),
+                        generator=gen, dtype=torch.uint8)
+    raw.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    raw[(raw == 0x7F) | (raw == 0xFF)] = 0x7E  # no NaN: store_kv never writes one
+    cache = raw.view(FP8_KV_DTYPE)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(contexts), max(needed), dtype=torch.int32)
+    for r, n in enumerate(needed):
+        tables[r, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    qlens = [3 if r == 1 else 1 for r in range(len(contexts))]
+    qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen).to(torch.float16)
+    scales = torch.tensor([0.01, 0.02])
+    group = num_heads // num_kv_heads
+    ref = torch.zeros(q.shape)
+    for r, ctx in enumerate(contexts):
+        if qlens[r] != 1:
+            continue
+        pos = torch.arange(ctx)
+        blk = tables[r][pos // block_size].long()
+        k = (cache[0][blk, pos % block_size].float() * scales[0]).repeat_interleave(group, 1)
+        v = (cache[1][blk, pos % block_size].float() * scales[1]).repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[qsl[r]].float(), k) / math.sqrt(head_dim)
+        ref[qsl[r]] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return {"q": q, "cache": cache, "tables": tables, "qsl": qsl,
+            "seq": torch.tensor(contexts, dtype=torch.int32), "scales": scales, "ref": ref,
+            "decode_rows": [int(qsl[r]) for r in range(len(contexts)) if qlens[r] == 1]}
+
+
+@pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt"])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,splits", [
+    (64, 8, 2, 1),
+    (64, 8, 2, 3),   # slices and the merge: the V scale before the merge
+    (128, 4, 1, 7),  # more slices than some requests have tiles: empty slices
+])
+def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_heads, splits):
+    from pagoda.kernels.paged_decode import paged_attention_decode
+    case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16)
+    q = case["q"].to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
+                           case["qsl"].to(DEVICE), case["seq"].to(DEVICE), len(case["seq"]),
+                           1 / math.sqrt(head_dim), splits, min_split_tokens=1,
+                           config=dict(BLOCK_N=32, num_warps=4, num_stages=2, fp8_path=fp8_path),
+                           kv_scales=case["scales"].to(DEVICE))
+    rows = case["decode_rows"]
+    torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
+    skipped = [r for r in range(q.shape[0]) if r not in rows]
+    assert (out[skipped] == 7.0).all()  # the 3-token request: left to the chunk kernel
+
+
+def test_decode_words_path_refuses_what_it_cannot_read():
+    from pagoda.kernels.paged_decode import paged_attention_decode
+    case = fp8_decode_case([20], 4, 1, 64, 16)
+    args = (case["tables"].to(DEVICE), case["qsl"].to(DEVICE), case["seq"].to(DEVICE), 1, 0.125, 1)
+    q = case["q"].to(DEVICE)
+    cache = case["cache"].to(DEVICE)
+    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=2, fp8_path="words_bits")
+    with pytest.raises(ValueError, match="needs an FP8 cache"):  # 16-bit cache
+        paged_attention_decode(torch.empty_like(q), q, cache.to(torch.float16), *args, config=cfg)
+    with pytest.raises(ValueError, match="needs an FP8 cache"):  # float32 queries
+        paged_attention_decode(torch.empty_like(q.float()), q.float(), cache, *args, config=cfg,
+                               kv_scales=case["scales"].to(DEVICE))
+    with pytest.raises(ValueError, match="fp8_path must be one of"):
+        paged_attention_decode(torch.empty_like(q), q, cache, *args,
+                               config=dict(cfg, fp8_path="words"), kv_scales=case["scales"].to(DEVICE))
+
+
+import triton.language as tl  # noqa: E402
+
+from pagoda.kernels.paged_decode import _word_planes  # noqa: E402  (after the reload above)
+
+
+@triton.jit
+def _planes_kernel(words_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr):
+    offs = tl.arange(0, N)
+    b0, b1, b2, b3 = _word_planes(tl.load(words_ptr + offs)[None, :], BITS)
+    tl.store(out_ptr + offs[None, :], b0)
+    tl.store(out_ptr + N + offs[None, :], b1)
+    tl.store(out_ptr + 2 * N + offs[None, :], b2)
+    tl.store(out_ptr + 3 * N + offs[None, :], b3)
+
+
+@pytest.mark.parametrize("bits", [True, False])
+def test_word_planes_convert_every_finite_e4m3_byte_exactly(bits):
+    """The decode word path's conversion: every finite e4m3 byte, in each of the four
+    byte positions of a word, gives the e4m3 value (times 2^-8 by bit operations)."""
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    # byte j of word i is finite[(i + 64 j) % 254]: each position sees every byte
+    idx = (torch.arange(256).view(1, 256) + 64 * torch.arange(4).view(4, 1)) % finite.numel()
+    entries = finite[idx]  # [4 positions, 256 words]
+    words = entries.t().contiguous().view(torch.int32).view(-1)
+    out = torch.empty(4, 256, dtype=torch.float16, device=DEVICE)
+    _planes_kernel[(1,)](words.to(DEVICE), out, N=256, BITS=bits)
+    expect = entries.view(FP8_KV_DTYPE).float() * (2.0 ** -8 if bits else 1.0)
+    assert torch.equal(out.float().cpu(), expect)

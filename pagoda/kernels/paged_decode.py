@@ -21,6 +21,8 @@ Requests whose query length is not 1 exit at once in both kernels.
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
 slice's output (the merge is linear in them), both read from kv_scales on the device.
+The word kernel (_decode_words_kernel, config key fp8_path) reads an FP8 cache as int32
+words instead; see the section above it for why.
 """
 
 from __future__ import annotations
@@ -42,6 +44,37 @@ SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
 
 
+@triton.jit
+def _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """[kv_start, kv_end) of this program's context slice (see the module docstring)."""
+    seq_len = tl.load(seq_lens_ptr + req)
+    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
+    per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+    kv_start = split * per_split
+    return kv_start, tl.minimum(kv_start + per_split, seq_len)
+
+
+@triton.jit
+def _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr, q_row, req,
+                 head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT_OUT: tl.constexpr,
+                 WRITE_LSE: tl.constexpr):
+    """Stores out ([BLOCK_H, len(dims)], already divided by the slice's sum) at columns
+    dims: the output row itself, or the slice's partial row (and, with WRITE_LSE, its
+    log-sum-exp) for the merge."""
+    if DIRECT_OUT:
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        slot = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
+        if WRITE_LSE:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            tl.store(partial_lse_ptr + slot, lse, mask=head_ok)
+        tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=head_ok[:, None])
+
+
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
@@ -59,11 +92,7 @@ def _decode_kernel(
     q_row = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
-    per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
-    kv_start = split * per_split
-    kv_end = tl.minimum(kv_start + per_split, seq_len)
+    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -88,19 +117,173 @@ def _decode_kernel(
             stride_cache_block, stride_cache_tok, stride_cache_head,
             PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse below is -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse is -inf
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * tl.load(kv_scales_ptr + 1)
-    if DIRECT_OUT:
-        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr, q_row, req,
+                 head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
+
+
+# --- FP8 cache read as int32 words (decode only) -------------------------------------
+# Why: Triton 3.6 lowers the e4m3 tiles of attend_kv_tile's dots with one shared-memory
+# load per byte (LDS.U8) and holds whole converted tiles in registers (216 per thread at
+# 128-key tiles: two programs per SM). Read as int32 words instead, each word holds the
+# entries of dims 4i .. 4i + 3; "byte plane" j is the [tokens, HEAD_DIM / 4] tile of
+# entries 4i + j. The scores are the sum of four plane dots (q split the same way), and
+# P.V is four dots whose outputs are the output columns 4i + j: no shuffle of the
+# entries, word loads from shared memory, and about 120 registers per thread.
+
+
+@triton.jit
+def _e4m3_halves_to_f16(x):
+    """int32 x with e4m3 bytes in bits 0-7 and 16-23 -> the same two entries as float16
+    bit patterns in its two halves, each worth entry * 2^-8 (exact for every finite e4m3
+    value, subnormals included: e4m3's exponent bias is 7, float16's 15). The NaN byte
+    0x7F would read as 480 * 2^-8: store_kv clamps to +-448 and never writes it, and
+    slots past a request's end are masked, never read."""
+    return ((x & 0x00800080) << 8) | ((x & 0x007F007F) << 7)
+
+
+@triton.jit
+def _f16_halves(x):
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _e4m3_plane(w, SHIFT: tl.constexpr):
+    """Byte SHIFT / 8 of each word as float16, exact (Triton's own e4m3 conversion)."""
+    return ((w >> SHIFT) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _word_planes(w, BITS: tl.constexpr):
+    """int32 words [N, W] of four e4m3 entries -> the four byte planes as float16 [N, W].
+    BITS: by shifts and masks, worth entry * 2^-8 (see _e4m3_halves_to_f16); otherwise
+    by Triton's conversion, worth the entry."""
+    if BITS:
+        b0, b2 = _f16_halves(_e4m3_halves_to_f16(w))
+        b1, b3 = _f16_halves(_e4m3_halves_to_f16(w >> 8))
     else:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        slot = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
-        tl.store(partial_lse_ptr + slot, lse, mask=head_ok)
-        tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=head_ok[:, None])
+        b0 = _e4m3_plane(w, 0)
+        b1 = _e4m3_plane(w, 8)
+        b2 = _e4m3_plane(w, 16)
+        b3 = _e4m3_plane(w, 24)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _attend_word_tile(
+    q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr, block_table_ptr,
+    kv_head, start_n, kv_end, qk_scale,
+    stride_cache_block, stride_cache_tok, stride_cache_head,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+):
+    """attend_kv_tile for an FP8 cache read as words: keys start_n .. start_n + BLOCK_N - 1
+    (those at or past kv_end masked, never loaded) folded into the per-plane
+    accumulators a0..a3 ([BLOCK_H, HEAD_DIM / 4], columns 4i + j of the output)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    words = tl.arange(0, HEAD_DIM // 4)
+    n_ok = offs_n < kv_end
+    page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
+            + kv_head * stride_cache_head) // 4  # byte offsets -> word offsets
+    offsets = rows[:, None] + words[None, :]
+    k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=n_ok[:, None], other=0), BITS)
+    s = tl.dot(q0, tl.trans(k0))
+    s = tl.dot(q1, tl.trans(k1), s)
+    s = tl.dot(q2, tl.trans(k2), s)
+    s = tl.dot(q3, tl.trans(k3), s)
+    s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no visible key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v0, v1, v2, v3 = _word_planes(tl.load(v_words_ptr + offsets, mask=n_ok[:, None], other=0), BITS)
+    p = p.to(tl.float16)
+    a0 = tl.dot(p, v0, a0 * alpha[:, None])
+    a1 = tl.dot(p, v1, a1 * alpha[:, None])
+    a2 = tl.dot(p, v2, a2 * alpha[:, None])
+    a3 = tl.dot(p, v3, a3 * alpha[:, None])
+    return a0, a1, a2, a3, m_new, l_i
+
+
+@triton.jit
+def _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, J: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    dims = tl.arange(0, HEAD_DIM // 4) * 4 + J
+    return tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                   mask=head_ok[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
+def _decode_words_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cache_block, stride_cache_tok, stride_cache_head,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, BITS: tl.constexpr,
+):
+    """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
+    (the byte planes above); same grid, slices, workspace and merge."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+        return
+    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
+
+    h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + h
+    head_ok = h < GROUP
+    q0 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 0, HEAD_DIM)
+    q1 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 1, HEAD_DIM)
+    q2 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 2, HEAD_DIM)
+    q3 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 3, HEAD_DIM)
+    a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    k_scale = tl.load(kv_scales_ptr)
+    v_scale = tl.load(kv_scales_ptr + 1)
+    if BITS:  # the planes hold entry * 2^-8
+        k_scale = k_scale * 256.0
+        v_scale = v_scale * 256.0
+    k_words_ptr = k_cache_ptr.to(tl.pointer_type(tl.int32))
+    v_words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int32))
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        a0, a1, a2, a3, m_i, l_i = _attend_word_tile(
+            q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr,
+            block_table_ptr, kv_head, start_n, kv_end, qk_scale * k_scale,
+            stride_cache_block, stride_cache_tok, stride_cache_head,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS)
+
+    # Empty slice: the accumulators are 0, the lse -inf (_write_slice).
+    factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
+    cols = tl.arange(0, HEAD_DIM // 4) * 4
+    _write_slice(a0 * factor[:, None], l_i, m_i, cols, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
+    _write_slice(a1 * factor[:, None], l_i, m_i, cols + 1, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_slice(a2 * factor[:, None], l_i, m_i, cols + 2, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_slice(a3 * factor[:, None], l_i, m_i, cols + 3, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -154,12 +337,31 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
     (docs/performance.md, "measured reasons"); an FP8 cache: 128-key tiles (the same
     bytes per tile), 4 stages (benchmarks/decode_tiles.py).
+
+    Key "fp8_path" (FP8 cache, 16-bit queries) picks the kernel: "tile" (the default:
+    attend_kv_tile on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel,
+    converting by bit operations or by Triton's e4m3 cast). Note on num_stages: the K / V
+    loads depend on the block-table load of the same loop, and Triton 3.6 splits the
+    stages between those two levels, so 2-4 stages give one K / V buffer (the next
+    tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
         return dict(BLOCK_N=128, num_warps=4, num_stages=4)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+FP8_PATHS = ("tile", "words_bits", "words_cvt")
+
+
+def _words_path_ok(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The word kernel needs 16-bit queries, head_dim a power of two >= 64 (planes of at
+    least 16 columns for the dots) and a cache whose rows start on 4-byte boundaries."""
+    head_dim = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and head_dim >= 64
+            and head_dim & (head_dim - 1) == 0 and kv_cache.data_ptr() % 4 == 0
+            and all(stride % 4 == 0 for stride in kv_cache.stride()[:4]))
 
 
 def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -184,6 +386,12 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
     cfg = dict(config) if config is not None else decode_tile_config(q.dtype, kv_fp8)
+    fp8_path = cfg.pop("fp8_path", "tile")
+    if fp8_path not in FP8_PATHS:
+        raise ValueError(f"fp8_path must be one of {FP8_PATHS}, got {fp8_path!r}")
+    if fp8_path != "tile" and not (kv_fp8 and _words_path_ok(q, kv_cache)):
+        raise ValueError(f"fp8_path {fp8_path!r} needs an FP8 cache, 16-bit q and "
+                         "head_dim a power of two >= 64")
     if num_splits > 1:
         partial_out = torch.empty(num_reqs, num_heads, num_splits, head_dim,
                                   dtype=torch.float32, device=q.device)
@@ -191,16 +399,19 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                                   device=q.device)
     else:  # unused: the kernel writes out directly
         partial_out = partial_lse = out
-    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
-        kv_scales if kv_fp8 else seq_lens, block_tables, query_start_loc, seq_lens, scale * LOG2_E, num_splits, max(1, min_split_tokens),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32,
-        KV_FP8=kv_fp8, **cfg,
-    )
+    args = (out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
+            kv_scales if kv_fp8 else seq_lens, block_tables, query_start_loc, seq_lens,
+            scale * LOG2_E, num_splits, max(1, min_split_tokens),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+                  PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
+    grid = (num_reqs, num_kv_heads, num_splits)
+    if fp8_path == "tile":
+        _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
+                             KV_FP8=kv_fp8, **cfg)
+    else:
+        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg)
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
