@@ -35,7 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
 BF16_TILES = [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (32, 4, 9)]
 FP8_TILES = {
-    "tile": [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (128, 4, 7)],
+    "tile": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (128, 4, 5), (128, 4, 7)],
     "words_bits": [(128, 4, 4), (64, 4, 3), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
                    (128, 8, 5)],
     "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5)],
@@ -74,7 +74,7 @@ def variants(dtype: str, wide: bool) -> list[tuple[str, dict | None]]:
     if dtype == "bf16":
         tiles = BF16_TILES + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
-    out = []
+    out = [("default", None)]
     for path, tiles in FP8_TILES.items():
         if path == "tile" and wide:
             tiles = tiles + list(product((32, 64, 128, 256), (4, 8), (2, 3, 4)))

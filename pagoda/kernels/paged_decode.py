@@ -335,12 +335,14 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Key tile and launch options of the decode kernel.
 
     16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
-    (docs/performance.md, "measured reasons"); an FP8 cache: 128-key tiles (the same
-    bytes per tile), 4 stages (benchmarks/decode_tiles.py).
+    (docs/performance.md, "measured reasons"); an FP8 cache with 16-bit queries: the
+    word kernel on 128-key tiles with 5 stages (two K / V buffers), 179 us for one
+    Llama-8B layer at 256 x 1k where the tile kernel took 242 us and bf16 264 us
+    (benchmarks/decode_tiles.py); the tile kernel where the word kernel cannot run.
 
-    Key "fp8_path" (FP8 cache, 16-bit queries) picks the kernel: "tile" (the default:
-    attend_kv_tile on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel,
-    converting by bit operations or by Triton's e4m3 cast). Note on num_stages: the K / V
+    Key "fp8_path" (FP8 cache, 16-bit queries) picks the kernel: "tile" (attend_kv_tile
+    on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel, converting by
+    bit operations or by Triton's e4m3 cast: the same speed measured, the cast kept). Note on num_stages: the K / V
     loads depend on the block-table load of the same loop, and Triton 3.6 splits the
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
@@ -348,7 +350,7 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=5, fp8_path="words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -387,6 +389,9 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     group = num_heads // num_kv_heads
     cfg = dict(config) if config is not None else decode_tile_config(q.dtype, kv_fp8)
     fp8_path = cfg.pop("fp8_path", "tile")
+    if config is None and fp8_path != "tile" and not _words_path_ok(q, kv_cache):
+        # The default's word kernel cannot take this cache or query: the tile kernel can.
+        cfg, fp8_path = dict(BLOCK_N=128, num_warps=4, num_stages=4), "tile"
     if fp8_path not in FP8_PATHS:
         raise ValueError(f"fp8_path must be one of {FP8_PATHS}, got {fp8_path!r}")
     if fp8_path != "tile" and not (kv_fp8 and _words_path_ok(q, kv_cache)):
