@@ -114,12 +114,12 @@ def test_planner_set_up_per_method():
     planner, lookahead = build_draft_planner(ngram, "cpu", 128, 30)
     assert lookahead == 0 and planner.host_proposer is not None
     assert (planner.budget.max_k, planner.budget.compute_bound_tokens) == (4, 16)
-    assert planner.budget.choose(["new"], 1) == {"new": 2}  # alpha 1/2: gains .5, .25
+    assert planner.budget.choose(["new"], 1) == {"new": 3}  # alpha 1/2: gains .5, .25, .125
     assert not planner.budget.drafting_holds  # told by the engine: drafting holds a step
     planner, _ = build_draft_planner(ngram, "cpu", 128, 30, async_scheduling=True)
     assert planner.budget.hold_cost(2) == pytest.approx(2 * (0.2 + 0.8 / 63))
-    # 0.75 each covers the held step; told the step runs 4 requests, 0.75 < 4 x .238.
-    assert planner.budget.choose(["a", "b"], 2) == {"a": 2, "b": 2}
+    # 0.875 each covers the held step; told the step runs 4 requests, 0.875 < 4 x .238.
+    assert planner.budget.choose(["a", "b"], 2) == {"a": 3, "b": 3}
     assert planner.budget.choose(["c"], 2, num_running=4) == {"c": 0}
     # A layer-skip draft costs num_layers / layers of a forward: at 29 of 30 layers no
     # draft can pay for itself, so the adaptive budget never drafts.
@@ -127,7 +127,7 @@ def test_planner_set_up_per_method():
                                         "num_speculative_tokens": 2, "compute_bound_tokens": 64})
     planner, lookahead = build_draft_planner(deep, "cuda", 128, 30)
     assert lookahead == 2 and planner.host_proposer is None
-    assert planner.budget.min_gain == pytest.approx(0.25 + 29 / 30)
+    assert planner.budget.min_gain == pytest.approx(0.1 + 29 / 30)
     # Async, a worker drafter's requests are scheduled optimistically: nothing is held.
     planner, _ = build_draft_planner(deep, "cuda", 128, 30, async_scheduling=True)
     assert not planner.budget.drafting_holds and planner.budget.hold_cost(64) == 0.0
@@ -138,4 +138,4 @@ def test_planner_set_up_per_method():
     draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 2})
     planner, lookahead = build_draft_planner(draft, "cpu", 128, 30, 0.125)
     assert lookahead == 2 and planner.host_proposer is None
-    assert planner.budget.min_gain == pytest.approx(0.25 + 0.125)
+    assert planner.budget.min_gain == pytest.approx(0.1 + 0.125)

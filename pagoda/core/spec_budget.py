@@ -60,11 +60,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-# A draft expected to be accepted less often than this is not proposed: it would cost
-# a verification row and proposer work for little. A conservative guess, not a
-# measurement yet: the "adaptive" columns of benchmarks/spec_decode_gpu.py are where to
-# tune it.
-MIN_GAIN = 0.25
+# A draft expected to be accepted less often than this is not proposed: what one more
+# verification row (and its proposer work) costs, in tokens, where the step is not
+# compute-bound. Measured at batch 1: on an H200 with an 8B model a verify step of 5 rows
+# cost 1.355 decode steps and one of 7 rows 1.395, about 0.02 of a token per extra row
+# (most of the 0.355 is the held step); on the 2-core CPU with SmolLM2 ~0.09 (a 5-row
+# step 53.6 ms, one row 38-40 ms). 0.25 left drafts 5 and 6 unproposed at 80 %
+# acceptance on the H200 (adaptive 1.95 ms/token vs k=6 always 1.65).
+MIN_GAIN = 0.1
 DEFAULT_DECAY = 0.9
 PRIOR_WEIGHT = 4.0
 # What a held (synchronous) step costs each running request under async scheduling, in

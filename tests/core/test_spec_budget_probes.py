@@ -10,6 +10,10 @@ import pytest
 
 from pagoda.core.spec_budget import SpecBudget
 
+# The arithmetic of these trajectories (comments below) takes drafts down to a gain of
+# .25: pinned here, independent of spec_budget.MIN_GAIN's default.
+PROBE_TEST_MIN_GAIN = 0.25
+
 
 def simulate(budget: SpecBudget, req_ids: list[str], steps: range,
              accepted: Callable[[str, int, int], int] = lambda rid, step, k: 0,
@@ -34,7 +38,7 @@ def set_alpha(budget: SpecBudget, rid: str, successes: int, failures: int) -> No
 
 
 # At 0 % acceptance from a fresh engine: alpha .5 -> 2 drafts, then .424 ... .258 -> 1,
-# then .234 < MIN_GAIN: no drafts from step 7. Probe steps after 64, 128, ..., 1024
+# then .234 < min_gain .25: no drafts from step 7. Probe steps after 64, 128, ..., 1024
 # steps without drafts, all requests at once.
 ZERO_ACCEPTANCE = {1: 2, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 70: 1, 198: 1, 454: 1, 966: 1,
                    1990: 1, 3014: 1}
@@ -42,7 +46,7 @@ ZERO_ACCEPTANCE = {1: 2, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 70: 1, 198: 1, 454: 1, 96
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_zero_acceptance_stops_then_probes_the_batch_on_a_doubling_schedule(async_scheduling):
-    budget = SpecBudget(4, 1000, drafting_holds=async_scheduling)
+    budget = SpecBudget(4, 1000, min_gain=PROBE_TEST_MIN_GAIN, drafting_holds=async_scheduling)
     drafted = simulate(budget, ["r", "s"], range(1, 3100))
     # Async, the two requests' drafts (2 x .75, then 2 x .42 ... 2 x .26) cover the held
     # step's cost (2 x .213) until they stop on their own.
@@ -55,7 +59,7 @@ def test_zero_acceptance_stops_then_probes_the_batch_on_a_doubling_schedule(asyn
 
 
 def test_high_acceptance_keeps_max_k():
-    budget = SpecBudget(4, 1000, drafting_holds=True)
+    budget = SpecBudget(4, 1000, min_gain=PROBE_TEST_MIN_GAIN, drafting_holds=True)
     simulate(budget, ["warm"], range(3), accepted=lambda rid, step, k: k)
     # A new request starts from the engine-wide estimate: max_k at once.
     drafted = simulate(budget, ["a", "b"], range(300), accepted=lambda rid, step, k: k)
@@ -64,7 +68,7 @@ def test_high_acceptance_keeps_max_k():
 
 def budget_with(alphas: dict[str, tuple[int, int]], async_scheduling: bool,
                 compute_bound_tokens: int = 1000) -> SpecBudget:
-    budget = SpecBudget(4, compute_bound_tokens, decay=1.0, prior_weight=0,
+    budget = SpecBudget(4, compute_bound_tokens, min_gain=PROBE_TEST_MIN_GAIN, decay=1.0, prior_weight=0,
                         drafting_holds=async_scheduling)
     for rid, (successes, failures) in alphas.items():
         set_alpha(budget, rid, successes, failures)
@@ -72,7 +76,7 @@ def budget_with(alphas: dict[str, tuple[int, int]], async_scheduling: bool,
 
 
 def test_async_drafts_only_when_the_batch_gain_covers_the_held_step():
-    # alpha .45 (9 / 20): one draft worth .45 each (.2025 < MIN_GAIN).
+    # alpha .45 (9 / 20): one draft worth .45 each (.2025 < min_gain .25).
     assert budget_with({"r": (8, 10)}, True).alpha("r") == 0.45
     assert budget_with({"r": (8, 10)}, True).choose(["r"], 1) == {"r": 1}  # .45 >= .2
     # Told the step runs 3 requests (two admitted beside it): .45 < 3 x .225.
@@ -97,7 +101,7 @@ def test_room_goes_to_the_largest_gains():
 
 
 def test_accepted_probe_resumes_drafting_and_restarts_the_interval():
-    budget = SpecBudget(4, 1000, drafting_holds=True)
+    budget = SpecBudget(4, 1000, min_gain=PROBE_TEST_MIN_GAIN, drafting_holds=True)
     predictable = range(400, 500)
     drafted = simulate(budget, ["r", "s"], range(1, 1000),
                        accepted=lambda rid, step, k: k if rid == "r" and step in predictable else 0)
@@ -116,7 +120,7 @@ def test_accepted_probe_resumes_drafting_and_restarts_the_interval():
 
 
 def test_probe_step_takes_spare_room_and_holds_until_its_outcome():
-    budget = SpecBudget(4, 8, drafting_holds=True, probe_interval=2,
+    budget = SpecBudget(4, 8, min_gain=PROBE_TEST_MIN_GAIN, drafting_holds=True, probe_interval=2,
                         decay=1.0, prior_weight=0)
     set_alpha(budget, "r", 0, 8)
     set_alpha(budget, "s", 0, 8)
@@ -137,11 +141,11 @@ def test_probe_step_takes_spare_room_and_holds_until_its_outcome():
 
 
 def test_not_adaptive_and_compute_bound_are_unchanged_by_async():
-    budget = SpecBudget(3, 4, adaptive=False, drafting_holds=True)
+    budget = SpecBudget(3, 4, min_gain=PROBE_TEST_MIN_GAIN, adaptive=False, drafting_holds=True)
     for _ in range(5):
         budget.observe("r", 3, 0)
     assert budget.choose(["r", "s"], 100) == {"r": 3, "s": 3}
-    budget = SpecBudget(3, 4, drafting_holds=True)
+    budget = SpecBudget(3, 4, min_gain=PROBE_TEST_MIN_GAIN, drafting_holds=True)
     simulate(budget, ["w"], range(20), accepted=lambda rid, step, k: k)
     assert budget.choose(["a", "b"], 4) == {"a": 0, "b": 0}  # compute-bound: none
     assert budget.choose(["a", "b"], 0) == {"a": 2, "b": 2}  # room for 4: the best gains
