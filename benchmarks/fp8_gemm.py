@@ -4,6 +4,8 @@ the Llama-3.1-8B linear shapes.
     python3 benchmarks/fp8_gemm.py --out benchmarks/results/h200-fp8-gemm.json
     python3 benchmarks/fp8_gemm.py --sweep --out ...   # also tile sweeps (a few minutes)
     python3 benchmarks/fp8_gemm.py --smoke             # CPU, tiny shapes, interpreted
+    python3 benchmarks/fp8_gemm.py --decode-compare --shapes qkv,o,gate_up,down --ms 1,8 \
+        --out benchmarks/results/h200-fp8-decode.json     # W8A16 weight decodes only (~2 min)
 
 For each shape (N x K: qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336,
 lm_head 128256x4096) and M rows in {1, 4, 16, 64, 256, 1024, 4096, 16384}, side by side:
@@ -20,7 +22,10 @@ cold in a real step), achieved TB/s over the minimal bytes (x + W + y) and TFLOP
 relative error max|y - y_bf16| / max|y_bf16|. The roofline is the weight bytes over the
 copy bandwidth measured in the same run. Prints tables and the M where scaled_mm starts
 to beat w8a16 per shape (what W8A16_MAX_M should be); --sweep also prints the best
-W8A16 and W8A8 tiles per shape and M. Writes JSON.
+W8A16 and W8A8 tiles per shape and M. --decode-compare runs instead of the table: the
+W8A16 kernel's weight decodes (DECODE "cvt" vs "bits", see fp8_linear.W8A16_DECODES) on
+the default tiles and a few alternatives (decode_variants) at each M <= 16 given, next to
+bf16 F.linear. Writes JSON.
 """
 
 from __future__ import annotations
@@ -240,6 +245,84 @@ def _best(what, configs, timer, call) -> dict:
     return best
 
 
+# ------------------------------------------------------------ decode compare -------
+def decode_variants(kl, m: int, n: int, k: int) -> list[tuple[str, dict]]:
+    """(label, W8A16 config) pairs to time with each decode: the default tiles
+    (w8a16_config); at one row also half as many rows per program (twice the programs
+    resident per SM), 8 warps, and the tl.dot path (16-row tile, 15 padding rows)."""
+    base = kl.w8a16_config(m, n, k)
+    out = [("default", base)]
+    if m == 1 and n < 65536:
+        out += [("bn4", dict(base, BLOCK_N=4)), ("warps8", dict(base, num_warps=8)),
+                ("dot", dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2 if k >= 8192 else 1,
+                             num_warps=4, DOT=True))]
+    return out
+
+
+def decode_compare(kl, kq, shapes, ms, device, dtype, timer, copy_bw) -> list[dict]:
+    """Per shape and M (<= W8A16_MAX_M): bf16 F.linear, then every decode_variants config
+    with each decode; microseconds, TB/s over x + W + y, error vs the dequantized-weight
+    float32 product (which the decodes must all match)."""
+    import torch
+    import torch.nn.functional as F
+    rows = []
+    for label, (n, k) in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
+        w8, s = kq.quantize_weight_per_channel(w)
+        for m in [m for m in ms if m <= kl.W8A16_MAX_M]:
+            x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+            ref = x.float() @ (w8.float() * s[:, None]).t()
+            moved = n * k + 2 * m * k * x.element_size()  # fp8 weights, x in, y out
+            us = timer(lambda: F.linear(x, w))
+            rows.append(_decode_row(label, m, "bf16_linear", "-", us, moved + n * k, None,
+                                    copy_bw, n, k))
+            for name, cfg in decode_variants(kl, m, n, k):
+                for dec in kl.W8A16_DECODES:
+                    c = dict(cfg, DECODE=dec)
+                    try:
+                        y = kl.w8a16_linear(x, w8, s, config=c)
+                        us = timer(lambda: kl.w8a16_linear(x, w8, s, config=c))
+                    except Exception as exc:  # noqa: BLE001  (a tile that does not compile)
+                        print(f"  {label} M={m} {name} {dec}: {type(exc).__name__}", flush=True)
+                        continue
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    rows.append(_decode_row(label, m, name, dec, us, moved, err, copy_bw,
+                                            n, k, c))
+        del w, w8, s
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_row(shape, m, variant, decode, us, moved, err, copy_bw, n, k, cfg=None) -> dict:
+    row = {"shape": shape, "N": n, "K": k, "M": m, "variant": variant, "decode": decode,
+           "us": us, "tb_s": moved / (us * 1e-6) / 1e12, "rel_err": err, "config": cfg,
+           "fp8_roofline_us": n * k / copy_bw * 1e6 if copy_bw else None}
+    print(f"{shape:>8} {m:>3} {variant:>12} {decode:>5} {us:9.2f} us {row['tb_s']:5.2f} TB/s"
+          + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+    return row
+
+
+def decode_summary(rows: list[dict]) -> dict:
+    """Per (shape, M): the fastest row of each decode, and bits over cvt on the defaults."""
+    out = {}
+    for r in rows:
+        if r["decode"] == "-":
+            continue
+        key = f"{r['shape']} M={r['M']}"
+        best = out.setdefault(key, {})
+        if r["decode"] not in best or r["us"] < best[r["decode"]]["us"]:
+            best[r["decode"]] = {"us": r["us"], "variant": r["variant"], "config": r["config"]}
+        if r["variant"] == "default":
+            best.setdefault("default_us", {})[r["decode"]] = r["us"]
+    for key, best in out.items():
+        print(f"{key:>16}: " + ", ".join(f"{d} best {b['us']:.2f} us ({b['variant']})"
+                                         for d, b in best.items() if d != "default_us")
+              + f"; defaults {best.get('default_us')}", flush=True)
+    return out
+
+
 # ------------------------------------------------------------------ report ---------
 def _cell(c: dict) -> str:
     if c["status"] != "ok":
@@ -282,6 +365,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also sweep W8A16 / W8A8 tiles")
     p.add_argument("--gemv-sweep", action="store_true",
                    help="also sweep the batch-1 W8A16 tiles more widely (GEMV_SWEEP)")
+    p.add_argument("--decode-compare", action="store_true",
+                   help="only the W8A16 decode comparison (cvt vs bits) at the Ms <= 16 given")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny shapes, Triton interpreted (checks the script runs)")
     args = p.parse_args()
@@ -306,15 +391,19 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     print(f"device {device} ({name}), torch {torch.__version__}, copy bandwidth "
           + (f"{copy_bw / 1e12:.2f} TB/s" if copy_bw else "n/a"), flush=True)
-    print(header(), flush=True)
-    rows = []
-    for label, (n, k) in shapes.items():
-        rows += run_shape(kl, kq, label, n, k, ms, device, dtype, timer, copy_bw)
-    summ = summary(rows)
-    print("scaled_mm beats w8a16 from M =", summ["crossover"] or "never (in the Ms run)",
-          f"(W8A16_MAX_M is {kl.W8A16_MAX_M})")
-    print("max relative error vs bf16:",
-          {k: f"{v:.4f}" for k, v in summ["max_rel_err"].items()})
+    rows, summ, decodes = [], {}, []
+    if args.decode_compare:
+        decodes = decode_compare(kl, kq, shapes, ms, device, dtype, timer, copy_bw)
+        summ = {"decodes": decode_summary(decodes)}
+    else:
+        print(header(), flush=True)
+        for label, (n, k) in shapes.items():
+            rows += run_shape(kl, kq, label, n, k, ms, device, dtype, timer, copy_bw)
+        summ = summary(rows)
+        print("scaled_mm beats w8a16 from M =", summ["crossover"] or "never (in the Ms run)",
+              f"(W8A16_MAX_M is {kl.W8A16_MAX_M})")
+        print("max relative error vs bf16:",
+              {k: f"{v:.4f}" for k, v in summ["max_rel_err"].items()})
     sweeps = sweep(kl, kq, shapes, device, dtype, timer) if args.sweep else []
     if args.gemv_sweep:
         sweeps += gemv_sweep(kl, kq, shapes, device, dtype, timer)
@@ -324,6 +413,7 @@ def main():
         "torch": torch.__version__, "triton": __import__("triton").__version__,
         "smoke": args.smoke, "copy_bandwidth_bytes_s": copy_bw, "dtype": str(dtype),
         "w8a16_max_m": kl.W8A16_MAX_M, "rows": rows, "summary": summ, "sweeps": sweeps,
+        "decode_rows": decodes,
         "configs": {"W8A16_GEMV": kl.W8A16_GEMV_CONFIG, "W8A16_DOT": kl.W8A16_DOT_CONFIG,
                     "W8A8_SMALL": kl.W8A8_SMALL_CONFIG, "W8A8_LARGE": kl.W8A8_LARGE_CONFIG},
     }

@@ -9,8 +9,11 @@ trips and exact scales, zero rows, non-finite weights refused, chunked quantizat
 to unchunked, activation quantization bit-exact with its reference (per token and per
 group, both scale layouts), the W8A16 kernel (GEMV and dot paths, split-K, bias), the
 W8A8 GEMM (per channel and block scaled), the dispatch by rows, shapes that are not
-multiples of any tile or block, and the rejected arguments. With CUDA the same cases run
-compiled, plus the torch._scaled_mm path.
+multiples of any tile or block, the rejected arguments, and the W8A16 weight decodes
+(DECODE "cvt" / "bits": every finite e4m3 code exact, subnormal and +-448 weights through
+both scale layouts, one row on either path). With CUDA the same cases run compiled, plus the
+torch._scaled_mm path and the bfloat16 bit decode (the interpreter gets bfloat16 bitcasts
+wrong).
 """
 
 from __future__ import annotations
@@ -293,3 +296,94 @@ def test_rejected_arguments(kq, kl):
     wb, sb = kq.quantize_weight_blockwise(_rand(24, 72), (16, 24))
     with pytest.raises(ValueError, match="power-of-two divisor"):
         kl.fp8_block_linear(_rand(20, 72), wb, sb, (16, 24))
+
+
+# ------------------------------------------------------------ W8A16 decodes --------
+def _finite_codes() -> torch.Tensor:
+    """Every finite e4m3fn value (254 codes: all but the NaNs 0x7f / 0xff), as fp8."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return codes[(codes & 0x7F) != 0x7F].view(FP8)
+
+
+@triton.jit
+def _bits_decode_kernel(w_ptr, f32_ptr, out_ptr, N: tl.constexpr):
+    from pagoda.kernels.fp8_linear import _e4m3_bits_f32, _e4m3_bits_to
+    offs = tl.arange(0, N)
+    w = tl.load(w_ptr + offs)
+    tl.store(f32_ptr + offs, _e4m3_bits_f32(w))
+    tl.store(out_ptr + offs, _e4m3_bits_to(w, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_e4m3_bit_decodes_are_exact(dtype):
+    """_e4m3_bits_f32 gives value * 2^-120 exactly (subnormals included, as float32
+    subnormals) and _e4m3_bits_to the value itself in each dot dtype, for every code."""
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("the interpreter gets bfloat16 bitcasts wrong")
+    codes = _finite_codes()
+    n = 256
+    w = torch.cat([codes.view(torch.uint8), torch.zeros(n - codes.numel(), dtype=torch.uint8)])
+    w = w.view(FP8).to(DEVICE)
+    f32 = torch.empty(n, device=DEVICE)
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    _bits_decode_kernel[(1,)](w, f32, out, N=n)
+    assert torch.equal(f32 * 2.0 ** 120, w.float())
+    assert (f32[(w.view(torch.uint8) & 0x78) == 0] * 2.0 ** 120).abs().max() < 2.0 ** -6
+    assert torch.equal(out.float(), w.float())
+
+
+def _extreme_weights(n, k, seed):
+    """fp8 [n, k] drawn from every finite code (about 6% subnormal, both +-448), with
+    rows of +-448 and of the smallest subnormals only."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = _finite_codes().view(torch.uint8)
+    w = codes[torch.randint(0, codes.numel(), (n, k), generator=gen)]
+    w[1] = torch.where(torch.rand(k, generator=gen) < 0.5, 0x7E, 0xFE)  # +-448
+    w[2] = torch.randint(0, 8, (k,), generator=gen) | (torch.randint(0, 2, (k,), generator=gen) << 7)
+    return w.to(torch.uint8).view(FP8).to(DEVICE)
+
+
+@pytest.mark.parametrize("decode", ["cvt", "bits"])
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("m,dot", [(1, False), (1, True), (5, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_w8a16_decodes_with_subnormal_and_extreme_weights(kl, decode, blocked, m, dot, dtype):
+    """Both decodes, both scale layouts, one row on the FMA or the tl.dot path, several
+    rows: equal to the torch reference on weights with subnormals and +-448 (row 2 holds
+    subnormals only: flushing them would zero its outputs), scales from tiny (2^-60) to
+    large (2^10; float16 outputs: 2^-16 to 2^-8, within its range), K not a multiple of
+    BLOCK_K (a masked tail)."""
+    n, k = 40, 300
+    lo, hi = (-60, 11) if dtype == torch.float32 else (-16, -7)
+    w = _extreme_weights(n, k, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.randn(m, k, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    if blocked:
+        block = (16, 32)
+        s = (2.0 ** torch.randint(lo, hi, (3, 10), generator=gen).float()
+             * torch.rand(3, 10, generator=gen)).to(DEVICE)
+        ref = kl.fp8_block_linear_ref(x, w, s, block, out_dtype=torch.float32)
+        w_abs = (w.float().abs() * s.repeat_interleave(16, 0)[:n].repeat_interleave(32, 1)[:, :k])
+    else:
+        block = None
+        s = (2.0 ** torch.randint(lo, hi, (n,), generator=gen).float()
+             * torch.rand(n, generator=gen)).to(DEVICE)
+        ref = kl.fp8_linear_ref(x, w, s, out_dtype=torch.float32)
+        w_abs = w.float().abs() * s[:, None]
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2 if m > 1 else 1, num_warps=4,
+               LOOP_STAGES=2, DECODE=decode, DOT=dot)
+    out = kl.w8a16_linear(x, w, s, block=block, config=cfg)
+    # Each output against the sum of its terms' magnitudes (outputs cancel, and the
+    # scales span 70 binades): float32 summation error, or float16's output rounding
+    # (down to its subnormals' spacing, 2^-24).
+    bound = x.float().abs() @ w_abs.t()
+    tol, floor = (2e-3, 2.0 ** -24) if dtype == torch.float16 else (1e-5, 0.0)
+    assert (bound[:, 2] > 0).all()
+    assert ((out.float() - ref).abs() <= tol * bound + floor).all()
+
+
+def test_w8a16_rejects_unknown_decode(kq, kl):
+    w, s = _weights(kq, 24, 64)
+    with pytest.raises(ValueError, match="DECODE must be one of"):
+        kl.w8a16_linear(_rand(1, 64), w, s, config=dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1,
+                                                          num_warps=4, DECODE="lut"))

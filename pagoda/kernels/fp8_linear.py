@@ -124,6 +124,47 @@ def _block_scale(w_scale: torch.Tensor, n: int, k: int, block) -> tuple[torch.Te
 
 
 # -------------------------------------------------------------- W8A16 kernel -------
+# Weight decodes (the DECODE config key / constexpr). "cvt": Triton's fp8 casts (sm_90:
+# F2FP e4m3x2 -> f16x2 per pair, then f16 -> f32 per element; the tl.dot path adds an
+# f16 -> bf16 F2F per element). "bits": the e4m3 bits placed in a float's bit pattern with
+# integer ops (sign-extend, shift, mask; no conversion instructions), leaving a power of two
+# that the kernel applies to the accumulator, the scale or (tl.dot path) each element.
+# e4m3fn's NaN codes (0x7f / 0xff) never occur in weights Pagoda quantizes (finite amax and
+# scales; quantize_weight_* refuse non-finite weights), so no decode need preserve them.
+W8A16_DECODES = ("cvt", "bits")
+
+
+@triton.jit
+def _e4m3_bits_f32(w):
+    """e4m3fn -> float32 holding exactly value * 2^-120: the sign-extended byte shifted so
+    that its 4 exponent + 3 mantissa bits land on float32's exponent LSBs (bits 26..20), the
+    mask keeping the sign (bit 31) and those 7 bits. A subnormal e4m3 (exponent 0) becomes a
+    float32 subnormal of the same significand: also exact. The compiled code keeps such
+    values (sm_90 SASS of the kernel: FFMA, no .FTZ: Triton does not flush denormals), and
+    each product with x is added to a float32 accumulator by one fused multiply-add."""
+    b = w.to(tl.int8, bitcast=True).to(tl.int32)
+    return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@triton.jit
+def _e4m3_bits_to(w, dtype: tl.constexpr):
+    """e4m3fn -> dtype (bfloat16, float16 or float32) of exactly the same value, for the
+    tl.dot path: the bits placed on dtype's exponent LSBs as in _e4m3_bits_f32 (value *
+    2^-120 for bfloat16 / float32, value * 2^-8 for float16; subnormal for a subnormal
+    e4m3), then one multiply by that power of two in dtype (exact: at most 4 significant
+    bits, and the result is a normal number)."""
+    if dtype == tl.bfloat16:
+        b = w.to(tl.int8, bitcast=True).to(tl.int16)
+        t = ((b << 4) & -30736).to(tl.bfloat16, bitcast=True)  # mask 0x87F0
+        return t * tl.full((), 1.329227995784916e36, tl.bfloat16)  # 2^120
+    elif dtype == tl.float16:
+        b = w.to(tl.int8, bitcast=True).to(tl.int16)
+        t = ((b << 7) & -16512).to(tl.float16, bitcast=True)  # mask 0xBF80
+        return t * tl.full((), 256.0, tl.float16)
+    else:
+        return _e4m3_bits_f32(w) * 1.329227995784916e36
+
+
 @triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
@@ -132,9 +173,11 @@ def _w8a16_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
+    DECODE: how the fp8 weights become float32 / the dot's dtype (W8A16_DECODES).
     EVEN_K / EVEN_N: no tile is cut by K's / N's end, so the weight loads carry no
     mask along that axis (a mask Triton cannot prove uniform splits the 16-byte vector
     loads into narrower ones: the GEMV then falls far short of the memory bandwidth)."""
@@ -148,6 +191,10 @@ def _w8a16_kernel(
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     if BLOCK_M == 1:
+        # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
+        # factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
+        # (2^56) applied at the end, so w * s stays a normal float32 (exact products) for
+        # any scale in [2^-70, 2^64).
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
         # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
@@ -156,19 +203,30 @@ def _w8a16_kernel(
             if EVEN_K:
                 x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
                 if EVEN_N:
-                    w = tl.load(w_ptrs).to(tl.float32)
+                    w = tl.load(w_ptrs)
                 else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = offs_k < k_end - k0
                 x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if DECODE == "bits":
+                w = _e4m3_bits_f32(w)
+            else:
+                w = w.to(tl.float32)
             if SCALE_BLOCKED:
                 s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
                             mask=n_ok, other=0.0)
+                if DECODE == "bits":
+                    s = s * 18446744073709551616.0  # 2^64
                 w = w * s[:, None]
             acc2 += w * x[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]
+        if DECODE == "bits":
+            if SCALE_BLOCKED:
+                acc = acc * 72057594037927936.0  # 2^56
+            else:
+                acc = acc * 1.329227995784916e36  # 2^120; the scale multiplies below
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -185,7 +243,11 @@ def _w8a16_kernel(
                 x = tl.load(x_rows + (k0 + offs_k)[None, :],
                             mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            part = tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+            if DECODE == "bits":
+                w = _e4m3_bits_to(w, x.dtype)
+            else:
+                w = w.to(x.dtype)
+            part = tl.dot(x, w, input_precision=DOT_PRECISION)
             if SCALE_BLOCKED:
                 s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
                             mask=n_ok, other=0.0)
@@ -235,7 +297,10 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
                  ) -> torch.Tensor:
     """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
     block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
-    (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries."""
+    (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries.
+    config (default w8a16_config): BLOCK_N, BLOCK_K, SPLIT_K, num_warps; optional
+    LOOP_STAGES (one-row loop), DECODE (W8A16_DECODES, default "cvt"), DOT (one row on
+    the tl.dot path)."""
     m, k = x.shape
     n = w_fp8.shape[0]
     if not 0 < m <= W8A16_ROWS_LIMIT:
@@ -243,9 +308,14 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     cfg = dict(config or w8a16_config(m, n, k))
     split_k = cfg.pop("SPLIT_K")
     loop_stages = cfg.pop("LOOP_STAGES", 1)
+    decode = cfg.pop("DECODE", "cvt")
+    # DOT=True: one row through the tl.dot path too (a 16-row tile, 15 padding rows).
+    block_m = 1 if m == 1 and not cfg.pop("DOT", False) else max(16, triton.next_power_of_2(m))
+    if decode not in W8A16_DECODES:
+        raise ValueError(f"w8a16_linear: DECODE must be one of {W8A16_DECODES}, got {decode!r}")
     bn, bk = block if block is not None else (1, 1)
     if block is not None:
-        cfg["BLOCK_K"] = _fit_block_k(cfg["BLOCK_K"], bk, 16 if m > 1 else 1)
+        cfg["BLOCK_K"] = _fit_block_k(cfg["BLOCK_K"], bk, 16 if block_m > 1 else 1)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -256,9 +326,9 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         scale.stride(0), scale.stride(1) if block is not None else 0,
         SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
+        BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, **cfg)
+        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, **cfg)
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
