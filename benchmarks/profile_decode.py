@@ -195,6 +195,8 @@ def parse_args():
     p.add_argument("--rows", type=int, default=40, help="kernel rows printed")
     p.add_argument("--max-model-len", type=int, default=2304)
     p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (an FP8 KV cache)")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (FP8 weights)")
     p.add_argument("--out", default="benchmarks/results/profile_decode.json")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny-qwen3-moe, float32, a few steps (checks the script runs)")
@@ -215,7 +217,8 @@ def main() -> None:
     on_cuda = args.device == "cuda"
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=max(batches),
-              kv_cache_memory=args.kv_cache_memory, skip_tokenizer_init=True)
+              kv_cache_memory=args.kv_cache_memory, skip_tokenizer_init=True,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     points = []
     for batch in batches:
