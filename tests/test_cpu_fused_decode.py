@@ -270,3 +270,50 @@ def test_batch_one_with_float_activations(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
     arch = _arch(head_dim=64)
     _compare(_model(arch, _kinds("q8_0", "q4_1", "q4_1", "q8_0")), arch, [21], monkeypatch)
+
+
+def test_a_plan_never_used_is_skipped_and_expires():
+    """torch_ref builds its plan lazily; a step that never used it (a fused step) counts
+    as a step without decode rows, and the old plan cannot be built out of order."""
+    arch = _arch(head_dim=64)
+    backend = _backend(arch)
+    first = backend.build_metadata(build_attention_metadata([1], [5], [[2]], BLOCK, "cpu"))
+    second = backend.build_metadata(build_attention_metadata([1], [6], [[2]], BLOCK, "cpu"))
+    with pytest.raises(RuntimeError, match="after the next step"):
+        first.plan()
+    assert second.decode.assignment.carried == [False]
+
+
+def test_engine_preemption_prefix_cache_async_same_tokens(monkeypatch):
+    """Through the engine with a pool too small for the batch (preemption, recompute),
+    prefix caching (prompts sharing a prefix) and async scheduling, the fused steps give
+    the tokens the layers give, and every block comes back. Float activations at batch 1
+    (see PROMPTS above): the batch shrinks to one row at times."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.model.quant import cpu_kernels
+    from test_engine_batching import assert_all_blocks_free, make_prompts
+
+    monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
+    fused_steps = []
+    run = cpu_fused_decode.FusedDecode.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        fused_steps.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu_fused_decode.FusedDecode, "run", counted)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv(cpu_fused_decode.ENV_SWITCH, "1" if fused else "0")
+        llm = LLM(quantization="gguf", device="cpu", max_model_len=256,
+                  max_num_batched_tokens=64, max_num_seqs=16, num_gpu_blocks_override=12,
+                  enable_prefix_caching=True, async_scheduling=True)
+        prompts = make_prompts(llm.get_tokenizer(), 10)
+        prompts = prompts + [prompts[5] + [11, 12, 13], prompts[9][:20]]  # shared prefixes
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+        assert_all_blocks_free(llm)
+        results[fused] = [list(o.outputs[0].token_ids) for o in outs]
+    assert sum(fused_steps) > 20  # the fused kernel took the decode steps
+    assert results[True] == results[False]
