@@ -51,9 +51,9 @@ class _Kinds(CpuBlockConfig):
 
 
 def _arch(head_dim: int, heads: int = 4, kv_heads: int = 2, **overrides) -> ArchConfig:
-    fields = dict(architecture="LlamaForCausalLM", hidden_size=128, num_hidden_layers=3,
+    fields = dict(architecture="LlamaForCausalLM", hidden_size=320, num_hidden_layers=3,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                  intermediate_size=256, vocab_size=300, rms_norm_eps=1e-5,
+                  intermediate_size=288, vocab_size=300, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, torch_dtype="float32")
     fields.update(overrides)
     return ArchConfig(**fields)
@@ -110,7 +110,33 @@ def _backend(arch) -> TorchRefBackend:
                            arch.head_dim ** -0.5)
 
 
+def _close(got, want, loose: bool) -> None:
+    if loose:  # 8-bit activations: relative error of the whole tensor (see below)
+        assert ((got - want).norm() / want.norm()).item() < LOOSE_REL
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# Batch 1 multiplies 8-bit activations by default (cpu_kernels.QUANTIZE_ACTIVATIONS), in
+# both paths. Their rounding is discontinuous: where a value sits at a rounding boundary,
+# a one-ulp difference in a norm's output moves it a whole step, and on these models a
+# one-ulp change of the embedding alone moves the unfused output by up to 2e-2 (relative
+# L2, measured; most cases 4e-7). So batch 1 is compared twice: tightly with float
+# activations, and loosely (a wrong block or scale gives errors of order 1) with 8-bit.
+LOOSE_REL = 5e-2
+
+
 def _compare(model, arch, lengths, monkeypatch, seed=0):
+    from pagoda.model.quant import cpu_kernels
+
+    if len(lengths) == 1:
+        monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
+        _compare_once(model, arch, lengths, monkeypatch, seed, loose=False)
+        monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", True)
+    return _compare_once(model, arch, lengths, monkeypatch, seed, loose=len(lengths) == 1)
+
+
+def _compare_once(model, arch, lengths, monkeypatch, seed: int, loose: bool):
     ids = torch.randint(0, arch.vocab_size, (len(lengths),),
                         generator=torch.Generator().manual_seed(seed))
     tables = _tables(lengths, seed)
@@ -120,12 +146,12 @@ def _compare(model, arch, lengths, monkeypatch, seed=0):
                   monkeypatch)
     want = _decode(model, arch, ref_pool, _backend(arch), lengths, tables, ids, False,
                    monkeypatch)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _close(got, want, loose)
     slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
                           for t, n in zip(tables, lengths)])
     for mine, ref, old in zip(fused_pool.caches, ref_pool.caches, before):
         flat, ref_flat, old_flat = (c.view(2, -1, *c.shape[3:]) for c in (mine, ref, old))
-        torch.testing.assert_close(flat[:, slots], ref_flat[:, slots], rtol=1e-5, atol=1e-5)
+        _close(flat[:, slots], ref_flat[:, slots], loose)
         assert not torch.equal(flat[:, slots], old_flat[:, slots])  # really written
         keep = torch.ones(flat.shape[1], dtype=torch.bool)
         keep[slots] = False
@@ -261,15 +287,6 @@ def test_embedded_smollm2_gguf_greedy_same_tokens(smollm2_gguf, monkeypatch):
     fused = _greedy(smollm2_gguf, True, monkeypatch)
     unfused = _greedy(smollm2_gguf, False, monkeypatch)
     assert fused == unfused
-
-
-def test_batch_one_with_float_activations(monkeypatch):
-    """cpu_kernels.QUANTIZE_ACTIVATIONS off: both paths multiply one row in float."""
-    from pagoda.model.quant import cpu_kernels
-
-    monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
-    arch = _arch(head_dim=64)
-    _compare(_model(arch, _kinds("q8_0", "q4_1", "q4_1", "q8_0")), arch, [21], monkeypatch)
 
 
 def test_a_plan_never_used_is_skipped_and_expires():

@@ -170,6 +170,56 @@ static void rotate_head(const float *x, const float *cos, const float *sin, int6
 
 /* ---- matmuls inside the parallel region -------------------------------------------- */
 
+/* A Q4_1 row times the 8-bit activation (the sum gemv_q4_1_q8_row computes, rounded
+ * otherwise): eight blocks' fp16 scale and minimum come in with one gather (d and m are
+ * the first four bytes of each 20-byte block) and are converted, multiplied by dx and
+ * summed with xs as vectors, instead of one scalar conversion chain per block. */
+static float gemv_q4_1_q8_row8(const int8_t *xq, const float *dx, const float *xs,
+                               const uint8_t *blocks, int64_t nb) {
+    const __m256i offsets = _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140);
+    /* Per 128-bit lane: bytes of the four low (d) or high (m) halves to the first 8 bytes. */
+    const __m256i take_d = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i take_m = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = blocks + b * 20;
+        const __m256i dm = _mm256_i32gather_epi32((const int *)blk, offsets, 1);
+        /* qwords 0 and 2 hold the halves of lanes 0 and 1: bring them together. */
+        const __m256i d16 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, take_d), 0x08);
+        const __m256i m16 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, take_m), 0x08);
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(d16)),
+                                       _mm256_loadu_ps(dx + b));
+        accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(m16)),
+                               _mm256_loadu_ps(xs + b), accm);
+        for (int i = 0; i < 8; i++) {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 20 * i + 4));
+            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low),
+                                               _mm_and_si128(qs, low));
+            const __m256i p = _mm256_maddubs_epi16(
+                q, _mm256_loadu_si256((const __m256i *)(xq + (b + i) * QK)));
+            acc[i & 1] = _mm256_fmadd_ps(i32_sum_to_ps(p),
+                                         _mm256_permutevar8x32_ps(d, _mm256_set1_epi32(i)),
+                                         acc[i & 1]);
+        }
+    }
+    float ym = hsum(accm);
+    for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+        const uint8_t *blk = blocks + b * 20;
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low),
+                                           _mm_and_si128(qs, low));
+        const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xq + b * QK)));
+        acc[b & 1] = _mm256_fmadd_ps(i32_sum_to_ps(p), _mm256_set1_ps(fp16_to_f32(blk) * dx[b]),
+                                     acc[b & 1]);
+        ym += fp16_to_f32(blk + 2) * xs[b];
+    }
+    return hsum(_mm256_add_ps(acc[0], acc[1])) + ym;
+}
+
 /* y[M, N] = x[M, K] @ dequant(w).T, work-shared over the team (an orphaned omp for: every
  * thread calls it with the same arguments). With xq (M = 1 only) the 8-bit activation
  * xq/dx/xs (quantize_x_q8 of x) is multiplied instead of x. Returns 1 when this thread
@@ -181,7 +231,7 @@ static int team_mm(const float *x, const int8_t *xq, const float *dx, const floa
     if (xq != NULL) {
         if (kind == KIND_Q4_1) {
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) y[n] = gemv_q4_1_q8_row(xq, dx, xs, w + n * row_bytes, nb);
+            for (int64_t n = 0; n < N; n++) y[n] = gemv_q4_1_q8_row8(xq, dx, xs, w + n * row_bytes, nb);
         } else {
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) y[n] = gemv_q8_0_q8_row(xq, dx, xs, w + n * row_bytes, nb);
