@@ -156,6 +156,7 @@ class FusedDecode:
         first = model.layers[0]
         attn = first.self_attn
         self.hidden = model.embed_tokens.weight.shape[1]
+        self.max_positions = model.rotary_emb.cos_cache.shape[0]  # rows of the cos/sin tables
         self.head_dim, self.kv_heads = attn.head_dim, attn.num_kv_heads
         self.desc = _Model(num_layers=len(model.layers), hidden=self.hidden,
                            heads=attn.num_heads, kv_heads=attn.num_kv_heads,
@@ -209,7 +210,8 @@ class FusedDecode:
             return None
         if ctx.kv_pool is not self.pool and not self._bind_pool(ctx.kv_pool):
             return None
-        if not self.pool_ok or common.block_size != self.desc.block_size:
+        if (not self.pool_ok or common.block_size != self.desc.block_size
+                or common.max_seq_len > self.max_positions):  # the layers raise on that
             return None
         seq_lens, tables, slots = common.seq_lens, common.block_tables, common.slot_mapping
         if (seq_lens.dtype != torch.int32 or tables.dtype != torch.int32
