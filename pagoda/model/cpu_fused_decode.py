@@ -13,7 +13,8 @@ When it applies (otherwise LlamaModel.forward runs its layers, unchanged):
   request, AttentionMetadata.is_decode_only, and the rows are the requests in order),
   and the KV pool holds every layer as a float32 FullAttentionLayout written by torch
   (not FP8, not the Triton store): the kernel writes K/V exactly where the pool's
-  store would (slot_mapping), so the cache bytes are those of the unfused path.
+  store would (slot_mapping), and nothing else, with the values of the unfused path
+  up to float32 rounding (the projections' inputs differ by the norms' rounding).
 - ``PAGODA_CPU_FUSED_DECODE=0`` turns it off (A/B, bisecting).
 
 Packing: the layers' weight, norm and cache pointers go into ctypes structs once (the
@@ -21,9 +22,9 @@ caches again whenever the forward context brings another KV pool). Invariant: we
 are not replaced after the first decode step (loading, then serving); a model whose
 weights change must drop its state (``reset_fused_decode``).
 
-The attention backend's step plan (torch_ref's build_metadata) is still built by the
-runner; the fused step does not read it, and torch_ref's decode workspace stays
-consistent (a layer whose buffers missed a step refills them: decode_workspace.py).
+The attention backend's step plan is not built on a fused step: torch_ref builds it on
+first use (LazyStepPlan), and a step that never used it counts as one without decode
+rows for its decode workspace (nothing carries across a fused step).
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ static void silu_mul_row(const float *gate, const float *up, int64_t n, float *o
 }
 
 /* rotate_half: out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i]
- * + x[i] sin[i], for i < D/2. */
-static void rotate_head(const float *x, const float *cos, const float *sin, int64_t D,
+ * + x[i] sin[i], for i < D/2. Two rounded products and one rounded sum, never an FMA
+ * (contraction off): the bits of the layers' rotary (apply_rotary_tables). */
+__attribute__((optimize("fp-contract=off"))) static void rotate_head(const float *x, const float *cos, const float *sin, int64_t D,
                         float *out) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i++) {
