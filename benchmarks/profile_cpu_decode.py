@@ -98,6 +98,8 @@ def instrument(llm, timers: StageTimers) -> None:
     timers.wrap(runner.model, "compute_logits", "  lm head (compute_logits)")
     timers.wrap(mr, "build_sampling_metadata", "  sampling metadata")
     timers.wrap(runner, "sampler", "  sampler")
+    if hasattr(llama, "cpu_fused_decode"):  # the whole decode step in one C call, when it applies
+        timers.wrap(llama.cpu_fused_decode, "decode_step", "    fused decode step (all layers)")
     timers.wrap(llama, "apply_rotary", "    rotary")
     if hasattr(llama, "apply_rotary_tables"):  # the CPU form
         timers.wrap(llama, "apply_rotary_tables", "    rotary")
@@ -208,7 +210,7 @@ def make_llm(args):
 
 _ORDER = ["scheduler.schedule", "runner.execute_model", "  input batch update",
           "  step inputs", "  attention plan", "  forward", "    embedding", "    rmsnorm",
-          "    linear", "    rotary", "    attention", "    silu_and_mul",
+          "    linear", "    rotary", "    attention", "    silu_and_mul", "    fused",
           "runner.sample_tokens", "  lm head", "  sampling metadata", "  sampler",
           "scheduler.update_from_output", "output processing"]
 
@@ -228,7 +230,7 @@ def print_table(timers: StageTimers, steps: list[float]) -> list[dict]:
     by_name = {r["stage"]: r["ms_per_step"] for r in rows}
     parts = [v for k, v in by_name.items() if k.startswith("    ")]
     if "  forward" in by_name:
-        at = next(i for i, r in enumerate(rows) if r["stage"] == "    silu_and_mul") + 1
+        at = max(i for i, r in enumerate(rows) if r["stage"].startswith(("  forward", "    "))) + 1
         rows.insert(at, {"stage": "    forward: other (python between parts)",
                          "ms_per_step": by_name["  forward"] - sum(parts), "calls_per_step": 0})
     top = ["scheduler.schedule", "runner.execute_model", "runner.sample_tokens",

@@ -15,6 +15,12 @@ step's plan and the decode contexts are kept contiguous from step to step
 of the workspace); ``batched_decode=False`` keeps the plain per-layer gather + einsum,
 the reference the fast path is tested against.
 
+The plan is built lazily (``LazyStepPlan``): on the first layer's ``forward``, so a
+step whose layers never attend through the backend (the fused CPU decode step,
+pagoda/model/cpu_fused_decode.py, which reads the cache itself) costs nothing here. The
+workspace still sees every step: a step whose plan was never built counts as one
+without decode rows (``DecodeWorkspace.skip_step``), so nothing carries across it.
+
 An FP8 cache (kv_cache_dtype fp8) is read as stored * scale with the layer's
 ``kv_scales``: dequantized explicitly here (attention/kv_quant.py), folded into the
 score scale and the output on the batched decode path.
@@ -22,10 +28,12 @@ score scale and the output on the batched decode path.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.backend import AttentionBackend, AttentionMetadata
+from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace
 from pagoda.attention.kv_quant import check_scales, dequantize_kv, is_fp8
 from pagoda.attention.torch_decode import StepPlan, build_step_plan, decode_attention
@@ -41,6 +49,37 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
     return k, v
 
 
+class LazyStepPlan(BackendMetadata):
+    """build_metadata's result: the step's StepPlan, built on first use (``plan()``;
+    its fields also read through, e.g. ``lazy.decode``)."""
+
+    def __init__(self, common: AttentionMetadata, build: Callable[[], StepPlan]) -> None:
+        super().__init__(common)
+        self._build: Callable[[], StepPlan] | None = build
+        self._plan: StepPlan | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._plan is not None
+
+    def plan(self) -> StepPlan:
+        if self._plan is None:
+            if self._build is None:
+                raise RuntimeError("a step's attention plan was first used after the next "
+                                   "step's was made (the workspace counts steps in order)")
+            self._plan, self._build = self._build(), None
+        return self._plan
+
+    def expire(self) -> None:
+        """The next step's plan exists: this one, if never built, never will be."""
+        self._build = None
+
+    def __getattr__(self, name: str):  # only for names not set on the instance
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.plan(), name)
+
+
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
@@ -49,11 +88,22 @@ class TorchRefBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.batched_decode = batched_decode
         self._workspace: DecodeWorkspace | None = None  # decode contexts, step to step
+        self._last: LazyStepPlan | None = None  # the previous step's plan
 
-    def build_metadata(self, common: AttentionMetadata) -> StepPlan:
-        return build_step_plan(common, self.num_kv_heads, self._workspace_for(common.block_size))
+    def build_metadata(self, common: AttentionMetadata) -> LazyStepPlan:
+        if self._last is not None and not self._last.built:
+            self._last.expire()
+            if self._workspace is not None:
+                self._workspace.skip_step()  # that step ran without this backend: no carrying
+        workspace = self._workspace_for(common.block_size)
+        self._last = LazyStepPlan(
+            common, lambda: build_step_plan(common, self.num_kv_heads, workspace))
+        return self._last
 
-    def forward(self, q, kv_cache, metadata: StepPlan, kv_scales=None) -> torch.Tensor:
+    def forward(self, q, kv_cache, metadata: StepPlan | LazyStepPlan,
+                kv_scales=None) -> torch.Tensor:
+        if isinstance(metadata, LazyStepPlan):
+            metadata = metadata.plan()
         plan, common = metadata, metadata.common
         if is_fp8(kv_cache.dtype):
             check_scales(kv_scales, kv_cache)

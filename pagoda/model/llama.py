@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from pagoda.model import cpu_fused_decode
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention, load_kv_scale
@@ -203,6 +204,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # A CPU decode step of a block-quantized model: every layer in one C call.
+        hidden = cpu_fused_decode.decode_step(self, input_ids, positions)
+        if hidden is not None:
+            return hidden if output_rows is None else hidden.index_select(0, output_rows)
         cos, sin = self.rotary(positions)
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1

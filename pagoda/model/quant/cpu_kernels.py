@@ -12,9 +12,11 @@ Why a kernel of our own: torch's CPU weight-packed kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 3x to 30x *slower*
 than the float32 matmul on this AVX2 machine (docs/performance.md). cpu_kernels.c
 multiplies the blocks directly (AVX2/FMA/F16C, OpenMP on torch's own libgomp); it is
-compiled with the system C compiler on first use and cached. Without a compiler or
-AVX2 the same results come from the torch reference (dequantize, then
-``pagoda.model.layers.matmul.linear``), slower; ``native_status()`` says which runs.
+compiled with the system C compiler on first use and cached, in one library with
+cpu_layer.c (a whole fused decode step: pagoda/model/cpu_fused_decode.py); both include
+the shared building blocks of cpu_gemm.h. Without a compiler or AVX2 the same results
+come from the torch reference (dequantize, then ``pagoda.model.layers.matmul.linear``),
+slower; ``native_status()`` says which runs.
 
 Numerics: the weights the kernel dequantizes are bit-identical to the reference's (and
 to gguf.quants.dequantize); only float32 rounding of the sums differs (cpu_kernels.c).
@@ -54,7 +56,10 @@ LARGE_M = 64
 # 8-bit version of those measured 2x slower at 32 rows (docs/performance.md).
 QUANTIZE_ACTIVATIONS = True
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_HERE = Path(__file__).parent
+# Compiled together into one library; the header is part of the cache key.
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "cpu_layer.c"]
+_HEADERS = [_HERE / "cpu_gemm.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -178,14 +183,15 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL:
-    """Compiles cpu_kernels.c once per source/flags/compiler (cached by hash) and loads it."""
+    """Compiles the kernel sources once per source/flags/compiler (cached by hash) and
+    loads the library."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU lacks AVX2 (torch reports "
                            f"{torch.backends.cpu.get_cpu_capability()})")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc, or $CC) to build the kernel")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if not lib.exists():
@@ -193,7 +199,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp],
+            proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed to build the kernel: {proc.stderr[-2000:]}")
