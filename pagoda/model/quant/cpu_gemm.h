@@ -192,4 +192,22 @@ static inline float *thread_buffer(int64_t n) {
     return buf;
 }
 
+/* Tile t of y[M, N] = x[M, K] @ dequant(w).T: its NT weight rows (rows of row_bytes
+ * bytes: q8_0 when q8_0 is set, else q4_1) dequantized into this thread's buffer, then
+ * multiplied with every row of x. Returns 1 when the buffer could not be allocated (the
+ * tile of y is then not written). */
+static inline int dequant_tile_mm(const float *x, int64_t M, int64_t K, const uint8_t *w,
+                                  int64_t N, int64_t row_bytes, int q8_0, int64_t t, float *y) {
+    float *wbuf = thread_buffer(NT * K);
+    if (wbuf == NULL) return 1;
+    const int64_t nb = K / QK, n0 = t * NT;
+    const int nt = N - n0 < NT ? (int)(N - n0) : NT;
+    for (int j = 0; j < nt; j++) {
+        if (q8_0) dequant_q8_0_row(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
+        else dequant_q4_1_row(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
+    }
+    tile_rows(x, M, K, wbuf, N, n0, nt, y);
+    return 0;
+}
+
 #endif /* PAGODA_CPU_GEMM_H */

@@ -106,25 +106,14 @@ static void blocks_gemv(const float *x, const float *sx, int64_t K, const uint8_
     for (int64_t n = 0; n < N; n++) y[n] = row(x, sx, w + n * nb * block_bytes, nb);
 }
 
-typedef void (*dequant_fn)(const uint8_t *, int64_t, float *);
-
 /* Returns 0, or -1 when a thread could not allocate its buffer (y is then incomplete). */
 static int blocks_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                     float *y, int threads, int64_t block_bytes, dequant_fn dequant) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes, tiles = (N + NT - 1) / NT;
+                     float *y, int threads, int64_t block_bytes, int q8_0) {
+    const int64_t row_bytes = K / QK * block_bytes, tiles = (N + NT - 1) / NT;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
-    for (int64_t t = 0; t < tiles; t++) {
-        float *wbuf = thread_buffer(NT * K);
-        if (wbuf == NULL) {
-            failed = 1;
-            continue;
-        }
-        const int64_t n0 = t * NT;
-        const int nt = N - n0 < NT ? (int)(N - n0) : NT;
-        for (int j = 0; j < nt; j++) dequant(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
-        tile_rows(x, M, K, wbuf, N, n0, nt, y);
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        failed |= dequant_tile_mm(x, M, K, w, N, row_bytes, q8_0, t, y);
     return failed ? -1 : 0;
 }
 
@@ -142,7 +131,7 @@ int pagoda_q4_1_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64
         free(sx);
         return 0;
     }
-    return blocks_mm(x, M, K, w, N, y, threads, 20, dequant_q4_1_row);
+    return blocks_mm(x, M, K, w, N, y, threads, 20, 0);
 }
 
 int pagoda_q8_0_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
@@ -151,7 +140,7 @@ int pagoda_q8_0_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64
         blocks_gemv(x, NULL, K, w, N, y, threads, 34, gemv_q8_0_row);
         return 0;
     }
-    return blocks_mm(x, M, K, w, N, y, threads, 34, dequant_q8_0_row);
+    return blocks_mm(x, M, K, w, N, y, threads, 34, 1);
 }
 
 /* Dequantizes all N rows (for large M, where a float GEMM over the dequantized weight

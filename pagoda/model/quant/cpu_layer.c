@@ -241,20 +241,8 @@ static int team_mm(const float *x, const int8_t *xq, const float *dx, const floa
     }
     const int64_t tiles = (N + NT - 1) / NT;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float *wbuf = thread_buffer(NT * K);
-        if (wbuf == NULL) {
-            failed = 1;
-            continue;
-        }
-        const int64_t n0 = t * NT;
-        const int nt = N - n0 < NT ? (int)(N - n0) : NT;
-        for (int j = 0; j < nt; j++) {
-            if (kind == KIND_Q4_1) dequant_q4_1_row(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
-            else dequant_q8_0_row(w + (n0 + j) * row_bytes, nb, wbuf + j * K);
-        }
-        tile_rows(x, M, K, wbuf, N, n0, nt, y);
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        failed |= dequant_tile_mm(x, M, K, w, N, row_bytes, kind == KIND_Q8_0, t, y);
     return failed;
 }
 
