@@ -30,6 +30,11 @@ triton = pytest.importorskip("triton")
 from interpreted_kernels import kernel_modules  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+# Jit functions the test kernels below call: imported here, since a compiled kernel
+# cannot import (only the interpreter runs an import inside a kernel body).
+from pagoda.kernels.fp8_linear import _e4m3_bits_f32, _e4m3_bits_to  # noqa: E402
+from pagoda.kernels.fp8_quant import round_to_e4m3  # noqa: E402
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 FP8 = torch.float8_e4m3fn
 
@@ -56,7 +61,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------- the interpreter -------
 @triton.jit
 def _fp8_roundtrip_kernel(w_ptr, x_ptr, wf_ptr, q_ptr, N: tl.constexpr):
-    from pagoda.kernels.fp8_quant import round_to_e4m3
     offs = tl.arange(0, N)
     tl.store(wf_ptr + offs, tl.load(w_ptr + offs).to(tl.float32))
     v = tl.minimum(tl.maximum(tl.load(x_ptr + offs), -448.0), 448.0)
@@ -181,8 +185,11 @@ def test_empty_activation(kq):
 
 
 # ------------------------------------------------------------------- matmuls --------
-def _close(out, ref, dtype):
-    tol = 2e-2 if dtype == torch.float16 else 1e-4
+def _close(out, ref, dtype, fp8_mma: bool = False):
+    """fp8_mma: the product ran on the FP8 tensor cores (W8A8), whose accumulation on
+    Hopper keeps fewer bits than float32: 2e-4 of the output scale measured on the H200
+    at 33 rows of float32 activations, where the W8A16 paths agree within 1e-4."""
+    tol = 2e-2 if dtype == torch.float16 else (1e-3 if fp8_mma and ON_GPU else 1e-4)
     scale = ref.float().abs().max().item() + 1e-6
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * scale, f"max abs error {err} vs output scale {scale}"
@@ -202,7 +209,7 @@ def test_fp8_linear_matches_reference(kq, kl, dtype, m):
     out = kl.fp8_linear(x, w, s, bias=bias)
     ref = kl.fp8_linear_ref(x, w, s, bias, act_quant=m > kl.W8A16_MAX_M)
     assert out.dtype == dtype and out.shape == (m, n)
-    _close(out, ref, dtype)
+    _close(out, ref, dtype, fp8_mma=m > kl.W8A16_MAX_M)
 
 
 def test_fp8_linear_is_close_to_the_float_matmul(kq, kl):
@@ -263,7 +270,7 @@ def test_fp8_block_linear_matches_reference(kq, kl, dtype, m, block):
     out = kl.fp8_block_linear(x, w, s, block, bias=bias)
     ref = kl.fp8_block_linear_ref(x, w, s, block, bias, act_quant=m > kl.W8A16_MAX_M)
     assert out.shape == (m, n) and out.dtype == dtype
-    _close(out, ref, dtype)
+    _close(out, ref, dtype, fp8_mma=m > kl.W8A16_MAX_M)
 
 
 def test_w8a8_gemm_tile_configs(kq, kl):
@@ -307,7 +314,6 @@ def _finite_codes() -> torch.Tensor:
 
 @triton.jit
 def _bits_decode_kernel(w_ptr, f32_ptr, out_ptr, N: tl.constexpr):
-    from pagoda.kernels.fp8_linear import _e4m3_bits_f32, _e4m3_bits_to
     offs = tl.arange(0, N)
     w = tl.load(w_ptr + offs)
     tl.store(f32_ptr + offs, _e4m3_bits_f32(w))

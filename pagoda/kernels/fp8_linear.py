@@ -313,7 +313,8 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     loop_stages = cfg.pop("LOOP_STAGES", 1)
     decode = cfg.pop("DECODE", "cvt")
     # DOT=True: one row through the tl.dot path too (a 16-row tile, 15 padding rows).
-    block_m = 1 if m == 1 and not cfg.pop("DOT", False) else max(16, triton.next_power_of_2(m))
+    one_row_dot = cfg.pop("DOT", False)  # popped for any m: it is no kernel argument
+    block_m = 1 if m == 1 and not one_row_dot else max(16, triton.next_power_of_2(m))
     if decode not in W8A16_DECODES:
         raise ValueError(f"w8a16_linear: DECODE must be one of {W8A16_DECODES}, got {decode!r}")
     bn, bk = block if block is not None else (1, 1)
