@@ -30,11 +30,18 @@ from result_file import write_json  # noqa: E402  (benchmarks/)
 
 # Kernel name fragments -> kind, first match wins (names are lower-cased).
 KINDS = [
+    ("_moe_gemm", "moe_gemm"), ("_gemv_gate_up", "moe_gemv"), ("_gemv_down", "moe_gemv"),
+    ("_align", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
+    ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_absorb", "mla_proj"),
+    ("_project_v", "mla_proj"), ("_store_latent", "store_kv"), ("_norm_rope_store", "store_kv"),
+    ("fmha", "sdpa"), ("flash", "sdpa"), ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
     ("_chunk_kernel", "attn_chunk"), ("_decode_kernel", "attn_decode"),
+    ("_decode_words", "attn_decode"),
     ("_merge_kernel", "attn_merge"), ("_store_kv", "store_kv"), ("rms_norm", "rms_norm"),
     ("silu", "silu_mul"), ("rotary", "rotary"), ("nvjet", "gemm"), ("gemm", "gemm"),
     ("cutlass", "gemm"), ("softmax", "sampling"), ("argmax", "sampling"),
     ("sort", "sampling"), ("topk", "sampling"), ("memcpy", "memcpy"), ("memset", "memset"),
+    ("reduce", "reduce"), ("index", "index"), ("catarray", "cat"), ("elementwise", "elementwise"),
 ]
 
 
@@ -148,7 +155,7 @@ def main() -> None:
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=args.batch,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
+              kv_cache_memory=args.kv_cache_memory, skip_tokenizer_init=True)
     engine = llm.llm_engine
     vocab = engine.model_info.vocab_size
     rng = np.random.default_rng(0)
