@@ -27,7 +27,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def fm():
-    return kernel_modules("fused_moe_decode", "fused_moe")[1]
+    return kernel_modules("moe_align", "fused_moe_decode", "fused_moe")[2]
 
 
 def _case(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
@@ -77,14 +77,42 @@ def test_align_block_size_exact(fm, block_m, use_kernel):
     assert sorted_ids.numel() == -(-bound // block_m) * block_m
 
 
-@pytest.mark.parametrize("pairs,experts", [(1, 3), (40, 6), (256, 128)])
-def test_align_kernel_matches_torch_ops(fm, pairs, experts):
+# Up to 256 pairs one program; above, the chunked pair of launches (257: a chunk of one
+# pair; 2,048: batch 256 of a top-8 model; 2,560: chunks whose counts cross 8 programs).
+@pytest.mark.parametrize("pairs,experts,block_m", [
+    (1, 3, 16), (40, 6, 16), (256, 128, 16), (257, 5, 16), (600, 7, 4), (2048, 128, 32),
+    (2560, 64, 16)])
+def test_align_kernel_matches_torch_ops(fm, pairs, experts, block_m):
     gen = torch.Generator().manual_seed(pairs)
     ids = torch.randint(-1, experts, (pairs, 1), generator=gen, dtype=torch.int32).to(DEVICE)
     ids[: pairs // 2] = ids[: pairs // 2] % 2  # uneven: half the pairs on experts 0 and 1
-    for got, want in zip(fm.moe_align_block_size(ids, 16, experts, use_kernel=True),
-                         fm.moe_align_block_size(ids, 16, experts, use_kernel=False)):
+    for got, want in zip(fm.moe_align_block_size(ids, block_m, experts, use_kernel=True),
+                         fm.moe_align_block_size(ids, block_m, experts, use_kernel=False)):
         assert torch.equal(got, want)
+
+
+def test_align_chunked_exact_by_hand(fm):
+    """The chunked kernels against a plain Python sort: 300 pairs of top-3 choices, so
+    one token's choices straddle the first chunk's end, with another rank's experts."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(-1, 6, (100, 3), generator=gen, dtype=torch.int32)
+    sorted_ids, expert_ids, used = fm.moe_align_block_size(ids.to(DEVICE), 8, 6, use_kernel=True)
+    rows, blocks = _align_by_hand(ids, 8, 6)
+    assert int(used) == len(rows)
+    assert sorted_ids[:len(rows)].tolist() == rows
+    assert (sorted_ids[len(rows):] == ids.numel()).all()
+    assert expert_ids[:len(blocks)].tolist() == blocks
+    assert (expert_ids[len(blocks):] == -1).all()
+
+
+def test_align_kernels_refuse_more_than_their_bound(fm):
+    from pagoda.kernels import moe_align
+    ids = torch.zeros(moe_align.CHUNKED_ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        fm.moe_align_block_size(ids, 16, 4, use_kernel=True)
+    # The default takes torch ops there.
+    sorted_ids, _, used = fm.moe_align_block_size(ids, 16, 4)
+    assert int(used) == ids.numel() + 15 - (ids.numel() + 15) % 16
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -5,8 +5,9 @@
 
 1. ``moe_align_block_size``: the T*k (token, choice) pairs are sorted by expert into
    groups each padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
-   belongs to one expert (one Triton program for up to 256 pairs, torch ops above). Pairs routed to experts of another rank (id -1) form one more
-   group whose blocks carry expert id -1: the GEMMs write zeros for them.
+   belongs to one expert (Triton kernels up to a few thousand pairs, torch ops above:
+   pagoda.kernels.moe_align). Pairs routed to experts of another rank (id -1) form one
+   more group whose blocks carry expert id -1: the GEMMs write zeros for them.
 2. a grouped GEMM: row block of pairs x w13[expert]^T (A rows gathered by token =
    pair // k), each program computing the gate and the up columns of the same outputs
    and storing silu(gate) * up -> [T*k, I] (the SiLU-and-mul is its epilogue);
@@ -41,6 +42,7 @@ import triton.language as tl
 
 from pagoda.kernels.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
+from pagoda.kernels.moe_align import moe_align_block_size
 
 __all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
 
@@ -52,120 +54,12 @@ DECODE_GEMV_MAX_PAIRS = 16
 PATHS = ("gemv", "fused", "unfused")
 
 
-# Up to this many (token, choice) pairs, one Triton program aligns them (decode and
-# small batches: one launch instead of a dozen small torch ops per layer).
-_SMALL_ALIGN_PAIRS = 256
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
-                         use_kernel: bool | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] (ids in [0, num_experts), or -1 for another rank's expert) ->
-
-    - sorted_ids int32 [max_padded]: flat pair indices (t * k + j) grouped by expert in
-      ascending expert order (-1's group last), stable within a group; padding rows
-      hold T*k;
-    - expert_ids int32 [max_padded // block_m]: each block's expert (-1: the other ranks'
-      group, or a block past the end);
-    - num_post_padded int32 [1]: how many rows of sorted_ids are used.
-
-    use_kernel (None: when T*k <= _SMALL_ALIGN_PAIRS): one Triton program instead of
-    torch ops; both give the same result.
-    """
-    if use_kernel is None:
-        use_kernel = topk_ids.numel() <= _SMALL_ALIGN_PAIRS
-    if use_kernel:
-        return _align_small(topk_ids, block_m, num_experts)
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs, num_buckets = flat.numel(), num_experts + 1
-    bucket = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
-    counts = torch.zeros(num_buckets, dtype=torch.long, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
-    first_of_bucket = counts.cumsum(0) - counts
-    rank_in_bucket = torch.arange(num_pairs, device=device) - first_of_bucket[sorted_bucket]
-    dest = starts[sorted_bucket] + rank_in_bucket
-    max_padded = _max_padded(num_pairs, num_experts, block_m)
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    block_bucket = torch.searchsorted(ends, block_starts, right=True)
-    expert_ids = torch.where(block_bucket < num_experts, block_bucket,
-                             torch.full_like(block_bucket, -1)).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
-
-
-def _max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted buffer: every group (experts and the -1 group) padded."""
-    return triton.cdiv(num_pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
-
-
-@triton.jit
-def _align_small_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-                        num_pairs, num_experts, max_padded, num_blocks,
-                        BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BUCKETS: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    # One program. Buckets 0..E-1 are the experts, bucket E the other ranks' (-1).
-    pairs = tl.arange(0, PAIRS)
-    pair_ok = pairs < num_pairs
-    ids = tl.load(topk_ids_ptr + pairs, mask=pair_ok, other=0)
-    bucket = tl.where(ids < 0, num_experts, ids)
-    bucket = tl.where(pair_ok, bucket, -2)  # lanes past the pairs match no bucket
-    buckets = tl.arange(0, BUCKETS)
-    onehot = (bucket[None, :] == buckets[:, None]).to(tl.int32)  # [BUCKETS, PAIRS]
-    counts = tl.sum(onehot, axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    # A pair's row: its bucket's start + how many earlier pairs share the bucket (stable).
-    earlier = (bucket[:, None] == bucket[None, :]) & (pairs[None, :] < pairs[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    dest = tl.sum(onehot * starts[:, None], axis=0) + rank
-    for off in range(0, max_padded, CHUNK):
-        rows = off + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
-                 mask=rows < max_padded)
-    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their rows
-    tl.store(sorted_ids_ptr + dest, pairs, mask=pair_ok)
-    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
-    # A block's bucket: how many buckets end at or before its first row.
-    for off in range(0, num_blocks, CHUNK):
-        blocks = off + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[:, None] <= (blocks * BLOCK_M)[None, :]).to(tl.int32), axis=0)
-        tl.store(expert_ids_ptr + blocks, tl.where(owner < num_experts, owner, -1),
-                 mask=blocks < num_blocks)
-
-
-def _align_small(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    num_pairs = flat.numel()
-    max_padded = _max_padded(num_pairs, num_experts, block_m)
-    num_blocks = max_padded // block_m
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
-    used = torch.empty(1, dtype=torch.int32, device=flat.device)
-    _align_small_kernel[(1,)](flat, sorted_ids, expert_ids, used, num_pairs, num_experts,
-                              max_padded, num_blocks, BLOCK_M=block_m,
-                              PAIRS=max(16, triton.next_power_of_2(num_pairs)),
-                              BUCKETS=triton.next_power_of_2(num_experts + 1), CHUNK=256,
-                              num_warps=8)
-    return sorted_ids, expert_ids, used
-
-
 def pick_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     """Tile sizes by the expected rows per expert: small blocks when each expert sees a
     few rows (decode: the weights' bytes dominate), large ones for prefill."""
     rows_per_expert = num_pairs / max(num_experts, 1)
-    if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=4)
+    if rows_per_expert <= 128:  # benchmarks/moe_gemm_sweep.py's best at decode sizes
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
     if rows_per_expert <= 512:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)

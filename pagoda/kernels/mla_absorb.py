@@ -38,6 +38,10 @@ ABSORB_WARPS = 2
 # Value columns per program of project_v (v_head_dim 128 -> 8 programs per head, token).
 BLOCK_V = 16
 PROJECT_V_WARPS = 8
+# The layer (pagoda.model.layers.mla) calls these kernels for at most this many rows:
+# every program reads its head's weights again, so large batches go to a bmm, which
+# reads them once per head (docs/performance.md has the figures).
+PER_TOKEN_MAX_ROWS = 16
 
 
 @triton.jit

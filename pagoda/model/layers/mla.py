@@ -13,8 +13,8 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
   attention over the cached entries, o = o_lat W_UV^T; W_UK / W_UV are views of
   kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied. The query
   [q_lat, rope(q_rope)] and the value projection are one Triton kernel each on CUDA
-  (pagoda.kernels.mla_absorb, unless PAGODA_FUSED_OPS=0), bmm + rotary + cat and a bmm
-  otherwise (their references), so q_rope reaches this layer un-rotated with the
+  (pagoda.kernels.mla_absorb, unless PAGODA_FUSED_OPS=0) for up to a few rows, bmm +
+  rotary + cat and a bmm otherwise (their references), so q_rope reaches this layer un-rotated with the
   step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
   this step's rows alike), decompressed by kv_b_proj into K = [k_nope, k_rope] and V,
@@ -47,27 +47,36 @@ from pagoda.model.parallel import TensorParallel
 _LORA_NORM_EPS = 1e-6
 
 
+def _per_token_kernels_take(rows: torch.Tensor) -> bool:
+    """Whether the per-token Triton kernels of pagoda.kernels.mla_absorb run: on CUDA,
+    unless PAGODA_FUSED_OPS=0, for at most PER_TOKEN_MAX_ROWS rows. Each program reads
+    its head's weights again, so a batch of hundreds of rows goes to the bmm (one read
+    per head)."""
+    if not rows.is_cuda:
+        return False
+    from pagoda.kernels import fused_ops  # imports triton: CUDA only
+    from pagoda.kernels.mla_absorb import PER_TOKEN_MAX_ROWS
+    return fused_ops.FUSED_OPS_ENABLED and rows.shape[0] <= PER_TOKEN_MAX_ROWS
+
+
 def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[q_nope W_UK per head, rope(q_rope)] -> [N, H, kv_lora_rank + qk_rope]: one
-    Triton kernel on CUDA, this torch code (its reference) elsewhere."""
-    if q_nope.is_cuda:
-        from pagoda.kernels import fused_ops  # imports triton: CUDA only
-        if fused_ops.FUSED_OPS_ENABLED:
-            from pagoda.kernels.mla_absorb import absorb_q
-            return absorb_q(q_nope, q_rope, w_uk, cos, sin)
+    Triton kernel on CUDA for a few rows, this torch code (its reference) elsewhere."""
+    if _per_token_kernels_take(q_nope):
+        from pagoda.kernels.mla_absorb import absorb_q
+        return absorb_q(q_nope, q_rope, w_uk, cos, sin)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
     return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
 
 
 def value_projection(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [N, H, kv_lora_rank] -> [N, H, v_head_dim] (o_lat W_UV^T per head): one
-    Triton kernel on CUDA with a contiguous result, this bmm (its reference) elsewhere."""
-    if o_lat.is_cuda:
-        from pagoda.kernels import fused_ops  # imports triton: CUDA only
-        if fused_ops.FUSED_OPS_ENABLED:
-            from pagoda.kernels.mla_absorb import project_v
-            return project_v(o_lat, w_uv)
+    Triton kernel on CUDA with a contiguous result for a few rows, this bmm (its
+    reference) elsewhere."""
+    if _per_token_kernels_take(o_lat):
+        from pagoda.kernels.mla_absorb import project_v
+        return project_v(o_lat, w_uv)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
