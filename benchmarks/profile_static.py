@@ -31,17 +31,19 @@ from result_file import write_json  # noqa: E402  (benchmarks/)
 # Kernel name fragments -> kind, first match wins (names are lower-cased).
 KINDS = [
     ("_moe_gemm", "moe_gemm"), ("_gemv_gate_up", "moe_gemv"), ("_gemv_down", "moe_gemv"),
-    ("_align", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
+    ("fmha", "sdpa"), ("flash", "sdpa"), ("catarray", "cat"), ("mla_prefill", "mla_prefill"),
+    ("_align_small", "moe_align"), ("_align_count", "moe_align"),
+    ("_align_place", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
     ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_absorb", "mla_proj"),
     ("_project_v", "mla_proj"), ("_store_latent", "store_kv"), ("_norm_rope_store", "store_kv"),
-    ("fmha", "sdpa"), ("flash", "sdpa"), ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
+    ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
     ("_chunk_kernel", "attn_chunk"), ("_decode_kernel", "attn_decode"),
     ("_decode_words", "attn_decode"),
     ("_merge_kernel", "attn_merge"), ("_store_kv", "store_kv"), ("rms_norm", "rms_norm"),
     ("silu", "silu_mul"), ("rotary", "rotary"), ("nvjet", "gemm"), ("gemm", "gemm"),
     ("cutlass", "gemm"), ("softmax", "sampling"), ("argmax", "sampling"),
     ("sort", "sampling"), ("topk", "sampling"), ("memcpy", "memcpy"), ("memset", "memset"),
-    ("reduce", "reduce"), ("index", "index"), ("catarray", "cat"), ("elementwise", "elementwise"),
+    ("reduce", "reduce"), ("index", "index"), ("elementwise", "elementwise"),
 ]
 
 
