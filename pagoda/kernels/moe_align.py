@@ -31,7 +31,7 @@ __all__ = ["moe_align_block_size", "max_padded_rows"]
 SMALL_ALIGN_PAIRS = 256
 # Pairs per program of the chunked kernels, and the most pairs they take: the place
 # kernel holds every chunk's counts ([chunks, buckets]) in one program's registers.
-ALIGN_CHUNK = 256
+ALIGN_CHUNK = 64
 CHUNKED_ALIGN_MAX_PAIRS = 8192
 
 

@@ -1,0 +1,110 @@
+"""Compile Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+    python tools/compile_sm90.py            # every kernel case in CASES below
+    python tools/compile_sm90.py moe_align  # the cases of one module
+
+The Triton interpreter (what the CPU tests run) executes a kernel's Python, so it
+cannot see what the GPU compiler rejects (an op a layout cannot lower, shared memory
+or registers over the limit, a constexpr used as a runtime value). This tool binds
+each case's arguments (CPU tensors stand in for device pointers: only dtype and
+alignment matter), builds the kernel with Triton's own compiler for
+GPUTarget("cuda", 90, 32) through ptxas (shipped in Triton's wheel) and prints its
+registers, spills and shared memory. A compile error is raised, and the run exits 1.
+It says nothing about speed or results. The local Triton may be newer than the
+GPU machine's: a kernel that compiles here is likely, not certain, to compile there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(kernel, *args, **kwargs):
+    """Compiles kernel (a triton.jit function) for TARGET with these launch arguments
+    (as in kernel[grid](*args, **kwargs)); returns the compiled kernel."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's resource line of the cubin (registers, stack, local memory)."""
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    lines = [ln.strip() for ln in out.stdout.splitlines() if "REG:" in ln]
+    return lines[0] if lines else out.stdout.strip()[-200:]
+
+
+def report(name: str, compiled) -> str:
+    meta = compiled.metadata
+    return (f"{name}: {resource_usage(compiled)}; {meta.shared} B shared (dynamic), "
+            f"{meta.num_warps} warps")
+
+
+def _moe_align_cases():
+    from pagoda.kernels import moe_align as m
+    pairs, experts, block_m = 2048, 128, 32
+    flat = torch.zeros(pairs, dtype=torch.int32)
+    max_padded = m.max_padded_rows(pairs, experts, block_m)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32)
+    used = torch.empty(1, dtype=torch.int32)
+    chunks = triton.cdiv(pairs, m.ALIGN_CHUNK)
+    buckets = triton.next_power_of_2(experts + 1)
+    counts = torch.empty(chunks, buckets, dtype=torch.int32)
+    rank = torch.empty(pairs, dtype=torch.int32)
+    yield "align_count", m._align_count_kernel, (
+        flat, counts, rank, sorted_ids, pairs, experts, max_padded, chunks), dict(
+        BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK, num_warps=8)
+    for num_chunks in (chunks, triton.cdiv(m.CHUNKED_ALIGN_MAX_PAIRS, m.ALIGN_CHUNK)):
+        yield f"align_place[{num_chunks} chunks]", m._align_place_kernel, (
+            flat, counts, rank, sorted_ids, expert_ids, used, pairs, experts, num_chunks,
+            expert_ids.numel()), dict(BLOCK_M=block_m, BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK,
+                                      CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
+    yield "align_small", m._align_small_kernel, (
+        flat[:256], sorted_ids, expert_ids, used, 256, experts, max_padded,
+        expert_ids.numel()), dict(BLOCK_M=block_m, PAIRS=256, BUCKETS=buckets, CHUNK=256,
+                                  num_warps=8)
+
+
+CASES = {"moe_align": _moe_align_cases}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(CASES)
+    failed = 0
+    for module in names:
+        for name, kernel, args, kwargs in CASES[module]():
+            try:
+                print(report(f"{module}.{name}", compile_for_sm90(kernel, *args, **kwargs)))
+            except Exception as exc:  # report every case, then fail
+                failed += 1
+                print(f"{module}.{name}: FAILED {type(exc).__name__}: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
