@@ -90,7 +90,29 @@ def _moe_align_cases():
                                   num_warps=8)
 
 
-CASES = {"moe_align": _moe_align_cases}
+def _mla_prefill_cases():
+    """DeepSeek-V2-Lite's widths (16 heads, 128 + 64 query/key, 128 value) as the layer
+    passes them: strided halves of kv_b_proj's output and of the latent entries."""
+    from pagoda.kernels import mla_prefill as mp
+    tokens, heads, ctx = 4096, 16, 4096
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.empty(tokens, heads, 192, dtype=dtype)
+        kv = torch.empty(ctx, heads, 256, dtype=dtype)
+        k_rope = torch.empty(ctx, 576, dtype=dtype)[:, 512:]
+        out = torch.empty(tokens, heads, 128, dtype=dtype)
+        q_nope, q_rope, k_nope, v = q[..., :128], q[..., 128:], kv[..., :128], kv[..., 128:]
+        rows = torch.empty(tokens, dtype=torch.int64)
+        tiles = torch.empty(32, mp.TILE_FIELDS, dtype=torch.int32)
+        yield f"mla_prefill[{str(dtype).removeprefix('torch.')}]", mp._mla_prefill_kernel, (
+            out, q_nope, q_rope, k_nope, k_rope, v, rows, tiles, 0.1,
+            q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
+            k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1)), dict(
+            NUM_HEADS=heads, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128,
+            IEEE_DOT=False, **mp.mla_prefill_config(dtype))
+
+
+CASES = {"moe_align": _moe_align_cases, "mla_prefill": _mla_prefill_cases}
 
 
 def main(argv: list[str]) -> int:
