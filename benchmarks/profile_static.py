@@ -32,8 +32,9 @@ from result_file import write_json  # noqa: E402  (benchmarks/)
 KINDS = [
     ("_moe_gemm", "moe_gemm"), ("_gemv_gate_up", "moe_gemv"), ("_gemv_down", "moe_gemv"),
     ("_align", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
-    ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_absorb", "mla_proj"),
-    ("_project_v", "mla_proj"), ("_store_latent", "store_kv"), ("_norm_rope_store", "store_kv"),
+    ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_mla_prefill", "mla_prefill"),
+    ("_absorb", "mla_proj"), ("_project_v", "mla_proj"), ("_store_latent", "store_kv"),
+    ("_norm_rope_store", "store_kv"),
     ("fmha", "sdpa"), ("flash", "sdpa"), ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
     ("_chunk_kernel", "attn_chunk"), ("_decode_kernel", "attn_decode"),
     ("_decode_words", "attn_decode"),

@@ -22,7 +22,8 @@ if not ON_GPU:
 pytest.importorskip("triton")
 from interpreted_kernels import kernel_modules  # noqa: E402
 
-from pagoda.attention.mla_backend import PrefillChunk, prefill_attention  # noqa: E402
+from pagoda.attention.mla_backend import (PrefillChunk, assemble_prefill_qk,  # noqa: E402
+                                          prefill_attention)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 (MLA_PREFILL,) = kernel_modules("mla_prefill")
@@ -56,9 +57,8 @@ class PrefillCase:
 
     def reference(self) -> torch.Tensor:
         """[P, H, Dv] float32: the torch backend's assembly, then SDPA in float32."""
-        heads, dr = self.k_nope.shape[1], self.k_rope.shape[1]
-        k = torch.cat((self.k_nope, self.k_rope[:, None].expand(-1, heads, dr)), dim=-1)
-        q = torch.cat((self.q_nope[self.q_rows], self.q_rope[self.q_rows]), dim=-1)
+        q, k = assemble_prefill_qk(self.q_nope[self.q_rows], self.q_rope[self.q_rows],
+                                   self.k_nope, self.k_rope)
         return prefill_attention(q.float(), k.float(), self.v.float(), self.chunks,
                                  self.scale, upcast=True)
 
