@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from interpreted_kernels import kernel_modules  # noqa: E402
 
 from pagoda.attention.mla_backend import (PrefillChunk, assemble_prefill_qk,  # noqa: E402
-                                          prefill_attention)
+                                          plan_eager, prefill_attention)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 (MLA_PREFILL,) = kernel_modules("mla_prefill")
@@ -145,3 +145,35 @@ def test_prefill_kernel_rejects_mismatched_inputs():
         MLA_PREFILL.mla_prefill_attention(out, *args, tiles, 16, 1.0, config=dict(BLOCK=16))
     with pytest.raises(ValueError, match="share one of"):
         MLA_PREFILL.mla_prefill_attention(out.half(), *args, tiles, 16, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_backend_prefill_matches_the_torch_backend(dtype):
+    """A step's plan (a decode, a fresh prompt, a chunk after a cached prefix) through
+    MLATritonBackend.build_metadata and forward_prefill (tiles of 16 rows) writes the
+    prefill rows as MLATorchBackend does and leaves the decode row alone."""
+    from pagoda.attention.metadata import build_attention_metadata
+    from pagoda.attention.mla_backend import MLATorchBackend
+    from pagoda.attention.mla_triton import MLATritonBackend
+
+    query_lens, seq_lens = [1, 21, 18], [6, 21, 40]
+    tables = [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    md = build_attention_metadata(query_lens, seq_lens, tables, 4, DEVICE)
+    args = (3, KV_LORA_RANK, 8, 0.3)
+    triton_backend = MLATritonBackend(*args, prefill_config=dict(BLOCK_M=16, BLOCK_N=16))
+    plan = triton_backend.build_metadata(md)
+    assert plan.prefill_tile_rows == 16 and plan.prefill_tiles.shape == (4, 4)
+    case = PrefillCase([(21, 21), (18, 40)], 16, 8, 16, dtype)
+    num_rows = sum(query_lens)
+    q_nope, q_rope = case.q_nope[:num_rows].to(DEVICE), case.q_rope[:num_rows].to(DEVICE)
+    ctx = torch.cat([torch.arange(21), torch.arange(24, 64)])  # the contexts, less the gap
+    k_nope, k_rope, v = (t[ctx].to(DEVICE) for t in (case.k_nope, case.k_rope, case.v))
+    outs = []
+    for backend, p in ((MLATorchBackend(*args), plan_eager(md, "decode")),
+                       (triton_backend, plan)):
+        out = torch.full((num_rows, 3, 16), float("nan"), dtype=dtype, device=DEVICE)
+        backend.forward_prefill(out, q_nope, q_rope, k_nope, k_rope, v, p)
+        outs.append(out.cpu())
+    assert outs[1][0].isnan().all() and not outs[1][1:].isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(outs[1][1:].float(), outs[0][1:].float(), rtol=tol, atol=tol)
