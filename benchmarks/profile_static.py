@@ -31,7 +31,7 @@ from result_file import write_json  # noqa: E402  (benchmarks/)
 # Kernel name fragments -> kind, first match wins (names are lower-cased).
 KINDS = [
     ("_moe_gemm", "moe_gemm"), ("_gemv_gate_up", "moe_gemv"), ("_gemv_down", "moe_gemv"),
-    ("fmha", "sdpa"), ("flash", "sdpa"), ("catarray", "cat"), ("mla_prefill", "mla_prefill"),
+    ("fmha", "sdpa"), ("flash", "sdpa"), ("catarray", "cat"), ("_mla_prefill", "mla_prefill"),
     ("_align_small", "moe_align"), ("_align_count", "moe_align"),
     ("_align_place", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
     ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_absorb", "mla_proj"),

@@ -185,8 +185,9 @@ def test_arch_config_parses_mla_and_rejects_what_is_not_implemented():
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_gpu_engine_greedy_matches_transformers(checkpoints, enforce_eager):
     """On CUDA in float32: the Triton MLA backend eagerly (decodes on the latent kernel,
-    prefills decompressed through SDPA) and on CUDA graphs (decode and mixed graphs:
-    every row on the latent kernel) give transformers' greedy tokens."""
+    prefills on the decompressed kernel, kernels/mla_prefill.py) and on CUDA graphs
+    (decode and mixed graphs: every row on the latent kernel) give transformers' greedy
+    tokens."""
     path, hf = checkpoints["v3"]
     llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32",
               max_model_len=128, max_num_seqs=8, kv_cache_memory=64 << 20,

@@ -1,5 +1,6 @@
 """The MLA Triton kernels (latent decode, latent store) against their torch references,
-and the Triton MLA backend's graph-mode plan against the eager one.
+and the Triton MLA backend's graph-mode plan against the eager one. The prefill kernel
+has its own tests (test_mla_prefill.py); the model test here runs it too.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before Triton is imported,
 by conftest or here) on small shapes in float16 and float32. Cache slots no request
@@ -26,7 +27,7 @@ from pagoda.attention.mla_triton import MLATritonBackend, row_context  # noqa: E
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-MLA_DECODE, MLA_STORE = kernel_modules("mla_decode", "mla_store")
+MLA_DECODE, MLA_STORE, _ = kernel_modules("mla_decode", "mla_store", "mla_prefill")
 BLOCK_SIZE = 4
 
 
@@ -184,9 +185,9 @@ STEPS = [{"a": list(range(3, 10)), "b": list(range(40, 43))},  # two prefills
 
 def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
     """A tiny DeepSeek through the Triton MLA backend (interpreter on CPU): eager steps
-    (prefills decompressed, decodes on the kernel) and graph-mode steps (every row on
-    the kernel, buffers filled by prepare_replay, padded rows and requests) give the
-    reference backend's logits."""
+    (prefills on the decompressed kernel, decodes on the latent one) and graph-mode
+    steps (every row on the latent kernel, buffers filled by prepare_replay, padded rows
+    and requests) give the reference backend's logits."""
     from pagoda.attention.mla_backend import MLATorchBackend
     from pagoda.core.kv_cache_spec import KVCacheConfig
     from pagoda.model.layers.attention import kv_cache_specs

@@ -23,9 +23,13 @@ of query length q and seq_len s sees s - q + j + 1 tokens). ``latent_rows="all"`
 forces that on eager steps too (tests compare the two paths with it).
 
 The layer calls ``forward(q_lat, cache, plan)`` for the latent rows and
-``forward_prefill(q, k, v, plan)`` for the prefill rows. This module's backend
-computes both in float32 with plain torch: it is the reference the Triton kernel is
-tested against. The KV pool has stored the step's latents before either runs.
+``forward_prefill(out, q_nope, q_rope, k_nope, k_rope, v, plan)`` for the prefill rows:
+the pieces as the layer holds them (every row of the step's queries, kv_b_proj's output
+split in place, the rope key once for every head), the backend writing the prefill
+rows of out. This module's backend assembles q = [q_nope, q_rope] and k = [k_nope,
+k_rope] and computes both paths in float32 with plain torch: it is the reference the
+Triton kernels are tested against. The KV pool has stored the step's latents before
+either runs.
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ def latent_attention_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     return torch.einsum("nhl,nlc->nhc", probs, entries[..., :kv_lora_rank])
 
 
+def assemble_prefill_qk(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor,
+                        k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = [q_nope, q_rope] [P, H, Dn + Dr] and k = [k_nope, k_rope for every head]
+    [C, H, Dn + Dr]: what prefill_attention takes."""
+    heads = k_nope.shape[1]
+    k = torch.cat((k_nope, k_rope[:, None].expand(-1, heads, k_rope.shape[-1])), dim=-1)
+    return torch.cat((q_nope, q_rope), dim=-1), k
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       chunks: list[PrefillChunk], scale: float, upcast: bool) -> torch.Tensor:
     """Causal attention of each chunk's query rows to its decompressed context: q [P, H,
@@ -188,11 +201,16 @@ class MLATorchBackend(AttentionBackend):
                                    metadata.max_row_len)
         return out.to(q.dtype)
 
-    def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        metadata: MLAPlan) -> torch.Tensor:
-        """q [P, H, Dqk] of the plan's prefill rows, k/v [C, H, *] of their contexts
-        (metadata.prefill_slots order) -> [P, H, Dv]."""
-        return prefill_attention(q, k, v, metadata.prefill_chunks, self.scale, upcast=True)
+    def forward_prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                        k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                        metadata: MLAPlan) -> None:
+        """Writes the plan's prefill rows of out [T, H, Dv]: q_nope [T, H, Dn] and q_rope
+        [T, H, Dr] (rotated) hold every row of the step; k_nope [C, H, Dn], v [C, H, Dv]
+        and k_rope [C, Dr] (shared by every head) the contexts, in metadata.prefill_slots
+        order."""
+        rows = metadata.prefill_rows
+        q, k = assemble_prefill_qk(q_nope[rows], q_rope[rows], k_nope, k_rope)
+        out[rows] = prefill_attention(q, k, v, metadata.prefill_chunks, self.scale, upcast=True)
 
 
 def make_mla_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:

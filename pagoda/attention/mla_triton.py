@@ -3,11 +3,12 @@
 Owns `MLATritonBackend`. Eager steps are planned as the reference plans them
 (pagoda/attention/mla_backend.py: decodes on the latent path, prefill chunks
 decompressed); the latent kernel's context slices are chosen on the host from the
-step's host copies. Prefill chunks run torch's scaled_dot_product_attention on the
-decompressed K/V in the model's dtype, one request at a time: query/key width 192
-and value width 128 (DeepSeek's shape) fit neither the existing paged kernels (one
-power-of-two head width for K and V) nor a cache layout, and a prefill step is
-dominated by its GEMMs, not by these launches.
+step's host copies. Prefill chunks, all of them, run one launch of
+kernels/mla_prefill.py in the model's dtype: it reads the layer's pieces in place
+(queries through the prefill rows, k_nope and v as views of kv_b_proj's output, the
+rope key once for every head) and writes the prefill rows of the layer's output. Its
+tile table (tiles of BLOCK_M rows per chunk) is built here once per step, from the
+plan's host-side chunk list, and copied to the device once.
 
 CUDA graphs (decode graphs and mixed graphs, as the CudaGraphRunner captures them):
 a plan without host copies sends every row of the step through the latent kernel,
@@ -29,7 +30,8 @@ import torch
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
-from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, prefill_attention
+from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager
+from pagoda.host_copy import host_to_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -59,19 +61,31 @@ def row_context(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs:
 class MLATritonPlan(MLAPlan):
     num_splits: int = 1
     min_split: int = 1  # the shortest slice (tokens) the latent kernel gives a program
+    # The prefill kernel's tiles (kernels/mla_prefill.prefill_tile_table, int32
+    # [num_tiles, 4] on the device) of at most prefill_tile_rows rows; None: no chunks.
+    prefill_tiles: Optional[torch.Tensor] = None
+    prefill_tile_rows: int = 0
 
 
 class MLATritonBackend(MLATorchBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                 scale: float, *, num_decode_splits: Optional[int] = None) -> None:
+                 scale: float, *, num_decode_splits: Optional[int] = None,
+                 prefill_config: Optional[dict] = None) -> None:
         """num_decode_splits fixes the latent kernel's context slices (tests, tuning);
-        None chooses them per batch."""
+        None chooses them per batch. prefill_config: keyword overrides of the prefill
+        kernel's mla_prefill_config (tests, tuning)."""
+        from pagoda.kernels.mla_prefill import mla_prefill_config
+
         super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
+        self.prefill_config = dict(prefill_config or {})
+        # BLOCK_M is the same for every dtype (mla_prefill_config): the plan tiles by it.
+        self.prefill_tile_rows = mla_prefill_config(torch.bfloat16,
+                                                    **self.prefill_config)["BLOCK_M"]
         self._graph: Optional[_MLAGraphBuffers] = None
         self._num_sms: dict[int, int] = {}
 
@@ -84,7 +98,19 @@ class MLATritonBackend(MLATorchBackend):
                                       common.num_reqs, common.slot_mapping.shape[0])
             plan = MLAPlan(common, None, common.slot_mapping.shape[0], req, length)
             longest = common.block_tables.shape[1] * common.block_size
-        return MLATritonPlan(**vars(plan), **self._split_plan(plan, longest))
+        return MLATritonPlan(**vars(plan), **self._split_plan(plan, longest),
+                             **self._prefill_plan(plan))
+
+    def _prefill_plan(self, plan: MLAPlan) -> dict:
+        """The prefill kernel's tile table for the plan's chunks (host lists, one copy)."""
+        from pagoda.kernels.mla_prefill import prefill_tile_table
+
+        if not plan.prefill_chunks:
+            return {}
+        table = prefill_tile_table([(c.row_start, c.row_end, c.ctx_start, c.ctx_end)
+                                    for c in plan.prefill_chunks], self.prefill_tile_rows)
+        return {"prefill_tiles": host_to_device(table, torch.int32, plan.prefill_rows.device),
+                "prefill_tile_rows": self.prefill_tile_rows}
 
     def _split_plan(self, plan: MLAPlan, longest: int) -> dict:
         """num_splits and min_split of the latent kernel (a fixed split count spreads
@@ -112,9 +138,15 @@ class MLATritonBackend(MLATorchBackend):
                    min_split_tokens=metadata.min_split)
         return out
 
-    def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        metadata: MLAPlan) -> torch.Tensor:
-        return prefill_attention(q, k, v, metadata.prefill_chunks, self.scale, upcast=False)
+    def forward_prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                        k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                        metadata: MLATritonPlan) -> None:
+        """As the reference's (MLATorchBackend.forward_prefill), in one kernel launch."""
+        from pagoda.kernels.mla_prefill import mla_prefill_attention
+
+        mla_prefill_attention(out, q_nope, q_rope, k_nope, k_rope, v, metadata.prefill_rows,
+                              metadata.prefill_tiles, metadata.prefill_tile_rows, self.scale,
+                              config=self.prefill_config)
 
     def _sm_count(self, device: torch.device) -> int:
         if device.type != "cuda":

@@ -17,8 +17,10 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
   rotary + cat and a bmm otherwise (their references), so q_rope reaches this layer un-rotated with the
   step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
-  this step's rows alike), decompressed by kv_b_proj into K = [k_nope, k_rope] and V,
-  then causal attention.
+  this step's rows alike), decompressed by kv_b_proj into k_nope and V (views of its
+  output), then causal attention with keys [k_nope, k_rope]: the backend gets the
+  pieces, k_rope once for every head (the Triton backend reads them in place with
+  one kernel, pagoda.kernels.mla_prefill; the reference backend concatenates them).
 
 Tensor parallelism: heads split across ranks (q_proj / q_b_proj and kv_b_proj
 column-parallel by head, o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the
@@ -121,8 +123,7 @@ class MLALatentAttention(Attention):
             out[rows] = self._latent(q_nope[rows], q_rope[rows], cos[rows], sin[rows],
                                      cache, w_uk, w_uv, ctx)
         if plan.prefill_chunks:
-            out[plan.prefill_rows] = self._prefill(q_nope, apply_rotary(q_rope, cos, sin),
-                                                   cache, kv_b_proj, ctx)
+            self._prefill(out, q_nope, apply_rotary(q_rope, cos, sin), cache, kv_b_proj, ctx)
         return out.reshape(num_tokens, heads * mla.v_head_dim)
 
     def _store_latents(self, kv_a, kv_a_layernorm, cos, sin, cache, ctx) -> None:
@@ -149,20 +150,18 @@ class MLALatentAttention(Attention):
         o_lat = ctx.backend.forward(q, cache, ctx.metadata)  # [N, H, kv_lora_rank]
         return value_projection(o_lat, w_uv)
 
-    def _prefill(self, q_nope, q_rope, cache, kv_b_proj, ctx) -> torch.Tensor:
-        """The decompressed path for the plan's prefill rows -> [P, H, v_head_dim]."""
+    def _prefill(self, out, q_nope, q_rope, cache, kv_b_proj, ctx) -> None:
+        """The decompressed path: writes the plan's prefill rows of out [T, H, v_head_dim]
+        from q_nope / q_rope (rotated) [T, H, *], every row of the step. The backend gets
+        the pieces as views (k_nope and v: halves of kv_b_proj's output; k_rope: the
+        gathered entries' tail, one key for every head) and assembles what it needs."""
         plan, mla = ctx.metadata, self.mla
         entries = cache.view(-1, mla.latent_dim).index_select(0, plan.prefill_slots)
-        num_ctx = entries.shape[0]
         kv = kv_b_proj(entries[:, :mla.kv_lora_rank]).view(
-            num_ctx, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+            entries.shape[0], self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        k_rope = entries[:, None, mla.kv_lora_rank:].expand(num_ctx, self.num_heads,
-                                                            mla.qk_rope_head_dim)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        rows = plan.prefill_rows
-        q = torch.cat((q_nope[rows], q_rope[rows]), dim=-1)
-        return ctx.backend.forward_prefill(q, k, v, plan)
+        ctx.backend.forward_prefill(out, q_nope, q_rope, k_nope, entries[:, mla.kv_lora_rank:],
+                                    v, plan)
 
 
 class MLAAttention(nn.Module):
