@@ -147,8 +147,9 @@ def test_prefill_kernel_rejects_mismatched_inputs():
         MLA_PREFILL.mla_prefill_attention(out.half(), *args, tiles, 16, 1.0)
 
 
+@pytest.mark.parametrize("dn", [16, 24])  # 24: not a power of two, SDPA's fallback
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_backend_prefill_matches_the_torch_backend(dtype):
+def test_triton_backend_prefill_matches_the_torch_backend(dtype, dn):
     """A step's plan (a decode, a fresh prompt, a chunk after a cached prefix) through
     MLATritonBackend.build_metadata and forward_prefill (tiles of 16 rows) writes the
     prefill rows as MLATorchBackend does and leaves the decode row alone."""
@@ -163,7 +164,7 @@ def test_triton_backend_prefill_matches_the_torch_backend(dtype):
     triton_backend = MLATritonBackend(*args, prefill_config=dict(BLOCK_M=16, BLOCK_N=16))
     plan = triton_backend.build_metadata(md)
     assert plan.prefill_tile_rows == 16 and plan.prefill_tiles.shape == (4, 4)
-    case = PrefillCase([(21, 21), (18, 40)], 16, 8, 16, dtype)
+    case = PrefillCase([(21, 21), (18, 40)], dn, 8, 16, dtype)
     num_rows = sum(query_lens)
     q_nope, q_rope = case.q_nope[:num_rows].to(DEVICE), case.q_rope[:num_rows].to(DEVICE)
     ctx = torch.cat([torch.arange(21), torch.arange(24, 64)])  # the contexts, less the gap

@@ -8,7 +8,8 @@ kernels/mla_prefill.py in the model's dtype: it reads the layer's pieces in plac
 (queries through the prefill rows, k_nope and v as views of kv_b_proj's output, the
 rope key once for every head) and writes the prefill rows of the layer's output. Its
 tile table (tiles of BLOCK_M rows per chunk) is built here once per step, from the
-plan's host-side chunk list, and copied to the device once.
+plan's host-side chunk list, and copied to the device once. Head widths that are not
+powers of two (no DeepSeek model has them) fall back to torch's SDPA per chunk.
 
 CUDA graphs (decode graphs and mixed graphs, as the CudaGraphRunner captures them):
 a plan without host copies sends every row of the step through the latent kernel,
@@ -30,7 +31,8 @@ import torch
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
-from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager
+from pagoda.attention.mla_backend import (MLAPlan, MLATorchBackend, assemble_prefill_qk,
+                                          plan_eager, prefill_attention)
 from pagoda.host_copy import host_to_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -141,9 +143,17 @@ class MLATritonBackend(MLATorchBackend):
     def forward_prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
                         k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                         metadata: MLATritonPlan) -> None:
-        """As the reference's (MLATorchBackend.forward_prefill), in one kernel launch."""
-        from pagoda.kernels.mla_prefill import mla_prefill_attention
+        """As the reference's (MLATorchBackend.forward_prefill), in one kernel launch;
+        head widths the kernel does not take (not powers of two) go through torch's
+        scaled_dot_product_attention per chunk, in the model's dtype."""
+        from pagoda.kernels.mla_prefill import mla_prefill_attention, supports_widths
 
+        if not supports_widths(q_nope.shape[-1], q_rope.shape[-1], v.shape[-1]):
+            rows = metadata.prefill_rows
+            q, k = assemble_prefill_qk(q_nope[rows], q_rope[rows], k_nope, k_rope)
+            out[rows] = prefill_attention(q, k, v, metadata.prefill_chunks, self.scale,
+                                          upcast=False)
+            return
         mla_prefill_attention(out, q_nope, q_rope, k_nope, k_rope, v, metadata.prefill_rows,
                               metadata.prefill_tiles, metadata.prefill_tile_rows, self.scale,
                               config=self.prefill_config)

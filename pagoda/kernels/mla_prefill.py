@@ -201,6 +201,11 @@ def prefill_tile_table(chunks: Sequence[tuple[int, int, int, int]],
     return tiles
 
 
+def supports_widths(dn: int, dr: int, dv: int) -> bool:
+    """Whether the kernel takes these head widths (powers of two)."""
+    return all(d > 0 and not d & (d - 1) for d in (dn, dr, dv))
+
+
 def _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v) -> None:
     tensors = (out, q_nope, q_rope, k_nope, k_rope, v)
     if len({t.dtype for t in tensors}) != 1 or q_nope.dtype not in _SUPPORTED_DTYPES:
@@ -219,7 +224,7 @@ def _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v) -> None:
             f"[C, H, Dn], k_rope [C, Dr], v [C, H, Dv]; got {tuple(q_nope.shape)}, "
             f"{tuple(q_rope.shape)}, {tuple(out.shape)}, {tuple(k_nope.shape)}, "
             f"{tuple(k_rope.shape)}, {tuple(v.shape)}")
-    if any(d & (d - 1) for d in (dn, dr, dv)):
+    if not supports_widths(dn, dr, dv):
         raise ValueError(f"head widths must be powers of two, got {dn}, {dr}, {dv}")
 
 
