@@ -77,11 +77,12 @@ def test_align_block_size_exact(fm, block_m, use_kernel):
     assert sorted_ids.numel() == -(-bound // block_m) * block_m
 
 
-# Up to 256 pairs one program; above, the chunked pair of launches (257: a chunk of one
-# pair; 2,048: batch 256 of a top-8 model; 2,560: chunks whose counts cross 8 programs).
+# Up to 256 pairs one program; above, the chunked launches (257: a last chunk of one
+# pair; 2,048: batch 256 of a top-8 model; 2,560: 40 chunks; 17,000: 266 chunks, more
+# than one tile of the scan over chunks).
 @pytest.mark.parametrize("pairs,experts,block_m", [
     (1, 3, 16), (40, 6, 16), (256, 128, 16), (257, 5, 16), (600, 7, 4), (2048, 128, 32),
-    (2560, 64, 16)])
+    (2560, 64, 16), (17000, 9, 8)])
 def test_align_kernel_matches_torch_ops(fm, pairs, experts, block_m):
     gen = torch.Generator().manual_seed(pairs)
     ids = torch.randint(-1, experts, (pairs, 1), generator=gen, dtype=torch.int32).to(DEVICE)
@@ -105,14 +106,17 @@ def test_align_chunked_exact_by_hand(fm):
     assert (expert_ids[len(blocks):] == -1).all()
 
 
-def test_align_kernels_refuse_more_than_their_bound(fm):
+def test_align_default_path_per_device(fm):
+    """On the CPU the default takes the kernels (interpreted) only up to one program's
+    pairs, torch ops above; the two agree, here at a prefill-sized count."""
     from pagoda.kernels import moe_align
-    ids = torch.zeros(moe_align.CHUNKED_ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="at most"):
-        fm.moe_align_block_size(ids, 16, 4, use_kernel=True)
-    # The default takes torch ops there.
-    sorted_ids, _, used = fm.moe_align_block_size(ids, 16, 4)
-    assert int(used) == ids.numel() + 15 - (ids.numel() + 15) % 16
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 16, (3000, 2), generator=gen, dtype=torch.int32).to(DEVICE)
+    default = fm.moe_align_block_size(ids, 64, 16)
+    kernels = fm.moe_align_block_size(ids, 64, 16, use_kernel=True)
+    for got, want in zip(kernels, default):
+        assert torch.equal(got, want)
+    assert moe_align.SMALL_ALIGN_PAIRS < ids.numel()
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -66,24 +66,26 @@ def report(name: str, compiled) -> str:
 
 def _moe_align_cases():
     from pagoda.kernels import moe_align as m
-    pairs, experts, block_m = 2048, 128, 32
-    flat = torch.zeros(pairs, dtype=torch.int32)
-    max_padded = m.max_padded_rows(pairs, experts, block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32)
-    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32)
-    used = torch.empty(1, dtype=torch.int32)
-    chunks = triton.cdiv(pairs, m.ALIGN_CHUNK)
-    buckets = triton.next_power_of_2(experts + 1)
-    counts = torch.empty(chunks, buckets, dtype=torch.int32)
-    rank = torch.empty(pairs, dtype=torch.int32)
-    yield "align_count", m._align_count_kernel, (
-        flat, counts, rank, sorted_ids, pairs, experts, max_padded, chunks), dict(
-        BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK, num_warps=8)
-    for num_chunks in (chunks, triton.cdiv(m.CHUNKED_ALIGN_MAX_PAIRS, m.ALIGN_CHUNK)):
-        yield f"align_place[{num_chunks} chunks]", m._align_place_kernel, (
-            flat, counts, rank, sorted_ids, expert_ids, used, pairs, experts, num_chunks,
+    for pairs, experts, block_m in ((2048, 128, 32), (131072, 128, 128)):
+        flat = torch.zeros(pairs, dtype=torch.int32)
+        max_padded = m.max_padded_rows(pairs, experts, block_m)
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32)
+        expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32)
+        used = torch.empty(1, dtype=torch.int32)
+        chunks = triton.cdiv(pairs, m.ALIGN_CHUNK)
+        buckets = triton.next_power_of_2(experts + 1)
+        counts = torch.empty(chunks, buckets, dtype=torch.int32)
+        before, totals = torch.empty_like(counts), torch.empty(buckets, dtype=torch.int32)
+        rank = torch.empty(pairs, dtype=torch.int32)
+        yield f"align_count[{pairs}]", m._align_count_kernel, (
+            flat, counts, rank, sorted_ids, pairs, experts, max_padded, chunks), dict(
+            BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK, num_warps=8)
+        yield f"align_scan[{pairs}]", m._align_scan_kernel, (counts, before, totals, chunks), dict(
+            BUCKETS=buckets, BLOCK_C=m.SCAN_CHUNKS, BLOCK_B=m.SCAN_BUCKETS, num_warps=4)
+        yield f"align_place[{pairs}]", m._align_place_kernel, (
+            flat, before, totals, rank, sorted_ids, expert_ids, used, pairs, experts,
             expert_ids.numel()), dict(BLOCK_M=block_m, BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK,
-                                      CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
+                                      num_warps=8)
     yield "align_small", m._align_small_kernel, (
         flat[:256], sorted_ids, expert_ids, used, 256, experts, max_padded,
         expert_ids.numel()), dict(BLOCK_M=block_m, PAIRS=256, BUCKETS=buckets, CHUNK=256,

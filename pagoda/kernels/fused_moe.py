@@ -5,9 +5,9 @@
 
 1. ``moe_align_block_size``: the T*k (token, choice) pairs are sorted by expert into
    groups each padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows
-   belongs to one expert (Triton kernels up to a few thousand pairs, torch ops above:
-   pagoda.kernels.moe_align). Pairs routed to experts of another rank (id -1) form one
-   more group whose blocks carry expert id -1: the GEMMs write zeros for them.
+   belongs to one expert (Triton kernels, pagoda.kernels.moe_align). Pairs routed to
+   experts of another rank (id -1) form one more group whose blocks carry expert id -1:
+   the GEMMs write zeros for them.
 2. a grouped GEMM: row block of pairs x w13[expert]^T (A rows gathered by token =
    pair // k), each program computing the gate and the up columns of the same outputs
    and storing silu(gate) * up -> [T*k, I] (the SiLU-and-mul is its epilogue);

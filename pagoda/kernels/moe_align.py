@@ -1,15 +1,18 @@
 """The expert sort of the fused MoE GEMMs: (token, choice) pairs grouped by expert into
 blocks of BLOCK_M rows (``moe_align_block_size``), on the GPU without a host sync.
 
-Three ways to the same result, exactly (tests/test_fused_moe_kernel.py):
+Two ways to the same result on the GPU, exactly (tests/test_fused_moe_kernel.py), and
+the torch ops:
 - up to SMALL_ALIGN_PAIRS pairs, one Triton program (``_align_small_kernel``);
-- up to CHUNKED_ALIGN_MAX_PAIRS pairs, two launches over chunks of ALIGN_CHUNK pairs
-  (``_align_count_kernel``: per chunk the pairs per expert and each pair's rank among
-  its chunk's pairs of the same expert, and the padding fill; ``_align_place_kernel``:
-  each chunk's offset per expert from the counts of the chunks before it, then every
-  pair's row) — a decode step at batch 256 of a top-8 model has 2,048 pairs;
-- above, torch ops (argsort and friends: about fifteen launches, which only prefill-sized
-  steps pay). The torch ops are also the CPU path and the reference.
+- above, three launches over chunks of ALIGN_CHUNK pairs, any number of pairs:
+  ``_align_count_kernel`` (per chunk the pairs per expert, each pair's rank among its
+  chunk's pairs of the same expert, and a share of the padding fill),
+  ``_align_scan_kernel`` (per expert, the running count over the chunks before each
+  chunk, and the total) and ``_align_place_kernel`` (every pair's row: its expert's
+  start + the chunks before + its rank). A decode step at batch 256 of a top-8 model
+  has 2,048 pairs, a 16,384-token prefill step 131,072;
+- torch ops (argsort and friends, about fifteen launches): the CPU path and the
+  reference.
 
 The sort is stable within an expert's group (pairs in ascending order), so every way
 gives the same rows; padding rows hold T*k. Pairs routed to experts of another rank
@@ -29,10 +32,11 @@ __all__ = ["moe_align_block_size", "max_padded_rows"]
 # Up to this many (token, choice) pairs, one Triton program aligns them (decode and
 # small batches: one launch instead of a dozen small torch ops per layer).
 SMALL_ALIGN_PAIRS = 256
-# Pairs per program of the chunked kernels, and the most pairs they take: the place
-# kernel holds every chunk's counts ([chunks, buckets]) in one program's registers.
+# Pairs per program of the chunked kernels (64: no register spills at 256 buckets on
+# sm_90, by tools/compile_sm90.py), and the scan's tile: chunks x buckets per step.
 ALIGN_CHUNK = 64
-CHUNKED_ALIGN_MAX_PAIRS = 8192
+SCAN_CHUNKS = 256
+SCAN_BUCKETS = 8
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
@@ -47,20 +51,18 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
       group, or a block past the end);
     - num_post_padded int32 [1]: how many rows of sorted_ids are used.
 
-    use_kernel (None: up to CHUNKED_ALIGN_MAX_PAIRS pairs): Triton kernels (one program
-    up to SMALL_ALIGN_PAIRS pairs, the chunked pair of launches above) instead of torch
-    ops; every way gives the same result.
+    use_kernel (None: on CUDA, and for up to SMALL_ALIGN_PAIRS pairs elsewhere, where
+    the kernels run interpreted): Triton kernels (one program up to SMALL_ALIGN_PAIRS
+    pairs, the chunked launches above) instead of torch ops; every way gives the same
+    result.
     """
     num_pairs = topk_ids.numel()
     if use_kernel is None:
-        use_kernel = num_pairs <= CHUNKED_ALIGN_MAX_PAIRS
+        use_kernel = topk_ids.is_cuda or num_pairs <= SMALL_ALIGN_PAIRS
     if not use_kernel:
         return _align_torch(topk_ids, block_m, num_experts)
     if num_pairs <= SMALL_ALIGN_PAIRS:
         return _align_small(topk_ids, block_m, num_experts)
-    if num_pairs > CHUNKED_ALIGN_MAX_PAIRS:
-        raise ValueError(f"the align kernels take at most {CHUNKED_ALIGN_MAX_PAIRS} pairs, "
-                         f"got {num_pairs}")
     return _align_chunked(topk_ids, block_m, num_experts)
 
 
@@ -192,25 +194,34 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, num_
 
 
 @triton.jit
-def _align_place_kernel(topk_ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, expert_ids_ptr,
-                        num_post_padded_ptr, num_pairs, num_experts, num_chunks, num_blocks,
-                        BLOCK_M: tl.constexpr, BUCKETS: tl.constexpr, CHUNK: tl.constexpr,
-                        CHUNKS: tl.constexpr):
-    # Program c: the rows of chunk c's pairs. Every program sums all chunks' counts
-    # (a few thousand values) rather than waiting on another program for them.
+def _align_scan_kernel(counts_ptr, before_ptr, totals_ptr, num_chunks,
+                       BUCKETS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+    # Program b: for buckets [b * BLOCK_B, (b + 1) * BLOCK_B), before[c, bucket] = the
+    # pairs of that bucket in chunks 0..c-1, and totals[bucket] = all of them.
+    buckets = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    carry = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        offs = chunks[:, None] * BUCKETS + buckets[None, :]
+        ok = (chunks < num_chunks)[:, None]
+        tile = tl.load(counts_ptr + offs, mask=ok, other=0)
+        tl.store(before_ptr + offs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=ok)
+        carry += tl.sum(tile, axis=0)
+    tl.store(totals_ptr + buckets, carry)
+
+
+@triton.jit
+def _align_place_kernel(topk_ids_ptr, before_ptr, totals_ptr, rank_ptr, sorted_ids_ptr,
+                        expert_ids_ptr, num_post_padded_ptr, num_pairs, num_experts,
+                        num_blocks, BLOCK_M: tl.constexpr, BUCKETS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # Program c: the rows of chunk c's pairs.
     chunk = tl.program_id(0)
-    chunk_ids = tl.arange(0, CHUNKS)
     buckets = tl.arange(0, BUCKETS)
-    table = tl.load(counts_ptr + chunk_ids[:, None] * BUCKETS + buckets[None, :],
-                    mask=(chunk_ids < num_chunks)[:, None], other=0)  # [CHUNKS, BUCKETS]
-    counts = tl.sum(table, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (tl.load(totals_ptr + buckets) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    # The bucket's start, plus the pairs of that bucket in the chunks before this one.
-    before = tl.sum(tl.where((chunk_ids < chunk)[:, None], table, 0), axis=0)
-    base = ends - padded + before
-    lanes = tl.arange(0, CHUNK)
-    pairs = chunk * CHUNK + lanes
+    base = ends - padded + tl.load(before_ptr + chunk * BUCKETS + buckets)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     bucket = _buckets_of(topk_ids_ptr, pairs, num_pairs, num_experts)
     onehot = (bucket[None, :] == buckets[:, None]).to(tl.int32)  # [BUCKETS, CHUNK]
     pair_ok = pairs < num_pairs
@@ -228,17 +239,21 @@ def _align_chunked(topk_ids: torch.Tensor, block_m: int, num_experts: int
     num_pairs, device = flat.numel(), flat.device
     sorted_ids, expert_ids, used = _align_outputs(num_pairs, num_experts, block_m, device)
     num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
-    buckets = triton.next_power_of_2(num_experts + 1)
+    buckets = max(SCAN_BUCKETS, triton.next_power_of_2(num_experts + 1))
     counts = torch.empty(num_chunks, buckets, dtype=torch.int32, device=device)
+    before = torch.empty_like(counts)
+    totals = torch.empty(buckets, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    # The count kernel's padding fill lands before the place kernel writes the pairs
-    # (launch order on one stream).
+    # One stream: the count kernel's padding fill lands before the place kernel writes
+    # the pairs' rows.
     _align_count_kernel[(num_chunks,)](flat, counts, rank, sorted_ids, num_pairs, num_experts,
                                        sorted_ids.numel(), num_chunks, BUCKETS=buckets,
                                        CHUNK=ALIGN_CHUNK, num_warps=8)
-    _align_place_kernel[(num_chunks,)](flat, counts, rank, sorted_ids, expert_ids, used,
-                                       num_pairs, num_experts, num_chunks, expert_ids.numel(),
+    _align_scan_kernel[(buckets // SCAN_BUCKETS,)](counts, before, totals, num_chunks,
+                                                   BUCKETS=buckets, BLOCK_C=SCAN_CHUNKS,
+                                                   BLOCK_B=SCAN_BUCKETS, num_warps=4)
+    _align_place_kernel[(num_chunks,)](flat, before, totals, rank, sorted_ids, expert_ids, used,
+                                       num_pairs, num_experts, expert_ids.numel(),
                                        BLOCK_M=block_m, BUCKETS=buckets, CHUNK=ALIGN_CHUNK,
-                                       CHUNKS=max(2, triton.next_power_of_2(num_chunks)),
                                        num_warps=8)
     return sorted_ids, expert_ids, used
