@@ -119,6 +119,23 @@ def test_align_default_path_per_device(fm):
     assert moe_align.SMALL_ALIGN_PAIRS < ids.numel()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 64), (13, 6, 200), (9, 1, 1030)])
+def test_sum_choices_matches_torch(fm, dtype, tokens, top_k, hidden):
+    """The sum over each token's k rows: float32 in choice order, one rounding; edges
+    of the token and hidden tiles included. Exact in float16 (the sum of a few float16
+    values is exact in float32), to float32 rounding in float32."""
+    gen = torch.Generator().manual_seed(tokens)
+    rows = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype).to(DEVICE)
+    want = rows.float().view(tokens, top_k, hidden).sum(dim=1).to(dtype)
+    got = fm.sum_choices(rows, top_k)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    if dtype == torch.float16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

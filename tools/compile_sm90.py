@@ -1,7 +1,7 @@
 """Compile Triton kernels for Hopper (sm_90) on a machine without a GPU.
 
     python tools/compile_sm90.py            # every kernel case in CASES below
-    python tools/compile_sm90.py moe_align  # the cases of one module
+    python tools/compile_sm90.py moe        # the cases of one group
 
 The Triton interpreter (what the CPU tests run) executes a kernel's Python, so it
 cannot see what the GPU compiler rejects (an op a layout cannot lower, shared memory
@@ -64,7 +64,9 @@ def report(name: str, compiled) -> str:
             f"{meta.num_warps} warps")
 
 
-def _moe_align_cases():
+def _moe_cases():
+    """The expert sort (pagoda.kernels.moe_align) at decode and prefill sizes, and the
+    sum over the choices (pagoda.kernels.fused_moe.sum_choices)."""
     from pagoda.kernels import moe_align as m
     for pairs, experts, block_m in ((2048, 128, 32), (131072, 128, 128)):
         flat = torch.zeros(pairs, dtype=torch.int32)
@@ -86,6 +88,11 @@ def _moe_align_cases():
             flat, before, totals, rank, sorted_ids, expert_ids, used, pairs, experts,
             expert_ids.numel()), dict(BLOCK_M=block_m, BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK,
                                       num_warps=8)
+    from pagoda.kernels import fused_moe as fm
+    rows, out = torch.empty(16384 * 8, 2048, dtype=torch.bfloat16), torch.empty(
+        16384, 2048, dtype=torch.bfloat16)
+    yield "sum_choices", fm._sum_choices_kernel, (rows, out, 16384, 2048), dict(
+        TOP_K=8, BLOCK_T=fm.SUM_BLOCK_T, BLOCK_H=512, num_warps=4)
     yield "align_small", m._align_small_kernel, (
         flat[:256], sorted_ids, expert_ids, used, 256, experts, max_padded,
         expert_ids.numel()), dict(BLOCK_M=block_m, PAIRS=256, BUCKETS=buckets, CHUNK=256,
@@ -114,7 +121,7 @@ def _mla_prefill_cases():
             IEEE_DOT=False, **mp.mla_prefill_config(dtype))
 
 
-CASES = {"moe_align": _moe_align_cases, "mla_prefill": _mla_prefill_cases}
+CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases}
 
 
 def main(argv: list[str]) -> int:

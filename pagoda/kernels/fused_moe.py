@@ -13,7 +13,8 @@
    and storing silu(gate) * up -> [T*k, I] (the SiLU-and-mul is its epilogue);
 3. a grouped GEMM x w2[expert]^T, each row multiplied by its routing weight in the
    kernel -> [T*k, H];
-4. the sum over the k choices -> [T, H] (one small reduction, in a fixed order).
+4. the sum over the k choices -> [T, H] (``sum_choices``: one Triton pass, float32 in
+   choice order, one rounding).
 
 Up to DECODE_GEMV_MAX_PAIRS pairs (decode), pagoda.kernels.fused_moe_decode does it in
 two GEMV-style kernels instead, without the sort, the sum over the choices folded into
@@ -52,6 +53,8 @@ FUSED_EPILOGUES = True
 # batch-1 decode has k pairs (8 for Qwen3-30B-A3B, 6 for DeepSeek-V2-Lite).
 DECODE_GEMV_MAX_PAIRS = 16
 PATHS = ("gemv", "fused", "unfused")
+# Tokens per program of the sum over the k choices (sum_choices).
+SUM_BLOCK_T = 8
 
 
 def pick_config(num_pairs: int, num_experts: int) -> dict[str, int]:
@@ -150,6 +153,35 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
         **config)
 
 
+@triton.jit
+def _sum_choices_kernel(rows_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t, h] = sum over j of rows[t * TOP_K + j, h]: float32, j in order, one rounding.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (offs_t < num_tokens)[:, None] & (offs_h < hidden)[None, :]
+    first = offs_t.to(tl.int64)[:, None] * TOP_K * hidden + offs_h[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + first + j * hidden, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * hidden + offs_h[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """rows [T * k, H] contiguous (each token's k weighted expert outputs, in choice
+    order) -> [T, H]: one pass over the rows (torch's sum over dim 1 of the [T, k, H]
+    view reduces across a strided dim)."""
+    num_pairs, hidden = rows.shape
+    num_tokens = num_pairs // top_k
+    out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    block_h = min(512, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, SUM_BLOCK_T), triton.cdiv(hidden, block_h))
+    _sum_choices_kernel[grid](rows, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=SUM_BLOCK_T,
+                              BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 def gemv_path_takes(num_pairs: int) -> bool:
     """Whether fused_moe's default path for num_pairs (token, choice) pairs is the
     decode GEMV, the one path that also takes a shared MLP."""
@@ -198,4 +230,4 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, num_post_padded,
                   1, True, config)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    return sum_choices(down, top_k)
