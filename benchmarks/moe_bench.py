@@ -66,7 +66,7 @@ def moe_active_bytes(arch, dtype_bytes: int = 2) -> dict:
 
 
 # ---------------------------------------------------------------- (a) kernel -------
-def _time_ms(fn, device, repeat: int) -> float:
+def time_ms(fn, device, repeat: int) -> float:
     import torch
     for _ in range(2):
         fn()
@@ -92,7 +92,7 @@ def _graph_ms(fn, repeat: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _time_ms(graph.replay, torch.device("cuda"), repeat)
+    return time_ms(graph.replay, torch.device("cuda"), repeat)
 
 
 def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict:
@@ -113,8 +113,8 @@ def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict
                   if moe.topk_method == "noaux_tc" else None)
     weights, ids = select_experts(logits, moe, correction)
     out = {"tokens": tokens, "experts_hit": int(torch.unique(ids).numel())}
-    out["fused_ms"] = _time_ms(lambda: fm.fused_moe(x, w13, w2, weights, ids), device, repeat)
-    out["reference_ms"] = _time_ms(lambda: fm.fused_moe_reference(x, w13, w2, weights, ids),
+    out["fused_ms"] = time_ms(lambda: fm.fused_moe(x, w13, w2, weights, ids), device, repeat)
+    out["reference_ms"] = time_ms(lambda: fm.fused_moe_reference(x, w13, w2, weights, ids),
                                    device, max(1, repeat // 4))
     out["speedup"] = out["reference_ms"] / out["fused_ms"]
     if device.type == "cuda" and tokens <= 64:
@@ -143,7 +143,7 @@ def compare_paths(fm, args, device, repeat: int) -> dict:
         if path == "gemv" and tokens > 64:
             continue
         run = (lambda p=path: fm.fused_moe(*args, path=p))
-        entry = {"ms": _time_ms(run, device, repeat),
+        entry = {"ms": time_ms(run, device, repeat),
                  "max_abs_diff_vs_default": (run().float() - default.float()).abs().max().item()}
         if device.type == "cuda" and tokens <= 64:
             entry["graph_ms"] = _graph_ms(run, repeat)
@@ -154,11 +154,11 @@ def compare_paths(fm, args, device, repeat: int) -> dict:
 def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
     """select_experts: the torch ops against the one Triton kernel (CUDA, T <= 256)."""
     from pagoda.model.layers.moe import routing
-    out = {"torch_ms": _time_ms(lambda: routing.select_experts_torch(logits, moe, correction),
+    out = {"torch_ms": time_ms(lambda: routing.select_experts_torch(logits, moe, correction),
                                 device, repeat)}
     if device.type == "cuda" and logits.shape[0] <= routing.ROUTING_KERNEL_MAX_TOKENS:
         from pagoda.kernels.moe_routing import route_topk
-        out["kernel_ms"] = _time_ms(lambda: route_topk(logits, moe, correction), device, repeat)
+        out["kernel_ms"] = time_ms(lambda: route_topk(logits, moe, correction), device, repeat)
         out["torch_graph_ms"] = _graph_ms(
             lambda: routing.select_experts_torch(logits, moe, correction), repeat)
         out["kernel_graph_ms"] = _graph_ms(lambda: route_topk(logits, moe, correction), repeat)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
-from result_file import write_json  # noqa: E402  (benchmarks/)
+from moe_bench import time_ms  # noqa: E402  (benchmarks/)
+from result_file import write_json  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M 8 for prefill, 1 for decode.
 PREFILL_CONFIGS = [
@@ -39,21 +39,6 @@ DECODE_CONFIGS = [
     (16, 64, 128, 2, 4), (32, 128, 128, 4, 3), (64, 128, 64, 4, 4),
 ]
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v2-lite": (64, 2048, 1408, 6)}
-
-
-def time_ms(fn, repeat: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def make_layer(model: str, tokens: int, seed: int = 0):
@@ -101,7 +86,7 @@ def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict) ->
                     act_in, w2, o, flat_w, s, e, u, 1, True, c))
             entry = {"config": cfg, "default": i == 0}
             try:
-                ms = time_ms(run, repeat)
+                ms = time_ms(run, x.device, repeat)
             except Exception as exc:  # out of shared memory / registers: report, go on
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 results[name].append(entry)
