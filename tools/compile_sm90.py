@@ -93,10 +93,14 @@ def _moe_cases():
         16384, 2048, dtype=torch.bfloat16)
     yield "sum_choices", fm._sum_choices_kernel, (rows, out, 16384, 2048), dict(
         TOP_K=8, BLOCK_T=fm.SUM_BLOCK_T, BLOCK_H=512, num_warps=4)
+    pairs, experts, block_m = m.SMALL_ALIGN_PAIRS, 128, 32
+    max_padded = m.max_padded_rows(pairs, experts, block_m)
     yield "align_small", m._align_small_kernel, (
-        flat[:256], sorted_ids, expert_ids, used, 256, experts, max_padded,
-        expert_ids.numel()), dict(BLOCK_M=block_m, PAIRS=256, BUCKETS=buckets, CHUNK=256,
-                                  num_warps=8)
+        torch.zeros(pairs, dtype=torch.int32), torch.empty(max_padded, dtype=torch.int32),
+        torch.empty(max_padded // block_m, dtype=torch.int32), torch.empty(1, dtype=torch.int32),
+        pairs, experts, max_padded, max_padded // block_m), dict(
+        BLOCK_M=block_m, PAIRS=pairs, BUCKETS=triton.next_power_of_2(experts + 1), CHUNK=256,
+        num_warps=8)
 
 
 def _mla_prefill_cases():

@@ -154,6 +154,16 @@ def assemble_prefill_qk(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torc
     return torch.cat((q_nope, q_rope), dim=-1), k
 
 
+def sdpa_prefill(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                 k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, plan: MLAPlan,
+                 scale: float, upcast: bool) -> None:
+    """The plan's prefill rows of out from the layer's pieces (forward_prefill's
+    arguments): q and k assembled, then prefill_attention per chunk."""
+    rows = plan.prefill_rows
+    q, k = assemble_prefill_qk(q_nope[rows], q_rope[rows], k_nope, k_rope)
+    out[rows] = prefill_attention(q, k, v, plan.prefill_chunks, scale, upcast=upcast)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       chunks: list[PrefillChunk], scale: float, upcast: bool) -> torch.Tensor:
     """Causal attention of each chunk's query rows to its decompressed context: q [P, H,
@@ -208,9 +218,7 @@ class MLATorchBackend(AttentionBackend):
         [T, H, Dr] (rotated) hold every row of the step; k_nope [C, H, Dn], v [C, H, Dv]
         and k_rope [C, Dr] (shared by every head) the contexts, in metadata.prefill_slots
         order."""
-        rows = metadata.prefill_rows
-        q, k = assemble_prefill_qk(q_nope[rows], q_rope[rows], k_nope, k_rope)
-        out[rows] = prefill_attention(q, k, v, metadata.prefill_chunks, self.scale, upcast=True)
+        sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale, upcast=True)
 
 
 def make_mla_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:

@@ -31,8 +31,7 @@ import torch
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
-from pagoda.attention.mla_backend import (MLAPlan, MLATorchBackend, assemble_prefill_qk,
-                                          plan_eager, prefill_attention)
+from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, sdpa_prefill
 from pagoda.host_copy import host_to_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,10 +148,8 @@ class MLATritonBackend(MLATorchBackend):
         from pagoda.kernels.mla_prefill import mla_prefill_attention, supports_widths
 
         if not supports_widths(q_nope.shape[-1], q_rope.shape[-1], v.shape[-1]):
-            rows = metadata.prefill_rows
-            q, k = assemble_prefill_qk(q_nope[rows], q_rope[rows], k_nope, k_rope)
-            out[rows] = prefill_attention(q, k, v, metadata.prefill_chunks, self.scale,
-                                          upcast=False)
+            sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale,
+                         upcast=False)
             return
         mla_prefill_attention(out, q_nope, q_rope, k_nope, k_rope, v, metadata.prefill_rows,
                               metadata.prefill_tiles, metadata.prefill_tile_rows, self.scale,

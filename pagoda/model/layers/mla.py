@@ -14,8 +14,8 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
   kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied. The query
   [q_lat, rope(q_rope)] and the value projection are one Triton kernel each on CUDA
   (pagoda.kernels.mla_absorb, unless PAGODA_FUSED_OPS=0) for up to a few rows, bmm +
-  rotary + cat and a bmm otherwise (their references), so q_rope reaches this layer un-rotated with the
-  step's cos / sin;
+  rotary + cat and a bmm otherwise (their references), so q_rope reaches this layer
+  un-rotated with the step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
   this step's rows alike), decompressed by kv_b_proj into k_nope and V (views of its
   output), then causal attention with keys [k_nope, k_rope]: the backend gets the
