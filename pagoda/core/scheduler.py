@@ -2,10 +2,10 @@
 
 Owns the request lifecycle inside the engine core: the waiting queue (FCFS or
 priority), the running list, preemption when KV blocks run out, the SchedulerOutput
-diff sent to the worker, and, once the model has run, appending sampled tokens,
-stop checks (eos, stop_token_ids, max_tokens, max_model_len) and freeing finished
-requests. Stop strings need detokenized text, so the engine's output processor checks
-them and calls finish_requests().
+diff sent to the worker, and, once the model has run, appending sampled tokens (the
+stop checks: core/stop_checks.py) and freeing finished requests. Stop strings need
+detokenized text, so the engine's output processor checks them and calls
+finish_requests().
 
 Token accounting follows vLLM v1: request.num_computed_tokens advances at the end of
 schedule() by the tokens scheduled (they count as computed for the next step; prefix
@@ -42,6 +42,7 @@ from pagoda.core.outputs import (
 )
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import create_request_queue
+from pagoda.core.stop_checks import append_until_stop
 
 
 class _StepPlan:
@@ -513,7 +514,7 @@ class Scheduler:
             self.rollback.roll_back(request, drafts, sampled)
         if self.draft_planner is not None:
             self.draft_planner.observe(request, drafts, sampled)
-        new_token_ids = self._append_until_stop(request, sampled)
+        new_token_ids = append_until_stop(request, sampled, self.max_model_len)
         new_logprobs = None
         if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
             new_logprobs = runner.logprobs[index][:len(new_token_ids)]
@@ -546,34 +547,6 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
         )]
-
-    def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
-        """Appends sampled tokens one by one; tokens after a stop are dropped."""
-        appended: list[int] = []
-        for token_id in sampled:
-            request.append_output_token_ids([token_id])
-            appended.append(token_id)
-            if self._check_stop(request, token_id):
-                break
-        return appended
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Sets a finished status if the request must stop after token_id."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None  # as vLLM: eos is not a stop_reason
-                return True
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if ((request.max_tokens is not None and request.num_output_tokens >= request.max_tokens)
-                or request.num_tokens >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _new_prompt_logprobs(self, request: Request,
                              entries: Optional[list[TokenLogprobs]]) -> Optional[list[TokenLogprobs]]:
