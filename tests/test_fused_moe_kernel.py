@@ -215,14 +215,28 @@ def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
 
 @pytest.mark.parametrize("num_pairs", [8, 200, 1000, 5000])
 def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs):
-    """pick_config's four configurations, forced on one small case (the interpreter is
+    """Each of pick_config's configurations, forced on one small case (the interpreter is
     slow, so the shape stays small while the tiles change)."""
-    config = fm.pick_config(num_pairs, 4)
+    config = fm.pick_config(num_pairs, 4, element_size=4)
     monkeypatch.setattr(fm, "pick_config", lambda *_: config)
     args = _case(9, 4, 24, 40, 2, torch.float32, seed=num_pairs, skew=True, foreign=True)
     for path in ("fused", "unfused"):
         torch.testing.assert_close(fm.fused_moe(*args, path=path),
                                    fm.fused_moe_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_tile_fits_shared_memory_for_float32(fm):
+    """Three stages of the A tile and the gate and up B tiles: 221,184 bytes in bfloat16 at
+    K depth 128, within Hopper's 232,448; float32 halves the depth (it failed at 294,912
+    bytes on the H200 before)."""
+    def stage_bytes(config, element_size):
+        a_tile = config["BLOCK_M"] * config["BLOCK_K"]
+        b_tiles = 2 * config["BLOCK_N"] * config["BLOCK_K"]
+        return (a_tile + b_tiles) * element_size * config["num_stages"]
+    for element_size in (2, 4):
+        config = fm.pick_config(64, 8, element_size)
+        assert config["BLOCK_K"] == 256 // element_size
+        assert stage_bytes(config, element_size) <= 232_448
 
 
 def test_no_tokens_and_shape_errors(fm):

@@ -115,9 +115,10 @@ def test_select_experts_dispatches_on_cuda(mr, name, monkeypatch):
     _check(routing.select_experts(logits, cfg, bias),
            routing.select_experts_torch(logits, cfg, bias))
     assert calls == [1]
-    big, big_bias = _inputs(cfg, routing.ROUTING_KERNEL_MAX_TOKENS + 1, torch.float32, 6)
-    routing.select_experts(big, cfg, big_bias)
-    assert calls == [1]  # above the threshold: the torch ops
+    big, big_bias = _inputs(cfg, 3000, torch.float32, 6)  # prefill-sized: the kernel too
+    _check(routing.select_experts(big, cfg, big_bias),
+           routing.select_experts_torch(big, cfg, big_bias))
+    assert calls == [1, 1]
 
 
 @gpu
@@ -126,7 +127,7 @@ def test_real_shapes_and_cuda_graph(mr):
                    n_group=8, topk_group=4, renormalize=True, routed_scaling_factor=2.5)
     qwen = MoEConfig(128, 8, 768, renormalize=True)
     for cfg in (v3, qwen):
-        for tokens in (1, 64, 256):
+        for tokens in (1, 64, 256, 4096):
             logits, bias = _inputs(cfg, tokens, torch.float32, tokens)
             _check(mr.route_topk(logits, cfg, bias),
                    routing.select_experts_torch(logits, cfg, bias))

@@ -57,12 +57,15 @@ PATHS = ("gemv", "fused", "unfused")
 SUM_BLOCK_T = 8
 
 
-def pick_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> dict[str, int]:
     """Tile sizes by the expected rows per expert: small blocks when each expert sees a
-    few rows (decode: the weights' bytes dominate), large ones for prefill."""
+    few rows (decode: the weights' bytes dominate), large ones for prefill. The decode
+    tile's K depth is for 2-byte operands: float32 halves it, so that its three stages of
+    A and two B tiles (gate and up) stay inside Hopper's 227 KiB of shared memory."""
     rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert <= 128:  # benchmarks/moe_gemm_sweep.py's best at decode sizes
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=256 // max(element_size, 2), GROUP_M=1,
+                    num_warps=4, num_stages=3)
     if rows_per_expert <= 512:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
@@ -212,7 +215,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     hidden = hidden.contiguous()
     if path == "gemv":
         return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared)
-    config = pick_config(num_pairs, w13.shape[0])
+    config = pick_config(num_pairs, w13.shape[0], w13.element_size())
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
         topk_ids, config["BLOCK_M"], w13.shape[0])
     weights = topk_weights.reshape(-1).float().contiguous()

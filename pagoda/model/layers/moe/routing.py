@@ -16,9 +16,9 @@ routers compute (Qwen3MoeTopKRouter, DeepseekV2TopkRouter, DeepseekV3TopkRouter)
 Everything stays on the device with fixed shapes (no host sync): CUDA-graph capturable.
 The order of the k choices within a row is topk's; it does not change the MoE output.
 
-On CUDA, up to ROUTING_KERNEL_MAX_TOKENS rows (decode and small batches), the same
-computation runs as one Triton kernel (pagoda.kernels.moe_routing; this torch code is
-its reference); larger batches take the torch ops, whose launch cost is amortised.
+On CUDA the same computation runs as one Triton kernel (pagoda.kernels.moe_routing; this
+torch code is its reference) at every batch size: at decode sizes it saves the dozen
+launches, at prefill sizes the torch ops' passes over the scores (softmax, topk, gather).
 
 ``route(hidden, gate, cfg, correction_bias)`` is what an MoE block calls: the router
 gate's logits then select_experts, or on CUDA, up to FUSED_ROUTER_MAX_TOKENS rows, the
@@ -36,8 +36,6 @@ from pagoda.model.moe_config import MoEConfig
 if TYPE_CHECKING:
     from pagoda.model.layers.moe.gate import MoEGate
 
-# Rows up to which CUDA inputs are routed by the one-kernel path (0: never).
-ROUTING_KERNEL_MAX_TOKENS = 256
 # Rows up to which route() runs the router linear and the routing as one kernel on
 # CUDA (0: never; at most moe_router_fused.MAX_FUSED_TOKENS).
 FUSED_ROUTER_MAX_TOKENS = 16
@@ -104,7 +102,7 @@ def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
         raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got "
                          f"{tuple(router_logits.shape)}")
     _check_bias(cfg, correction_bias)
-    if router_logits.is_cuda and router_logits.shape[0] <= ROUTING_KERNEL_MAX_TOKENS:
+    if router_logits.is_cuda:
         from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_topk  # triton
         if cfg.num_experts <= MAX_KERNEL_EXPERTS:
             return route_topk(router_logits, cfg, correction_bias)
