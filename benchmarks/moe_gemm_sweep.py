@@ -27,16 +27,17 @@ from moe_bench import time_ms  # noqa: E402  (benchmarks/)
 from result_file import write_json  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M 8 for prefill, 1 for decode.
+# The first entries of each list: the best of the sweeps so far (--configs N keeps them).
 PREFILL_CONFIGS = [
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (128, 128, 32, 8, 5),
-    (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+    (128, 128, 32, 8, 5), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+    (64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (64, 64, 64, 4, 4),
     (64, 256, 64, 8, 3),
 ]
 DECODE_CONFIGS = [
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 64, 4, 5),
-    (16, 256, 64, 8, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (16, 32, 256, 4, 4),
-    (16, 64, 128, 2, 4), (32, 128, 128, 4, 3), (64, 128, 64, 4, 4),
+    (32, 128, 128, 4, 3), (16, 128, 128, 4, 4), (32, 128, 64, 4, 4), (16, 64, 128, 4, 4),
+    (16, 64, 256, 4, 3), (16, 128, 64, 4, 5), (16, 256, 64, 8, 4), (32, 64, 128, 4, 4),
+    (16, 32, 256, 4, 4), (16, 64, 128, 2, 4), (64, 128, 64, 4, 4),
 ]
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v2-lite": (64, 2048, 1408, 6)}
 
@@ -56,7 +57,9 @@ def make_layer(model: str, tokens: int, seed: int = 0):
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
 
 
-def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict) -> dict:
+def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict,
+               tma: bool = False) -> dict:
+    results_names = ("gate_up", "down")
     import torch
     from pagoda.kernels import fused_moe as fm
     x, w13, w2, weights, ids = make_layer(model, tokens)
@@ -66,16 +69,20 @@ def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict) ->
     hit = int(torch.unique(ids).numel())
     gemms = {"gate_up": (2 * pairs * hidden * 2 * inter, hit * 2 * inter * hidden * 2),
              "down": (2 * pairs * inter * hidden, hit * hidden * inter * 2)}
-    default = fm.pick_config(pairs, num_experts)
+    default = fm.pick_config(pairs, num_experts)  # gate/up's; the down GEMM's may differ
+    defaults = {name: fm.pick_config(pairs, num_experts, gemm=name) for name in results_names}
     ref = {}
-    results = {"gate_up": [], "down": []}
+    results = {name: [] for name in results_names}
     act_in = torch.randn(pairs, inter, device="cuda", dtype=torch.bfloat16)
     candidates = [default] + [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s,
                                    GROUP_M=8 if tokens > 1024 else 1)
                               for m, n, k, w, s in configs]
+    if tma:  # each candidate again with its B tiles by tensor descriptor
+        candidates += [{**c, "B_TMA": True} for c in candidates]
     for i, cfg in enumerate(candidates):
         sorted_ids, expert_ids, used = fm.moe_align_block_size(ids, cfg["BLOCK_M"], num_experts)
-        for name in ("gate_up", "down"):
+        for name in results_names:
+            cfg = defaults[name] if i == 0 else candidates[i]
             if name == "gate_up":
                 out = torch.empty(pairs, inter, device="cuda", dtype=torch.bfloat16)
                 run = (lambda c=cfg, o=out, s=sorted_ids, e=expert_ids, u=used: fm._grouped_gemm(
@@ -114,7 +121,7 @@ def print_case(case: dict) -> None:
         for r in rows:
             c = r["config"]
             tag = (f"{c['BLOCK_M']:>3}x{c['BLOCK_N']:<3} k{c['BLOCK_K']:<3} w{c['num_warps']} "
-                   f"s{c['num_stages']}")
+                   f"s{c['num_stages']}{' tma' if c.get('B_TMA') else '    '}")
             if "ms" not in r:
                 print(f"  {name:<8} {tag}  error {r['error'][:60]}")
                 continue
@@ -128,6 +135,10 @@ def main() -> None:
     p.add_argument("--models", default="qwen3-30b-a3b,deepseek-v2-lite")
     p.add_argument("--tokens", default="16384,256")
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--tma", action="store_true",
+                   help="also each config with its B tiles by tensor descriptor (B_TMA)")
+    p.add_argument("--configs", type=int, default=None,
+                   help="only the first N candidate configs of each list (with the default)")
     p.add_argument("--out", default="benchmarks/results/moe_gemm_sweep.json")
     args = p.parse_args()
     import torch
@@ -138,8 +149,8 @@ def main() -> None:
     cases = []
     for model in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            configs = PREFILL_CONFIGS if tokens > 1024 else DECODE_CONFIGS
-            case = sweep_case(model, tokens, configs, args.repeat, ceilings)
+            configs = (PREFILL_CONFIGS if tokens > 1024 else DECODE_CONFIGS)[:args.configs]
+            case = sweep_case(model, tokens, configs, args.repeat, ceilings, args.tma)
             print_case(case)
             cases.append(case)
             torch.cuda.empty_cache()

@@ -213,30 +213,43 @@ def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
 
 
+@pytest.mark.parametrize("b_tma", [False, True])
 @pytest.mark.parametrize("num_pairs", [8, 200, 1000, 5000])
-def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs):
-    """Each of pick_config's configurations, forced on one small case (the interpreter is
-    slow, so the shape stays small while the tiles change)."""
-    config = fm.pick_config(num_pairs, 4, element_size=4)
-    monkeypatch.setattr(fm, "pick_config", lambda *_: config)
+def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs, b_tma):
+    """Each of pick_config's configurations, with B tiles by pointer loads and by tensor
+    descriptor (TMA), forced on one small case (the interpreter is slow, so the shape
+    stays small while the tiles change). N = 24 and 40 leave a partial column block: the
+    descriptor's rows past N must not leak into the stored columns."""
+    configs = {gemm: {**fm.pick_config(num_pairs, 4, 4, gemm), "B_TMA": b_tma}
+               for gemm in ("gate_up", "down")}
+    monkeypatch.setattr(fm, "pick_config", lambda *_, gemm="gate_up": configs[gemm])
     args = _case(9, 4, 24, 40, 2, torch.float32, seed=num_pairs, skew=True, foreign=True)
     for path in ("fused", "unfused"):
         torch.testing.assert_close(fm.fused_moe(*args, path=path),
                                    fm.fused_moe_reference(*args), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_tile_fits_shared_memory_for_float32(fm):
-    """Three stages of the A tile and the gate and up B tiles: 221,184 bytes in bfloat16 at
-    K depth 128, within Hopper's 232,448; float32 halves the depth (it failed at 294,912
-    bytes on the H200 before)."""
-    def stage_bytes(config, element_size):
-        a_tile = config["BLOCK_M"] * config["BLOCK_K"]
-        b_tiles = 2 * config["BLOCK_N"] * config["BLOCK_K"]
-        return (a_tile + b_tiles) * element_size * config["num_stages"]
+def test_tma_needs_a_contiguous_aligned_weight(fm):
+    w = torch.zeros(2, 8, 16)
+    assert fm.tma_takes(w)
+    assert not fm.tma_takes(w[:, :, :3])  # rows of 12 bytes, and not contiguous
+    assert not fm.tma_takes(w.transpose(1, 2))
+
+
+def test_tiles_fit_shared_memory():
+    """Triton's pipeline keeps num_stages - 1 buffers of the A tile and the B tiles (two
+    with the gate/up epilogue) in shared memory: seen on the H200, where 32 x 128 x 128
+    float32 tiles at 3 stages asked for 294,912 bytes of its 232,448. Every tier of
+    pick_config, for 2- and 4-byte operands, must stay under it."""
+    from pagoda.kernels import fused_moe as fm_module
     for element_size in (2, 4):
-        config = fm.pick_config(64, 8, element_size)
-        assert config["BLOCK_K"] == 256 // element_size
-        assert stage_bytes(config, element_size) <= 232_448
+        for pairs in (64, 2_000, 40_000):  # 8, 250 and 5,000 rows per expert of 8
+            for gemm, b_tiles in (("gate_up", 2), ("down", 1)):
+                c = fm_module.pick_config(pairs, 8, element_size, gemm)
+                tile = c["BLOCK_M"] * c["BLOCK_K"] + b_tiles * c["BLOCK_N"] * c["BLOCK_K"]
+                assert tile * element_size * (c["num_stages"] - 1) <= 232_448 - 4096, c
+    with pytest.raises(ValueError, match="gemm must be"):
+        fm_module.pick_config(64, 8, 2, "up")
 
 
 def test_no_tokens_and_shape_errors(fm):

@@ -93,6 +93,7 @@ def _moe_cases():
         16384, 2048, dtype=torch.bfloat16)
     yield "sum_choices", fm._sum_choices_kernel, (rows, out, 16384, 2048), dict(
         TOP_K=8, BLOCK_T=fm.SUM_BLOCK_T, BLOCK_H=512, num_warps=4)
+    yield from _moe_gemm_cases(fm, m)
     pairs, experts, block_m = m.SMALL_ALIGN_PAIRS, 128, 32
     max_padded = m.max_padded_rows(pairs, experts, block_m)
     yield "align_small", m._align_small_kernel, (
@@ -101,6 +102,41 @@ def _moe_cases():
         pairs, experts, max_padded, max_padded // block_m), dict(
         BLOCK_M=block_m, PAIRS=pairs, BUCKETS=triton.next_power_of_2(experts + 1), CHUNK=256,
         num_warps=8)
+
+
+def _moe_gemm_cases(fm, m):
+    """The grouped GEMMs at Qwen3-30B-A3B's prefill shape (gate/up with its epilogue, and
+    down) with pick_config's tiles, B tiles by pointer loads and by tensor descriptor
+    (TMA), in bfloat16 and float32."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    experts, hidden, inter, pairs = 128, 2048, 768, 16384 * 8
+    for dtype in (torch.bfloat16, torch.float32):
+        size = torch.empty(0, dtype=dtype).element_size()
+        block_m = fm.pick_config(pairs, experts, size)["BLOCK_M"]
+        max_padded = m.max_padded_rows(pairs, experts, block_m)
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32)
+        expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32)
+        used, weights = torch.empty(1, dtype=torch.int32), torch.empty(pairs)
+        x = torch.empty(16384, hidden, dtype=dtype)
+        act = torch.empty(pairs, inter, dtype=dtype)
+        rows = torch.empty(pairs, hidden, dtype=dtype)
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+        for tma in (False, True):
+            for name, a, b, out, n, row_div in (("gate_up", x, w13, act, inter, 8),
+                                                ("down", act, w2, rows, hidden, 1)):
+                config = fm.pick_config(pairs, experts, size, name)
+                config.pop("B_TMA", None)
+                k = b.shape[2]
+                desc = (TensorDescriptor.from_tensor(b.reshape(-1, k),
+                                                     [config["BLOCK_N"], config["BLOCK_K"]])
+                        if tma else b)
+                label = f"{name}, {str(dtype)[6:]}{', tma' if tma else ''}"
+                yield f"moe_gemm[{label}]", fm._moe_gemm_kernel, (
+                    a, b, out, weights, sorted_ids, expert_ids, used, desc, n, k, pairs,
+                    max_padded, b.shape[1], *a.stride(), *b.stride(), *out.stride()), dict(
+                    A_ROW_DIV=row_div, MUL_WEIGHT=name == "down", GATE_UP_ACT=name == "gate_up",
+                    IEEE_FP32=dtype == torch.float32, B_TMA=tma, **config)
 
 
 def _mla_prefill_cases():

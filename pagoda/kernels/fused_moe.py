@@ -37,9 +37,12 @@ shapes depend only on T.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagoda.kernels.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
@@ -57,29 +60,42 @@ PATHS = ("gemv", "fused", "unfused")
 SUM_BLOCK_T = 8
 
 
-def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> dict[str, int]:
-    """Tile sizes by the expected rows per expert: small blocks when each expert sees a
-    few rows (decode: the weights' bytes dominate), large ones for prefill. The decode
-    tile's K depth is for 2-byte operands: float32 halves it, so that its three stages of
-    A and two B tiles (gate and up) stay inside Hopper's 227 KiB of shared memory."""
+def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
+                gemm: str = "gate_up") -> dict:
+    """Tile sizes of one grouped GEMM ("gate_up" or "down"; BLOCK_M is the same for both,
+    since the expert sort pads to it) by the expected rows per expert: small blocks when
+    each expert sees a few rows (decode: the weights' bytes dominate), large ones with
+    the B tiles by tensor descriptor (B_TMA) for prefill, as benchmarks/moe_gemm_sweep.py
+    measured best on the H200. Depths, stages and TMA are for 2-byte operands: float32
+    takes fewer stages and pointer loads, so that the A and B tiles stay inside Hopper's
+    227 KiB of shared memory."""
+    if gemm not in ("gate_up", "down"):
+        raise ValueError(f"gemm must be 'gate_up' or 'down', got {gemm!r}")
     rows_per_expert = num_pairs / max(num_experts, 1)
-    if rows_per_expert <= 128:  # benchmarks/moe_gemm_sweep.py's best at decode sizes
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=256 // max(element_size, 2), GROUP_M=1,
+    wide = element_size <= 2
+    if rows_per_expert <= 128:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128 if wide else 64, GROUP_M=1,
                     num_warps=4, num_stages=3)
     if rows_per_expert <= 512:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if gemm == "down":
+        return dict(BLOCK_M=128, BLOCK_N=256 if wide else 128, BLOCK_K=64, GROUP_M=8,
+                    num_warps=8, num_stages=3, B_TMA=wide)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                num_stages=4 if wide else 3, B_TMA=wide)
 
 
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-    N, K, num_pairs, max_padded,
+    b_desc,  # with B_TMA: a tensor descriptor over b as [E * b_rows, K], else unused
+    N, K, num_pairs, max_padded, b_rows,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     A_ROW_DIV: tl.constexpr,  # pairs per A row: k for the first GEMM (A = tokens), else 1
     MUL_WEIGHT: tl.constexpr,
     GATE_UP_ACT: tl.constexpr,  # B rows [0, N) gate, [N, 2N) up; C = silu(gate) * up
     IEEE_FP32: tl.constexpr,
+    B_TMA: tl.constexpr,  # B tiles by the bulk tensor copy engine (Hopper's TMA)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert(pair), n, k] (* weight[pair]).
@@ -111,19 +127,29 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = (b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
               + offs_k[:, None] * stride_bk)
+    # TMA: the tile's first row of b viewed as [E * b_rows, K]. Rows past N (a partial
+    # last column block) read the next rows of b or the descriptor's zero fill: they
+    # only reach columns the store masks off. Columns past K are zero-filled.
+    b_row = (expert * b_rows + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if B_TMA:
+            b = b_desc.load([b_row, k0 * BLOCK_K]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if IEEE_FP32:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         if GATE_UP_ACT:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
-                           other=0.0)
+            if B_TMA:
+                b_up = b_desc.load([b_row + N, k0 * BLOCK_K]).T
+            else:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
+                               other=0.0)
             if IEEE_FP32:
                 acc_up += tl.dot(a, b_up, input_precision="ieee")
             else:
@@ -138,21 +164,40 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def has_tma(device: torch.device) -> bool:
+    """Hopper or newer (the bulk tensor copy engine), or the CPU's Triton interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_takes(b: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can cover b [E, rows, K]: contiguous (a view as
+    [E * rows, K], no copy) with 16-byte aligned rows and base, as TMA requires."""
+    return (b.is_contiguous() and b.data_ptr() % 16 == 0
+            and (b.shape[2] * b.element_size()) % 16 == 0)
+
+
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                   num_post_padded: torch.Tensor, a_row_div: int, mul_weight: bool,
                   config: dict[str, int], gate_up_act: bool = False) -> None:
-    num_experts, n, k = b.shape
-    n = n // 2 if gate_up_act else n
+    num_experts, b_rows, k = b.shape
+    n = b_rows // 2 if gate_up_act else b_rows
     max_padded = sorted_ids.shape[0]
+    config = dict(config)
+    b_tma = config.pop("B_TMA", False) and tma_takes(b) and has_tma(b.device)
+    b_desc = b  # unused without B_TMA
+    if b_tma:
+        b_desc = TensorDescriptor.from_tensor(b.reshape(num_experts * b_rows, k),
+                                              [config["BLOCK_N"], config["BLOCK_K"]])
     grid = (triton.cdiv(max_padded, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
-        a, b, out, weights, sorted_ids, expert_ids, num_post_padded,
-        n, k, out.shape[0], max_padded,
+        a, b, out, weights, sorted_ids, expert_ids, num_post_padded, b_desc,
+        n, k, out.shape[0], max_padded, b_rows,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATE_UP_ACT=gate_up_act,
-        IEEE_FP32=a.dtype == torch.float32,
+        IEEE_FP32=a.dtype == torch.float32, B_TMA=b_tma,
         **config)
 
 
@@ -216,6 +261,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if path == "gemv":
         return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared)
     config = pick_config(num_pairs, w13.shape[0], w13.element_size())
+    down_config = pick_config(num_pairs, w13.shape[0], w13.element_size(), gemm="down")
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
         topk_ids, config["BLOCK_M"], w13.shape[0])
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -232,5 +278,5 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         act = silu_and_mul(gate_up)
     down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, num_post_padded,
-                  1, True, config)
+                  1, True, down_config)
     return sum_choices(down, top_k)
