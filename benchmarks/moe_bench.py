@@ -170,6 +170,7 @@ def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
 def run_model(preset: str, args) -> dict:
     import numpy as np
     from gpu_compare import random_prompts, token_arrival_times
+    from triton_compiles import CompileLog
     from pagoda import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -199,13 +200,15 @@ def run_model(preset: str, args) -> dict:
     for _ in range(args.static_runs):
         prompts = [{"prompt_token_ids": p}
                    for p in random_prompts(rng, [args.static_in] * args.batch, vocab)]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.static_out, **greedy),
-                            use_tqdm=False)
-        seconds = time.perf_counter() - start
+        with CompileLog() as compiles:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(max_tokens=args.static_out, **greedy),
+                                use_tqdm=False)
+            seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append({"seconds": seconds, "output_tokens": tokens,
-                     "output_tok_per_s": tokens / seconds})
+                     "output_tok_per_s": tokens / seconds,
+                     "triton_compiles": compiles.summary()})
     result["static_runs"], result["static"] = runs, runs[-1]
     engine.shutdown()
     return result
@@ -294,6 +297,11 @@ def print_table(report: dict) -> None:
               f"{r.get('static', {}).get('output_tok_per_s', float('nan')):>14.0f}"
               f"{first.get('output_tok_per_s', float('nan')):>11.0f}"
               f"{e.get('roofline_all_experts_ms', float('nan')):>13.2f}")
+        for i, run in enumerate(r.get("static_runs", [])):
+            c = run.get("triton_compiles", {})
+            if c.get("count"):
+                top = ", ".join(f"{k['kernel']} {k['seconds'] or 0:.2f}s" for k in c["kernels"][:4])
+                print(f"   static run {i}: {c['count']} Triton compilations, {c['seconds']:.2f} s ({top})")
         if "error" in r:
             print("   error:", r["error"][-400:])
 
