@@ -173,6 +173,9 @@ def run_model(preset: str, args) -> dict:
     from triton_compiles import CompileLog
     from pagoda import LLM, SamplingParams
 
+    if args.pdl is not None:  # before the model's kernels first launch
+        from pagoda.kernels import pdl
+        pdl.ENABLED = args.pdl == "on"
     t0 = time.perf_counter()
     kwargs = dict(kv_cache_memory=1 << 26, device="cpu") if args.smoke else {}
     llm = LLM(preset, load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
@@ -226,7 +229,7 @@ def model_entry(preset: str, args, ceilings: dict) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", preset,
             *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
               if k not in ("models", "out", "child", "smoke", "child_timeout", "skip_models",
-                           "batch1_only")],
+                           "batch1_only") and v is not None],
             *(["--smoke"] if args.smoke else []), *(["--batch1-only"] if args.batch1_only else [])]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=args.child_timeout)
@@ -255,6 +258,9 @@ def parse_args():
     p.add_argument("--skip-models", action="store_true", help="only the kernel part (a)")
     p.add_argument("--batch1-only", action="store_true",
                    help="models: the batch-1 decode only, not the 256-request run")
+    p.add_argument("--pdl", choices=("on", "off"), default=None,
+                   help="programmatic dependent launch of the decode kernels "
+                        "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
     p.add_argument("--out", default="benchmarks/results/moe_bench.json")
     p.add_argument("--child-timeout", type=float, default=1500.0)
     p.add_argument("--smoke", action="store_true",

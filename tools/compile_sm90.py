@@ -139,6 +139,35 @@ def _moe_gemm_cases(fm, m):
                     IEEE_FP32=dtype == torch.float32, B_TMA=tma, **config)
 
 
+def _pdl_cases():
+    """Batch-1 decode kernels of the Qwen3-30B-A3B shape with USE_PDL (pagoda.kernels.pdl):
+    the wait on the predecessor grid must lower to griddepcontrol (checked in main)."""
+    from pagoda.kernels import fused_moe_decode as fmd
+    from pagoda.kernels import fused_ops as fo
+    from pagoda.kernels import gemv
+    bf16 = torch.bfloat16
+    x, out = torch.empty(1, 2048, dtype=bf16), torch.empty(1, 2048, dtype=bf16)
+    yield "rms_norm", fo._rms_norm_kernel, (
+        x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048, 1e-6), dict(
+        HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, num_warps=4, USE_PDL=True)
+    w = torch.empty(5120, 2048, dtype=bf16)
+    y = torch.empty(1, 5120, dtype=bf16)
+    cfg = dict(gemv.default_config(1, 5120, 2048))
+    yield "gemv[qkv]", gemv._gemv_kernel, (
+        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+        HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
+        EVEN_K=True, **cfg, USE_PDL=True)
+    w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
+    ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
+    act = torch.empty(8, 768, dtype=bf16)
+    yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
+        x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0, 2048), dict(
+        TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
+    yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
+        act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
+        768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
+
+
 def _mla_prefill_cases():
     """DeepSeek-V2-Lite's widths (16 heads, 128 + 64 query/key, 128 value) as the layer
     passes them: strided halves of kv_b_proj's output and of the latent entries."""
@@ -161,7 +190,7 @@ def _mla_prefill_cases():
             IEEE_DOT=False, **mp.mla_prefill_config(dtype))
 
 
-CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases}
+CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases}
 
 
 def main(argv: list[str]) -> int:
@@ -170,7 +199,10 @@ def main(argv: list[str]) -> int:
     for module in names:
         for name, kernel, args, kwargs in CASES[module]():
             try:
-                print(report(f"{module}.{name}", compile_for_sm90(kernel, *args, **kwargs)))
+                compiled = compile_for_sm90(kernel, *args, **kwargs)
+                if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in compiled.asm["ptx"]:
+                    raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
+                print(report(f"{module}.{name}", compiled))
             except Exception as exc:  # report every case, then fail
                 failed += 1
                 print(f"{module}.{name}: FAILED {type(exc).__name__}: {exc}")

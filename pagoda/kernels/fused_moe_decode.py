@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+
 # Tile sizes: output columns per program, the reduction chunk and launch options, the
 # fastest of benchmarks/batch1_kernel_sweep.py's tiles on the H200 for both the
 # Qwen3-30B-A3B (I = 768) and DeepSeek-V2-Lite (I = 1408) layers (docs/performance.md).
@@ -74,7 +76,9 @@ def _gemv_gate_up_kernel(
     H, I, stride_xm, stride_we, stride_wn, num_routed_pairs, shared_inter, stride_swn,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     # Pairs [0, num_routed_pairs): (token, choice), expert ids[pair] of w13. Pairs past
     # them (SHARED_CHUNKS > 0): (token, chunk c) of the shared MLP ws13 [2 * Is, H],
     # whose gate rows [c * I, (c + 1) * I) and up rows Is + the same are an expert's.
@@ -120,7 +124,9 @@ def _gemv_down_sum_kernel(
     H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -222,10 +228,11 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, up_cfg["BLOCK_N"]))](
         hidden, w13, ids, act, ws13, hidden_size, inter, hidden.stride(0), w13.stride(0),
         w13.stride(1), routed, ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
-        SHARED_CHUNKS=chunks, **up_cfg)
+        SHARED_CHUNKS=chunks, **up_cfg, **launch_options(hidden.device))
     _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg["BLOCK_N"]))](
         act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), routed, ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks, **down_cfg)
+        out.stride(0), routed, ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks, **down_cfg,
+        **launch_options(hidden.device))
     return out
 
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+
 FUSED_OPS_ENABLED = os.environ.get("PAGODA_FUSED_OPS", "1") != "0"
 
 # rms_norm walks a row in chunks of at most this many elements (one chunk for the
@@ -42,7 +44,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     # One program per row. A row of an input viewed as [outer, inner, HIDDEN] (2-D
     # inputs have inner_rows == 1) lies at outer * stride_outer + inner * stride_inner.
     row = tl.program_id(0).to(tl.int64)
@@ -119,7 +123,7 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
         out if residual_out is None else residual_out,
         inner_rows, sx0, sx1, sr0, sr1, float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=_num_warps(block),
+        num_warps=_num_warps(block), **launch_options(x.device),
     )
     return out, residual_out
 
@@ -142,7 +146,9 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x_row,
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     # Program (row, column block); x row = [gate | up], each INTERMEDIATE wide.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -170,7 +176,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(intermediate), _ACT_BLOCK)
     grid = (rows.shape[0], triton.cdiv(intermediate, block))
     _silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
-                               BLOCK=block, num_warps=_num_warps(block))
+                               BLOCK=block, num_warps=_num_warps(block),
+                               **launch_options(rows.device))
     return out
 
 

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
 # larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
 GEMV_MAX_ROWS = 16
@@ -126,7 +128,9 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
     float32 partial and, for the last of the block's splits, the reduction.
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
@@ -340,7 +344,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, **cfg)
+        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 

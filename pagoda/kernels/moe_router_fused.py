@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_rows
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.model.moe_config import MoEConfig
 
 # The most rows one launch routes (the whole [T, H] hidden tile is re-read by every
@@ -74,7 +75,9 @@ def _router_fused_kernel(
     GROUPED: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     # -- this program's logits: experts [pid * BLOCK_X, +BLOCK_X), every row ----------
     rows = tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -214,5 +217,6 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
         GROUPED=cfg.grouped, GROUP_BY_TOP2=cfg.topk_method == "noaux_tc",
         N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
         BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
-        BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps)
+        BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps,
+        **launch_options(hidden.device))
     return topk_weights, topk_ids

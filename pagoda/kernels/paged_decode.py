@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales
 
 # A slice shorter than this costs more in the merge than it saves in parallelism...
@@ -85,7 +86,9 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -230,7 +233,9 @@ def _decode_words_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
     (the byte planes above); same grid, slices, workspace and merge."""
     req = tl.program_id(0)
@@ -291,7 +296,9 @@ def _merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req)
@@ -412,14 +419,17 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                   PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
     grid = (num_reqs, num_kv_heads, num_splits)
+    pdl = launch_options(q.device)
     if fp8_path == "tile":
         _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
-                             KV_FP8=kv_fp8, **cfg)
+                             KV_FP8=kv_fp8, **cfg, **pdl)
     else:
-        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg)
+        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg,
+                                   **pdl)
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            **pdl,
         )

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
 
@@ -87,7 +88,9 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     # Program (token, group): groups [0, q_groups) are q heads, the next kv_groups k
     # heads, the last kv_groups v heads; HEADS_PER_PROGRAM heads each (tail masked),
     # q and k heads one after another (unrolled), v heads as one tile.
@@ -252,6 +255,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=has_norm, KV_FP8=kv_fp8,
         # rms_norm's warps for a row of block_dim: the same reduction order.
-        num_warps=min(8, max(1, block_dim // 512)),
+        num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
     )
     return q

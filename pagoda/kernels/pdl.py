@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL) for the small kernels of a decode step.
+
+At batch 1 a decode step is a chain of ~10 short kernels a layer, and each waits for the
+one before it to finish before it is even launched. With PDL (Hopper and newer) a kernel
+launched with the programmatic-serialization attribute may start while its predecessor
+in the stream is still running; it must then wait (``griddepcontrol.wait``) for the
+predecessor to complete and flush its memory before it touches any. What overlaps is
+the launch itself and the kernel's prologue: the step's gaps between kernels.
+
+The invariant every kernel that takes part keeps: ``pdl_wait_and_release(USE_PDL)`` is
+the first thing it does, before any load or store. Then the chain stays serialised in
+effect (each kernel's memory operations follow its predecessor's completion, so
+transitively every earlier kernel's), whatever ran before it (cuBLAS, torch ops: a
+predecessor that never signals is waited for to its end). A kernel must never be
+launched with ``launch_pdl=True`` without that wait: ``launch_options`` hands out the
+two together.
+
+ENABLED is off until the chain is measured faster on the GPU (benchmarks/moe_bench.py
+--pdl on|off times both; docs/performance.md). Off, the kernels compile and launch as
+before: USE_PDL=False removes the wait at compile time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether the decode kernels launch with PDL where the device supports it.
+ENABLED = False
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    has_gdc = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+    return has_gdc and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def active(device: torch.device) -> bool:
+    """PDL for launches on this device: enabled, CUDA, compute capability 9.0 or newer,
+    and a Triton with griddepcontrol (not the CPU interpreter, which cannot run it)."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    return _device_supports(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict:
+    """The keyword arguments of a participating kernel's launch: USE_PDL (its constexpr)
+    and, only together with it, Triton's launch_pdl option."""
+    if active(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait_and_release(USE_PDL: tl.constexpr):
+    """First statement of a participating kernel: wait for the predecessor grid to
+    complete and flush, then let the next kernel in the stream begin launching (its
+    programs wait in turn at their own first statement)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
