@@ -142,6 +142,9 @@ def run_pagoda(args) -> dict:
     import torch
     from pagoda import LLM, SamplingParams
 
+    if args.pdl is not None:  # before the model's kernels first launch
+        from pagoda.kernels import pdl
+        pdl.ENABLED = args.pdl == "on"
     t0 = time.perf_counter()
     quant = {}
     if args.quantization:
@@ -464,6 +467,9 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
+    p.add_argument("--pdl", choices=("on", "off"), default=None,
+                   help="Pagoda: programmatic dependent launch of the decode kernels "
+                        "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
     p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
                    help="comma list of latency, static, nanovllm, decode256, profile")
     p.add_argument("--variants", default=None,
