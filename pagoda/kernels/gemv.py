@@ -130,12 +130,12 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
     float32 partial and, for the last of the block's splits, the reduction.
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
     (a mask Triton cannot prove uniform splits 16-byte vector loads into narrow ones, and
     the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M."""
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

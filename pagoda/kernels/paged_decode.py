@@ -235,9 +235,9 @@ def _decode_words_kernel(
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
     (the byte planes above); same grid, slices, workspace and merge."""
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
