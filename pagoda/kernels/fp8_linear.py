@@ -23,12 +23,11 @@ compute the same thing. Outputs are allocated from shapes only (CUDA-graph captu
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.capability import cuda_capability
 from pagoda.kernels.fp8_quant import (
     FP8_DTYPE,
     dequantize_blockwise,
@@ -427,17 +426,12 @@ def w8a8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
 
 
 # ------------------------------------------------------------ _scaled_mm path ------
-@functools.lru_cache(maxsize=None)
-def _capability(index) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def scaled_mm_usable(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm's rowwise FP8 GEMM takes this case as is: a CUDA device of
     compute capability >= 8.9; K and N multiples of 16 (cuBLASLt / CUTLASS alignment: the
     column-major weight's leading dimension is K); a 16-byte-aligned contiguous weight
     (w_fp8.t() is then column-major, as required); a bf16/fp16 output."""
-    if x.device.type != "cuda" or _capability(x.device.index) < (8, 9):
+    if x.device.type != "cuda" or cuda_capability(x.device) < (8, 9):
         return False
     n, k = w_fp8.shape
     return (k % 16 == 0 and n % 16 == 0 and w_fp8.is_contiguous()

@@ -37,13 +37,12 @@ shapes depend only on T.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagoda.kernels.capability import cuda_capability
 from pagoda.kernels.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.fused_moe_ref import check_moe_shapes, fused_moe_reference
 from pagoda.kernels.moe_align import moe_align_block_size
@@ -164,10 +163,9 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@functools.lru_cache(maxsize=None)
 def has_tma(device: torch.device) -> bool:
     """Hopper or newer (the bulk tensor copy engine), or the CPU's Triton interpreter."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type != "cuda" or cuda_capability(device)[0] >= 9
 
 
 def tma_takes(b: torch.Tensor) -> bool:

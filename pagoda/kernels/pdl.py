@@ -22,20 +22,17 @@ before: USE_PDL=False removes the wait at compile time.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.capability import cuda_capability
+
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = False
 
-
-@functools.lru_cache(maxsize=None)
-def _device_supports(index: int) -> bool:
-    has_gdc = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
-    return has_gdc and torch.cuda.get_device_capability(index)[0] >= 9
+# A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
+_TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 
 
 def active(device: torch.device) -> bool:
@@ -43,8 +40,7 @@ def active(device: torch.device) -> bool:
     and a Triton with griddepcontrol (not the CPU interpreter, which cannot run it)."""
     if not ENABLED or device.type != "cuda":
         return False
-    return _device_supports(device.index if device.index is not None
-                            else torch.cuda.current_device())
+    return _TRITON_HAS_GDC and cuda_capability(device)[0] >= 9
 
 
 def launch_options(device: torch.device) -> dict:
