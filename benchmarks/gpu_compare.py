@@ -89,6 +89,20 @@ def uniform_lengths(rng, n, lo, hi):
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
+def add_pdl_argument(parser) -> None:
+    """--pdl on|off: pagoda.kernels.pdl.ENABLED for the run (apply_pdl sets it)."""
+    parser.add_argument("--pdl", choices=("on", "off"), default=None,
+                        help="Pagoda: programmatic dependent launch of the decode kernels "
+                             "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
+
+
+def apply_pdl(args) -> None:
+    """Sets pdl.ENABLED from --pdl; call before the model's kernels first launch."""
+    if args.pdl is not None:
+        from pagoda.kernels import pdl
+        pdl.ENABLED = args.pdl == "on"
+
+
 def random_prompts(rng, lengths, vocab):
     return [[int(t) for t in rng.integers(10, vocab - 10, size=n)] for n in lengths]
 
@@ -142,9 +156,7 @@ def run_pagoda(args) -> dict:
     import torch
     from pagoda import LLM, SamplingParams
 
-    if args.pdl is not None:  # before the model's kernels first launch
-        from pagoda.kernels import pdl
-        pdl.ENABLED = args.pdl == "on"
+    apply_pdl(args)
     t0 = time.perf_counter()
     quant = {}
     if args.quantization:
@@ -467,9 +479,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
-    p.add_argument("--pdl", choices=("on", "off"), default=None,
-                   help="Pagoda: programmatic dependent launch of the decode kernels "
-                        "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
+    add_pdl_argument(p)
     p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
                    help="comma list of latency, static, nanovllm, decode256, profile")
     p.add_argument("--variants", default=None,

@@ -69,8 +69,9 @@ def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict,
     hit = int(torch.unique(ids).numel())
     gemms = {"gate_up": (2 * pairs * hidden * 2 * inter, hit * 2 * inter * hidden * 2),
              "down": (2 * pairs * inter * hidden, hit * hidden * inter * 2)}
-    default = fm.pick_config(pairs, num_experts)  # gate/up's; the down GEMM's may differ
+    # The defaults: pick_config's tiles, one per GEMM (they share BLOCK_M).
     defaults = {name: fm.pick_config(pairs, num_experts, gemm=name) for name in results_names}
+    default = defaults["gate_up"]
     ref = {}
     results = {name: [] for name in results_names}
     act_in = torch.randn(pairs, inter, device="cuda", dtype=torch.bfloat16)
@@ -79,10 +80,11 @@ def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict,
                               for m, n, k, w, s in configs]
     if tma:  # each candidate again with its B tiles by tensor descriptor
         candidates += [{**c, "B_TMA": True} for c in candidates]
-    for i, cfg in enumerate(candidates):
-        sorted_ids, expert_ids, used = fm.moe_align_block_size(ids, cfg["BLOCK_M"], num_experts)
+    for i, candidate in enumerate(candidates):
+        sorted_ids, expert_ids, used = fm.moe_align_block_size(ids, candidate["BLOCK_M"],
+                                                               num_experts)
         for name in results_names:
-            cfg = defaults[name] if i == 0 else candidates[i]
+            cfg = defaults[name] if i == 0 else candidate
             if name == "gate_up":
                 out = torch.empty(pairs, inter, device="cuda", dtype=torch.bfloat16)
                 run = (lambda c=cfg, o=out, s=sorted_ids, e=expert_ids, u=used: fm._grouped_gemm(
