@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from result_file import write_json  # noqa: E402  (benchmarks/)
 
 

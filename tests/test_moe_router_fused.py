@@ -95,6 +95,18 @@ def _check(got, want, logits, cfg, bias) -> int:
     return untied
 
 
+def _check_compiled(got, scratch, logits, cfg, bias) -> None:
+    """GPU: the kernel sums the gate's dot products in its own order, so its logits (the
+    scratch's) may differ from cuBLAS's by one unit in the last place of the logit dtype,
+    and a softmax weight by ~1 % then (bf16 logits near 3 are 2^-6 apart). The logits
+    are held to that, and the routing is checked exactly on the kernel's own logits."""
+    own = scratch.logits[:logits.shape[0]]
+    torch.testing.assert_close(own, logits.float(), rtol=torch.finfo(logits.dtype).eps,
+                               atol=1e-4)
+    own = own.to(logits.dtype)  # exact: the kernel rounds them to that dtype
+    _check(got, routing.select_experts_torch(own, cfg, bias), own, cfg, bias)
+
+
 def _run(mrf, gate, cfg, hidden, bias, tiles=None):
     scratch = mrf.RouterScratch.create(cfg.num_experts, hidden.device)
     got = mrf.fused_route(hidden, gate.weight, cfg, bias, gate.fp32, scratch, tiles)
@@ -207,9 +219,8 @@ def test_route_dispatches_on_cuda(mrf, name, monkeypatch):
     monkeypatch.setattr(mrf, "fused_route", lambda *a: calls.append(1) or real(*a))
     for tokens in (1, 7, routing.FUSED_ROUTER_MAX_TOKENS):
         hidden, bias = _inputs(cfg, hidden_size, tokens, torch.bfloat16, tokens)
-        logits = gate(hidden)
-        _check(routing.route(hidden, gate, cfg, bias),
-               routing.select_experts_torch(logits, cfg, bias), logits, cfg, bias)
+        got = routing.route(hidden, gate, cfg, bias)
+        _check_compiled(got, gate.router_scratch, gate(hidden), cfg, bias)
     assert len(calls) == 3 and gate.router_scratch.counter.item() == 0
     hidden, bias = _inputs(cfg, hidden_size, routing.FUSED_ROUTER_MAX_TOKENS + 1,
                            torch.bfloat16, 99)
@@ -226,9 +237,8 @@ def test_real_shapes_and_cuda_graph(mrf):
         gate = _gate(cfg.num_experts, 2048, fp32, dtype, seed=8)
         for tokens in (1, 8, 16):
             hidden, bias = _inputs(cfg, 2048, tokens, dtype, tokens)
-            logits = gate(hidden)
-            got, _ = _run(mrf, gate, cfg, hidden, bias)
-            _check(got, routing.select_experts_torch(logits, cfg, bias), logits, cfg, bias)
+            got, scratch = _run(mrf, gate, cfg, hidden, bias)
+            _check_compiled(got, scratch, gate(hidden), cfg, bias)
     gate = _gate(qwen.num_experts, 2048, False, torch.bfloat16, seed=9)
     hidden, _ = _inputs(qwen, 2048, 4, torch.bfloat16, 9)
     routing.route(hidden, gate, qwen)  # scratch and compilation outside the capture
@@ -239,8 +249,7 @@ def test_real_shapes_and_cuda_graph(mrf):
         fresh, _ = _inputs(qwen, 2048, 4, torch.bfloat16, seed)
         hidden.copy_(fresh)
         graph.replay()
-        logits = gate(fresh)
-        _check(out, routing.select_experts_torch(logits, qwen), logits, qwen, None)
+        _check_compiled(out, gate.router_scratch, gate(fresh), qwen, None)
         assert gate.router_scratch.counter.item() == 0
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
         routing.route(hidden, gate, qwen)  # the layer's scratch exists: captured

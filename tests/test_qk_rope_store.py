@@ -152,15 +152,21 @@ def _assert_matches_torch(case, q, cache):
 
 def _agree(a, b):
     """Interpreted: the same bits. Compiled (GPU), each kernel contracts its own float32
-    multiply-adds into FMAs, so a value may round to its neighbour in the output dtype:
-    within one unit in the last place (one e4m3 step for an FP8 cache)."""
+    multiply-adds into FMAs, so a normalised value may round to its neighbour in the
+    output dtype, and rotary (x1 cos - x2 sin) carries that difference, one unit in the
+    last place of its inputs, into outputs that cancel to far smaller values: within
+    one ulp of the value plus two ulps of the largest value (one e4m3 step for an FP8
+    cache). Seen on the H200: float32 q off by 9.5e-7 where |q| <= ~10."""
     if not ON_GPU:
         assert _same(a, b)
         return
     fp8 = a.dtype == FP8_KV_DTYPE
-    rtol = 2**-3 if fp8 else torch.finfo(a.dtype).eps
-    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=2**-9 if fp8 else 0,
-                               equal_nan=True)
+    if fp8:  # the fp32 rows agree far inside one e4m3 step of the stored value
+        eps, atol = 2**-3, 2**-9
+    else:
+        eps = torch.finfo(a.dtype).eps
+        atol = 2 * eps * b.float().nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(a.float(), b.float(), rtol=eps, atol=atol, equal_nan=True)
 
 
 def _same(a, b):
