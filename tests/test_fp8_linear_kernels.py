@@ -233,6 +233,46 @@ def test_w8a16_split_k(kq, kl, m):
     _close(out, kl.fp8_linear_ref(x, w, s, bias), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,config", [
+    (40, 300, None),  # the default tile; N and K cut by it
+    (64, 512, dict(BLOCK_N=8, BLOCK_K=128, SPLIT_K=1, LOOP_STAGES=3, num_warps=4)),
+    (24, 256, dict(BLOCK_N=4, BLOCK_K=64, SPLIT_K=1, num_warps=2, DECODE="bits")),
+])
+def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, dtype, n, k, config):
+    """One row of [gate; up] weights through the gated kernel equals the plain W8A16
+    GEMV followed by silu_and_mul (the kernel the engine ran after it): the same sums,
+    roundings and activation, so the same bits interpreted; compiled, within one ulp."""
+    fused_ops = kernel_modules("fused_ops")[0]
+    w, s = _weights(kq, 2 * n, k, seed=n)
+    x = _rand(1, k, dtype=dtype, seed=k)
+    plain_cfg = None if config is None else dict(config, BLOCK_N=2 * config["BLOCK_N"])
+    want = fused_ops.silu_and_mul(kl.w8a16_linear(x, w, s, config=plain_cfg))
+    if config is None:
+        got = kl.fp8_linear_silu_and_mul(x, w, s)
+    else:
+        got = kl.w8a16_linear(x, w, s, config=config, gated=True)
+    assert got.shape == (1, n) and got.dtype == dtype
+    if ON_GPU:
+        torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+    ref = kl.fp8_linear_ref(x, w, s).float()  # and near the float32 composition
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(ref[:, :n]) * ref[:, n:],
+                               rtol=2e-2 if dtype == torch.float16 else 1e-4, atol=1e-3)
+
+
+def test_gated_w8a16_declines_and_refuses(kq, kl):
+    w, s = _weights(kq, 32, 64)
+    assert kl.fp8_linear_silu_and_mul(_rand(2, 64), w, s) is None  # rows: caller unfuses
+    assert kl.fp8_linear_silu_and_mul(_rand(1, 64), w[:31], s[:31]) is None  # odd width
+    with pytest.raises(ValueError, match="one row"):
+        kl.w8a16_linear(_rand(2, 64), w, s, gated=True)
+    with pytest.raises(ValueError, match="SPLIT_K 1"):
+        kl.w8a16_linear(_rand(1, 64), w, s, gated=True,
+                        config=dict(BLOCK_N=4, BLOCK_K=32, SPLIT_K=2, num_warps=4))
+
+
 def test_fp8_linear_leading_dims_out_dtype_and_empty(kq, kl):
     w, s = _weights(kq, 24, 64)
     x = _rand(2, 3, 64, dtype=torch.float16, seed=2)

@@ -205,3 +205,37 @@ def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
         fp8_module.check_fp8_device(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     fp8_module.check_fp8_device(torch.device("cuda", 0))  # Hopper: accepted
+
+
+def test_gate_up_takes_the_fused_silu_step_where_the_method_has_one(monkeypatch):
+    """MergedColumnParallelLinear.forward_silu_and_mul: per-channel and per-tensor FP8
+    layers hand [gate | up] to the gated kernel's entry; a None from it (more rows, the
+    CPU) and unquantized layers run the linear and the activation apart."""
+    from pagoda.kernels import fp8_linear as kernels
+    from pagoda.model.layers.activation import SiluAndMul
+    calls = []
+
+    def spy(x, w, s):
+        calls.append(x.shape[0])
+        return None if x.shape[0] > 1 else torch.full((1, w.shape[0] // 2), 7.0)
+    monkeypatch.setattr(kernels, "fp8_linear_silu_and_mul", spy)
+    act = SiluAndMul()
+    for method in (Fp8OnlineLinearMethod(), Fp8CheckpointLinearMethod("tensor")):
+        layer = MergedColumnParallelLinear(64, [32, 32])
+        layer.set_quant_method(method)
+        layer.to_empty(device="cpu")
+        for shard in (0, 1):
+            layer.weight_loader(layer.weight, _rand(32, 64, seed=shard), shard)
+            if isinstance(method, Fp8CheckpointLinearMethod):
+                layer.weight_loader(layer.weight_scale, torch.tensor(0.01), shard)
+        method.process_weights_after_loading(layer)
+        assert torch.equal(layer.forward_silu_and_mul(_rand(1, 64), act), torch.full((1, 32), 7.0))
+        x = _rand(3, 64, seed=5)
+        assert torch.equal(layer.forward_silu_and_mul(x, act), act(layer(x)))
+    assert calls == [1, 3, 1, 3]
+    plain = MergedColumnParallelLinear(64, [32, 32])
+    plain.to_empty(device="cpu")
+    plain.weight.data.copy_(_rand(64, 64, seed=7))
+    x = _rand(1, 64, seed=6)
+    assert torch.equal(plain.forward_silu_and_mul(x, act), act(plain(x)))
+    assert calls == [1, 3, 1, 3]  # the unquantized method has no fused step

@@ -163,6 +163,19 @@ def _pdl_cases():
     yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
         x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0, 2048), dict(
         TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
+    from pagoda.kernels import fp8_linear as fl
+    w8 = torch.empty(2 * 768, 2048, dtype=torch.float8_e4m3fn)
+    scale, y8 = torch.empty(2 * 768), torch.empty(1, 2 * 768, dtype=bf16)
+    for gated in (False, True):
+        cfg = dict(fl.w8a16_config(1, 2 * 768, 2048))
+        cfg["BLOCK_N"] //= 2 if gated else 1
+        cfg.pop("SPLIT_K")
+        yield f"w8a16[gated={gated}]", fl._w8a16_kernel, (
+            x, w8, scale, y8, y8, y8, 1, 768 if gated else 1536, 2048, 2048, 2048, 2048,
+            1536, 1, 0), dict(
+            SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
+            DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
+            GATED=gated, **cfg, USE_PDL=True)
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)

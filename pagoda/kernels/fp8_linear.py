@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.capability import cuda_capability
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.fp8_quant import (
     FP8_DTYPE,
     dequantize_blockwise,
@@ -175,18 +176,30 @@ def _w8a16_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, GATED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
     DECODE: how the fp8 weights become float32 / the dot's dtype (W8A16_DECODES).
     EVEN_K / EVEN_N: no tile is cut by K's / N's end, so the weight loads carry no
     mask along that axis (a mask Triton cannot prove uniform splits the 16-byte vector
-    loads into narrower ones: the GEMV then falls far short of the memory bandwidth)."""
+    loads into narrower ones: the GEMV then falls far short of the memory bandwidth).
+    GATED (one row, SPLIT_K 1, no bias): the weight is [gate; up], 2N rows, and out[:, j]
+    = silu(gate_j) * up_j, each rounded to out's dtype first as the unfused gate_up
+    linear and silu_and_mul round them; the program's accumulator rows interleave gate
+    row j and up row N + j, so one tile streams both."""
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    if GATED:
+        pair = tl.arange(0, 2 * BLOCK_N)
+        cols = pid_n * BLOCK_N + pair // 2
+        offs_n = cols + (pair % 2) * N  # the weight row of each accumulator row
+        n_ok = cols < N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K, hence of one K block's start
@@ -197,7 +210,10 @@ def _w8a16_kernel(
         # factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
         # (2^56) applied at the end, so w * s stays a normal float32 (exact products) for
         # any scale in [2^-70, 2^64).
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if GATED:
+            acc2 = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
         # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
@@ -257,6 +273,13 @@ def _w8a16_kernel(
             acc += part
     if not SCALE_BLOCKED:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+        gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+        acc = (silu.to(tl.float32) * up.to(out_ptr.dtype.element_ty).to(tl.float32))[None, :]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -269,9 +292,11 @@ def _w8a16_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """out[m, n block] = sum over splits of part[split, m, n block] (+ bias), in a fixed
     order (deterministic, no atomics)."""
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs_n < N
@@ -295,19 +320,28 @@ def _fit_block_k(block_k: int, group_k: int, minimum: int) -> int:
 
 
 def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias=None,
-                 out_dtype=None, block: tuple[int, int] | None = None, config=None
-                 ) -> torch.Tensor:
+                 out_dtype=None, block: tuple[int, int] | None = None, config=None,
+                 gated: bool = False) -> torch.Tensor:
     """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
     block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
     (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries.
     config (default w8a16_config): BLOCK_N, BLOCK_K, SPLIT_K, num_warps; optional
     LOOP_STAGES (one-row loop), DECODE (W8A16_DECODES, default "cvt"), DOT (one row on
-    the tl.dot path)."""
+    the tl.dot path). gated: w_fp8 is [gate; up] (2N rows), the result silu(gate) * up
+    [1, N] (one row, per-channel scales, no bias; the default tile halves BLOCK_N, so a
+    K step reads as many weight rows as the plain GEMV's)."""
     m, k = x.shape
-    n = w_fp8.shape[0]
+    n = w_fp8.shape[0] // 2 if gated else w_fp8.shape[0]
     if not 0 < m <= W8A16_ROWS_LIMIT:
         raise ValueError(f"w8a16_linear takes 1 to {W8A16_ROWS_LIMIT} rows, got {m}")
+    if gated and (m != 1 or bias is not None or block is not None):
+        raise ValueError("w8a16_linear(gated=True) takes one row, per-channel scales, no bias")
+    if config is None and gated:
+        config = dict(w8a16_config(1, 2 * n, k))
+        config["BLOCK_N"] //= 2
     cfg = dict(config or w8a16_config(m, n, k))
+    if gated and (cfg["SPLIT_K"] != 1 or cfg.get("DOT", False)):
+        raise ValueError("w8a16_linear(gated=True) needs SPLIT_K 1 and the one-row loop")
     split_k = cfg.pop("SPLIT_K")
     loop_stages = cfg.pop("LOOP_STAGES", 1)
     decode = cfg.pop("DECODE", "cvt")
@@ -331,11 +365,13 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, **cfg)
+        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
+        **cfg, **launch_options(x.device))
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024)
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024,
+            **launch_options(x.device))
     return out
 
 
@@ -451,6 +487,22 @@ def scaled_mm_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Te
 
 
 # ------------------------------------------------------------ public entries -------
+def fp8_linear_silu_and_mul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype | None = None):
+    """silu(gate) * up of fp8_linear(x, w_fp8, w_scale) = [gate | up] in one launch, for
+    one row on CUDA (the gated W8A16 GEMV: the separate activation launch and its read
+    of the [1, 2N] product go away); None where that kernel does not apply (more rows,
+    the CPU): the caller then runs the linear and the activation apart."""
+    n2, k = _weight_shape(w_fp8, "fp8_linear_silu_and_mul")
+    x2 = _flatten(x, k, "fp8_linear_silu_and_mul")
+    if x2.shape[0] != 1 or n2 % 2 or not triton_usable(x2):
+        return None
+    _check_fp8_weight(w_fp8, x2, "fp8_linear_silu_and_mul")
+    out = w8a16_linear(x2, w_fp8, _per_channel_scale(w_scale, n2), None, out_dtype or x.dtype,
+                       gated=True)
+    return out.reshape(*x.shape[:-1], n2 // 2)
+
+
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] = x @ (w_fp8 * w_scale[:, None]).T (+ bias), in out_dtype

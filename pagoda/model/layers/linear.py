@@ -213,6 +213,17 @@ class MergedColumnParallelLinear(LinearBase):
     def shard_sizes(self) -> list[int]:
         return list(self.rank_sizes)
 
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """act(self(x)) for a bias-free [gate, up] pair, act being SiluAndMul: through
+        the quant method's fused step where it has one for x (the FP8 GEMV at one
+        row), else the linear and then act."""
+        if self.bias is None and len(self.rank_sizes) == 2 and \
+                self.rank_sizes[0] == self.rank_sizes[1]:
+            fused = self.quant_method.apply_silu_and_mul(self, x)
+            if fused is not None:
+                return fused
+        return act(self(x))
+
 
 class QKVParallelLinear(LinearBase):
     """q, k, v projections in one matmul. Heads split across ranks; when there are

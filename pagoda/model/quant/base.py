@@ -157,6 +157,13 @@ class LinearMethod(ABC):
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [M, in_per_rank] -> [M, out_per_rank] (+ bias), in x's dtype."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(gate) * up of a bias-free [gate | up] layer, [M, out_per_rank / 2], where
+        the method computes it in one step (a fused kernel); None (the default, and for
+        inputs the fused kernel does not take) makes the caller run apply() and the
+        activation apart."""
+        return None
+
 
 class QuantConfig(ABC):
     """One quantization scheme: which layers it covers and the method of each."""

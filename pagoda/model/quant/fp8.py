@@ -100,6 +100,9 @@ class Fp8OnlineLinearMethod(LinearMethod):
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return kernels.fp8_linear_silu_and_mul(x, layer.weight, layer.weight_scale)
+
 
 class Fp8CheckpointLinearMethod(LinearMethod):
     """FP8 weights and scales as a checkpoint stores them.
@@ -155,6 +158,11 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if self.static_input:
             return linear_static_input(x, layer.weight, scale, layer.input_scale, bias)
         return kernels.fp8_linear(x, layer.weight, scale, bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.strategy == "block":  # the gated kernel takes per-channel scales
+            return None
+        return kernels.fp8_linear_silu_and_mul(x, layer.weight, getattr(layer, self.scale_name))
 
 
 class Fp8Config(QuantConfig):
