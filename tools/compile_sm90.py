@@ -176,6 +176,22 @@ def _pdl_cases():
             SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
             DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
             GATED=gated, **cfg, USE_PDL=True)
+    from pagoda.kernels import paged_decode as pd
+    q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
+    part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
+    i32 = torch.empty(64, dtype=torch.int32)
+    for fp8 in (False, True):
+        cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else bf16)
+        cfg = dict(pd.decode_tile_config(bf16, fp8))
+        kernel = pd._decode_words_kernel if cfg.pop("fp8_path", "tile") != "tile" else \
+            pd._decode_kernel
+        extra = dict(BITS=False) if fp8 else dict(IEEE_DOT=False, KV_FP8=False)
+        yield f"decode[fp8={fp8}, fused merge]", kernel, (
+            attn_out, part, lse, i32, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
+            0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
+            cache.stride(1), cache.stride(2), cache.stride(3)), dict(
+            NUM_HEADS=32, GROUP=8, BLOCK_H=16, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
+            FUSED=True, **extra, **cfg, USE_PDL=True)
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.arrival_counters import arrival_counters
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
@@ -91,9 +92,8 @@ GEMV_CONFIGS: dict[tuple[int, int, int], dict] = {
 # PAGODA_TRITON_GEMV=0 turns the routing off (the table is ignored).
 ENV_SWITCH = "PAGODA_TRITON_GEMV"
 
-# Per-device split-K counters (int32, all zero between launches); grown outside capture.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MIN_COUNTERS = 4096
+# Owner name of the split-K counters (pagoda.kernels.arrival_counters).
+COUNTERS_OWNER = "gemv split-K"
 
 
 def rows_bucket(m: int) -> int:
@@ -272,19 +272,6 @@ def _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs
         tl.store(count_ptr + pid_n, 0)  # every split of this launch has taken its ticket
 
 
-def split_k_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The device's zeroed counters, at least `blocks` of them. Allocating (or growing)
-    them inside a CUDA-graph capture is refused: the first call must be eager."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv: the split-K counters must be allocated before CUDA-graph "
-                               "capture; run the same shapes once eagerly first (warm-up)")
-        buf = torch.zeros(max(blocks, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> tuple[int, int]:
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight must be 2-D [N, K] with contiguous rows, got "
@@ -337,7 +324,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     blocks = triton.cdiv(n, block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = split_k_counters(x.device, blocks) if split > 1 else out
+    counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
     _gemv_kernel[(blocks, split)](
         x2, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),

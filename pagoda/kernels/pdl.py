@@ -29,7 +29,7 @@ import triton.language as tl
 from pagoda.kernels.capability import cuda_capability
 
 # Whether the decode kernels launch with PDL where the device supports it.
-ENABLED = False
+ENABLED = True
 
 # A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
 _TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
