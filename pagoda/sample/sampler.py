@@ -2,7 +2,10 @@
 
 Order of work (vLLM's): logit bias, min_tokens bans, penalties; then greedy rows
 take the argmax; random rows go through temperature, min-p, top-k, top-p and are
-sampled. Logprobs are taken from the raw logits (before any of this).
+sampled. Logprobs are taken from the raw logits (before any of this). On CUDA an
+all-greedy batch that nothing else touches (no bias, bans, penalties or logprobs) takes
+the argmax of the model's logits as they are, without the float32 copy; greedy argmaxes
+on CUDA go through pagoda.kernels.argmax (greedy_argmax).
 
 Sampling is exact per row: token = argmax(probs / q) with q ~ Exp(1) i.i.d. per
 token (the exponential-race form of categorical sampling). A seeded row draws its
@@ -137,6 +140,29 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     return (probs / noise).argmax(dim=-1)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> int64 [B]: torch.argmax's tokens (the lowest index among ties, the
+    first NaN before any number). On CUDA through pagoda.kernels.argmax where it takes
+    the shape: torch's reduction picks a slow launch configuration at some vocabulary
+    sizes (Llama-3's among them)."""
+    if logits.is_cuda:
+        from pagoda.kernels.argmax import argmax_covers, argmax_rows  # imports triton: CUDA only
+        if argmax_covers(logits):
+            return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
+def takes_model_logits_argmax(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    """Whether the sampled tokens are the argmax of the logits as the model gave them:
+    every row greedy (greedy rows see no temperature or filter), nothing that edits
+    logits (bias, min_tokens bans, penalties: process_logits), no logprobs (taken from
+    float32 logits), and a dtype that widens to float32 exactly."""
+    return (metadata.all_greedy and metadata.logit_bias is None
+            and metadata.min_tokens_bans is None and metadata.penalties is None
+            and metadata.max_num_logprobs is None
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 class Sampler:
     """Stateless: all per-step state is in the SamplingMetadata."""
 
@@ -146,6 +172,9 @@ class Sampler:
                 f"logits must be [{metadata.num_rows}, {metadata.vocab_size}] to match the metadata, "
                 f"got {list(logits.shape)}"
             )
+        if logits.is_cuda and takes_model_logits_argmax(logits, metadata):
+            # Widening to float32 is exact and monotonic: it cannot move the argmax.
+            return SamplerOutput(sampled_token_ids=greedy_argmax(logits))
         raw_logits = logits.to(torch.float32)
         sampled = self._sample(process_logits(raw_logits, metadata), metadata)
         output = SamplerOutput(sampled_token_ids=sampled)
@@ -158,8 +187,7 @@ class Sampler:
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None
         if not metadata.all_random:
-            # torch.argmax takes the lowest index among ties.
-            greedy = logits.argmax(dim=-1)
+            greedy = greedy_argmax(logits)
             if metadata.all_greedy:
                 return greedy
         random = sample_random(filter_logits(logits, metadata), metadata)
