@@ -18,13 +18,16 @@ combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weig
 num_splits is a runtime argument, so a changing split count does not recompile.
 Requests whose query length is not 1 exit at once in both kernels.
 
-FUSED_MERGE (the default; PAGODA_DECODE_FUSED_MERGE=0 turns it off): no merge launch.
+FUSED_MERGE (off by default; PAGODA_DECODE_FUSED_MERGE=1 turns it on): no merge launch.
 After writing its slice, each program takes a ticket on its (request, kv head)'s
 arrival counter (pagoda.kernels.arrival_counters; a CTA barrier first, so all its
 threads' partial stores precede the acq_rel add), and the program that draws the last
 ticket merges the slices of that kv head's query heads, in split order, and stores 0
 back. Every program of a decode row arrives (an empty slice too, with lse -inf), so
-the counter ends each launch at 0.
+the counter ends each launch at 0. Off because it measured slower on the H200
+(docs/performance.md, 2026-12-02): the last program's two loops over the slices wait
+on one L2 round trip per slice, serially, which costs more than the merge launch saves;
+loading all slices of a head at once is the change that would make it pay.
 
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
@@ -47,8 +50,8 @@ from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales
 
-# Whether the last slice's program merges the slices (no merge launch); see above.
-FUSED_MERGE = os.environ.get("PAGODA_DECODE_FUSED_MERGE", "1") != "0"
+# Whether the last slice's program merges the slices (no merge launch); off, see above.
+FUSED_MERGE = os.environ.get("PAGODA_DECODE_FUSED_MERGE", "0") == "1"
 COUNTERS_OWNER = "paged decode merge"
 
 # A slice shorter than this costs more in the merge than it saves in parallelism...
