@@ -15,9 +15,9 @@ predecessor that never signals is waited for to its end). A kernel must never be
 launched with ``launch_pdl=True`` without that wait: ``launch_options`` hands out the
 two together.
 
-ENABLED is off until the chain is measured faster on the GPU (benchmarks/moe_bench.py
---pdl on|off times both; docs/performance.md). Off, the kernels compile and launch as
-before: USE_PDL=False removes the wait at compile time.
+ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
+and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
+kernels compile and launch as before: USE_PDL=False removes the wait at compile time.
 """
 
 from __future__ import annotations
