@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.arrival_counters import arrival_counters
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # The most rows one launch takes (the workspace's rows). The kernel is for decode-sized
@@ -56,6 +57,8 @@ _MAX_CHUNK = 8192
 _TARGET_PROGRAMS = 128
 # The most chunks a row may have: the last program holds them all in one tile.
 MAX_CHUNKS = 256
+# The arrival counters' owner name (pagoda.kernels.arrival_counters: one per row).
+COUNTERS_OWNER = "argmax rows"
 # The longest row a launch takes at the default chunk sizes.
 MAX_VOCAB = MAX_CHUNKS * _MAX_CHUNK
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,7 +137,7 @@ class ArgmaxWorkspace:
                                "capture (or call argmax_workspace(device) first)")
         return cls(torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=device),
                    torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.int32, device=device),
-                   torch.zeros(MAX_ROWS, dtype=torch.int32, device=device))
+                   arrival_counters(COUNTERS_OWNER, device, MAX_ROWS))
 
 
 _workspaces: dict[tuple[str, Optional[int]], ArgmaxWorkspace] = {}

@@ -1,6 +1,6 @@
 """Per-device int32 counters for kernels whose last-arriving program finishes the work
 of the others (the split-K GEMV's reduction, decode attention's merge of its context
-slices): each program takes a ticket with an atomic add, the one that draws the last
+slices, the greedy argmax's reduction of its chunks): each program takes a ticket with an atomic add, the one that draws the last
 ticket completes the result and stores 0 back.
 
 Invariant of every buffer handed out here: all entries are 0 whenever no kernel using
