@@ -54,3 +54,40 @@ def test_models_unchanged_with_pdl(monkeypatch, preset, enforce_eager):
     monkeypatch.setattr(pdl, "ENABLED", True)
     on = _greedy(preset, prompts, enforce_eager)
     assert on == off
+    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)  # the GEMVs' L2 prefetch too
+    assert _greedy(preset, prompts, enforce_eager) == off
+
+
+def test_weight_prefetch_needs_pdl_and_16_byte_slabs(monkeypatch):
+    """prefetch_weights: PREFETCH_WEIGHTS and PDL active, and every slab of a GEMV's
+    weight (its start, row stride, row length and K slice) on 16-byte boundaries."""
+    w = torch.empty(64, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(pdl, "active", lambda device: True)
+    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", False)
+    assert not pdl.prefetch_weights(w, 128)
+    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)
+    assert pdl.prefetch_weights(w, 128)
+    assert not pdl.prefetch_weights(w, 4)  # 8-byte K slices
+    assert not pdl.prefetch_weights(w[:, 4:], 128)  # rows start 8 bytes in
+    assert not pdl.prefetch_weights(torch.empty(64, 260, dtype=torch.bfloat16)[:, :256], 128)
+    assert not pdl.prefetch_weights(torch.empty(64, 36, dtype=torch.float8_e4m3fn), 32)
+    monkeypatch.setattr(pdl, "active", lambda device: False)
+    assert not pdl.prefetch_weights(w, 128)
+
+
+@pytest.mark.skipif(not SM90, reason="PDL needs a CUDA GPU of compute capability 9.0+")
+def test_gemvs_give_the_same_bits_with_the_weight_prefetch(monkeypatch):
+    from pagoda.kernels import fp8_linear, gemv
+    from pagoda.kernels.fp8_quant import quantize_weight_per_channel
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 2048, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(5120, 2048, device="cuda", generator=gen).bfloat16() * 0.02
+    w8, s8 = quantize_weight_per_channel(w[:3072])
+    outs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", prefetch)
+        outs[prefetch] = (gemv.gemv(x, w), fp8_linear.fp8_linear(x, w8, s8),
+                          fp8_linear.fp8_linear_silu_and_mul(x, w8, s8))
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)

@@ -153,10 +153,11 @@ def _pdl_cases():
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
-    yield "gemv[qkv]", gemv._gemv_kernel, (
-        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
-        HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-        EVEN_K=True, **cfg, USE_PDL=True)
+    for prefetch in (False, True):
+        yield f"gemv[qkv, prefetch={prefetch}]", gemv._gemv_kernel, (
+            x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+            HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
+            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch)
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
@@ -170,12 +171,12 @@ def _pdl_cases():
         cfg = dict(fl.w8a16_config(1, 2 * 768, 2048))
         cfg["BLOCK_N"] //= 2 if gated else 1
         cfg.pop("SPLIT_K")
-        yield f"w8a16[gated={gated}]", fl._w8a16_kernel, (
+        yield f"w8a16[gated={gated}, prefetch={gated}]", fl._w8a16_kernel, (
             x, w8, scale, y8, y8, y8, 1, 768 if gated else 1536, 2048, 2048, 2048, 2048,
             1536, 1, 0), dict(
             SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
             DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
-            GATED=gated, **cfg, USE_PDL=True)
+            GATED=gated, **cfg, USE_PDL=True, PREFETCH=gated)
     from pagoda.kernels import paged_decode as pd
     q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
@@ -229,8 +230,14 @@ def main(argv: list[str]) -> int:
         for name, kernel, args, kwargs in CASES[module]():
             try:
                 compiled = compile_for_sm90(kernel, *args, **kwargs)
-                if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in compiled.asm["ptx"]:
+                ptx = compiled.asm["ptx"]
+                if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in ptx:
                     raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
+                if kwargs.get("PREFETCH") and ptx.find("cp.async.bulk.prefetch.L2") < 0:
+                    raise RuntimeError("PREFETCH but no L2 prefetch in the PTX")
+                if kwargs.get("PREFETCH") and ptx.find("cp.async.bulk.prefetch.L2") > \
+                        ptx.find("griddepcontrol.wait"):
+                    raise RuntimeError("the L2 prefetch comes after the PDL wait")
                 print(report(f"{module}.{name}", compiled))
             except Exception as exc:  # report every case, then fail
                 failed += 1

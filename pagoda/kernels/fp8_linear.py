@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.capability import cuda_capability
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_rows_l2,
+                                prefetch_weights)
 from pagoda.kernels.fp8_quant import (
     FP8_DTYPE,
     dequantize_blockwise,
@@ -178,6 +179,7 @@ def _w8a16_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
     DECODE: tl.constexpr, GATED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
+    PREFETCH: tl.constexpr = False,  # the weight slab into L2 before the wait (pdl)
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
@@ -189,7 +191,6 @@ def _w8a16_kernel(
     = silu(gate_j) * up_j, each rounded to out's dtype first as the unfused gate_up
     linear and silu_and_mul round them; the program's accumulator rows interleave gate
     row j and up row N + j, so one tile streams both."""
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GATED:
@@ -205,6 +206,10 @@ def _w8a16_kernel(
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K, hence of one K block's start
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    if PREFETCH:  # constant weights only, so it may precede the wait (pagoda.kernels.pdl)
+        prefetch_rows_l2(w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn + k_start,
+                         k_end - k_start)  # e4m3: one byte an entry
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     if BLOCK_M == 1:
         # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
         # factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
@@ -366,6 +371,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
+        PREFETCH=block_m == 1 and prefetch_weights(w_fp8, k_per_split),
         **cfg, **launch_options(x.device))
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.arrival_counters import arrival_counters
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_rows_l2,
+                                prefetch_weights)
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
 # larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
@@ -129,13 +130,13 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
+    PREFETCH: tl.constexpr = False,  # the weight slab into L2 before the wait (pdl)
 ):
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
     float32 partial and, for the last of the block's splits, the reduction.
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
     (a mask Triton cannot prove uniform splits 16-byte vector loads into narrow ones, and
     the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M."""
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,6 +146,10 @@ def _gemv_kernel(
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    if PREFETCH:  # constant weights only, so it may precede the wait (pagoda.kernels.pdl)
+        prefetch_rows_l2(w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn + k_start,
+                         (k_end - k_start) * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
         acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N,
@@ -331,7 +336,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device))
+        EVEN_K=k % k_per_split == 0, PREFETCH=prefetch_weights(weight, k_per_split), **cfg,
+        **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -15,12 +15,21 @@ predecessor that never signals is waited for to its end). A kernel must never be
 launched with ``launch_pdl=True`` without that wait: ``launch_options`` hands out the
 two together.
 
+One thing may come before the wait: an L2 prefetch of memory no kernel of the step
+writes (a GEMV's weights), ``prefetch_rows_l2``. It reads nothing into registers and
+cannot observe the predecessor's writes; while the predecessor runs (a norm, attention:
+short kernels that leave the memory bus idle) the prefetched weights stream into L2,
+and the GEMV's own loads after the wait hit there. PREFETCH_WEIGHTS turns it on
+(``prefetch_weights`` says whether a launch may); it is off until measured.
+
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
 kernels compile and launch as before: USE_PDL=False removes the wait at compile time.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -30,6 +39,8 @@ from pagoda.kernels.capability import cuda_capability
 
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = True
+# Whether GEMVs prefetch their weights into L2 before the wait (PAGODA_PDL_PREFETCH=1).
+PREFETCH_WEIGHTS = os.environ.get("PAGODA_PDL_PREFETCH", "0") == "1"
 
 # A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
 _TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
@@ -49,6 +60,28 @@ def launch_options(device: torch.device) -> dict:
     if active(device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
+
+
+def prefetch_weights(weight: torch.Tensor, k_per_split: int) -> bool:
+    """Whether a GEMV over weight [N, K] in K slices of k_per_split columns may prefetch
+    its slabs before the PDL wait: PREFETCH_WEIGHTS and PDL itself active (without the
+    early launch there is nothing to overlap), and every slab's start and length
+    16-byte aligned (prefetch_rows_l2's rule)."""
+    size = weight.element_size()
+    return (PREFETCH_WEIGHTS and active(weight.device) and weight.data_ptr() % 16 == 0
+            and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size % 16 == 0
+            and k_per_split * size % 16 == 0)
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, nbytes):
+    """Asks L2 for nbytes starting at each of row_ptrs, without waiting for them
+    (cp.async.bulk.prefetch.L2, sm_90): every address 16-byte aligned, nbytes a
+    multiple of 16 (callers check). Threads holding the same element issue the same
+    prefetch: harmless. Compiled only (the interpreter cannot run PTX)."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [row_ptrs.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
