@@ -60,6 +60,10 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
+# The same as the in-kernel merge's tile width, and the slices whose partial rows it
+# loads at once (FUSED_MERGE): constants of the jit functions.
+_MERGE_TILE = tl.constexpr(MAX_SPLITS)
+MERGE_UNROLL = tl.constexpr(4)
 
 
 @triton.jit
@@ -98,31 +102,34 @@ def _last_slice_merges(out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q
                        kv_head, head, head_ok, num_splits, stride_ot, stride_oh,
                        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                        HEAD_DIM: tl.constexpr):
-    """Takes this program's ticket; the last of the kv head's num_splits programs merges
-    their slices into out for its query heads (weights 2^(lse - max lse), empty slices
-    weigh 0 and are not read) and resets the counter (module docstring)."""
+    """Takes this program's ticket; the last of the kv head's num_splits (<= MAX_SPLITS)
+    programs merges their slices into out for its query heads (weights 2^(lse - max
+    lse), empty slices weigh 0 and are not read) and resets the counter (module
+    docstring). Latency, not bytes, is its cost: every slice's lse comes in one load,
+    and the partial rows MERGE_UNROLL slices at a time, whose loads do not wait on one
+    another."""
     tl.debug_barrier()  # every thread's partial stores precede the release of the add
     counter = counter_ptr + req * (NUM_HEADS // GROUP) + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits  # [BLOCK_H]
-        top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        for split in range(num_splits):
-            lse = tl.load(partial_lse_ptr + base + split, mask=head_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            top = tl.maximum(top, lse)
+        splits = tl.arange(0, _MERGE_TILE)
+        lse = tl.load(partial_lse_ptr + base[:, None] + splits[None, :],
+                      mask=head_ok[:, None] & (splits[None, :] < num_splits),
+                      other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lse, 1)
         top = tl.where(top == float("-inf"), 0.0, top)  # padding heads only
+        weight = tl.where(lse > float("-inf"), tl.math.exp2(lse - top[:, None]), 0.0)
         dims = tl.arange(0, HEAD_DIM)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for split in range(num_splits):
-            lse = tl.load(partial_lse_ptr + base + split, mask=head_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            filled = lse > float("-inf")  # slice 0 always holds a token
-            weight = tl.where(filled, tl.math.exp2(lse - top), 0.0)
-            part = tl.load(partial_out_ptr + (base + split)[:, None] * HEAD_DIM + dims[None, :],
-                           mask=filled[:, None], other=0.0, cache_modifier=".cg")
-            acc += part * weight[:, None]
-            total += weight
+        for first in range(0, num_splits, MERGE_UNROLL):
+            for j in tl.static_range(MERGE_UNROLL):
+                split = first + j
+                w = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), 1)  # [BLOCK_H]
+                # Weight 0: an empty slice (never written), or past num_splits.
+                part = tl.load(partial_out_ptr + (base + split)[:, None] * HEAD_DIM + dims[None, :],
+                               mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+                acc += part * w[:, None]
+        total = tl.sum(weight, 1)
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -478,7 +485,8 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                                   device=q.device)
     else:  # unused: the kernel writes out directly
         partial_out = partial_lse = out
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
+    # The in-kernel merge holds every slice's lse in one tile of MAX_SPLITS.
+    fused = (FUSED_MERGE if fused_merge is None else fused_merge) and num_splits <= MAX_SPLITS
     counters = (arrival_counters(COUNTERS_OWNER, q.device, num_reqs * num_kv_heads)
                 if fused and num_splits > 1 else seq_lens)
     args = (out, partial_out, partial_lse, counters, q, kv_cache[0], kv_cache[1],
