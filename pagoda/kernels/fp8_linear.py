@@ -28,8 +28,6 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.capability import cuda_capability
-from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_rows_l2,
-                                prefetch_weights)
 from pagoda.kernels.fp8_quant import (
     FP8_DTYPE,
     dequantize_blockwise,
@@ -40,6 +38,8 @@ from pagoda.kernels.fp8_quant import (
     per_token_quant_fp8_ref,
     triton_usable,
 )
+from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_rows_l2,
+                                prefetch_weights)
 
 # Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
 # quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at

@@ -24,10 +24,11 @@ arrival counter (pagoda.kernels.arrival_counters; a CTA barrier first, so all it
 threads' partial stores precede the acq_rel add), and the program that draws the last
 ticket merges the slices of that kv head's query heads, in split order, and stores 0
 back. Every program of a decode row arrives (an empty slice too, with lse -inf), so
-the counter ends each launch at 0. Off because it measured slower on the H200
-(docs/performance.md, 2026-12-02): the last program's two loops over the slices wait
-on one L2 round trip per slice, serially, which costs more than the merge launch saves;
-loading all slices of a head at once is the change that would make it pay.
+the counter ends each launch at 0. Off until measured: its first version, whose last
+program looped over the slices waiting on one L2 round trip per slice, measured slower
+on the H200 than the merge launch (docs/performance.md, 2026-12-02); this one loads
+every slice's lse at once and the partial rows MERGE_UNROLL slices at a time, and has
+not yet run on the GPU.
 
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
