@@ -38,7 +38,8 @@ KINDS = [
     ("_project_v", "mla_proj"), ("_store_latent", "store_kv"), ("_norm_rope_store", "store_kv"),
     ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
     ("_chunk_kernel", "attn_chunk"), ("_decode_kernel", "attn_decode"),
-    ("_decode_words", "attn_decode"),
+    ("_decode_words", "attn_decode"), ("_quant_rows", "act_quant"), ("_w8a16", "gemv"),
+    ("_gemv_kernel", "gemv"), ("_w8a8_gemm", "gemm"), ("xmma", "gemm"),
     ("_merge_kernel", "attn_merge"), ("_store_kv", "store_kv"), ("rms_norm", "rms_norm"),
     ("silu", "silu_mul"), ("rotary", "rotary"), ("nvjet", "gemm"), ("gemm", "gemm"),
     ("cutlass", "gemm"), ("softmax", "sampling"), ("argmax", "sampling"),
@@ -142,6 +143,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (online, from the dummy weights)")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt", type=int, default=1024)
@@ -157,7 +160,8 @@ def main() -> None:
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=args.batch,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, skip_tokenizer_init=True)
+              kv_cache_memory=args.kv_cache_memory, skip_tokenizer_init=True,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     vocab = engine.model_info.vocab_size
     rng = np.random.default_rng(0)

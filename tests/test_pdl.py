@@ -59,20 +59,38 @@ def test_models_unchanged_with_pdl(monkeypatch, preset, enforce_eager):
 
 
 def test_weight_prefetch_needs_pdl_and_16_byte_slabs(monkeypatch):
-    """prefetch_weights: PREFETCH_WEIGHTS and PDL active, and every slab of a GEMV's
-    weight (its start, row stride, row length and K slice) on 16-byte boundaries."""
+    """prefetch_bytes: 0 unless PREFETCH_WEIGHTS and PDL are active and every slab of a
+    GEMV's weight (its start, row stride, row length and K slice) is on 16-byte
+    boundaries."""
     w = torch.empty(64, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(pdl, "active", lambda device: True)
     monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", False)
-    assert not pdl.prefetch_weights(w, 128)
+    assert pdl.prefetch_bytes(w, 128, 4, 16) == 0
     monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)
-    assert pdl.prefetch_weights(w, 128)
-    assert not pdl.prefetch_weights(w, 4)  # 8-byte K slices
-    assert not pdl.prefetch_weights(w[:, 4:], 128)  # rows start 8 bytes in
-    assert not pdl.prefetch_weights(torch.empty(64, 260, dtype=torch.bfloat16)[:, :256], 128)
-    assert not pdl.prefetch_weights(torch.empty(64, 36, dtype=torch.float8_e4m3fn), 32)
+    assert pdl.prefetch_bytes(w, 128, 4, 16) == 256  # the whole 128-column slice
+    assert pdl.prefetch_bytes(w, 4, 4, 16) == 0  # 8-byte K slices
+    assert pdl.prefetch_bytes(w[:, 4:], 128, 4, 16) == 0  # rows start 8 bytes in
+    assert pdl.prefetch_bytes(torch.empty(64, 260, dtype=torch.bfloat16)[:, :256], 128, 4,
+                              16) == 0
+    assert pdl.prefetch_bytes(torch.empty(64, 36, dtype=torch.float8_e4m3fn), 32, 4, 16) == 0
     monkeypatch.setattr(pdl, "active", lambda device: False)
-    assert not pdl.prefetch_weights(w, 128)
+    assert pdl.prefetch_bytes(w, 128, 4, 16) == 0
+
+
+def test_weight_prefetch_stays_within_the_budget(monkeypatch):
+    """The programs resident at once (8 an SM; the CPU counts 4 SMs) ask for at most
+    PREFETCH_BUDGET_BYTES together, in 16-byte multiples per row."""
+    w = torch.empty(4096, 8192, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(pdl, "active", lambda device: True)
+    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)
+    monkeypatch.setattr(pdl, "PREFETCH_BUDGET_BYTES", 1 << 20)
+    # 256 programs, 32 resident on 4 SMs, 16 rows each: 2048 bytes a row of 8192
+    assert pdl.prefetch_bytes(w, 8192, 256, 16) == 2048
+    # 10 programs, all resident: 1 MiB / 160 rows = 6553.6 -> 6544
+    assert pdl.prefetch_bytes(w, 8192, 10, 16) == 6544
+    assert pdl.prefetch_bytes(w, 4096, 10, 16) == 4096  # capped by the slice itself
+    monkeypatch.setattr(pdl, "PREFETCH_BUDGET_BYTES", 100)
+    assert pdl.prefetch_bytes(w, 8192, 10, 16) == 0  # under 16 bytes a row: none
 
 
 @pytest.mark.skipif(not SM90, reason="PDL needs a CUDA GPU of compute capability 9.0+")

@@ -157,7 +157,7 @@ def _pdl_cases():
         yield f"gemv[qkv, prefetch={prefetch}]", gemv._gemv_kernel, (
             x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
             HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch)
+            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch, PREFETCH_BYTES=1024)
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
@@ -176,7 +176,7 @@ def _pdl_cases():
             1536, 1, 0), dict(
             SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
             DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
-            GATED=gated, **cfg, USE_PDL=True, PREFETCH=gated)
+            GATED=gated, **cfg, USE_PDL=True, PREFETCH=gated, PREFETCH_BYTES=512)
     from pagoda.kernels import paged_decode as pd
     q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)

@@ -33,6 +33,7 @@ from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers
                                             checked_graph_buffers, copy_batch_into_graph)
 from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, sdpa_prefill
 from pagoda.host_copy import host_to_device
+from pagoda.kernels.capability import sm_count
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,7 +89,6 @@ class MLATritonBackend(MLATorchBackend):
         self.prefill_tile_rows = mla_prefill_config(torch.bfloat16,
                                                     **self.prefill_config)["BLOCK_M"]
         self._graph: Optional[_MLAGraphBuffers] = None
-        self._num_sms: dict[int, int] = {}
 
     def build_metadata(self, common: AttentionMetadata) -> MLATritonPlan:
         if common.has_host_copies:
@@ -156,12 +156,7 @@ class MLATritonBackend(MLATorchBackend):
                               config=self.prefill_config)
 
     def _sm_count(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 4  # the interpreter: any value gives the same result
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._num_sms:
-            self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._num_sms[index]
+        return sm_count(device)
 
     # ---- CUDA graphs -------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import torch
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
+from pagoda.kernels.capability import sm_count
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -65,7 +66,6 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self._graph: Optional[GraphBuffers] = None
-        self._num_sms: dict[int, int] = {}
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
         from pagoda.kernels.paged_decode import choose_num_splits, min_split_tokens
@@ -131,12 +131,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
 
     def _sm_count(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 4  # the interpreter: any value gives the same result
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._num_sms:
-            self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._num_sms[index]
+        return sm_count(device)
 
     # ---- CUDA graphs -------------------------------------------------------------------
 

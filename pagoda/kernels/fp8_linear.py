@@ -38,8 +38,8 @@ from pagoda.kernels.fp8_quant import (
     per_token_quant_fp8_ref,
     triton_usable,
 )
-from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_rows_l2,
-                                prefetch_weights)
+from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_bytes,
+                                prefetch_rows_l2)
 
 # Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
 # quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at
@@ -180,6 +180,7 @@ def _w8a16_kernel(
     DECODE: tl.constexpr, GATED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
     PREFETCH: tl.constexpr = False,  # the weight slab into L2 before the wait (pdl)
+    PREFETCH_BYTES=0,  # of each row's K slice (pdl.prefetch_bytes)
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
@@ -208,7 +209,7 @@ def _w8a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     if PREFETCH:  # constant weights only, so it may precede the wait (pagoda.kernels.pdl)
         prefetch_rows_l2(w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn + k_start,
-                         k_end - k_start)  # e4m3: one byte an entry
+                         tl.minimum(PREFETCH_BYTES, k_end - k_start))  # e4m3: a byte each
     pdl_wait_and_release(USE_PDL)  # before any load or store
     if BLOCK_M == 1:
         # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
@@ -362,7 +363,11 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
-    _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
+    blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    rows_per_program = cfg["BLOCK_N"] * (2 if gated else 1)
+    prefetch = (prefetch_bytes(w_fp8, k_per_split, blocks * split_k, rows_per_program)
+                if block_m == 1 else 0)
+    _w8a16_kernel[(blocks, split_k)](
         x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1) if block is not None else 0,
@@ -371,7 +376,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        PREFETCH=block_m == 1 and prefetch_weights(w_fp8, k_per_split),
+        PREFETCH=prefetch > 0, PREFETCH_BYTES=prefetch,
         **cfg, **launch_options(x.device))
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](

@@ -20,7 +20,11 @@ writes (a GEMV's weights), ``prefetch_rows_l2``. It reads nothing into registers
 cannot observe the predecessor's writes; while the predecessor runs (a norm, attention:
 short kernels that leave the memory bus idle) the prefetched weights stream into L2,
 and the GEMV's own loads after the wait hit there. PREFETCH_WEIGHTS turns it on
-(``prefetch_weights`` says whether a launch may); it is off until measured.
+(``prefetch_bytes`` says how much a launch may); it is off until measured. The first
+version prefetched every program's whole slab and measured far slower (FP8 batch 1
+2.67 -> 4.02 ms): the programs resident at once asked for more than L2 holds and evicted
+each other's lines before their loads came. Now each row's prefetch is capped so that
+the programs that can be resident together ask for PREFETCH_BUDGET_BYTES in all.
 
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
@@ -35,12 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.capability import cuda_capability
+from pagoda.kernels.capability import cuda_capability, sm_count
 
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = True
 # Whether GEMVs prefetch their weights into L2 before the wait (PAGODA_PDL_PREFETCH=1).
 PREFETCH_WEIGHTS = os.environ.get("PAGODA_PDL_PREFETCH", "0") == "1"
+# What the programs of one GEMV resident at once may prefetch together (PAGODA_PDL_PREFETCH_MB):
+# a fraction of the H200's 50 MB L2, about what the bus moves during a 2-3 us predecessor.
+PREFETCH_BUDGET_BYTES = int(float(os.environ.get("PAGODA_PDL_PREFETCH_MB", "8")) * 2**20)
+# Programs of a 4-warp GEMV one SM may hold at once (an upper bound: registers allow 8).
+_RESIDENT_PROGRAMS_PER_SM = 8
 
 # A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
 _TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
@@ -62,15 +71,21 @@ def launch_options(device: torch.device) -> dict:
     return {"USE_PDL": False}
 
 
-def prefetch_weights(weight: torch.Tensor, k_per_split: int) -> bool:
-    """Whether a GEMV over weight [N, K] in K slices of k_per_split columns may prefetch
-    its slabs before the PDL wait: PREFETCH_WEIGHTS and PDL itself active (without the
-    early launch there is nothing to overlap), and every slab's start and length
-    16-byte aligned (prefetch_rows_l2's rule)."""
+def prefetch_bytes(weight: torch.Tensor, k_per_split: int, programs: int,
+                   rows_per_program: int) -> int:
+    """Bytes of each weight row's K slice a GEMV program may prefetch before the PDL wait
+    (0: none): PREFETCH_WEIGHTS and PDL itself active (without the early launch there is
+    nothing to overlap), every slab's start and length 16-byte aligned
+    (prefetch_rows_l2's rule), and at most PREFETCH_BUDGET_BYTES over the programs that
+    can be resident at once, a multiple of 16 bytes."""
     size = weight.element_size()
-    return (PREFETCH_WEIGHTS and active(weight.device) and weight.data_ptr() % 16 == 0
+    if not (PREFETCH_WEIGHTS and active(weight.device) and weight.data_ptr() % 16 == 0
             and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size % 16 == 0
-            and k_per_split * size % 16 == 0)
+            and k_per_split * size % 16 == 0):
+        return 0
+    resident = min(programs, _RESIDENT_PROGRAMS_PER_SM * sm_count(weight.device))
+    cap = PREFETCH_BUDGET_BYTES // (resident * rows_per_program) // 16 * 16
+    return min(cap, k_per_split * size)
 
 
 @triton.jit
