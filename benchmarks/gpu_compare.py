@@ -92,24 +92,17 @@ def uniform_lengths(rng, n, lo, hi):
 
 
 def add_pdl_argument(parser) -> None:
-    """--pdl on|off, --pdl-prefetch on|off: pagoda.kernels.pdl.ENABLED and
-    PREFETCH_WEIGHTS for the run (apply_pdl sets them)."""
+    """--pdl on|off: pagoda.kernels.pdl.ENABLED for the run (apply_pdl sets it)."""
     parser.add_argument("--pdl", choices=("on", "off"), default=None,
                         help="Pagoda: programmatic dependent launch of the decode kernels "
                              "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
-    parser.add_argument("--pdl-prefetch", choices=("on", "off"), default=None,
-                        help="Pagoda: the GEMVs' L2 prefetch of their weights before the "
-                             "PDL wait (pagoda.kernels.pdl.PREFETCH_WEIGHTS)")
 
 
 def apply_pdl(args) -> None:
-    """Sets pdl.ENABLED and PREFETCH_WEIGHTS from the flags; call before the model's
-    kernels first launch."""
+    """Sets pdl.ENABLED from the flag; call before the model's kernels first launch."""
     from pagoda.kernels import pdl
     if args.pdl is not None:
         pdl.ENABLED = args.pdl == "on"
-    if getattr(args, "pdl_prefetch", None) is not None:
-        pdl.PREFETCH_WEIGHTS = args.pdl_prefetch == "on"
 
 
 def random_prompts(rng, lengths, vocab):

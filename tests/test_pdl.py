@@ -54,58 +54,5 @@ def test_models_unchanged_with_pdl(monkeypatch, preset, enforce_eager):
     monkeypatch.setattr(pdl, "ENABLED", True)
     on = _greedy(preset, prompts, enforce_eager)
     assert on == off
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)  # the GEMVs' L2 prefetch too
-    assert _greedy(preset, prompts, enforce_eager) == off
 
 
-def test_weight_prefetch_needs_pdl_and_16_byte_slabs(monkeypatch):
-    """prefetch_bytes: 0 unless PREFETCH_WEIGHTS and PDL are active and every slab of a
-    GEMV's weight (its start, row stride, row length and K slice) is on 16-byte
-    boundaries."""
-    w = torch.empty(64, 256, dtype=torch.bfloat16)
-    monkeypatch.setattr(pdl, "active", lambda device: True)
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", False)
-    assert pdl.prefetch_bytes(w, 128, 4, 16) == 0
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)
-    assert pdl.prefetch_bytes(w, 128, 4, 16) == 256  # the whole 128-column slice
-    assert pdl.prefetch_bytes(w, 4, 4, 16) == 0  # 8-byte K slices
-    assert pdl.prefetch_bytes(w[:, 4:], 128, 4, 16) == 0  # rows start 8 bytes in
-    assert pdl.prefetch_bytes(torch.empty(64, 260, dtype=torch.bfloat16)[:, :256], 128, 4,
-                              16) == 0
-    assert pdl.prefetch_bytes(torch.empty(64, 36, dtype=torch.float8_e4m3fn), 32, 4, 16) == 0
-    monkeypatch.setattr(pdl, "active", lambda device: False)
-    assert pdl.prefetch_bytes(w, 128, 4, 16) == 0
-
-
-def test_weight_prefetch_stays_within_the_budget(monkeypatch):
-    """The programs resident at once (8 an SM; the CPU counts 4 SMs) ask for at most
-    PREFETCH_BUDGET_BYTES together, in 16-byte multiples per row."""
-    w = torch.empty(4096, 8192, dtype=torch.float8_e4m3fn)
-    monkeypatch.setattr(pdl, "active", lambda device: True)
-    monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", True)
-    monkeypatch.setattr(pdl, "PREFETCH_BUDGET_BYTES", 1 << 20)
-    # 256 programs, 32 resident on 4 SMs, 16 rows each: 2048 bytes a row of 8192
-    assert pdl.prefetch_bytes(w, 8192, 256, 16) == 2048
-    # 10 programs, all resident: 1 MiB / 160 rows = 6553.6 -> 6544
-    assert pdl.prefetch_bytes(w, 8192, 10, 16) == 6544
-    assert pdl.prefetch_bytes(w, 4096, 10, 16) == 4096  # capped by the slice itself
-    monkeypatch.setattr(pdl, "PREFETCH_BUDGET_BYTES", 100)
-    assert pdl.prefetch_bytes(w, 8192, 10, 16) == 0  # under 16 bytes a row: none
-
-
-@pytest.mark.skipif(not SM90, reason="PDL needs a CUDA GPU of compute capability 9.0+")
-def test_gemvs_give_the_same_bits_with_the_weight_prefetch(monkeypatch):
-    from pagoda.kernels import fp8_linear, gemv
-    from pagoda.kernels.fp8_quant import quantize_weight_per_channel
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 2048, device="cuda", generator=gen).bfloat16()
-    w = torch.randn(5120, 2048, device="cuda", generator=gen).bfloat16() * 0.02
-    w8, s8 = quantize_weight_per_channel(w[:3072])
-    outs = {}
-    for prefetch in (False, True):
-        monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", prefetch)
-        outs[prefetch] = (gemv.gemv(x, w), fp8_linear.fp8_linear(x, w8, s8),
-                          fp8_linear.fp8_linear_silu_and_mul(x, w8, s8))
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)

@@ -316,29 +316,3 @@ def test_split_plan_uses_short_slices_only_when_the_grid_is_small():
     assert choose_num_splits(0, 8, 1024, sms) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_decode_merges_in_the_last_slice_like_the_merge_kernel(dtype, monkeypatch):
-    """FUSED_MERGE: the last slice's program of each (request, kv head) merges; the same
-    result as the separate merge launch (up to the order of the float32 sums), the
-    reference's too, and every arrival counter back at 0 (graph replays rely on it)."""
-    from pagoda.kernels import arrival_counters, paged_decode
-    shapes = [(199, 1), (70, 1), (0, 1), (128, 1)]  # (0, 1): three of four slices empty
-    outs, merges = {}, []
-    real_merge = paged_decode._merge_kernel
-
-    class CountedMerge:  # records each launch of the separate merge kernel
-        def __getitem__(self, grid):
-            merges.append(fused)
-            return real_merge[grid]
-    monkeypatch.setattr(paged_decode, "_merge_kernel", CountedMerge())
-    for fused in (False, True):
-        monkeypatch.setattr(paged_decode, "FUSED_MERGE", fused)
-        case = Case(shapes, 8, 2, 64, 16, dtype, seed=4)
-        backend = TritonBackend(8, 2, 64, 1 / 8, num_decode_splits=4)
-        tol = 1e-5 if dtype == torch.float32 else 3e-3
-        outs[fused], _ = run_and_compare(case, backend, atol=tol, rtol=tol)
-    assert merges == [False]  # launched once, unfused; never when the slices merge
-    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=1e-6, rtol=1e-5)
-    counters = arrival_counters.arrival_counters(paged_decode.COUNTERS_OWNER,
-                                                 torch.device(DEVICE), 1)
-    assert int(counters.abs().sum()) == 0

@@ -153,11 +153,10 @@ def _pdl_cases():
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
-    for prefetch in (False, True):
-        yield f"gemv[qkv, prefetch={prefetch}]", gemv._gemv_kernel, (
-            x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
-            HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch, PREFETCH_BYTES=1024)
+    yield "gemv[qkv]", gemv._gemv_kernel, (
+        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+        HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
+        EVEN_K=True, **cfg, USE_PDL=True)
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
@@ -171,12 +170,12 @@ def _pdl_cases():
         cfg = dict(fl.w8a16_config(1, 2 * 768, 2048))
         cfg["BLOCK_N"] //= 2 if gated else 1
         cfg.pop("SPLIT_K")
-        yield f"w8a16[gated={gated}, prefetch={gated}]", fl._w8a16_kernel, (
+        yield f"w8a16[gated={gated}]", fl._w8a16_kernel, (
             x, w8, scale, y8, y8, y8, 1, 768 if gated else 1536, 2048, 2048, 2048, 2048,
             1536, 1, 0), dict(
             SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
             DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
-            GATED=gated, **cfg, USE_PDL=True, PREFETCH=gated, PREFETCH_BYTES=512)
+            GATED=gated, **cfg, USE_PDL=True)
     from pagoda.kernels import paged_decode as pd
     q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
@@ -187,12 +186,12 @@ def _pdl_cases():
         kernel = pd._decode_words_kernel if cfg.pop("fp8_path", "tile") != "tile" else \
             pd._decode_kernel
         extra = dict(BITS=False) if fp8 else dict(IEEE_DOT=False, KV_FP8=False)
-        yield f"decode[fp8={fp8}, fused merge]", kernel, (
-            attn_out, part, lse, i32, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
+        yield f"decode[fp8={fp8}]", kernel, (
+            attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(
             NUM_HEADS=32, GROUP=8, BLOCK_H=16, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
-            FUSED=True, **extra, **cfg, USE_PDL=True)
+            **extra, **cfg, USE_PDL=True)
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
@@ -233,11 +232,6 @@ def main(argv: list[str]) -> int:
                 ptx = compiled.asm["ptx"]
                 if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in ptx:
                     raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
-                if kwargs.get("PREFETCH") and ptx.find("cp.async.bulk.prefetch.L2") < 0:
-                    raise RuntimeError("PREFETCH but no L2 prefetch in the PTX")
-                if kwargs.get("PREFETCH") and ptx.find("cp.async.bulk.prefetch.L2") > \
-                        ptx.find("griddepcontrol.wait"):
-                    raise RuntimeError("the L2 prefetch comes after the PDL wait")
                 print(report(f"{module}.{name}", compiled))
             except Exception as exc:  # report every case, then fail
                 failed += 1

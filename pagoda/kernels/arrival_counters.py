@@ -1,6 +1,6 @@
 """Per-device int32 counters for kernels whose last-arriving program finishes the work
-of the others (the split-K GEMV's reduction, decode attention's merge of its context
-slices, the greedy argmax's reduction of its chunks): each program takes a ticket with
+of the others (the split-K GEMV's reduction, the greedy argmax's reduction of its
+chunks): each program takes a ticket with
 an atomic add, the one that draws the last ticket completes the result and stores 0
 back.
 

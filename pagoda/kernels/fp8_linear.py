@@ -38,8 +38,7 @@ from pagoda.kernels.fp8_quant import (
     per_token_quant_fp8_ref,
     triton_usable,
 )
-from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_bytes,
-                                prefetch_rows_l2)
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
 # quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at
@@ -179,8 +178,6 @@ def _w8a16_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
     DECODE: tl.constexpr, GATED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
-    PREFETCH: tl.constexpr = False,  # the weight slab into L2 before the wait (pdl)
-    PREFETCH_BYTES=0,  # of each row's K slice (pdl.prefetch_bytes)
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
     partial sums part[k split, :, n block]. The weights are read once for all M rows.
@@ -207,9 +204,6 @@ def _w8a16_kernel(
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K, hence of one K block's start
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    if PREFETCH:  # constant weights only, so it may precede the wait (pagoda.kernels.pdl)
-        prefetch_rows_l2(w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn + k_start,
-                         tl.minimum(PREFETCH_BYTES, k_end - k_start))  # e4m3: a byte each
     pdl_wait_and_release(USE_PDL)  # before any load or store
     if BLOCK_M == 1:
         # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
@@ -364,9 +358,6 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    rows_per_program = cfg["BLOCK_N"] * (2 if gated else 1)
-    prefetch = (prefetch_bytes(w_fp8, k_per_split, blocks * split_k, rows_per_program)
-                if block_m == 1 else 0)
     _w8a16_kernel[(blocks, split_k)](
         x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
@@ -376,7 +367,6 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        PREFETCH=prefetch > 0, PREFETCH_BYTES=prefetch,
         **cfg, **launch_options(x.device))
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](

@@ -44,8 +44,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.arrival_counters import arrival_counters
-from pagoda.kernels.pdl import (launch_options, pdl_wait_and_release, prefetch_bytes,
-                                prefetch_rows_l2)
+from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
 # larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
@@ -130,8 +129,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
-    PREFETCH: tl.constexpr = False,  # the weight slab into L2 before the wait (pdl)
-    PREFETCH_BYTES=0,  # of each row's K slice (pdl.prefetch_bytes)
 ):
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
     float32 partial and, for the last of the block's splits, the reduction.
@@ -147,10 +144,6 @@ def _gemv_kernel(
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    if PREFETCH:  # constant weights only, so it may precede the wait (pagoda.kernels.pdl)
-        prefetch_rows_l2(w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn + k_start,
-                         tl.minimum(PREFETCH_BYTES, (k_end - k_start)
-                                    * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)))
     pdl_wait_and_release(USE_PDL)  # before any load or store
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
@@ -332,14 +325,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
-    prefetch = prefetch_bytes(weight, k_per_split, blocks * split, block_n)
     _gemv_kernel[(blocks, split)](
         x2, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, PREFETCH=prefetch > 0, PREFETCH_BYTES=prefetch, **cfg,
+        EVEN_K=k % k_per_split == 0, **cfg,
         **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 

@@ -15,20 +15,10 @@ With num_splits == 1 the kernel writes the output directly. Otherwise each progr
 writes its slice's output (normalised by the slice's own softmax sum) and the slice's
 log-sum-exp (base 2) to a float32 workspace, and a merge kernel with grid (requests, heads)
 combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weigh 0.
+(Merging inside the last slice's program instead, behind an arrival counter, was built
+twice and measured slower on the H200 both times: docs/performance.md, 2026-12-02.)
 num_splits is a runtime argument, so a changing split count does not recompile.
 Requests whose query length is not 1 exit at once in both kernels.
-
-FUSED_MERGE (off by default; PAGODA_DECODE_FUSED_MERGE=1 turns it on): no merge launch.
-After writing its slice, each program takes a ticket on its (request, kv head)'s
-arrival counter (pagoda.kernels.arrival_counters; a CTA barrier first, so all its
-threads' partial stores precede the acq_rel add), and the program that draws the last
-ticket merges the slices of that kv head's query heads, in split order, and stores 0
-back. Every program of a decode row arrives (an empty slice too, with lse -inf), so
-the counter ends each launch at 0. Off until measured: its first version, whose last
-program looped over the slices waiting on one L2 round trip per slice, measured slower
-on the H200 than the merge launch (docs/performance.md, 2026-12-02); this one loads
-every slice's lse at once and the partial rows MERGE_UNROLL slices at a time, and has
-not yet run on the GPU.
 
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
@@ -39,21 +29,15 @@ words instead; see the section above it for why.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.arrival_counters import arrival_counters
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales
-
-# Whether the last slice's program merges the slices (no merge launch); off, see above.
-FUSED_MERGE = os.environ.get("PAGODA_DECODE_FUSED_MERGE", "0") == "1"
-COUNTERS_OWNER = "paged decode merge"
 
 # A slice shorter than this costs more in the merge than it saves in parallelism...
 MIN_SPLIT_TOKENS = 256
@@ -61,12 +45,6 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
-# The same as the in-kernel merge's tile width, and the slices whose partial rows it
-# loads at once (FUSED_MERGE): constants of the jit functions.
-_MERGE_TILE = tl.constexpr(MAX_SPLITS)
-MERGE_UNROLL = tl.constexpr(4)
-
-
 @triton.jit
 def _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N: tl.constexpr):
     """[kv_start, kv_end) of this program's context slice (see the module docstring)."""
@@ -98,49 +76,10 @@ def _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr,
                  mask=head_ok[:, None])
 
 
-@triton.jit
-def _last_slice_merges(out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q_row, req,
-                       kv_head, head, head_ok, num_splits, stride_ot, stride_oh,
-                       NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                       HEAD_DIM: tl.constexpr):
-    """Takes this program's ticket; the last of the kv head's num_splits (<= MAX_SPLITS)
-    programs merges their slices into out for its query heads (weights 2^(lse - max
-    lse), empty slices weigh 0 and are not read) and resets the counter (module
-    docstring). Latency, not bytes, is its cost: every slice's lse comes in one load,
-    and the partial rows MERGE_UNROLL slices at a time, whose loads do not wait on one
-    another."""
-    tl.debug_barrier()  # every thread's partial stores precede the release of the add
-    counter = counter_ptr + req * (NUM_HEADS // GROUP) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits  # [BLOCK_H]
-        splits = tl.arange(0, _MERGE_TILE)
-        lse = tl.load(partial_lse_ptr + base[:, None] + splits[None, :],
-                      mask=head_ok[:, None] & (splits[None, :] < num_splits),
-                      other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(lse, 1)
-        top = tl.where(top == float("-inf"), 0.0, top)  # padding heads only
-        weight = tl.where(lse > float("-inf"), tl.math.exp2(lse - top[:, None]), 0.0)
-        dims = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        for first in range(0, num_splits, MERGE_UNROLL):
-            for j in tl.static_range(MERGE_UNROLL):
-                split = first + j
-                w = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), 1)  # [BLOCK_H]
-                # Weight 0: an empty slice (never written), or past num_splits.
-                part = tl.load(partial_out_ptr + (base + split)[:, None] * HEAD_DIM + dims[None, :],
-                               mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
-                acc += part * w[:, None]
-        total = tl.sum(weight, 1)
-        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-        tl.store(counter, 0)  # ready for the next launch (and graph replay)
-
-
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -148,7 +87,6 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    FUSED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -190,10 +128,6 @@ def _decode_kernel(
     _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr, q_row, req,
                  head, head_ok, split, num_splits, stride_ot, stride_oh,
                  NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
-    if FUSED and not DIRECT_OUT:
-        _last_slice_merges(out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q_row, req,
-                           kv_head, head, head_ok, num_splits, stride_ot, stride_oh,
-                           NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM)
 
 
 # --- FP8 cache read as int32 words (decode only) -------------------------------------
@@ -293,7 +227,7 @@ def _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, J: tl.const
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_words_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -301,7 +235,6 @@ def _decode_words_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr,
-    FUSED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
@@ -358,10 +291,6 @@ def _decode_words_kernel(
     _write_slice(a3 * factor[:, None], l_i, m_i, cols + 3, out_ptr, partial_out_ptr, partial_lse_ptr,
                  q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
                  NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
-    if FUSED and not DIRECT_OUT:
-        _last_slice_merges(out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr, q_row, req,
-                           kv_head, head, head_ok, num_splits, stride_ot, stride_oh,
-                           NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -451,14 +380,12 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                            seq_lens: torch.Tensor, num_reqs: int, scale: float,
                            num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                            config: Optional[dict] = None,
-                           kv_scales: Optional[torch.Tensor] = None,
-                           fused_merge: Optional[bool] = None) -> None:
+                           kv_scales: Optional[torch.Tensor] = None) -> None:
     """Attention of every single-query-row request into out; other requests untouched.
 
     num_splits is a runtime argument (no recompilation when it changes); slices hold at
     least min_split_tokens tokens (rounded up to the key tile). config overrides
     decode_tile_config (benchmarks sweep it). An FP8 kv_cache needs kv_scales.
-    fused_merge (default FUSED_MERGE): the last slice's program merges (no merge launch).
     """
     if num_reqs == 0:
         return
@@ -486,18 +413,13 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                                   device=q.device)
     else:  # unused: the kernel writes out directly
         partial_out = partial_lse = out
-    # The in-kernel merge holds every slice's lse in one tile of MAX_SPLITS.
-    fused = (FUSED_MERGE if fused_merge is None else fused_merge) and num_splits <= MAX_SPLITS
-    counters = (arrival_counters(COUNTERS_OWNER, q.device, num_reqs * num_kv_heads)
-                if fused and num_splits > 1 else seq_lens)
-    args = (out, partial_out, partial_lse, counters, q, kv_cache[0], kv_cache[1],
+    args = (out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
             kv_scales if kv_fp8 else seq_lens, block_tables, query_start_loc, seq_lens,
             scale * LOG2_E, num_splits, max(1, min_split_tokens),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-                  PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1,
-                  FUSED=fused)
+                  PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = launch_options(q.device)
     if fp8_path == "tile":
@@ -506,7 +428,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     else:
         _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg,
                                    **pdl)
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
             out.stride(0), out.stride(1),
