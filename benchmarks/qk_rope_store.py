@@ -132,6 +132,10 @@ def bench(name, tokens, smoke, device) -> dict:
                **check(step))
     row["eager_unfused_us"] = time_us(step.unfused, smoke)
     row["eager_fused_us"] = time_us(step.fused, smoke)
+    # Bytes the fused kernel must move: qkv and cos/sin in, q and the K/V slots out.
+    row["fused_bytes"] = (step.qkv.numel() * step.qkv.element_size()
+                          + 2 * step.cos.numel() * step.cos.element_size()
+                          + tokens * (heads + 2 * kv_heads) * head_dim * step.qkv.element_size())
     if not smoke:
         row["graph_unfused_us"] = graph_us(step.unfused)
         row["graph_fused_us"] = graph_us(step.fused)
@@ -141,7 +145,8 @@ def bench(name, tokens, smoke, device) -> dict:
     print(f"{name:>14} T={tokens:<4} within_1ulp={row['within_one_ulp']} differing={row['values_differing']} " + "  ".join(
         f"{m}: {row[f'{m}_unfused_us']:8.2f} -> {row[f'{m}_fused_us']:7.2f} us" for m in modes))
     if not smoke:
-        print(" " * 22 + "graph by heads/program: " + "  ".join(
+        print(" " * 22 + f"fused {row['fused_bytes'] / row['graph_fused_us'] / 1e6:.2f} TB/s; "
+              "graph by heads/program: " + "  ".join(
             f"{n}: {us:.2f}" for n, us in row["graph_fused_us_by_heads_per_program"].items()))
     return row
 
@@ -151,13 +156,23 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes (on the CPU in Triton's interpreter)")
     parser.add_argument("--out", default=None, help="JSON results file")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated row counts (default 1,8,256; a 16k-token "
+                             "prefill step: 16384)")
+    parser.add_argument("--models", default=None, help=f"comma-separated, of {list(MODELS)}")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         sys.exit("the benchmark needs CUDA (use --smoke on the CPU)")
-    models = SMOKE_MODELS if args.smoke else MODELS
-    rows = [bench(name, tokens, args.smoke, device) for name in models
-            for tokens in (SMOKE_TOKENS if args.smoke else TOKENS)]
+    models = list(SMOKE_MODELS if args.smoke else MODELS)
+    if args.models:
+        unknown = set(args.models.split(",")) - set(models)
+        if unknown:
+            sys.exit(f"--models: unknown {sorted(unknown)}; choose from {models}")
+        models = args.models.split(",")
+    tokens = (tuple(int(t) for t in args.tokens.split(",")) if args.tokens
+              else SMOKE_TOKENS if args.smoke else TOKENS)
+    rows = [bench(name, n, args.smoke, device) for name in models for n in tokens]
     out = args.out or str(Path(__file__).resolve().parent / "results" / (
         "qk_rope_store-smoke.json" if args.smoke else "qk_rope_store.json"))
     name = (torch.cuda.get_device_name() if device == "cuda"
