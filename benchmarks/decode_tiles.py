@@ -8,7 +8,7 @@ FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt") and 
 (BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
 the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
 its default tile, beside a measured copy. num_stages 5 / 7 / 9 are the ones that give the
-K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config). The FP8 cache holds the
+K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothing. The FP8 cache holds the
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
 kernel reading the same rounded values before it is timed. `--sweep wide` adds the full
 BLOCK_N x warps x stages product for the "tile" path.
@@ -34,11 +34,16 @@ from pagoda.kernels.paged_decode import choose_num_splits, paged_attention_decod
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
 BF16_TILES = [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (32, 4, 9)]
+# num_stages 1: no software pipelining, so an FP8 tile is loaded into registers and
+# converted there (packed e4m3 -> f16 pairs) before the dots' operand layout change,
+# instead of staged in shared memory as bytes and read back one byte per load.
 FP8_TILES = {
-    "tile": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (128, 4, 5), (128, 4, 7)],
+    "tile": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (128, 4, 5), (128, 4, 7),
+             (32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1)],
     "words_bits": [(128, 4, 4), (64, 4, 3), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
                    (128, 8, 5)],
-    "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5)],
+    "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
+                  (64, 4, 1), (128, 4, 1)],
 }
 
 
