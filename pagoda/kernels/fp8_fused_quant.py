@@ -20,17 +20,22 @@ residual output is that of fused_add_rms_norm. So each kernel recomputes the unf
 kernel's values with the same operations in the same order (math in float32, the same
 roundings to the storage dtype), rounds them to the activation dtype, and quantizes the
 rounded values exactly as fp8_quant does (scale = max(amax / 448, FLOAT32_TINY), q =
-round_to_e4m3(clamp(v / scale))). The amax is a max, exact in any order; the one
+round_to_e4m3(clamp(v / scale))). The amax is a max, exact in any order. The one
 reduction whose order matters, the norm's sum of squares, is computed over the same
-BLOCK with the same warps as fused_ops' kernel (its constants are imported, not copied).
+BLOCK with the same warps as fused_ops' kernel (its constants are imported, not copied)
+and in the same register layout (see _rms_norm_fp8_kernel; a test compiles both for
+sm_90 and compares). Only the silu's exp and the rsqrt are approximate instructions, the
+same ones in both paths.
 
-Why the whole row is held by one program: a row's scale needs the row's amax before any
-of its bytes can be written. A program holding the row in registers (BLOCK >= the
-width, the default: 4096 for the norm, next_power_of_2(14336) = 16384 for the SiLU)
-reads every input byte once. Wider rows (or a smaller ``block``) take two passes, the
-second recomputing each chunk from its inputs; those re-reads hit L2 only while all the
-rows in flight fit in it, and at many programs per SM (57 KB per 14336-wide bf16
-[gate | up] row) they would not. benchmarks/fp8_act_quant.py times both.
+Why one program holds a whole row: a row's scale needs the row's amax before any of its
+bytes can be written. Holding the row in registers (BLOCK >= the width: the default up
+to 16384, so 4096 for the norm and next_power_of_2(14336) = 16384 for the SiLU, 32
+values a thread at 16 warps) reads every input byte from DRAM once. A two-pass walk
+over chunks (wider rows, or a smaller ``block``) recomputes each chunk from its inputs
+in the second pass; those re-reads hit L2 only while the rows in flight fit in it, and
+with many small programs per SM (each 14336-wide bf16 [gate | up] row is 57 KB) they
+would not: the two-pass kernel could read nearly as much as the unfused pair.
+benchmarks/fp8_act_quant.py times both (fused_us_by_block).
 
 Wrappers allocate from shapes alone and launch one kernel (no host sync, nothing data
 dependent): CUDA-graph capturable. Kernels take part in PDL (pagoda.kernels.pdl).
@@ -297,6 +302,11 @@ def silu_and_mul_block(intermediate: int) -> int:
     return whole if whole <= _ACT_MAX_BLOCK else _ACT_CHUNK
 
 
+def silu_and_mul_warps(block: int) -> int:
+    """Warps of a silu_and_mul_fp8 program: 32 values a thread at the default 16384."""
+    return min(16, max(4, block // 1024))
+
+
 def silu_and_mul_fp8(x: torch.Tensor, block: Optional[int] = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """per_token_quant_fp8 of silu_and_mul(x) in one launch: x [..., 2 * I] = [gate | up]
@@ -318,7 +328,7 @@ def silu_and_mul_fp8(x: torch.Tensor, block: Optional[int] = None
         raise ValueError(f"block must be a power of two, got {block}")
     _silu_and_mul_fp8_kernel[(rows.shape[0],)](
         rows, q, scale, rows.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
-        FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, num_warps=min(16, max(4, block // 1024)),
+        FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, num_warps=silu_and_mul_warps(block),
         **launch_options(rows.device))
     return q, scale
 
