@@ -13,6 +13,13 @@ which of its dims follow the layer's output rows and input columns, and how many
 logical rows/columns one stored index covers (a 128x128 block scale covers 128 of
 each; GGUF blocks cover 32 input columns). The layer's loader computes a ``ShardPlan``
 in logical units once per shard and ``load_sharded`` applies it to any parameter.
+
+A method may also take its input already quantized: ``takes_fp8_input(layer, rows)``
+says that, for this many rows, it wants an ``Fp8Activation`` (per-token FP8 rows and
+their scales) rather than the float activation, so that the kernel producing the
+activation (an RMSNorm, the SiLU-and-mul) quantizes it on the way out
+(pagoda.kernels.fp8_fused_quant); ``apply_fp8`` then multiplies it. Every other method
+refuses such an input with a clear error.
 """
 
 from __future__ import annotations
@@ -135,6 +142,51 @@ def load_sharded(param: nn.Parameter, loaded: torch.Tensor, plan: ShardPlan, wha
         dst.copy_(src)
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Activation:
+    """An activation quantized per token as FP8, what a W8A8 linear multiplies:
+    data [M, K] float8_e4m3fn and scale [M, 1] float32 (row m ~= data[m] * scale[m]),
+    exactly what fp8_quant.per_token_quant_fp8 returns for the float activation;
+    dtype: that float activation's dtype (the linear's output dtype)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        m = self.data.shape[0] if self.data.dim() == 2 else -1
+        if self.data.dtype != torch.float8_e4m3fn or m < 0:
+            raise ValueError(f"Fp8Activation data must be a [M, K] float8_e4m3fn tensor, got "
+                             f"{tuple(self.data.shape)} {self.data.dtype}")
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (m, 1):
+            raise ValueError(f"Fp8Activation scale must be [{m}, 1] float32, got "
+                             f"{tuple(self.scale.shape)} {self.scale.dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """The activation's shape [M, K] (as the float tensor's)."""
+        return self.data.shape
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0]
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> "Fp8Activation":
+        """x [..., K] quantized per token by per_token_quant_fp8 (the unfused path: what
+        an FP8 linear does to its float input)."""
+        from pagoda.kernels.fp8_quant import per_token_quant_fp8  # imports triton
+        data, scale = per_token_quant_fp8(x.reshape(-1, x.shape[-1]))
+        return cls(data, scale, x.dtype)
+
+
+def module_takes_fp8_input(module: nn.Module, num_rows: int) -> bool:
+    """Whether module (a linear layer, or a block that starts with one) wants its input
+    as an Fp8Activation for num_rows rows; False for modules that never do."""
+    ask = getattr(module, "takes_fp8_input", None)
+    return ask is not None and ask(num_rows)
+
+
 class LinearMethod(ABC):
     """How one linear layer's weight is stored and multiplied. One instance may serve
     many layers: per-layer state lives on the layer (its parameters and buffers)."""
@@ -156,6 +208,21 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [M, in_per_rank] -> [M, out_per_rank] (+ bias), in x's dtype."""
+
+    def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
+        """Whether, for num_rows rows, this method wants its input already quantized per
+        token (an Fp8Activation for apply_fp8) rather than the float tensor: only where
+        it would quantize the activation exactly so itself. Default: never."""
+        return False
+
+    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """An Fp8Activation [M, in_per_rank] -> [M, out_per_rank] (+ bias) in x.dtype,
+        equal to apply() on the float activation it quantizes. The default refuses: a
+        method that does not quantize its input that way cannot take one."""
+        raise ValueError(f"the {self.name} linear method takes no pre-quantized FP8 "
+                         f"activation (its takes_fp8_input is False); pass the float "
+                         f"activation")
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(gate) * up of a bias-free [gate | up] layer, [M, out_per_rank / 2], where

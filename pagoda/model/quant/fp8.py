@@ -14,6 +14,11 @@ Three ways in, one storage: ``weight`` float8_e4m3fn [out, in] plus float32 scal
 
 Activations are quantized per token at run time (dynamic), or with the checkpoint's
 static per-tensor ``input_scale`` (the largest of merged shards', as vLLM does).
+Where a dynamic per-token method would quantize the activation itself (more than
+W8A16_MAX_M rows, on CUDA), it asks for it already quantized (``takes_fp8_input``):
+the RMSNorm or SiLU-and-mul producing it then writes the FP8 rows and scales directly
+(pagoda.kernels.fp8_fused_quant, the same bytes), and ``apply_fp8`` runs the W8A8 GEMM
+on them. Block-scaled and static-input methods quantize differently and never ask.
 The matmuls themselves live in pagoda.kernels.fp8_linear. On the CPU the engine
 refuses FP8 (``check_device``); the methods' apply still runs there through the
 kernels' torch references, which is how CI checks the layers.
@@ -27,13 +32,18 @@ import torch
 from torch import nn
 
 from pagoda.kernels import fp8_linear as kernels
-from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
-from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, LinearMethod,
-                                     QuantConfig, ShardDims, checkpoint_layers,
+from pagoda.kernels.fp8_quant import (FP8_DTYPE, dequantize_per_channel,
+                                      quantize_weight_per_channel, triton_usable)
+from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, Fp8Activation,
+                                     LinearMethod, QuantConfig, ShardDims, checkpoint_layers,
                                      replace_parameter)
 
 FP8_MAX = 448.0
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
+# Devices where the per-token methods ask for their input pre-quantized (the fused
+# producers run there). Tests add "cpu": the references (or the interpreter) then take
+# the same path.
+FP8_INPUT_DEVICES = ("cuda",)
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -82,6 +92,33 @@ def linear_static_input(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Ten
     return out.reshape(*x.shape[:-1], n)
 
 
+def per_token_input_wanted(layer: nn.Module, num_rows: int) -> bool:
+    """Where fp8_linear would quantize its input per token (the W8A8 path: more than
+    W8A16_MAX_M rows) on a device of FP8_INPUT_DEVICES."""
+    return num_rows > kernels.W8A16_MAX_M and layer.weight.device.type in FP8_INPUT_DEVICES
+
+
+def linear_fp8_input(x: Fp8Activation, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """What fp8_linear computes after its per_token_quant_fp8 call, on an activation its
+    producer quantized: the same GEMM choice (torch._scaled_mm where it takes the case,
+    else the Triton W8A8 GEMM; the torch reference where Triton cannot run), so the
+    result equals fp8_linear on the float activation. -> [M, N] in x.dtype."""
+    n, k = w_fp8.shape
+    if x.data.shape[1] != k or x.data.device != w_fp8.device:
+        raise ValueError(f"an FP8 activation {tuple(x.data.shape)} on {x.data.device} "
+                         f"cannot multiply a [{n}, {k}] weight on {w_fp8.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+    scale = w_scale.reshape(n).to(torch.float32).contiguous()  # as fp8_linear takes it
+    if not triton_usable(x.data):  # fp8_linear_ref's act_quant branch, past the quant
+        out = (x.data.float() * x.scale) @ dequantize_per_channel(w_fp8, scale).t()
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+    if kernels.scaled_mm_usable(x.data, w_fp8, x.dtype):
+        return kernels.scaled_mm_linear(x.data, x.scale, w_fp8, scale, bias, x.dtype)
+    return kernels.w8a8_gemm(x.data, x.scale, w_fp8, scale, bias, x.dtype)
+
+
 class Fp8OnlineLinearMethod(LinearMethod):
     """A float weight loaded as usual, quantized per output channel after loading."""
 
@@ -98,7 +135,16 @@ class Fp8OnlineLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            return self.apply_fp8(layer, x, bias)
         return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
+        return per_token_input_wanted(layer, num_rows)
+
+    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear_fp8_input(x, layer.weight, layer.weight_scale, bias)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         return kernels.fp8_linear_silu_and_mul(x, layer.weight, layer.weight_scale)
@@ -152,12 +198,30 @@ class Fp8CheckpointLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            return self.apply_fp8(layer, x, bias)
         scale = getattr(layer, self.scale_name)
         if self.strategy == "block":
             return kernels.fp8_block_linear(x, layer.weight, scale, self.block, bias)
         if self.static_input:
             return linear_static_input(x, layer.weight, scale, layer.input_scale, bias)
         return kernels.fp8_linear(x, layer.weight, scale, bias)
+
+    def _per_token(self) -> bool:
+        """Whether activations are quantized per token (dynamic, per-channel weights)."""
+        return self.strategy != "block" and not self.static_input
+
+    def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
+        return self._per_token() and per_token_input_wanted(layer, num_rows)
+
+    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self._per_token():
+            how = ("in groups of block columns" if self.strategy == "block"
+                   else "with the checkpoint's static input_scale")
+            raise ValueError(f"the {self.name} method quantizes its activation {how}, not "
+                             f"per token: it cannot take a per-token Fp8Activation")
+        return linear_fp8_input(x, layer.weight, getattr(layer, self.scale_name), bias)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         if self.strategy == "block":  # the gated kernel takes per-channel scales
