@@ -9,6 +9,11 @@ runs the very same ops in the same order (pow, mean, add eps, rsqrt, multiply,
 multiply by the weight) in C++, so the bits are the same and a decode step saves ~6
 Python-dispatched ops per norm (61 norms per step for SmolLM2);
 tests/test_cpu_fused_ops.py asserts the equality.
+
+``forward(..., fp8_out=True)`` gives the normed rows quantized per token as an
+``Fp8Activation`` (what an FP8 linear that asked for it multiplies): on CUDA one kernel
+of pagoda.kernels.fp8_fused_quant (the same bytes as the norm kernel followed by
+per_token_quant_fp8), elsewhere that composition.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.layers.linear import default_weight_loader
+from pagoda.model.quant.base import Fp8Activation
+
+NormOutput = Union[torch.Tensor, Fp8Activation]
+# Devices whose fp8_out runs the fused kernel (tests add "cpu": Triton's interpreter).
+FUSED_FP8_DEVICES = ("cuda",)
 
 
 class RMSNorm(nn.Module):
@@ -45,9 +55,12 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(variance + self.eps)
         return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                fp8_out: bool = False) -> Union[NormOutput, tuple[NormOutput, torch.Tensor]]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual). fp8_out:
+        norm(...) comes as an Fp8Activation of its rows [numel / hidden, hidden]."""
+        if fp8_out:
+            return self._forward_fp8(x, residual)
         if x.is_cuda:
             from pagoda.kernels import fused_ops  # imports triton: CUDA only
             if fused_ops.FUSED_OPS_ENABLED:
@@ -58,3 +71,18 @@ class RMSNorm(nn.Module):
             return self._normalize(x)
         summed = x + residual
         return self._normalize(summed), summed
+
+    def _forward_fp8(self, x: torch.Tensor, residual: Optional[torch.Tensor]
+                     ) -> Union[Fp8Activation, tuple[Fp8Activation, torch.Tensor]]:
+        if x.device.type in FUSED_FP8_DEVICES:
+            from pagoda.kernels import fp8_fused_quant, fused_ops  # imports triton: CUDA only
+            if fused_ops.FUSED_OPS_ENABLED:
+                data, scale, summed = fp8_fused_quant.rms_norm_fp8(x, self.weight, self.eps,
+                                                                   residual)
+                _, dtype = fp8_fused_quant.norm_dtypes(x, self.weight, residual)
+                out = Fp8Activation(data, scale, dtype)
+                return out if residual is None else (out, summed)
+        if residual is None:
+            return Fp8Activation.quantize(self.forward(x))
+        normed, summed = self.forward(x, residual)
+        return Fp8Activation.quantize(normed), summed

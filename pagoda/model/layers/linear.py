@@ -17,6 +17,13 @@ How the weight is stored and multiplied is the layer's ``quant_method``
 ``set_quant_method``). Each layer only says which slice of a checkpoint tensor is its
 own (``shard_plan``); ``load_sharded`` applies that to whatever parameters the method
 made (a float weight, FP8 weights and their scales, packed blocks).
+
+A layer's input is a float tensor, or an ``Fp8Activation`` (rows already quantized per
+token by the kernel that produced them) where its method asked for one
+(``takes_fp8_input(rows)``): forward hands that to the method's ``apply_fp8``. The
+column-parallel qkv / gate_up layers get the whole (replicated) activation, the
+row-parallel down_proj its rank's shard: per-token scales over the local shard, what
+the method would compute from the float shard itself.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
-from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, REPLICATED_DIMS, LinearMethod,
-                                     ShardDims, ShardPlan, load_sharded, set_shard_dims)
+from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, REPLICATED_DIMS, Fp8Activation,
+                                     LinearMethod, ShardDims, ShardPlan, load_sharded,
+                                     set_shard_dims)
 from pagoda.model.quant.unquantized import UNQUANTIZED
 
 ShardId = Union[int, str, None]
+# What a linear layer multiplies: a float activation, or one quantized by its producer.
+LinearInput = Union[torch.Tensor, Fp8Activation]
 
 
 class LayerWeightLoader:
@@ -173,8 +183,18 @@ class LinearBase(nn.Module):
         load_sharded(param, loaded_weight, self.shard_plan(shard_id),
                      f"{type(self).__name__}" + ("" if shard_id is None else f" shard {shard_id}"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+    def takes_fp8_input(self, num_rows: int) -> bool:
+        """Whether forward wants its input for num_rows rows as an Fp8Activation (the
+        method's choice; see pagoda.model.quant.base)."""
+        return self.quant_method.takes_fp8_input(self, num_rows)
+
+    def _multiply(self, x: LinearInput, bias) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            return self.quant_method.apply_fp8(self, x, bias)  # refuses unless it takes them
+        return self.quant_method.apply(self, x, bias)
+
+    def forward(self, x: LinearInput) -> torch.Tensor:
+        return self._multiply(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -213,12 +233,12 @@ class MergedColumnParallelLinear(LinearBase):
     def shard_sizes(self) -> list[int]:
         return list(self.rank_sizes)
 
-    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    def forward_silu_and_mul(self, x: LinearInput, act: nn.Module) -> torch.Tensor:
         """act(self(x)) for a bias-free [gate, up] pair, act being SiluAndMul: through
         the quant method's fused step where it has one for x (the FP8 GEMV at one
         row), else the linear and then act."""
         if self.bias is None and len(self.rank_sizes) == 2 and \
-                self.rank_sizes[0] == self.rank_sizes[1]:
+                self.rank_sizes[0] == self.rank_sizes[1] and not isinstance(x, Fp8Activation):
             fused = self.quant_method.apply_silu_and_mul(self, x)
             if fused is not None:
                 return fused
@@ -286,11 +306,11 @@ class RowParallelLinear(LinearBase):
         cols = self.in_per_rank
         return ShardPlan(inp=(self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:  # no collective, bias fused
-            return self.quant_method.apply(self, x, self.bias)
+            return self._multiply(x, self.bias)
         check_tp_group("RowParallelLinear", self.tp_rank, self.tp_size)
-        out = tp_all_reduce(self.quant_method.apply(self, x))
+        out = tp_all_reduce(self._multiply(x, None))
         if self.bias is not None:
             out += self.bias  # added to the sum, not to each partial (that would add it N times)
         return out
