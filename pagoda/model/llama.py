@@ -11,6 +11,14 @@ keys and values are still computed and stored). In a 16k-token prefill step of a
 8B model that skips 1/32 of the step's GEMM work. Module names mirror Hugging Face's so that
 ``load_weights`` only has to fold q/k/v and gate/up into merged parameters.
 
+FP8 W8A8 linears that quantize their input per token (more rows than the W8A16 GEMV
+takes, on CUDA) ask for it already quantized (``takes_fp8_input``): the decoder layer
+then has input_layernorm / post_attention_layernorm write FP8 rows for qkv_proj /
+gate_up_proj, and the MLP has its SiLU-and-mul write them for down_proj (one kernel
+each instead of the producer, a float write and read, and a quantization kernel). The
+question is asked with the rows the consumer will see: after the last layer's
+output_rows selection, its MLP may run on few enough rows not to.
+
 Subclasses swap the feed-forward block per layer (``make_mlp``, e.g. Qwen3-MoE's
 experts) and extend the checkpoint name mapping (``map_hf_name``, ``expected_loads``).
 
@@ -37,6 +45,7 @@ from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelL
 from pagoda.model.layers.rotary import (RotaryEmbedding, apply_rotary, apply_rotary_tables,
                                         rotary_tables)
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
+from pagoda.model.quant.base import module_takes_fp8_input
 
 # (merged param, checkpoint projection, shard id): HF names folded into merged params.
 _STACKED_PARAMS = (
@@ -74,11 +83,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
                               scale=arch.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def takes_fp8_input(self, num_rows: int) -> bool:
+        """Whether forward wants hidden as an Fp8Activation (its qkv_proj's choice)."""
+        return self.qkv_proj.takes_fp8_input(num_rows)
+
+    def forward(self, hidden, cos: torch.Tensor, sin: torch.Tensor,
                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden], or [len(output_rows), hidden] for those rows only
-        (attention still runs, and stores K/V, for every row). cos/sin: what
-        LlamaModel.rotary gives: [T, D/2] each, or rotary_tables' [T, 1, D] tables."""
+        """[T, hidden] (a tensor, or an Fp8Activation where takes_fp8_input) -> [T,
+        hidden], or [len(output_rows), hidden] for those rows only (attention still
+        runs, and stores K/V, for every row). cos/sin: what LlamaModel.rotary gives:
+        [T, D/2] each, or rotary_tables' [T, 1, D] tables."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         rotate = apply_rotary_tables if cos.dim() == 3 else apply_rotary
@@ -147,7 +161,16 @@ class LlamaMLP(nn.Module):
                                            tp_rank=tp.rank, tp_size=tp.size)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, num_rows: int) -> bool:
+        """Whether forward wants x as an Fp8Activation (its gate_up_proj's choice)."""
+        return self.gate_up_proj.takes_fp8_input(num_rows)
+
+    def forward(self, x) -> torch.Tensor:
+        """x [T, hidden] (a tensor, or an Fp8Activation where takes_fp8_input) -> [T,
+        hidden]. The activation is quantized on its way to down_proj where that asks for
+        it; otherwise gate_up's fused SiLU step (the one-row FP8 GEMV) may run."""
+        if self.down_proj.takes_fp8_input(x.shape[0]):
+            return self.down_proj(self.act(self.gate_up_proj(x), fp8_out=True))
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act))
 
 
@@ -166,15 +189,18 @@ class LlamaDecoderLayer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor,
                 output_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it): the next norm adds them.
-        With output_rows, both hold those rows only (see the module docstring)."""
+        With output_rows, both hold those rows only (see the module docstring). Each
+        norm quantizes its output to FP8 where its consumer asks for that."""
+        fp8 = module_takes_fp8_input(self.self_attn, hidden.shape[0])
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, fp8_out=fp8)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8)
         hidden = self.self_attn(hidden, cos, sin, output_rows)
         if output_rows is not None:
             residual = residual.index_select(0, output_rows)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        fp8 = module_takes_fp8_input(self.mlp, hidden.shape[0])  # after the selection
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8)
         return self.mlp(hidden), residual
 
 
