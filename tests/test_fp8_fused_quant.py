@@ -374,6 +374,7 @@ def test_fp8_llama_gives_the_same_hidden_states_with_the_fusion(monkeypatch, fp8
     leaves it few rows; the hidden states equal the unfused run's bit for bit."""
     model, arch = fp8_llama
     rows = None if output_rows is None else torch.tensor(output_rows, device=DEVICE)
+    monkeypatch.setattr(fp8_module, "FP8_INPUT_DEVICES", ())  # off (on the GPU too)
     want = _llama_forward(model, arch, rows)
     calls = []
     real = fp8_module.linear_fp8_input
@@ -395,6 +396,7 @@ def test_fp8_llama_with_the_fused_kernels_stays_close(monkeypatch, fp8_llama, k)
     float32 sums may round differently): the hidden states stay close."""
     from pagoda.model.layers import activation, layernorm
     model, arch = fp8_llama
+    monkeypatch.setattr(fp8_module, "FP8_INPUT_DEVICES", ())  # off (on the GPU too)
     want = _llama_forward(model, arch)
     monkeypatch.setattr(fp8_module, "FP8_INPUT_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(layernorm, "FUSED_FP8_DEVICES", ("cuda", "cpu"))

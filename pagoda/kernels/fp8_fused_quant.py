@@ -189,7 +189,7 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def norm_vec(dtype: torch.dtype) -> int:
     """Values of the row per thread in the unfused norm's layout: a 16-byte access of x."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def norm_dtypes(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]
