@@ -33,7 +33,7 @@ def _ptxas_present() -> bool:
 
 @pytest.mark.skipif(not _ptxas_present(),
                     reason="needs Triton with its CUDA backend (pip install 'pagoda[test]')")
-@pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl"])
+@pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant"])
 def test_kernels_compile_for_sm90(group):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, TOOL, group], capture_output=True, text=True,

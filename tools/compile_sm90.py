@@ -197,6 +197,32 @@ def _pdl_cases():
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
 
 
+def _fp8_fused_quant_cases():
+    """The RMSNorm and SiLU-and-mul producers with per-token FP8 output
+    (pagoda.kernels.fp8_fused_quant) at the Llama-3.1-8B widths, with USE_PDL (the
+    SiLU at its default BLOCK, the row in registers, and at a two-pass one)."""
+    import triton.language as tl
+
+    from pagoda.kernels import fp8_fused_quant as fq
+    from pagoda.kernels.fp8_quant import FLOAT32_TINY, FP8_MAX
+    from pagoda.kernels.fused_ops import _num_warps
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    x, w = torch.empty(256, 4096, dtype=bf16), torch.empty(4096, dtype=bf16)
+    q, s = torch.empty(256, 4096, dtype=fp8), torch.empty(256, 1)
+    for residual in (False, True):
+        yield f"rms_norm_fp8[residual={residual}]", fq._rms_norm_fp8_kernel, (
+            x, x, w, q, s, x, 4096, 4096, 1e-6), dict(
+            HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=residual, ROW_DTYPE=tl.bfloat16,
+            OUT_DTYPE=tl.bfloat16, FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY,
+            VEC=fq.norm_vec(bf16), num_warps=_num_warps(4096), USE_PDL=True)
+    gate_up, q8 = torch.empty(256, 2 * 14336, dtype=bf16), torch.empty(256, 14336, dtype=fp8)
+    for block in (fq.silu_and_mul_block(14336), 2048):
+        yield f"silu_and_mul_fp8[block={block}]", fq._silu_and_mul_fp8_kernel, (
+            gate_up, q8, s, 2 * 14336), dict(
+            INTERMEDIATE=14336, BLOCK=block, FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY,
+            num_warps=fq.silu_and_mul_warps(block), USE_PDL=True)
+
+
 def _mla_prefill_cases():
     """DeepSeek-V2-Lite's widths (16 heads, 128 + 64 query/key, 128 value) as the layer
     passes them: strided halves of kv_b_proj's output and of the latent entries."""
@@ -219,7 +245,8 @@ def _mla_prefill_cases():
             IEEE_DOT=False, **mp.mla_prefill_config(dtype))
 
 
-CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases}
+CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases,
+         "fp8_fused_quant": _fp8_fused_quant_cases}
 
 
 def main(argv: list[str]) -> int:
