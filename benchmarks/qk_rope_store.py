@@ -85,19 +85,24 @@ class Step:
 
 def check(step: Step) -> dict:
     """How the fused kernel's q and cache compare with the unfused path's: equal bits,
-    or within one unit in the last place of the dtype (each compiled kernel contracts
-    its own float32 multiply-adds into FMAs, so a value can round the other way), and
-    the count of values that differ."""
+    or within one ulp of the value plus two of the largest value of each output (each
+    compiled kernel contracts its own float32 multiply-adds into FMAs, so a rotated
+    value that cancels to near 0 can differ by more than its own ulp: the criterion of
+    tests/test_qk_rope_store.py), and the count of values that differ."""
     step.cache.zero_()
     ref_q = step.unfused()
     ref_cache = step.cache.clone()
     step.cache.zero_()
     q = step.fused()
     ulp = torch.finfo(q.dtype).eps
-    within = all(torch.allclose(a.float(), b.float(), rtol=ulp, atol=0)
-                 for a, b in ((q, ref_q), (step.cache, ref_cache)))
+
+    def close(a, b):
+        a, b = a.float(), b.float()
+        return bool(((a - b).abs() <= ulp * b.abs() + 2 * ulp * b.abs().max()).all())
+    within = close(q, ref_q) and close(step.cache, ref_cache)
     differ = int((q != ref_q).sum() + (step.cache != ref_cache).sum())
-    return {"bitwise": differ == 0, "within_one_ulp": within, "values_differing": differ}
+    return {"bitwise": differ == 0, "within_two_ulps_of_max": within,
+            "values_differing": differ}
 
 
 def time_us(fn, smoke: bool) -> float:
@@ -142,7 +147,7 @@ def bench(name, tokens, smoke, device) -> dict:
         row["graph_fused_us_by_heads_per_program"] = {
             str(n): graph_us(lambda n=n: step.fused(n)) for n in HEADS_PER_PROGRAM}
     modes = ("eager",) if smoke else ("eager", "graph")
-    print(f"{name:>14} T={tokens:<4} within_1ulp={row['within_one_ulp']} differing={row['values_differing']} " + "  ".join(
+    print(f"{name:>14} T={tokens:<4} within_2ulps_of_max={row['within_two_ulps_of_max']} differing={row['values_differing']} " + "  ".join(
         f"{m}: {row[f'{m}_unfused_us']:8.2f} -> {row[f'{m}_fused_us']:7.2f} us" for m in modes))
     if not smoke:
         print(" " * 22 + f"fused {row['fused_bytes'] / row['graph_fused_us'] / 1e6:.2f} TB/s; "
@@ -180,8 +185,9 @@ def main() -> None:
     write_json(out, dict(
         benchmark="qk_rope_store", smoke=args.smoke, device=name,
         torch=torch.__version__, triton=__import__("triton").__version__, results=rows))
-    if not all(row["within_one_ulp"] for row in rows):
-        sys.exit("the fused kernel differs from the unfused path by more than one ulp")
+    if not all(row["within_two_ulps_of_max"] for row in rows):
+        sys.exit("the fused kernel differs from the unfused path by more than two ulps of "
+                 "the largest value")
 
 
 if __name__ == "__main__":

@@ -180,11 +180,15 @@ def _store_v(
 def default_heads_per_program(num_tokens: int) -> int:
     """Heads per program: one at decode sizes (a batch-1 token spreads over 40 programs
     for 32 + 4 + 4 heads: 1.5 us against 2.7 us with 4 heads per program on the H200),
-    more at large batches (fewer, fuller programs: 4 is best at 256 rows);
-    benchmarks/qk_rope_store.py sweeps it."""
+    4 around 256 rows, 16 for prefill steps, where the count of (token, head group)
+    programs, not bytes, bounds the launch: at 16,384 rows 4 heads per program took
+    237 / 198 us (Llama-8B / Qwen3-30B-A3B), 16 took 126 / 130 (docs/performance.md,
+    2026-12-02); benchmarks/qk_rope_store.py sweeps it."""
     if num_tokens <= 16:
         return 1
-    return 2 if num_tokens <= 64 else 4
+    if num_tokens <= 64:
+        return 2
+    return 4 if num_tokens <= 512 else 16
 
 
 def _check_inputs(qkv, cos, sin, q_norm_weight, k_norm_weight, kv_cache, slot_mapping,
