@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from pagoda.worker.warmup import warm_up_kernels, warmup_batches
+from pagoda.worker.warmup import WIDE_PREFILL_ROWS, warm_up_kernels, warmup_batches
 
 
 def test_warmup_batches_cover_every_attention_path():
-    batches = warmup_batches(max_model_len=4096, num_blocks=1000, block_size=16)
-    assert batches == [([48, 48], [48, 48]), ([1, 1, 48], [600, 300, 48]),
+    batches = warmup_batches(max_model_len=4096, num_blocks=1000, block_size=16,
+                             max_num_tokens=16384)
+    assert batches == [([48, 48], [48, 48]), ([520], [520]), ([1, 1, 48], [600, 300, 48]),
                        ([1, 1], [8, 600]), ([1], [8])]
+    # No wide prefill where no step may be that wide.
+    assert ([520], [520]) not in warmup_batches(4096, 1000, 16, max_num_tokens=512)
     # Short contexts and small pools: lengths are capped, batches that do not fit are left out.
     assert warmup_batches(max_model_len=32, num_blocks=4, block_size=16) == [
         ([32, 32], [32, 32]), ([1, 1], [8, 32]), ([1], [8])]
@@ -26,3 +29,9 @@ def test_warm_up_runs_on_a_model_and_leaves_requests_unaffected():
     assert seconds >= 0
     after = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert before == after
+
+
+def test_the_wide_prefill_compiles_the_wide_rotary_store_variant():
+    from pagoda.kernels.qk_rope_store import default_heads_per_program
+    assert default_heads_per_program(WIDE_PREFILL_ROWS) == default_heads_per_program(16384)
+    assert default_heads_per_program(WIDE_PREFILL_ROWS) != default_heads_per_program(512)

@@ -1,7 +1,8 @@
 """Start-up warm-up: run every kernel variant a step can need once, before serving.
 
 Triton compiles a kernel the first time it meets a new set of compile-time constants:
-a pure prefill batch, a mixed batch (prefill chunks beside decode rows, which the
+a pure prefill batch (and a wide one, past the rows where the q/k rotary + store kernel
+takes more heads per program), a mixed batch (prefill chunks beside decode rows, which the
 decode kernel takes) and a decode-only eager batch with or without context splits.
 Met mid-run, each compilation stalls the step that meets it (docs/performance.md,
 "measured reasons"). Here they are met at start-up, on KV
@@ -24,19 +25,28 @@ from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
 
+# A prefill step this wide compiles qk_rope_store's wide-step variant (its
+# default_heads_per_program switches above 512 rows; tests/test_warmup.py ties the two).
+WIDE_PREFILL_ROWS = 520
 
-def warmup_batches(max_model_len: int, num_blocks: int, block_size: int) -> list[tuple[list[int], list[int]]]:
-    """(query_lens, seq_lens) of the warm-up batches that fit the pool and max_model_len."""
+
+def warmup_batches(max_model_len: int, num_blocks: int, block_size: int,
+                   max_num_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of the warm-up batches that fit the pool and max_model_len;
+    the wide prefill only where a step may hold that many rows (max_num_tokens)."""
     long_ctx = min(600, max_model_len)  # > MIN_SPLIT_TOKENS: the decode kernel splits
     short = min(48, max_model_len)
     batches = [
         ([short, short], [short, short]),  # prefill only
+        ([WIDE_PREFILL_ROWS], [WIDE_PREFILL_ROWS]),  # a wide prefill step
         ([1, 1, short], [long_ctx, min(300, max_model_len), short]),  # mixed, split decode
         ([1, 1], [min(8, max_model_len), long_ctx]),  # decode only
         ([1], [min(8, max_model_len)]),  # decode only, one slice: direct output
     ]
     fits = []
     for query_lens, seq_lens in batches:
+        if max(seq_lens) > max_model_len or sum(query_lens) > max(max_num_tokens, 2 * short):
+            continue
         blocks = sum(-(-n // block_size) for n in seq_lens)
         if blocks <= num_blocks:
             fits.append((query_lens, seq_lens))
@@ -48,7 +58,8 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
     """Runs the warm-up batches eagerly through the runner's model; returns seconds."""
     start = time.perf_counter()
     device, bs = runner.device, runner.block_size
-    for query_lens, seq_lens in warmup_batches(max_model_len, runner.num_blocks, bs):
+    max_tokens = runner.config.scheduler.max_num_batched_tokens
+    for query_lens, seq_lens in warmup_batches(max_model_len, runner.num_blocks, bs, max_tokens):
         tables, next_block = [], 0
         for n in seq_lens:
             count = -(-n // bs)
