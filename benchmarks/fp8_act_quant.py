@@ -26,7 +26,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pagoda.kernels import fp8_fused_quant, fused_ops  # noqa: E402
 from pagoda.kernels.fp8_quant import per_token_quant_fp8  # noqa: E402
+from kernel_timing import time_us  # noqa: E402
 from result_file import write_json  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -47,16 +47,6 @@ SMOKE_HIDDEN, SMOKE_INTERMEDIATE = 100, 72
 ROWS, SMOKE_ROWS = (256, 16384), (3, 20)
 SILU_BLOCKS, SMOKE_SILU_BLOCKS = (16384, 8192, 4096, 2048), (128, 32)
 EPS = 1e-5
-
-
-def time_us(fn, smoke: bool) -> float:
-    if smoke:  # the interpreter: a rough wall time, only to see that it runs
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median") * 1e3
 
 
 def _nbytes(*tensors) -> int:

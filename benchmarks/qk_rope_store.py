@@ -22,7 +22,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pagoda.kernels import fused_ops, qk_rope_store  # noqa: E402
 from pagoda.kernels.store_kv import store_kv  # noqa: E402
+from kernel_timing import time_us  # noqa: E402
 from result_file import write_json  # noqa: E402
 
 # name: (heads, kv_heads, head_dim, qk_norm)
@@ -103,16 +103,6 @@ def check(step: Step) -> dict:
     differ = int((q != ref_q).sum() + (step.cache != ref_cache).sum())
     return {"bitwise": differ == 0, "within_two_ulps_of_max": within,
             "values_differing": differ}
-
-
-def time_us(fn, smoke: bool) -> float:
-    if smoke:  # the interpreter: a rough wall time, only to see that it runs
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median") * 1e3
 
 
 def graph_us(fn) -> float:

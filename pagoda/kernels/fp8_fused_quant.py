@@ -54,7 +54,7 @@ from pagoda.kernels.fp8_quant import (FLOAT32_TINY, FP8_DTYPE, FP8_MAX, per_toke
                                       round_to_e4m3)
 # The unfused norm's chunk size and warps: the fused norm must reduce its sum of squares
 # over the same BLOCK with the same layout to round inv_rms the same way.
-from pagoda.kernels.fused_ops import _MAX_NORM_BLOCK, _num_warps
+from pagoda.kernels.fused_ops import _MAX_NORM_BLOCK, _num_warps, check_norm_args
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # silu_and_mul_fp8 holds rows up to this width in registers (one read of every byte);
@@ -206,13 +206,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """per_token_quant_fp8 of rms_norm(x) (residual None) or of fused_add_rms_norm(x,
     residual)'s norm, in one launch: (x_fp8 [M, H], scale [M, 1] float32, the residual
     sum in x's shape or None), M = x.numel() / H."""
-    hidden = x.shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}] to normalise rows of {hidden}, "
-                         f"got {tuple(weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, "
-                         f"got {tuple(residual.shape)}")
+    hidden = check_norm_args(x, weight, residual)
     row_dtype, out_dtype = norm_dtypes(x, weight, residual)
     x_rows = _rows(x, hidden)
     num_rows = x_rows.shape[0]

@@ -94,7 +94,8 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return t, t.shape[1], t.stride(0), t.stride(1)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+def check_norm_args(x: torch.Tensor, weight: torch.Tensor, residual) -> int:
+    """The row width of an RMSNorm of x (+ residual) by weight, once their shapes agree."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}] to normalise rows of {hidden}, "
@@ -102,6 +103,11 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, "
                          f"got {tuple(residual.shape)}")
+    return hidden
+
+
+def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    hidden = check_norm_args(x, weight, residual)
     row_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, row_dtype),
                       device=x.device)
