@@ -6,12 +6,18 @@ from pagoda.worker.warmup import WIDE_PREFILL_ROWS, warm_up_kernels, warmup_batc
 
 
 def test_warmup_batches_cover_every_attention_path():
-    batches = warmup_batches(max_model_len=4096, num_blocks=1000, block_size=16,
+    batches = warmup_batches(max_model_len=4096, num_blocks=2000, block_size=16,
                              max_num_tokens=16384)
-    assert batches == [([48, 48], [48, 48]), ([520], [520]), ([1, 1, 48], [600, 300, 48]),
+    assert batches == [([48, 48], [48, 48]), ([520], [520]), ([4096], [4096]),
+                       ([4096] * 4, [4096] * 4), ([1, 1, 48], [600, 300, 48]),
                        ([1, 1], [8, 600]), ([1], [8])]
-    # No wide prefill where no step may be that wide.
-    assert ([520], [520]) not in warmup_batches(4096, 1000, 16, max_num_tokens=512)
+    # Wide prefills only as wide as a step may be, in prompts of at most max_model_len.
+    assert warmup_batches(2304, 2000, 16, max_num_tokens=512) == [
+        ([48, 48], [48, 48]), ([512], [512]), ([1, 1, 48], [600, 300, 48]),
+        ([1, 1], [8, 600]), ([1], [8])]
+    assert ([2304, 1792], [2304, 1792]) in warmup_batches(2304, 2000, 16, max_num_tokens=4096)
+    # No wide prefill when max_num_tokens is not given.
+    assert len(warmup_batches(4096, 2000, 16)) == 4
     # Short contexts and small pools: lengths are capped, batches that do not fit are left out.
     assert warmup_batches(max_model_len=32, num_blocks=4, block_size=16) == [
         ([32, 32], [32, 32]), ([1, 1], [8, 32]), ([1], [8])]

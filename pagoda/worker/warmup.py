@@ -1,15 +1,16 @@
 """Start-up warm-up: run every kernel variant a step can need once, before serving.
 
 Triton compiles a kernel the first time it meets a new set of compile-time constants:
-a pure prefill batch (and a wide one, past the rows where the q/k rotary + store kernel
-takes more heads per program), a mixed batch (prefill chunks beside decode rows, which the
+pure prefill batches at each width where a kernel changes its tiles (see
+PREFILL_WIDTHS), a mixed batch (prefill chunks beside decode rows, which the
 decode kernel takes) and a decode-only eager batch with or without context splits.
 Met mid-run, each compilation stalls the step that meets it (docs/performance.md,
 "measured reasons"). Here they are met at start-up, on KV
 blocks no request holds yet; what they write there is overwritten before it is read.
 
-`warm_up_logits` does the same for cuBLAS: the LM head at every bucketed row count
-(shape_buckets), whose first call would otherwise stall a step mid-run.
+`warm_up_logits` does the same for cuBLAS and the greedy sampler: the LM head at every
+bucketed row count (shape_buckets) and the argmax kernel at every row count it takes,
+whose first calls would otherwise stall a step mid-run.
 """
 
 from __future__ import annotations
@@ -25,32 +26,46 @@ from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
 
-# A prefill step this wide compiles qk_rope_store's wide-step variant (its
-# default_heads_per_program switches above 512 rows; tests/test_warmup.py ties the two).
+# Prefill widths (rows of one step) past which a kernel picks other tiles, each run once
+# where a step may be that wide (max_num_batched_tokens), besides the widest step itself:
+# 520 > 512, where qk_rope_store's default_heads_per_program switches (tests/test_warmup.py
+# ties the two); 4096 tokens, the middle tile tier of the MoE grouped GEMMs
+# (fused_moe.pick_config by rows per expert: 256 for 128 experts x top 8, 384 for 64 x 6),
+# which neither the short prefill nor the widest step reaches.
 WIDE_PREFILL_ROWS = 520
+PREFILL_WIDTHS = (WIDE_PREFILL_ROWS, 4096)
 
 
 def warmup_batches(max_model_len: int, num_blocks: int, block_size: int,
                    max_num_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of the warm-up batches that fit the pool and max_model_len;
-    the wide prefill only where a step may hold that many rows (max_num_tokens)."""
+    the wide prefills (PREFILL_WIDTHS and max_num_tokens itself) only where a step may
+    hold that many rows, as sequences of at most max_model_len tokens."""
     long_ctx = min(600, max_model_len)  # > MIN_SPLIT_TOKENS: the decode kernel splits
     short = min(48, max_model_len)
-    batches = [
-        ([short, short], [short, short]),  # prefill only
-        ([WIDE_PREFILL_ROWS], [WIDE_PREFILL_ROWS]),  # a wide prefill step
+    widths = sorted({w for w in PREFILL_WIDTHS + (max_num_tokens,)
+                     if 2 * short < w <= max_num_tokens})
+    batches = [([short, short], [short, short])]  # prefill only
+    batches += [_prefill_of(width, max_model_len) for width in widths]
+    batches += [
         ([1, 1, short], [long_ctx, min(300, max_model_len), short]),  # mixed, split decode
         ([1, 1], [min(8, max_model_len), long_ctx]),  # decode only
         ([1], [min(8, max_model_len)]),  # decode only, one slice: direct output
     ]
     fits = []
     for query_lens, seq_lens in batches:
-        if max(seq_lens) > max_model_len or sum(query_lens) > max(max_num_tokens, 2 * short):
-            continue
         blocks = sum(-(-n // block_size) for n in seq_lens)
         if blocks <= num_blocks:
             fits.append((query_lens, seq_lens))
     return fits
+
+
+def _prefill_of(width: int, max_model_len: int) -> tuple[list[int], list[int]]:
+    """A prefill-only batch of width rows: whole prompts of max_model_len, then the rest."""
+    lens = [max_model_len] * (width // max_model_len)
+    if width % max_model_len:
+        lens.append(width % max_model_len)
+    return lens, list(lens)
 
 
 @torch.inference_mode()
@@ -82,12 +97,21 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
 
 @torch.inference_mode()
 def warm_up_logits(runner, max_rows: int) -> float:
-    """The LM head once at each row count _sample can use (1..max_rows bucketed)."""
+    """The LM head once at each row count _sample can use (1..max_rows bucketed), and on
+    CUDA the greedy argmax at every row count it takes (its chunking, a compile-time
+    constant, follows the exact row count; the sampler passes len(sample_rows) rows)."""
     start = time.perf_counter()
     hidden = torch.zeros(max_rows, runner.arch.hidden_size, dtype=runner.dtype,
                          device=runner.device)
+    logits = None
     for rows in logits_row_buckets(max_rows):
-        runner.model.compute_logits(hidden[:rows])
-    if runner.device.type == "cuda":
+        logits = runner.model.compute_logits(hidden[:rows])
+    if runner.device.type == "cuda" and logits is not None:
+        from pagoda.kernels.argmax import argmax_covers
+        from pagoda.sample.sampler import greedy_argmax
+        for rows in range(1, logits.shape[0] + 1):
+            if not argmax_covers(logits[:rows]):
+                break
+            greedy_argmax(logits[:rows])
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start
