@@ -223,20 +223,28 @@ def pagoda_static(llm, engine, rng, vocab, sync, args, profile: bool) -> dict:
     params = SamplingParams(max_tokens=args.static_out, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"s{i}", p, params, output_kind="final_only")
+    from triton_compiles import CompileLog  # benchmarks/
     step_log, toks = [], 0
     sync(); s = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        outs = engine.step()
-        step_log.append((engine.last_num_scheduled_tokens, time.perf_counter() - t))
-        toks += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-    sync(); el = time.perf_counter() - s
+    with CompileLog() as compiles:  # kernels the warm-up missed compile inside the steps
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            outs = engine.step()
+            step_log.append((engine.last_num_scheduled_tokens, time.perf_counter() - t))
+            toks += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        sync(); el = time.perf_counter() - s
     prefill_steps = [t for n, t in step_log if n > args.batch]
     result["static"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el,
                         "preemptions": engine.get_stats().num_preemptions,
                         "steps": len(step_log), "prefill_steps": len(prefill_steps),
                         "prefill_seconds": sum(prefill_steps),
+                        "triton_compiles": compiles.summary(),
                         "step_log": [[n, round(t * 1e3, 2)] for n, t in step_log]}
+    c = result["static"]["triton_compiles"]
+    if c.get("available"):
+        print(f"  static: {c['count']} Triton compilations inside the steps, {c['seconds']:.2f} s "
+              + ", ".join(f"({k['kernel']} {k['seconds'] or 0.0:.2f}s)" for k in c["kernels"][:4]),
+              flush=True)
     if args.device == "cuda" and profile:
         result["prefill_profile"] = profile_prefill_step(engine, rng, vocab, args)
     return result
