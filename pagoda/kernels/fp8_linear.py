@@ -357,8 +357,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    _w8a16_kernel[(blocks, split_k)](
+    _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
         x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1) if block is not None else 0,
@@ -522,12 +521,22 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias
     elif m <= W8A16_MAX_M:
         out = w8a16_linear(x2, w_fp8, scale, bias, out_dtype)
     else:
-        x_fp8, x_scale = per_token_quant_fp8(x2)
-        if scaled_mm_usable(x2, w_fp8, out_dtype):
-            out = scaled_mm_linear(x_fp8, x_scale, w_fp8, scale, bias, out_dtype)
-        else:
-            out = w8a8_gemm(x_fp8, x_scale, w_fp8, scale, bias, out_dtype)
+        out = w8a8_linear(*per_token_quant_fp8(x2), w_fp8, scale, bias, out_dtype)
     return out.reshape(*x.shape[:-1], n)
+
+
+def w8a8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                w_scale: torch.Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear's product past its per-token quantization: x_fp8 [M, K] with x_scale
+    [M, 1] times w_fp8 [N, K] with w_scale [N] (+ bias) -> [M, N] in out_dtype, by
+    torch._scaled_mm where it takes the case, else the Triton W8A8 GEMM (the torch
+    reference where Triton cannot run). Also the FP8 linear methods' entry for an
+    activation its producer quantized (pagoda.model.quant.fp8)."""
+    if not triton_usable(x_fp8):
+        return w8a8_linear_ref(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    if scaled_mm_usable(x_fp8, w_fp8, out_dtype):
+        return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    return w8a8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
 
 
 def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_blocks: torch.Tensor,
@@ -566,12 +575,19 @@ def fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, 
                    out_dtype=None, act_quant: bool = False) -> torch.Tensor:
     """Torch reference: float32 matmul of x (act_quant: quantized per token and
     dequantized, as the W8A8 path does) with the dequantized weight; cast at the end."""
-    xf = x.float()
     if act_quant:
-        q, s = per_token_quant_fp8_ref(x)
-        xf = q.float() * s
-    y = xf @ dequantize_per_channel(w_fp8, w_scale).t()
+        return w8a8_linear_ref(*per_token_quant_fp8_ref(x), w_fp8, w_scale, bias,
+                               out_dtype or x.dtype)
+    y = x.float() @ dequantize_per_channel(w_fp8, w_scale).t()
     return _finish(y, bias, out_dtype or x.dtype)
+
+
+def w8a8_linear_ref(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                    w_scale: torch.Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """Torch reference of w8a8_linear: the activation and weight dequantized, a float32
+    matmul, cast at the end."""
+    y = (x_fp8.float() * x_scale) @ dequantize_per_channel(w_fp8, w_scale).t()
+    return _finish(y, bias, out_dtype)
 
 
 def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,

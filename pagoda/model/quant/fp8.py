@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels import fp8_linear as kernels
-from pagoda.kernels.fp8_quant import (FP8_DTYPE, dequantize_per_channel,
-                                      quantize_weight_per_channel, triton_usable)
+from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
 from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, Fp8Activation,
                                      LinearMethod, QuantConfig, ShardDims, checkpoint_layers,
                                      replace_parameter)
@@ -100,10 +99,9 @@ def per_token_input_wanted(layer: nn.Module, num_rows: int) -> bool:
 
 def linear_fp8_input(x: Fp8Activation, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """What fp8_linear computes after its per_token_quant_fp8 call, on an activation its
-    producer quantized: the same GEMM choice (torch._scaled_mm where it takes the case,
-    else the Triton W8A8 GEMM; the torch reference where Triton cannot run), so the
-    result equals fp8_linear on the float activation. -> [M, N] in x.dtype."""
+    """What fp8_linear computes after its per_token_quant_fp8 call (w8a8_linear), on an
+    activation its producer quantized, so the result equals fp8_linear on the float
+    activation. -> [M, N] in x.dtype."""
     n, k = w_fp8.shape
     if x.data.shape[1] != k or x.data.device != w_fp8.device:
         raise ValueError(f"an FP8 activation {tuple(x.data.shape)} on {x.data.device} "
@@ -111,12 +109,7 @@ def linear_fp8_input(x: Fp8Activation, w_fp8: torch.Tensor, w_scale: torch.Tenso
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
     scale = w_scale.reshape(n).to(torch.float32).contiguous()  # as fp8_linear takes it
-    if not triton_usable(x.data):  # fp8_linear_ref's act_quant branch, past the quant
-        out = (x.data.float() * x.scale) @ dequantize_per_channel(w_fp8, scale).t()
-        return (out if bias is None else out + bias.float()).to(x.dtype)
-    if kernels.scaled_mm_usable(x.data, w_fp8, x.dtype):
-        return kernels.scaled_mm_linear(x.data, x.scale, w_fp8, scale, bias, x.dtype)
-    return kernels.w8a8_gemm(x.data, x.scale, w_fp8, scale, bias, x.dtype)
+    return kernels.w8a8_linear(x.data, x.scale, w_fp8, scale, bias, x.dtype)
 
 
 class Fp8OnlineLinearMethod(LinearMethod):
