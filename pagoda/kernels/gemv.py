@@ -135,6 +135,7 @@ def _gemv_kernel(
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
     (a mask Triton cannot prove uniform splits 16-byte vector loads into narrow ones, and
     the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M."""
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +145,6 @@ def _gemv_kernel(
     k_start = pid_k * K_PER_SPLIT  # a multiple of BLOCK_K
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
         acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N,
@@ -331,8 +331,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, **cfg,
-        **launch_options(x.device))
+        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -45,6 +45,8 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
+
+
 @triton.jit
 def _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N: tl.constexpr):
     """[kv_start, kv_end) of this program's context slice (see the module docstring)."""
@@ -79,8 +81,7 @@ def _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr,
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    kv_scales_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_tok, stride_cache_head,
@@ -227,8 +228,7 @@ def _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, J: tl.const
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_words_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    kv_scales_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_tok, stride_cache_head,

@@ -30,6 +30,7 @@ from pagoda.kernels.capability import cuda_capability
 
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = True
+
 # A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
 _TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 
