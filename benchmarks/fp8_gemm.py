@@ -11,7 +11,9 @@ For each shape (N x K: qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096
 lm_head 128256x4096) and M rows in {1, 4, 16, 64, 256, 1024, 4096, 16384}, side by side:
 - bf16: F.linear on the bf16 weight (the baseline and the reference output);
 - fp8: fp8_linear as the engine calls it (dispatch by W8A16_MAX_M);
-- scaled_mm: per-token activation quant + torch._scaled_mm rowwise (forced, every M);
+- scaled_mm: per-token activation quant + torch._scaled_mm rowwise (forced, every M),
+  with fast accumulation as fp8_linear.SCALED_MM_FAST_ACCUM says (the engine's default);
+- scaled_mm_exact: the same with the accumulator promoted to float32 (use_fast_accum off);
 - w8a16: the Triton W8A16 kernel (forced, M <= W8A16_ROWS_LIMIT);
 - w8a8: per-token quant + the Triton W8A8 GEMM, per-channel scales (forced);
 - block: fp8_block_linear with 128x128 weight blocks (its own dispatch);
@@ -47,7 +49,8 @@ LLAMA_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 40
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 SMOKE_SHAPES = {"a": (48, 64), "b": (40, 160)}
 SMOKE_MS = [1, 4, 20]
-METHODS = ["bf16", "fp8", "scaled_mm", "w8a16", "w8a8", "block", "block_cublas"]
+METHODS = ["bf16", "fp8", "scaled_mm", "scaled_mm_exact", "w8a16", "w8a8", "block",
+           "block_cublas"]
 
 
 # ------------------------------------------------------------------ timing ---------
@@ -107,6 +110,11 @@ def make_methods(kl, kq, w, device, dtype):
         xq, xs = kq.per_token_quant_fp8(x)
         return kl.scaled_mm_linear(xq, xs, w8, s, out_dtype=dtype)
 
+    def scaled_mm_exact(x):
+        xq, xs = kq.per_token_quant_fp8(x)
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=s.view(1, -1),
+                                out_dtype=dtype, use_fast_accum=False)
+
     def w8a16(x):
         return kl.w8a16_linear(x, w8, s) if x.shape[0] <= kl.W8A16_ROWS_LIMIT else None
 
@@ -124,6 +132,7 @@ def make_methods(kl, kq, w, device, dtype):
         "bf16": lambda x: F.linear(x, w),
         "fp8": lambda x: kl.fp8_linear(x, w8, s),
         "scaled_mm": scaled_mm,
+        "scaled_mm_exact": scaled_mm_exact,
         "w8a16": w8a16,
         "w8a8": w8a8,
         "block": lambda x: kl.fp8_block_linear(x, wb, sb, (128, 128)),

@@ -11,7 +11,7 @@ Two models:
   and "fp8" 128x128 blocks, by pagoda.model.quant.fp8_export).
 - "smollm2": the embedded SmolLM2-135M GGUF (real weights), run in bf16 and FP8.
 Variants (each a fresh LLM): float32 (the reference), bfloat16, fp8 online
-(--quantization fp8), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8.
+(--quantization fp8; also with _scaled_mm's fast accumulation off), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8.
 Metrics vs float32: |logprob| error of each prompt's actual next tokens (teacher
 forcing, prompt_logprobs), mean and max; greedy agreement: the share of 32-token greedy
 continuations identical to float32's, and the mean length of the common prefix.
@@ -51,7 +51,20 @@ def save_random_llama(path: Path, smoke: bool) -> None:
 
 
 def run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str) -> dict:
-    """Teacher-forced logprobs of every prompt and 32-token greedy continuations."""
+    """Teacher-forced logprobs of every prompt and 32-token greedy continuations.
+    kwargs' "fp8_fast_accum" (not an LLM argument) sets fp8_linear.SCALED_MM_FAST_ACCUM
+    for this variant."""
+    from pagoda.kernels import fp8_linear
+    kwargs = dict(kwargs)
+    default_fast_accum = fp8_linear.SCALED_MM_FAST_ACCUM
+    fp8_linear.SCALED_MM_FAST_ACCUM = kwargs.pop("fp8_fast_accum", default_fast_accum)
+    try:
+        return _run_variant(model, kwargs, prompts, device)
+    finally:
+        fp8_linear.SCALED_MM_FAST_ACCUM = default_fast_accum
+
+
+def _run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str) -> dict:
     import torch
     from pagoda import LLM, SamplingParams
     llm = LLM(model, device=device, max_model_len=1024, gpu_memory_utilization=0.35,
@@ -106,6 +119,8 @@ def variants_for(model_kind: str, fp8_ok: bool, dirs: dict) -> list[tuple[str, s
     out = [("float32", base, {"dtype": "float32"}), ("bfloat16", base, {"dtype": "bfloat16"})]
     if fp8_ok:
         out += [("fp8 online", base, {"dtype": "bfloat16", "quantization": "fp8"}),
+                ("fp8 online, float32 accumulation", base,
+                 {"dtype": "bfloat16", "quantization": "fp8", "fp8_fast_accum": False}),
                 ("bf16 + fp8 KV", base, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"})]
         for scheme in ("channel", "block"):
             if scheme in dirs:
@@ -166,7 +181,7 @@ def main() -> None:
                 if isinstance(m, dict):
                     extra = (f"  greedy identical {m['greedy_identical']:.0%}, common prefix "
                              f"{m['greedy_common_prefix_mean']:.1f}/32" if "greedy_identical" in m else "")
-                    print(f"  {name:28s} logprob |err| mean {m['logprob_abs_err_mean']:.4f} "
+                    print(f"  {name:34s} logprob |err| mean {m['logprob_abs_err_mean']:.4f} "
                           f"max {m['logprob_abs_err_max']:.4f}{extra}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -91,18 +91,24 @@ def uniform_lengths(rng, n, lo, hi):
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
-def add_pdl_argument(parser) -> None:
-    """--pdl on|off: pagoda.kernels.pdl.ENABLED for the run (apply_pdl sets it)."""
+def add_kernel_switches(parser) -> None:
+    """--pdl on|off (pagoda.kernels.pdl.ENABLED) and --fp8-fast-accum on|off
+    (fp8_linear.SCALED_MM_FAST_ACCUM) for the run; apply_kernel_switches sets them."""
     parser.add_argument("--pdl", choices=("on", "off"), default=None,
                         help="Pagoda: programmatic dependent launch of the decode kernels "
                              "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
+    parser.add_argument("--fp8-fast-accum", choices=("on", "off"), default=None,
+                        help="Pagoda: torch._scaled_mm's fast accumulation in the FP8 GEMMs "
+                             "(fp8_linear.SCALED_MM_FAST_ACCUM; default: as the module sets it)")
 
 
-def apply_pdl(args) -> None:
-    """Sets pdl.ENABLED from the flag; call before the model's kernels first launch."""
-    from pagoda.kernels import pdl
+def apply_kernel_switches(args) -> None:
+    """Sets the switches from the flags; call before the model's kernels first launch."""
+    from pagoda.kernels import fp8_linear, pdl
     if args.pdl is not None:
         pdl.ENABLED = args.pdl == "on"
+    if getattr(args, "fp8_fast_accum", None) is not None:
+        fp8_linear.SCALED_MM_FAST_ACCUM = args.fp8_fast_accum == "on"
 
 
 def random_prompts(rng, lengths, vocab):
@@ -158,7 +164,7 @@ def run_pagoda(args) -> dict:
     import torch
     from pagoda import LLM, SamplingParams
 
-    apply_pdl(args)
+    apply_kernel_switches(args)
     t0 = time.perf_counter()
     quant = {}
     if args.quantization:
@@ -489,7 +495,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
-    add_pdl_argument(p)
+    add_kernel_switches(p)
     p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
                    help="comma list of latency, static, nanovllm, decode256, profile")
     p.add_argument("--variants", default=None,

@@ -169,11 +169,11 @@ def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
 # ---------------------------------------------------------------- (b) models -------
 def run_model(preset: str, args) -> dict:
     import numpy as np
-    from gpu_compare import apply_pdl, random_prompts, token_arrival_times
+    from gpu_compare import apply_kernel_switches, random_prompts, token_arrival_times
     from triton_compiles import CompileLog
     from pagoda import LLM, SamplingParams
 
-    apply_pdl(args)
+    apply_kernel_switches(args)
     t0 = time.perf_counter()
     kwargs = dict(kv_cache_memory=1 << 26, device="cpu") if args.smoke else {}
     llm = LLM(preset, load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
@@ -240,7 +240,7 @@ def model_entry(preset: str, args, ceilings: dict) -> dict:
 
 # ---------------------------------------------------------------- driver ----------
 def parse_args():
-    from gpu_compare import add_pdl_argument
+    from gpu_compare import add_kernel_switches
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen3-30b-a3b",
                    help="comma-separated MoE presets; the first one's layer shape is (a)'s")
@@ -257,7 +257,7 @@ def parse_args():
     p.add_argument("--skip-models", action="store_true", help="only the kernel part (a)")
     p.add_argument("--batch1-only", action="store_true",
                    help="models: the batch-1 decode only, not the 256-request run")
-    add_pdl_argument(p)
+    add_kernel_switches(p)
     p.add_argument("--out", default="benchmarks/results/moe_bench.json")
     p.add_argument("--child-timeout", type=float, default=1500.0)
     p.add_argument("--smoke", action="store_true",

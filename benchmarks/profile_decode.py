@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_compare import add_pdl_argument, apply_pdl  # noqa: E402  (benchmarks/)
+from gpu_compare import add_kernel_switches, apply_kernel_switches  # noqa: E402  (benchmarks/)
 
 # Kernel name patterns -> coarse group, first match wins (Triton kernels keep their
 # Python names; cuBLAS / CUTLASS GEMMs carry gemm / cutlass / sm90 in theirs).
@@ -199,7 +199,7 @@ def parse_args():
     p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (an FP8 KV cache)")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (FP8 weights)")
     p.add_argument("--out", default="benchmarks/results/profile_decode.json")
-    add_pdl_argument(p)
+    add_kernel_switches(p)
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny-qwen3-moe, float32, a few steps (checks the script runs)")
     args = p.parse_args()
@@ -213,7 +213,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    apply_pdl(args)
+    apply_kernel_switches(args)
     import torch
     from pagoda import LLM
     batches = [int(b) for b in args.batches.split(",")]

@@ -35,7 +35,7 @@ from collections import defaultdict
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
-from gpu_compare import (add_pdl_argument, apply_pdl, random_prompts,  # noqa: E402
+from gpu_compare import (add_kernel_switches, apply_kernel_switches, random_prompts,  # noqa: E402
                          token_arrival_times)
 from result_file import write_json  # noqa: E402
 
@@ -162,7 +162,7 @@ def parse_args():
     p.add_argument("--max-model-len", type=int, default=2304)
     p.add_argument("--trace", default="benchmarks/results/step_timeline.trace.json.gz")
     p.add_argument("--out", default="benchmarks/results/step_timeline.json")
-    add_pdl_argument(p)
+    add_kernel_switches(p)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny-llama, float32")
     return p.parse_args()
 
@@ -170,7 +170,7 @@ def parse_args():
 def main() -> None:
     import numpy as np
     args = parse_args()
-    apply_pdl(args)
+    apply_kernel_switches(args)
     from pagoda import LLM, SamplingParams
     if args.smoke:
         args.max_model_len, args.prompt, args.tokens, args.steps = 256, 16, 8, 4
