@@ -29,7 +29,6 @@ words instead; see the section above it for why.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -46,11 +45,6 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
-# Whether the decode kernel and the merge read the step's metadata (and the kernel its
-# first tile's block-table rows) before their PDL wait, and the merge its slices' rows
-# beside their lse; PAGODA_DECODE_EARLY_METADATA=0 restores wait-first, for an A/B in one
-# lease (docs/performance.md).
-EARLY_METADATA = os.environ.get("PAGODA_DECODE_EARLY_METADATA", "1") != "0"
 
 
 @triton.jit
@@ -106,25 +100,18 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    EARLY_METADATA: tl.constexpr = True,  # EARLY_METADATA below
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if EARLY_METADATA:
-        q_row, q_len, kv_start, kv_end, block_table_ptr = _step_plan(
-            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, req, split, num_splits,
-            min_split, stride_bt, BLOCK_N)
-        first_rows = kv_tile_rows(block_table_ptr, kv_head, kv_start, kv_end,
-                                  stride_cache_block, stride_cache_tok, stride_cache_head,
-                                  PAGE_SIZE, BLOCK_N, True)
-        pdl_wait_and_release(USE_PDL)  # before q and the cache: the kernels before write them
-    else:
-        pdl_wait_and_release(USE_PDL)  # before any load or store
-        q_row, q_len, kv_start, kv_end, block_table_ptr = _step_plan(
-            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, req, split, num_splits,
-            min_split, stride_bt, BLOCK_N)
+    q_row, q_len, kv_start, kv_end, block_table_ptr = _step_plan(
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, req, split, num_splits,
+        min_split, stride_bt, BLOCK_N)
+    first_rows = kv_tile_rows(block_table_ptr, kv_head, kv_start, kv_end,
+                              stride_cache_block, stride_cache_tok, stride_cache_head,
+                              PAGE_SIZE, BLOCK_N, True)
+    pdl_wait_and_release(USE_PDL)  # before q and the cache: the kernels before write them
     if q_len != 1:
         return
 
@@ -143,14 +130,11 @@ def _decode_kernel(
             q = q.to(tl.float16)
     # The one query sits at the last position: every key before kv_end is visible, so
     # no causal mask (q_pos is unused; kv_end stands in for it).
-    loop_start = kv_start
-    if EARLY_METADATA:
-        if kv_start < kv_end:  # the first tile, its rows looked up before the wait
-            acc, m_i, l_i = attend_kv_rows(
-                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, first_rows, kv_start, kv_end,
-                kv_end, qk_scale, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
-        loop_start = kv_start + BLOCK_N
-    for start_n in range(loop_start, kv_end, BLOCK_N):
+    if kv_start < kv_end:  # the first tile, its rows looked up before the wait
+        acc, m_i, l_i = attend_kv_rows(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, first_rows, kv_start, kv_end, kv_end,
+            qk_scale, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
+    for start_n in range(kv_start + BLOCK_N, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             start_n, kv_end, kv_end, qk_scale,
@@ -336,17 +320,13 @@ def _merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    EARLY_METADATA: tl.constexpr = True,  # EARLY_METADATA below
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
-    if not EARLY_METADATA:
-        pdl_wait_and_release(USE_PDL)  # before any load or store
-    q_row = tl.load(query_start_loc_ptr + req)  # metadata (_step_plan)
+    q_row = tl.load(query_start_loc_ptr + req)  # metadata: before the wait (_step_plan)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
-    if EARLY_METADATA:
-        pdl_wait_and_release(USE_PDL)  # before the slices: the decode kernel writes them
+    pdl_wait_and_release(USE_PDL)  # before the slices: the decode kernel writes them
     if q_len != 1:
         return
     splits = tl.arange(0, SPLITS_PAD)
@@ -357,10 +337,9 @@ def _merge_kernel(
     # Every slice of a decode request is written (an empty one as 0 with lse -inf), so
     # the rows load beside the lse, not after it; empty slices weigh 0 (tl.where, not a
     # product: 0 * a stale NaN would be NaN).
-    filled = lse > float("-inf")  # slice 0 always holds a token, so the max is finite
-    load_ok = split_ok if EARLY_METADATA else filled
     partial = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=load_ok[:, None], other=0.0)
+                      mask=split_ok[:, None], other=0.0)
+    filled = lse > float("-inf")  # slice 0 always holds a token, so the max is finite
     weight = tl.where(filled, tl.math.exp2(lse - tl.max(lse, 0)), 0.0)
     partial = tl.where(filled[:, None], partial, 0.0)
     out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
@@ -472,7 +451,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     pdl = launch_options(q.device)
     if fp8_path == "tile":
         _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
-                             KV_FP8=kv_fp8, EARLY_METADATA=EARLY_METADATA, **cfg, **pdl)
+                             KV_FP8=kv_fp8, **cfg, **pdl)
     else:
         _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg,
                                    **pdl)
@@ -481,5 +460,5 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
             out, partial_out, partial_lse, query_start_loc, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            EARLY_METADATA=EARLY_METADATA, **pdl,
+            **pdl,
         )
