@@ -1,9 +1,8 @@
 """Triton paged attention for query chunks of any length (prefill, chunked prefill, spec decode).
 
 Owns the shared inner step `attend_kv_tile` (one tile of keys/values gathered from the
-paged cache through the block table, folded into an online softmax; in two parts,
-`kv_tile_rows` and `attend_kv_rows`, for a kernel that looks its first tile up early)
-and the chunk kernel `paged_attention_chunks`.
+paged cache through the block table, folded into an online softmax) and the chunk
+kernel `paged_attention_chunks`.
 
 Tiling. A program owns BLOCK_Q consecutive query tokens of one request and all the
 query heads that share one KV head (GQA): its tile has BLOCK_Q * GROUP_PAD rows, row r
@@ -41,23 +40,6 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def kv_tile_rows(block_table_ptr, kv_head, start_n, kv_limit,
-                 stride_cache_block, stride_cache_tok, stride_cache_head,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV_END: tl.constexpr):
-    """Cache element offsets of the rows of keys start_n .. start_n + BLOCK_N - 1 of
-    kv_head (through the block table; with MASK_KV_END those at or past kv_limit read
-    no block-table entry and get page 0)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASK_KV_END:
-        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=offs_n < kv_limit,
-                       other=0).to(tl.int64)
-    else:
-        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE).to(tl.int64)
-    return (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
-            + kv_head * stride_cache_head)
-
-
-@triton.jit
 def attend_kv_tile(
     q, acc, m_i, l_i,
     k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
@@ -72,24 +54,15 @@ def attend_kv_tile(
     anything, NaN included); CAUSAL also drops keys after each row's position q_pos.
     Without MASK_KV_END every key of the tile must be visible to every row.
     """
-    rows = kv_tile_rows(block_table_ptr, kv_head, start_n, kv_limit,
-                        stride_cache_block, stride_cache_tok, stride_cache_head,
-                        PAGE_SIZE, BLOCK_N, MASK_KV_END)
-    return attend_kv_rows(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, rows, start_n,
-                          kv_limit, q_pos, qk_scale, BLOCK_N, HEAD_DIM, MASK_KV_END, CAUSAL,
-                          IEEE_DOT)
-
-
-@triton.jit
-def attend_kv_rows(
-    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, rows, start_n, kv_limit, q_pos, qk_scale,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KV_END: tl.constexpr, CAUSAL: tl.constexpr, IEEE_DOT: tl.constexpr,
-):
-    """attend_kv_tile past its block-table lookup: rows are kv_tile_rows' offsets."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    n_ok = offs_n < kv_limit
+    if MASK_KV_END:
+        n_ok = offs_n < kv_limit
+        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE).to(tl.int64)
+    rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
+            + kv_head * stride_cache_head)
     kv_offsets = rows[:, None] + dims[None, :]
     if MASK_KV_END:
         k = tl.load(k_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)

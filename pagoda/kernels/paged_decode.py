@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.paged_attention import LOG2_E, attend_kv_rows, attend_kv_tile, kv_tile_rows
+from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales
 
@@ -55,18 +55,6 @@ def _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N: tl.c
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     kv_start = split * per_split
     return kv_start, tl.minimum(kv_start + per_split, seq_len)
-
-
-@triton.jit
-def _step_plan(query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, req, split, num_splits,
-               min_split, stride_bt, BLOCK_N: tl.constexpr):
-    """(q_row, query length, kv_start, kv_end, the request's block-table row) of a
-    program: the step's metadata only, which no kernel of the forward writes (copies
-    queued before it do), so a kernel reads it before its PDL wait (pagoda.kernels.pdl)."""
-    q_row = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
-    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
-    return q_row, q_len, kv_start, kv_end, block_tables_ptr + req.to(tl.int64) * stride_bt
 
 
 @triton.jit
@@ -102,18 +90,14 @@ def _decode_kernel(
     DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row, q_len, kv_start, kv_end, block_table_ptr = _step_plan(
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, req, split, num_splits,
-        min_split, stride_bt, BLOCK_N)
-    first_rows = kv_tile_rows(block_table_ptr, kv_head, kv_start, kv_end,
-                              stride_cache_block, stride_cache_tok, stride_cache_head,
-                              PAGE_SIZE, BLOCK_N, True)
-    pdl_wait_and_release(USE_PDL)  # before q and the cache: the kernels before write them
-    if q_len != 1:
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
         return
+    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -124,17 +108,14 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
         if not IEEE_DOT:  # e4m3 -> float16 is one instruction per pair; -> bfloat16 is not
             q = q.to(tl.float16)
     # The one query sits at the last position: every key before kv_end is visible, so
     # no causal mask (q_pos is unused; kv_end stands in for it).
-    if kv_start < kv_end:  # the first tile, its rows looked up before the wait
-        acc, m_i, l_i = attend_kv_rows(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, first_rows, kv_start, kv_end, kv_end,
-            qk_scale, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
-    for start_n in range(kv_start + BLOCK_N, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             start_n, kv_end, kv_end, qk_scale,
@@ -257,10 +238,7 @@ def _decode_words_kernel(
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
-    (the byte planes above); same grid, slices, workspace and merge. Unlike
-    _decode_kernel it waits before reading the metadata: those loads ahead of the wait
-    took it from 166 to 168 registers and a stack frame on sm_90, 177 with the first
-    tile's lookup too (three programs an SM to two, at the large batches it is for)."""
+    (the byte planes above); same grid, slices, workspace and merge."""
     pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -322,26 +300,21 @@ def _merge_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
+    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + req)  # metadata: before the wait (_step_plan)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
-    pdl_wait_and_release(USE_PDL)  # before the slices: the decode kernel writes them
-    if q_len != 1:
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
         return
     splits = tl.arange(0, SPLITS_PAD)
     base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
-    split_ok = splits < num_splits
-    lse = tl.load(partial_lse_ptr + base + splits, mask=split_ok, other=float("-inf"))
-    dims = tl.arange(0, HEAD_DIM)
-    # Every slice of a decode request is written (an empty one as 0 with lse -inf), so
-    # the rows load beside the lse, not after it; empty slices weigh 0 (tl.where, not a
-    # product: 0 * a stale NaN would be NaN).
-    partial = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=split_ok[:, None], other=0.0)
+    lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     filled = lse > float("-inf")  # slice 0 always holds a token, so the max is finite
     weight = tl.where(filled, tl.math.exp2(lse - tl.max(lse, 0)), 0.0)
-    partial = tl.where(filled[:, None], partial, 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    # Empty slices were never written: do not read them (0 * garbage may be NaN).
+    partial = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=filled[:, None], other=0.0)
     out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty))

@@ -7,18 +7,13 @@ in the stream is still running; it must then wait (``griddepcontrol.wait``) for 
 predecessor to complete and flush its memory before it touches any. What overlaps is
 the launch itself and the kernel's prologue: the step's gaps between kernels.
 
-The invariant every kernel that takes part keeps: ``pdl_wait_and_release(USE_PDL)`` comes
-before any store and before any load of memory a kernel of the forward may write. Then
-the chain stays serialised in effect (each kernel's memory operations follow its
-predecessor's completion, so transitively every earlier kernel's), whatever ran before
-it (cuBLAS, torch ops: a predecessor that never signals is waited for to its end). The
-one kind of load allowed before the wait: the step's attention metadata (query start
-locations, sequence lengths, block tables), which only copies and kernels queued
-before the forward write. When a kernel starts, its predecessor has passed its own
-wait, so everything before the predecessor has completed: those writes are done. The
-decode attention kernels and their merge read it there, so its latency overlaps the
-kernel before them. A kernel must never be launched with ``launch_pdl=True`` without
-the wait: ``launch_options`` hands out the two together.
+The invariant every kernel that takes part keeps: ``pdl_wait_and_release(USE_PDL)`` is
+the first thing it does, before any load or store. Then the chain stays serialised in
+effect (each kernel's memory operations follow its predecessor's completion, so
+transitively every earlier kernel's), whatever ran before it (cuBLAS, torch ops: a
+predecessor that never signals is waited for to its end). A kernel must never be
+launched with ``launch_pdl=True`` without that wait: ``launch_options`` hands out the
+two together.
 
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
@@ -58,9 +53,9 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_wait_and_release(USE_PDL: tl.constexpr):
-    """Before a participating kernel's first store or load of what the forward writes
-    (the module docstring): wait for the predecessor grid to complete and flush, then
-    let the next kernel in the stream begin launching (its programs wait in turn)."""
+    """First statement of a participating kernel: wait for the predecessor grid to
+    complete and flush, then let the next kernel in the stream begin launching (its
+    programs wait in turn at their own first statement)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
