@@ -192,6 +192,9 @@ def _pdl_cases():
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(
             NUM_HEADS=32, GROUP=8, BLOCK_H=16, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
             **extra, **cfg, USE_PDL=True)
+    yield "decode_merge", pd._merge_kernel, (
+        attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
+        NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, USE_PDL=True)
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
