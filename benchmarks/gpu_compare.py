@@ -92,29 +92,23 @@ def uniform_lengths(rng, n, lo, hi):
 
 
 def add_kernel_switches(parser) -> None:
-    """--pdl on|off (pagoda.kernels.pdl.ENABLED), --fp8-fast-accum on|off
-    (fp8_linear.SCALED_MM_FAST_ACCUM) and --norm-into-gemv on|off (norm_prologue.ENABLED)
-    for the run; apply_kernel_switches sets them."""
+    """--pdl on|off (pagoda.kernels.pdl.ENABLED) and --fp8-fast-accum on|off
+    (fp8_linear.SCALED_MM_FAST_ACCUM) for the run; apply_kernel_switches sets them."""
     parser.add_argument("--pdl", choices=("on", "off"), default=None,
                         help="Pagoda: programmatic dependent launch of the decode kernels "
                              "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
     parser.add_argument("--fp8-fast-accum", choices=("on", "off"), default=None,
                         help="Pagoda: torch._scaled_mm's fast accumulation in the FP8 GEMMs "
                              "(fp8_linear.SCALED_MM_FAST_ACCUM; default: as the module sets it)")
-    parser.add_argument("--norm-into-gemv", choices=("on", "off"), default=None,
-                        help="Pagoda: the one-row GEMVs compute the RMSNorm before them "
-                             "(norm_prologue.ENABLED; default: as the module sets it)")
 
 
 def apply_kernel_switches(args) -> None:
     """Sets the switches from the flags; call before the model's kernels first launch."""
-    from pagoda.kernels import fp8_linear, norm_prologue, pdl
+    from pagoda.kernels import fp8_linear, pdl
     if args.pdl is not None:
         pdl.ENABLED = args.pdl == "on"
     if getattr(args, "fp8_fast_accum", None) is not None:
         fp8_linear.SCALED_MM_FAST_ACCUM = args.fp8_fast_accum == "on"
-    if getattr(args, "norm_into_gemv", None) is not None:
-        norm_prologue.ENABLED = args.norm_into_gemv == "on"
 
 
 def random_prompts(rng, lengths, vocab):

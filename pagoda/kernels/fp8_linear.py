@@ -23,8 +23,6 @@ compute the same thing. Outputs are allocated from shapes only (CUDA-graph captu
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +38,6 @@ from pagoda.kernels.fp8_quant import (
     per_token_quant_fp8_ref,
     triton_usable,
 )
-from pagoda.kernels.norm_prologue import RowNorm, normed_chunk, row_inv_rms, row_norm_for
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
@@ -179,14 +176,13 @@ def _e4m3_bits_to(w, dtype: tl.constexpr):
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, summed_ptr, norm_eps,
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
     SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
     DECODE: tl.constexpr, GATED: tl.constexpr = False,
-    NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
@@ -198,10 +194,7 @@ def _w8a16_kernel(
     GATED (one row, SPLIT_K 1, no bias): the weight is [gate; up], 2N rows, and out[:, j]
     = silu(gate_j) * up_j, each rounded to out's dtype first as the unfused gate_up
     linear and silu_and_mul round them; the program's accumulator rows interleave gate
-    row j and up row N + j, so one tile streams both.
-    NORM (one row): x is the RMSNorm's input, not its output: every program normalises
-    x + residual (r_ptr) by the norm weight (nw_ptr) itself (pagoda.kernels.norm_prologue)
-    and program (0, 0) stores x + residual to summed_ptr."""
+    row j and up row N + j, so one tile streams both."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GATED:
@@ -218,9 +211,6 @@ def _w8a16_kernel(
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     pdl_wait_and_release(USE_PDL)  # before any load or store
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, r_ptr, summed_ptr, K, norm_eps,
-                              (pid_n == 0) & (pid_k == 0), NORM_BLOCK)
     if BLOCK_M == 1:
         # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
         # factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
@@ -235,20 +225,14 @@ def _w8a16_kernel(
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
             if EVEN_K:
-                if NORM:
-                    x = normed_chunk(x_ptr, r_ptr, nw_ptr, k0 + offs_k, None, inv_rms, False)
-                else:
-                    x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+                x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
                 if EVEN_N:
                     w = tl.load(w_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = offs_k < k_end - k0
-                if NORM:
-                    x = normed_chunk(x_ptr, r_ptr, nw_ptr, k0 + offs_k, k_ok, inv_rms, True)
-                else:
-                    x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if DECODE == "bits":
                 w = _e4m3_bits_f32(w)
@@ -343,7 +327,7 @@ def _fit_block_k(block_k: int, group_k: int, minimum: int) -> int:
 
 def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias=None,
                  out_dtype=None, block: tuple[int, int] | None = None, config=None,
-                 gated: bool = False, norm: Optional[RowNorm] = None) -> torch.Tensor:
+                 gated: bool = False) -> torch.Tensor:
     """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
     block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
     (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries.
@@ -351,8 +335,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     LOOP_STAGES (one-row loop), DECODE (W8A16_DECODES, default "cvt"), DOT (one row on
     the tl.dot path). gated: w_fp8 is [gate; up] (2N rows), the result silu(gate) * up
     [1, N] (one row, per-channel scales, no bias; the default tile halves BLOCK_N, so a
-    K step reads as many weight rows as the plain GEMV's). norm (one row, the one-row
-    loop): x is the RMSNorm's input; the kernel normalises it and fills norm.summed."""
+    K step reads as many weight rows as the plain GEMV's)."""
     m, k = x.shape
     n = w_fp8.shape[0] // 2 if gated else w_fp8.shape[0]
     if not 0 < m <= W8A16_ROWS_LIMIT:
@@ -371,8 +354,6 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     # DOT=True: one row through the tl.dot path too (a 16-row tile, 15 padding rows).
     one_row_dot = cfg.pop("DOT", False)  # popped for any m: it is no kernel argument
     block_m = 1 if m == 1 and not one_row_dot else max(16, triton.next_power_of_2(m))
-    if norm is not None and block_m != 1:
-        raise ValueError("w8a16_linear(norm=...) takes one row through the one-row loop")
     if decode not in W8A16_DECODES:
         raise ValueError(f"w8a16_linear: DECODE must be one of {W8A16_DECODES}, got {decode!r}")
     bn, bk = block if block is not None else (1, 1)
@@ -382,9 +363,8 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
-    norm_args = norm.kernel_args() if norm is not None else (out, out, out, 0.0)
     _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
-        x, w_fp8, scale, bias if bias is not None else out, out, part, *norm_args,
+        x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1) if block is not None else 0,
         SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
@@ -392,7 +372,6 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        NORM=norm is not None, NORM_BLOCK=norm.block if norm is not None else 1,
         **cfg, **launch_options(x.device))
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
@@ -530,29 +509,6 @@ def fp8_linear_silu_and_mul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch
     out = w8a16_linear(x2, w_fp8, _per_channel_scale(w_scale, n2), None, out_dtype or x.dtype,
                        gated=True)
     return out.reshape(*x.shape[:-1], n2 // 2)
-
-
-def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
-                        silu_and_mul: bool = False
-                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(fp8_linear(norm(x + residual)), x + residual) in one launch for one row on CUDA,
-    norm being the RMSNorm by norm_weight (eps): the one-row W8A16 GEMV normalises its
-    input itself (pagoda.kernels.norm_prologue). silu_and_mul: the product is
-    fp8_linear_silu_and_mul's (the gated GEMV; no bias). None where the fused kernel does
-    not apply (more rows, the CPU, dtypes or shapes it does not take): the caller runs
-    the norm and the linear apart."""
-    n_rows, k = _weight_shape(w_fp8, "fp8_linear_rms_norm")
-    if x.dim() != 2 or x.shape[-1] != k or not triton_usable(x):
-        return None
-    norm = row_norm_for(x, residual, norm_weight, eps)
-    if norm is None or (silu_and_mul and (n_rows % 2 or bias is not None)):
-        return None
-    _check_fp8_weight(w_fp8, x, "fp8_linear_rms_norm")
-    _check_bias(bias, n_rows, "fp8_linear_rms_norm")
-    out = w8a16_linear(x, w_fp8, _per_channel_scale(w_scale, n_rows), bias, x.dtype,
-                       gated=silu_and_mul, norm=norm)
-    return out, norm.summed
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,

@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.arrival_counters import arrival_counters
-from pagoda.kernels.norm_prologue import RowNorm, normed_chunk, row_inv_rms, row_norm_for
 from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
@@ -123,29 +122,22 @@ def default_config(m: int, n: int, k: int) -> dict:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, summed_ptr, norm_eps,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
     float32 partial and, for the last of the block's splits, the reduction.
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
     (a mask Triton cannot prove uniform splits 16-byte vector loads into narrow ones, and
-    the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M.
-    NORM (one row): x is the RMSNorm's input; every program normalises x + residual
-    itself (pagoda.kernels.norm_prologue), program (0, 0) stores x + residual."""
+    the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M."""
     pdl_wait_and_release(USE_PDL)  # before any load or store
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, r_ptr, summed_ptr, K, norm_eps,
-                              (pid_n == 0) & (pid_k == 0), NORM_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
@@ -155,8 +147,8 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
-        acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, r_ptr, nw_ptr, inv_rms,
-                       BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, LOOP_STAGES, NORM)
+        acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N,
+                       EVEN_K, LOOP_STAGES)
     elif DOT:
         acc = _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION, BLOCK_M,
                         BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, LOOP_STAGES)
@@ -176,35 +168,28 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, r_ptr, nw_ptr, inv_rms,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr, NORM: tl.constexpr):
+def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+             LOOP_STAGES: tl.constexpr):
     """[1, BLOCK_N] float32: one row of x times the block's weight rows over
     [k_start, k_end); a [BLOCK_N, BLOCK_K] accumulator reduced over K once, at the end.
     LOOP_STAGES > 1: Triton's pipeliner keeps that many K steps' loads in flight (the
-    kernel is bound by the bytes in flight per SM, not by arithmetic). NORM: x is
-    normalised on the way in (inv_rms from row_inv_rms, the residual at r_ptr)."""
+    kernel is bound by the bytes in flight per SM, not by arithmetic)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
         if EVEN_K:
-            if NORM:
-                x = normed_chunk(x_ptr, r_ptr, nw_ptr, k0 + offs_k, None, inv_rms, False)
-            else:
-                x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+            x = tl.load(x_ptr + k0 + offs_k)
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < k_end - k0
-            if NORM:
-                x = normed_chunk(x_ptr, r_ptr, nw_ptr, k0 + offs_k, k_ok, inv_rms, True)
-            else:
-                x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc2 += w.to(tl.float32) * x[None, :]
+        acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
     return tl.sum(acc2, axis=1)[None, :]
 
 
@@ -318,12 +303,11 @@ def _check_config(cfg: dict, m: int) -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[dict] = None, norm: Optional[RowNorm] = None) -> torch.Tensor:
+         config: Optional[dict] = None) -> torch.Tensor:
     """x [..., K] (M = its rows, 1..GEMV_MAX_ROWS; rows may be strided) @ weight[N, K].T
     (+ bias) -> [..., N] in x's dtype, float32 accumulation, rounded once. config: the
     tiles (GEMV_CONFIGS' form); default: the table's entry for the shape, else
-    default_config. norm (one row): x is the RMSNorm's input; the kernel normalises it
-    and fills norm.summed (pagoda.kernels.norm_prologue)."""
+    default_config."""
     n, k = _check(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -333,8 +317,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
     cfg = dict(config or GEMV_CONFIGS.get((n, k, rows_bucket(m))) or default_config(m, n, k))
     _check_config(cfg, m)
-    if norm is not None and m != 1:
-        raise ValueError(f"gemv(norm=...) takes one row, got {m}")
     split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
     dot = cfg["DOT"]
     block_m = 1 if m == 1 else max(16 if dot else 1, triton.next_power_of_2(m))
@@ -343,22 +325,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
-    norm_args = norm.kernel_args() if norm is not None else (out, out, out, 0.0)
     _gemv_kernel[(blocks, split)](
-        x2, weight, bias if bias is not None else out, out, part, counters, *norm_args,
+        x2, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, NORM=norm is not None,
-        NORM_BLOCK=norm.block if norm is not None else 1, **cfg, **launch_options(x.device))
+        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 
-def _routed_config(x: torch.Tensor, weight: torch.Tensor) -> Optional[dict]:
-    """The GEMV_CONFIGS entry the engine routes x @ weight.T to, or None (F.linear): x
-    on CUDA (or any device under TRITON_INTERPRET=1), fp16 or bf16 x and weight, at most
-    GEMV_MAX_ROWS rows, the (N, K, rows bucket) listed and PAGODA_TRITON_GEMV not 0."""
+def maybe_gemv(x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """gemv(x, weight, bias) when the engine should take it: x on CUDA (or any device
+    under TRITON_INTERPRET=1), fp16 or bf16 x and weight, at most GEMV_MAX_ROWS rows,
+    the (N, K, rows bucket) in GEMV_CONFIGS and PAGODA_TRITON_GEMV not 0. Otherwise None:
+    the caller's F.linear."""
     if not GEMV_CONFIGS or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
@@ -370,31 +352,7 @@ def _routed_config(x: torch.Tensor, weight: torch.Tensor) -> Optional[dict]:
     cfg = GEMV_CONFIGS.get((n, k, rows_bucket(m)))
     if cfg is None or os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    return cfg
-
-
-def maybe_gemv(x: torch.Tensor, weight: torch.Tensor,
-               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """gemv(x, weight, bias) when the engine should take it (_routed_config); otherwise
-    None: the caller's F.linear."""
-    cfg = _routed_config(x, weight)
-    return None if cfg is None else gemv(x, weight, bias, cfg)
-
-
-def maybe_gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(gemv(norm(x + residual)), x + residual) in one launch, norm being the RMSNorm by
-    norm_weight: for one row x [1, K] where maybe_gemv would take the GEMV and the
-    norm fuses (norm_prologue.row_norm_for). None otherwise: the caller runs the norm,
-    then the linear."""
-    cfg = _routed_config(x, weight)
-    if cfg is None or x.dim() != 2:
-        return None
-    norm = row_norm_for(x, residual, norm_weight, eps)
-    if norm is None:
-        return None
-    return gemv(x, weight, bias, cfg, norm=norm), norm.summed
+    return gemv(x, weight, bias, cfg)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,

@@ -19,11 +19,6 @@ each instead of the producer, a float write and read, and a quantization kernel)
 question is asked with the rows the consumer will see: after the last layer's
 output_rows selection, its MLP may run on few enough rows not to.
 
-At one row on CUDA the norms may instead run inside the GEMV after them (qkv_proj, and
-gate_up_proj where its method has a fused kernel: pagoda.kernels.norm_prologue): the
-linear's ``forward_rms_norm`` returns its product and the summed residual, or None and
-the layer runs the norm kernel as before.
-
 Subclasses swap the feed-forward block per layer (``make_mlp``, e.g. Qwen3-MoE's
 experts) and extend the checkpoint name mapping (``map_hf_name``, ``expected_loads``).
 
@@ -60,9 +55,6 @@ _STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-# Devices whose one-row steps try the norms inside the GEMVs after them (qkv_proj,
-# gate_up_proj: pagoda.kernels.norm_prologue). Tests add "cpu": the kernels' interpreter.
-NORM_FUSION_DEVICES = ("cuda",)
 # Checkpoint entries that are not weights (old HF checkpoints saved rotary buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -101,13 +93,8 @@ class LlamaAttention(nn.Module):
         hidden], or [len(output_rows), hidden] for those rows only (attention still
         runs, and stores K/V, for every row). cos/sin: what LlamaModel.rotary gives:
         [T, D/2] each, or rotary_tables' [T, 1, D] tables."""
-        return self.forward_qkv(self.qkv_proj(hidden), cos, sin, output_rows)
-
-    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """forward() past its qkv_proj: qkv [T, q_size + 2 * kv_size] (from a fused
-        norm + qkv GEMV, or from forward)."""
-        num_tokens = qkv.shape[0]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
         rotate = apply_rotary_tables if cos.dim() == 3 else apply_rotary
         q = self._fused_qk_rope_store(qkv, cos, sin) if cos.dim() == 2 else None
         if q is not None:  # k/v already in the cache
@@ -186,20 +173,6 @@ class LlamaMLP(nn.Module):
             return self.down_proj(self.act(self.gate_up_proj(x), fp8_out=True))
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act))
 
-    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                         ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(self(norm(x + residual)), x + residual) with the norm computed inside the
-        gate/up GEMV (one row: the gated FP8 GEMV, or a Triton GEMV and the activation);
-        None where no fused kernel takes x: the caller runs the norm, then self."""
-        fused = self.gate_up_proj.forward_rms_norm_silu_and_mul(x, residual, norm)
-        if fused is None:
-            fused = self.gate_up_proj.forward_rms_norm(x, residual, norm)
-            if fused is None:
-                return None
-            fused = self.act(fused[0]), fused[1]
-        activation, summed = fused
-        return self.down_proj(activation), summed
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel,
@@ -218,36 +191,17 @@ class LlamaDecoderLayer(nn.Module):
         """Returns (mlp output, residual stream before it): the next norm adds them.
         With output_rows, both hold those rows only (see the module docstring). Each
         norm quantizes its output to FP8 where its consumer asks for that."""
-        fusing = hidden.device.type in NORM_FUSION_DEVICES
-        hidden, residual = self._attend(hidden, residual, cos, sin, output_rows, fusing)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows)
-        fused_mlp = getattr(self.mlp, "forward_rms_norm", None)
-        if fusing and fused_mlp is not None and hidden.shape[0] == 1:
-            out = fused_mlp(hidden, residual, self.post_attention_layernorm)
-            if out is not None:
-                return out
-        fp8 = module_takes_fp8_input(self.mlp, hidden.shape[0])  # after the selection
-        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8)
-        return self.mlp(hidden), residual
-
-    def _attend(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor, output_rows: Optional[torch.Tensor],
-                fusing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention output, residual stream): input_layernorm then self_attn, the norm
-        inside the qkv GEMV where fusing and one row take it."""
-        if fusing and residual is not None and hidden.shape[0] == 1:
-            fused = self.self_attn.qkv_proj.forward_rms_norm(hidden, residual,
-                                                              self.input_layernorm)
-            if fused is not None:
-                qkv, residual = fused
-                return self.self_attn.forward_qkv(qkv, cos, sin, output_rows), residual
         fp8 = module_takes_fp8_input(self.self_attn, hidden.shape[0])
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, fp8_out=fp8)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8)
-        return self.self_attn(hidden, cos, sin, output_rows), residual
+        hidden = self.self_attn(hidden, cos, sin, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
+        fp8 = module_takes_fp8_input(self.mlp, hidden.shape[0])  # after the selection
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

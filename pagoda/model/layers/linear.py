@@ -29,7 +29,7 @@ the method would compute from the float shard itself.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import nn
@@ -196,16 +196,6 @@ class LinearBase(nn.Module):
     def forward(self, x: LinearInput) -> torch.Tensor:
         return self._multiply(x, self.bias)
 
-    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-                         ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(self(norm(x + residual)), x + residual) in one fused step where the quant
-        method has one for x (the one-row GEMVs), norm being an RMSNorm; None: the
-        caller runs norm, then self. Column layers only (no collective follows)."""
-        if isinstance(x, Fp8Activation):
-            return None
-        return self.quant_method.apply_rms_norm(self, x, residual, norm.weight, norm.eps,
-                                                self.bias)
-
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -253,18 +243,6 @@ class MergedColumnParallelLinear(LinearBase):
             if fused is not None:
                 return fused
         return act(self(x))
-
-    def forward_rms_norm_silu_and_mul(self, x: torch.Tensor, residual: torch.Tensor,
-                                      norm: nn.Module
-                                      ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(silu_and_mul(self(norm(x + residual))), x + residual) in one fused step (the
-        gated FP8 GEMV with the norm in its prologue), or None: the caller runs the norm
-        and then forward_silu_and_mul."""
-        if self.bias is not None or len(self.rank_sizes) != 2 or \
-                self.rank_sizes[0] != self.rank_sizes[1] or isinstance(x, Fp8Activation):
-            return None
-        return self.quant_method.apply_rms_norm(self, x, residual, norm.weight, norm.eps,
-                                                None, silu_and_mul=True)
 
 
 class QKVParallelLinear(LinearBase):
@@ -327,9 +305,6 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"RowParallelLinear takes no shard_id, got {shard_id!r}")
         cols = self.in_per_rank
         return ShardPlan(inp=(self.tp_rank * cols, cols))
-
-    def forward_rms_norm(self, x, residual, norm):
-        return None  # its input is a shard of another layer's output, never a norm's
 
     def forward(self, x: LinearInput) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:  # no collective, bias fused

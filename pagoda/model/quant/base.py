@@ -231,17 +231,6 @@ class LinearMethod(ABC):
         activation apart."""
         return None
 
-    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
-                       silu_and_mul: bool = False
-                       ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(apply(norm(x + residual)) + bias, x + residual) in one fused step, norm being
-        the RMSNorm by norm_weight with eps (silu_and_mul: apply_silu_and_mul's product
-        instead of apply's), where the method has one for this input (the one-row GEMVs
-        normalise their own input: pagoda.kernels.norm_prologue); None (the default)
-        makes the caller run the norm, then the layer."""
-        return None
-
 
 class QuantConfig(ABC):
     """One quantization scheme: which layers it covers and the method of each."""

@@ -142,13 +142,6 @@ class Fp8OnlineLinearMethod(LinearMethod):
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         return kernels.fp8_linear_silu_and_mul(x, layer.weight, layer.weight_scale)
 
-    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
-                       silu_and_mul: bool = False
-                       ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        return kernels.fp8_linear_rms_norm(x, residual, norm_weight, eps, layer.weight,
-                                           layer.weight_scale, bias, silu_and_mul)
-
 
 class Fp8CheckpointLinearMethod(LinearMethod):
     """FP8 weights and scales as a checkpoint stores them.
@@ -227,17 +220,6 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if self.strategy == "block":  # the gated kernel takes per-channel scales
             return None
         return kernels.fp8_linear_silu_and_mul(x, layer.weight, getattr(layer, self.scale_name))
-
-    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
-                       silu_and_mul: bool = False
-                       ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-channel scales only. A static input scale is not used at one row on CUDA
-        (linear_static_input takes the W8A16 GEMV there too, which quantizes nothing)."""
-        if self.strategy == "block" or (self.static_input and not x.is_cuda):
-            return None
-        return kernels.fp8_linear_rms_norm(x, residual, norm_weight, eps, layer.weight,
-                                           getattr(layer, self.scale_name), bias, silu_and_mul)
 
 
 class Fp8Config(QuantConfig):
