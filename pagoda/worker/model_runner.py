@@ -333,8 +333,12 @@ class ModelRunner:
         if not inputs.sample_rows:
             return None, None, []
         if not compacted:
-            rows_idx = host_to_device(self._bucketed(inputs.sample_rows), torch.long, self.device)
-            hidden = hidden.index_select(0, rows_idx)
+            bucketed = self._bucketed(inputs.sample_rows)
+            if bucketed == list(range(len(bucketed))):  # every row samples: no gather
+                hidden = hidden[: len(bucketed)]
+            else:
+                hidden = hidden.index_select(
+                    0, host_to_device(bucketed, torch.long, self.device))
         logits = self.model.compute_logits(hidden)[: len(inputs.sample_rows)]
         if extras is not None and extras.grammar_bitmasks:
             apply_token_bitmask(logits, stack_row_bitmasks(
