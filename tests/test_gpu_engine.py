@@ -101,7 +101,7 @@ def test_mixed_step_graph_matches_eager_reference(llm):
         md = build_attention_metadata(queries, seq_lens, tables, bs, device)
         ids = torch.randint(0, arch.vocab_size, (sum(queries),), generator=gen).to(device)
         pos = torch.cat([torch.arange(c, c + q) for c, q in zip(contexts, queries)]).to(device)
-        assert graphs.graph_for(sum(queries), len(queries)) == (48, 128)
+        assert graphs.graph_for(sum(queries), len(queries)) == (48, 128, None)
         assert graphs.can_run(md, sum(queries))
         out_graph = graphs.run(ids, pos, md).float().clone()
         with forward_context(ref, ref.build_metadata(md), ref_pool):

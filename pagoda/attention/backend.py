@@ -108,12 +108,20 @@ class AttentionBackend(ABC):
         max_num_tokens) query rows."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def metadata_for_capture(self, batch_size: int,
-                             num_tokens: Optional[int] = None) -> BackendMetadata:
+    def metadata_for_capture(self, batch_size: int, num_tokens: Optional[int] = None,
+                             max_context: Optional[int] = None) -> BackendMetadata:
         """The plan a graph is captured with: launches sized from capture-time values only.
         num_tokens None: a decode graph (one query row per request); else a mixed graph
-        of num_tokens rows over up to batch_size requests of any query lengths."""
+        of num_tokens rows over up to batch_size requests of any query lengths.
+        max_context: a decode graph for steps whose contexts are all at most this long
+        (the value short_context_graph gave); None: any context the block table holds."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def short_context_graph(self, batch_size: int) -> Optional[int]:
+        """The context bound of a second decode graph of batch_size requests worth
+        capturing beside the one for any context (planned differently for short
+        contexts), or None: one graph. Asked after init_cuda_graph_state."""
+        return None
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
                        num_tokens: Optional[int] = None) -> None:

@@ -172,8 +172,10 @@ class MLATritonBackend(MLATorchBackend):
             **shared, row_req=torch.zeros(rows, dtype=torch.int32, device=device),
             row_len=torch.zeros(rows, dtype=torch.int32, device=device))
 
-    def metadata_for_capture(self, batch_size: int,
-                             num_tokens: Optional[int] = None) -> MLATritonPlan:
+    def metadata_for_capture(self, batch_size: int, num_tokens: Optional[int] = None,
+                             max_context: Optional[int] = None) -> MLATritonPlan:
+        if max_context is not None:  # short_context_graph is None: never asked
+            raise ValueError("the MLA backend plans one decode graph for any context")
         g = checked_graph_buffers(self._graph, batch_size, num_tokens)
         rows = batch_size if num_tokens is None else num_tokens
         plan = MLAPlan(capture_metadata(g, batch_size, num_tokens), None, rows,

@@ -22,7 +22,10 @@ longest context the block table can hold, and the kernels read the real lengths 
 the tensors, so programs past a request's end exit at once. `prepare_replay`
 copies a real batch into the buffers; requests past num_reqs get query length 0 and
 are skipped. Output rows of padding tokens are left unwritten in graph mode (eager
-mode zeroes them, as torch_ref does).
+mode zeroes them, as torch_ref does). At small batches a second decode graph is planned
+for steps whose contexts are all short (`short_context_graph`: fewer slices, as
+paged_decode.short_context_splits says); the graph runner picks it by the step's
+longest context.
 
 The kernels are imported on first use, so importing this module needs no GPU and
 does not fix TRITON_INTERPRET for the process.
@@ -30,7 +33,7 @@ does not fix TRITON_INTERPRET for the process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -143,15 +146,37 @@ class TritonBackend(AttentionBackend):
         self._graph = GraphBuffers(**allocate_graph_buffers(
             max_batch_size, max_blocks_per_req, block_size, device, max_num_tokens))
 
-    def metadata_for_capture(self, batch_size: int,
-                             num_tokens: Optional[int] = None) -> TritonMetadata:
+    def metadata_for_capture(self, batch_size: int, num_tokens: Optional[int] = None,
+                             max_context: Optional[int] = None) -> TritonMetadata:
         """Metadata over the persistent buffers, planned from capture-time values only (no
         host copies). Decode graph (num_tokens None): one query row per request. Mixed
         graph: num_tokens rows over batch_size requests; the chunk kernel's grid covers
         num_tokens rows (requests read their real query lengths on the device) and the
-        decode kernel serves the requests whose query length is 1."""
+        decode kernel serves the requests whose query length is 1. max_context (decode
+        graphs, short_context_graph's bound): the decode kernel's short-context slices."""
         g = checked_graph_buffers(self._graph, batch_size, num_tokens)
-        return self.build_metadata(capture_metadata(g, batch_size, num_tokens))
+        metadata = self.build_metadata(capture_metadata(g, batch_size, num_tokens))
+        if max_context is None:
+            return metadata
+        splits = self._short_context_splits(batch_size)
+        if num_tokens is not None or splits is None or max_context != self.short_context_graph(batch_size):
+            raise ValueError(f"no short-context decode graph of {batch_size} requests "
+                             f"(rows {num_tokens}) for contexts up to {max_context}")
+        return replace(metadata, num_splits=splits)
+
+    def short_context_graph(self, batch_size: int) -> Optional[int]:
+        """paged_decode.SHORT_CONTEXT_TOKENS where its plan has fewer slices than the
+        graph for the block table's longest context (small batches)."""
+        from pagoda.kernels.paged_decode import SHORT_CONTEXT_TOKENS
+        return None if self._short_context_splits(batch_size) is None else SHORT_CONTEXT_TOKENS
+
+    def _short_context_splits(self, batch_size: int) -> Optional[int]:
+        from pagoda.kernels.paged_decode import short_context_splits
+        if self._graph is None or self.num_decode_splits is not None:
+            return None
+        longest = self._graph.block_tables.shape[1] * self._graph.block_size
+        return short_context_splits(batch_size, self.num_kv_heads, longest,
+                                    self._sm_count(self._graph.block_tables.device))
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
                        num_tokens: Optional[int] = None) -> None:

@@ -1,7 +1,8 @@
 """Triton split-K (flash-decoding) paged attention for decode rows (query length 1).
 
 Owns `paged_attention_decode`, `choose_num_splits` and `min_split_tokens` (the split
-plan the MLA latent kernel shares).
+plan the MLA latent kernel shares), and `short_context_splits` (the plan of a decode
+CUDA graph for short contexts).
 
 Grid (requests, kv heads, splits). A program takes the one query row of its request,
 all query heads of one KV head (padded to at least 16 rows for the tensor cores), and
@@ -45,6 +46,16 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
+# A decode CUDA graph is planned for the longest context its block table holds, which
+# at small batches means MAX_SPLITS slices; for steps whose contexts are all short, a
+# second graph with SHORT_CONTEXT_SPLITS slices (no more than ~64 tokens each up to
+# SHORT_CONTEXT_TOKENS) is faster: every slice, empty or not, is a program, and the
+# merge reads every slice. From benchmarks/decode_splits.py on the H200 (32 layers, a
+# copy between them), Llama-3.1-8B at batch 1, µs a layer, 8 / 32 slices: 5.35 / 6.36 at
+# 128 tokens, 5.75 / 6.84 at 512, 7.59 / 7.14 at 768 (docs/performance.md).
+SHORT_CONTEXT_TOKENS = 512
+SHORT_CONTEXT_SPLITS = 8
+SHORT_CONTEXT_GRAPHS = True  # False: one decode graph per size (benchmarks' A/B switch)
 
 
 @triton.jit
@@ -338,6 +349,18 @@ def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
     by_length = triton.cdiv(max_seq_len, min_split)
     by_occupancy = triton.cdiv(4 * num_sms, num_decode_reqs * num_kv_heads)
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def short_context_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
+                         num_sms: int) -> Optional[int]:
+    """The slices of a second decode graph for steps whose longest context is at most
+    SHORT_CONTEXT_TOKENS, or None where the graph planned for max_seq_len (the block
+    table's longest context) has no more slices than that already."""
+    if not SHORT_CONTEXT_GRAPHS or max_seq_len <= SHORT_CONTEXT_TOKENS or \
+            choose_num_splits(num_decode_reqs, num_kv_heads, max_seq_len, num_sms) <= \
+            SHORT_CONTEXT_SPLITS:
+        return None
+    return SHORT_CONTEXT_SPLITS
 
 
 def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:

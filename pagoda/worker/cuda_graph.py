@@ -2,7 +2,10 @@
 
 Two kinds, in one memory pool, largest first so smaller graphs reuse its blocks:
 - decode graphs, at padded batch sizes (the LM head's row buckets up to max_num_seqs):
-  one query row per request, the split-K decode kernel only;
+  one query row per request, the split-K decode kernel only; where the backend asks
+  (short_context_graph: small batches), a second one of the size planned for steps
+  whose contexts are all short (fewer context slices), replayed when the step's
+  longest context fits;
 - mixed graphs, at padded row counts (MIXED_GRAPH_TOKENS up to the step's token
   budget), each over up to min(rows, max_num_seqs) requests of any query lengths:
   small prefills and prefill chunks beside decodes. An eager forward of such a step
@@ -46,7 +49,9 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 # Row counts of the mixed graphs (capped by the step's token budget).
 MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 
-GraphKey = tuple[int, Optional[int]]  # (requests, rows): rows None for a decode graph
+# (requests, rows, context bound): rows None for a decode graph; the bound (decode
+# graphs only) None for the graph of any context.
+GraphKey = tuple[int, Optional[int], Optional[int]]
 
 
 class CudaGraphRunner:
@@ -70,12 +75,16 @@ class CudaGraphRunner:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.short_bounds: dict[int, int] = {}  # batch size -> its short graph's bound
 
     def _keys(self) -> list[GraphKey]:
         """Every graph to capture, the largest (in rows) first."""
-        keys = [(bs, None) for bs in self.sizes]
-        keys += [(min(t, self.max_batch_size), t) for t in self.mixed_sizes]
-        return sorted(keys, key=lambda k: (k[1] or k[0], k[1] is not None), reverse=True)
+        keys = [(bs, None, None) for bs in self.sizes]
+        keys += [(bs, None, bound) for bs in self.sizes
+                 if (bound := self.backend.short_context_graph(bs)) is not None]
+        keys += [(min(t, self.max_batch_size), t, None) for t in self.mixed_sizes]
+        return sorted(keys, key=lambda k: (k[1] or k[0], k[1] is not None, k[2] is None),
+                      reverse=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -85,10 +94,11 @@ class CudaGraphRunner:
                                            max_num_tokens=self.max_mixed_tokens)
         pool = torch.cuda.graph_pool_handle()
         keys = self._keys()
+        self.short_bounds = {bs: bound for bs, rows, bound in keys if bound is not None}
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         for key in progress(keys, "capturing CUDA graphs", len(keys), "graph", rank):
-            num_reqs, num_tokens = key
-            metadata = self.backend.metadata_for_capture(num_reqs, num_tokens)
+            num_reqs, num_tokens, bound = key
+            metadata = self.backend.metadata_for_capture(num_reqs, num_tokens, bound)
             rows = num_tokens or num_reqs
             ids, pos = self.input_ids[:rows], self.positions[:rows]
             for _ in range(2):  # warm up: lazy caches, Triton compilation, cuBLAS handles
@@ -108,17 +118,24 @@ class CudaGraphRunner:
             graph.replay()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-step rows %s) in "
-                    "%.1fs", len(self.graphs), self.sizes, self.mixed_sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s, of which %s also for short "
+                    "contexts; mixed-step rows %s) in %.1fs", len(self.graphs), self.sizes,
+                    sorted(self.short_bounds), self.mixed_sizes, self.capture_seconds)
 
-    def graph_for(self, num_tokens: int, num_reqs: int) -> Optional[GraphKey]:
+    def graph_for(self, num_tokens: int, num_reqs: int,
+                  longest_context: Optional[int] = None) -> Optional[GraphKey]:
         """The graph a step of num_reqs requests and num_tokens rows replays, if any: a
-        decode graph for a decode-only step, else the smallest mixed graph that fits."""
+        decode graph for a decode-only step (its short-context one where the step's
+        longest context is known and fits), else the smallest mixed graph that fits."""
         if num_tokens == num_reqs and num_tokens <= self.max_batch_size:
-            return next(s for s in self.sizes if s >= num_tokens), None
+            bs = next(s for s in self.sizes if s >= num_tokens)
+            bound = self.short_bounds.get(bs)
+            if bound is not None and longest_context is not None and longest_context <= bound:
+                return bs, None, bound
+            return bs, None, None
         if num_tokens <= self.max_mixed_tokens:
             rows = next(t for t in self.mixed_sizes if t >= num_tokens)
-            return min(rows, self.max_batch_size), rows
+            return min(rows, self.max_batch_size), rows, None
         return None
 
     def takes(self, num_tokens: int, num_reqs: int) -> bool:
@@ -130,14 +147,26 @@ class CudaGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
-        key = self.graph_for(n, metadata.num_reqs)
+        """Replays the step's graph over these inputs: its hidden states [n, hidden]."""
+        key = self.stage(positions, metadata)
+        return self.replay(key, input_ids)
+
+    def stage(self, positions: torch.Tensor, metadata: AttentionMetadata) -> GraphKey:
+        """Copies a step's positions and attention metadata into the static buffers of
+        its graph (the caller checked can_run); returns the graph's key for replay."""
+        n = positions.shape[0]
+        key = self.graph_for(n, metadata.num_reqs, metadata.max_seq_len)
         rows = key[1] or key[0]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         if rows > n:
             self.input_ids[n:rows].zero_()
             self.positions[n:rows].zero_()
-        self.backend.prepare_replay(metadata, *key)
+        self.backend.prepare_replay(metadata, key[0], key[1])
+        return key
+
+    def replay(self, key: GraphKey, input_ids: torch.Tensor) -> torch.Tensor:
+        """Copies the step's token ids in and replays the staged graph key."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.graphs[key].replay()
         return self.outputs[key][:n]
