@@ -123,8 +123,10 @@ class DeepseekV2ForCausalLM(nn.Module):
                 output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, positions, output_rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """As LlamaForCausalLM.compute_logits."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads (HF name, full tensor) pairs; raises on unknown names and on parameters

@@ -279,10 +279,12 @@ class LlamaForCausalLM(nn.Module):
         with output_rows (int64 [N] on the device): hidden [N, hidden_size] of those rows."""
         return self.model(input_ids, positions, output_rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, the full
-        vocabulary on every tensor-parallel rank (the LM head all-gathers its shards)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (float32=False:
+        in the head's dtype, for a sampler that widens them only where it needs to), the
+        full vocabulary on every tensor-parallel rank (the LM head all-gathers its shards)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads (HF name, full tensor) pairs; raises on unknown names and, at the end, on
