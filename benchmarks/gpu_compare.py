@@ -92,23 +92,36 @@ def uniform_lengths(rng, n, lo, hi):
 
 
 def add_kernel_switches(parser) -> None:
-    """--pdl on|off (pagoda.kernels.pdl.ENABLED) and --fp8-fast-accum on|off
-    (fp8_linear.SCALED_MM_FAST_ACCUM) for the run; apply_kernel_switches sets them."""
+    """--pdl on|off (pagoda.kernels.pdl.ENABLED), --fp8-fast-accum on|off
+    (fp8_linear.SCALED_MM_FAST_ACCUM), --short-context-graphs on|off
+    (paged_decode.SHORT_CONTEXT_GRAPHS) and --input-stream on|off (input_stream.ENABLED)
+    for the run; apply_kernel_switches sets them."""
     parser.add_argument("--pdl", choices=("on", "off"), default=None,
                         help="Pagoda: programmatic dependent launch of the decode kernels "
                              "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
     parser.add_argument("--fp8-fast-accum", choices=("on", "off"), default=None,
                         help="Pagoda: torch._scaled_mm's fast accumulation in the FP8 GEMMs "
                              "(fp8_linear.SCALED_MM_FAST_ACCUM; default: as the module sets it)")
+    parser.add_argument("--input-stream", choices=("on", "off"), default=None,
+                        help="Pagoda: graph steps' inputs built on a side stream "
+                             "(worker/input_stream.ENABLED; default: on)")
+    parser.add_argument("--short-context-graphs", choices=("on", "off"), default=None,
+                        help="Pagoda: small-batch decode graphs also captured for short "
+                             "contexts (paged_decode.SHORT_CONTEXT_GRAPHS; default: on)")
 
 
 def apply_kernel_switches(args) -> None:
     """Sets the switches from the flags; call before the model's kernels first launch."""
-    from pagoda.kernels import fp8_linear, pdl
+    from pagoda.kernels import fp8_linear, paged_decode, pdl
     if args.pdl is not None:
         pdl.ENABLED = args.pdl == "on"
     if getattr(args, "fp8_fast_accum", None) is not None:
         fp8_linear.SCALED_MM_FAST_ACCUM = args.fp8_fast_accum == "on"
+    if getattr(args, "short_context_graphs", None) is not None:
+        paged_decode.SHORT_CONTEXT_GRAPHS = args.short_context_graphs == "on"
+    if getattr(args, "input_stream", None) is not None:
+        from pagoda.worker import input_stream
+        input_stream.ENABLED = args.input_stream == "on"
 
 
 def random_prompts(rng, lengths, vocab):

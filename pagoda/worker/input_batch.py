@@ -115,6 +115,10 @@ class StepInputs:
     # Requests verifying drafts this step: req_id -> the drafts its rows check
     # (sample_req_ids then holds the request len(drafts) + 1 times, in a row).
     verified_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Built with defer_pending: int64 [2, k] on device, the rows of input_ids that take
+    # the previous step's sampled ids and those ids' rows there (fill_pending_tokens);
+    # None when input_ids is complete.
+    pending_index: Optional[torch.Tensor] = None
 
 
 def apply_scheduler_output(states: dict[str, CachedRequestState], out: SchedulerOutput,
@@ -222,10 +226,14 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
                       block_size: int, device, pad_to: Optional[int] = None,
                       prev: Optional[PrevSampled] = None,
                       block_table: Optional[DeviceBlockTable] = None,
-                      staging: Optional[StagingRing] = None) -> StepInputs:
+                      staging: Optional[StagingRing] = None,
+                      defer_pending: bool = False) -> StepInputs:
     """The step's flattened inputs. With a device block table the metadata's block
     tables are gathered on the device from it; otherwise built and uploaded whole.
     staging: the worker's pinned buffers for the uploads (None: fresh ones).
+    defer_pending: leave the tokens still on the device (prev) out of input_ids and
+    return their index (StepInputs.pending_index) for fill_pending_tokens, so the
+    inputs can be built on another stream than the one that sampled them.
 
     A request whose chunk reaches its last known token samples there, and once more
     after each draft of the chunk (a verify step): rows last .. end - 1."""
@@ -274,14 +282,18 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
                                             upload=upload)
         ids_pos = upload(torch.tensor([token_ids + [0] * pad, positions + [0] * pad],
                                       dtype=torch.long))
+        pending_index = None
         if pending_dst:
-            _fill_pending_tokens(ids_pos[0], pending_dst, pending_src, prev, upload)
+            pending_index = upload(torch.tensor([pending_dst, pending_src], dtype=torch.long))
+            if not defer_pending:
+                fill_pending_tokens(ids_pos[0], pending_index, prev)
+                pending_index = None
     return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
-                      prompt_rows, pending_output, verified)
+                      prompt_rows, pending_output, verified, pending_index)
 
 
-def _fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], sources: list[int],
-                         prev: PrevSampled, upload) -> None:
-    """input_ids[rows] = prev.token_ids[sources], on the device (no host sync)."""
-    index = upload(torch.tensor([rows, sources], dtype=torch.long))
-    input_ids.index_copy_(0, index[0], prev.token_ids.index_select(0, index[1]))
+def fill_pending_tokens(input_ids: torch.Tensor, pending_index: torch.Tensor,
+                        prev: PrevSampled) -> None:
+    """input_ids[rows] = prev.token_ids[sources] for pending_index = [rows, sources], on
+    the device (no host sync)."""
+    input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))

@@ -4,7 +4,9 @@ The worker of the executor interface (pagoda.executor.base). A step is two calls
 returning without waiting for the device:
 - execute_model(SchedulerOutput): apply the scheduler's diff, build the flattened step
   inputs, run the forward inside the forward context (a CUDA graph for decode-only
-  steps and for steps of up to 512 rows, worker/cuda_graph.py);
+  steps and for steps of up to 512 rows, worker/cuda_graph.py; a graph step's inputs
+  are built on a side stream, beside the previous step's sampling:
+  worker/input_stream.py);
 - sample_tokens(StepExtras) -> AsyncRunnerOutput: compute the sampled rows' logits,
   apply what the engine learned after the launch (grammar bitmasks), sample, and queue
   one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
@@ -44,7 +46,8 @@ from pagoda.model.dtypes import resolve_dtype
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
                                        apply_scheduler_output, build_step_inputs,
-                                       single_row_index)
+                                       fill_pending_tokens, single_row_index)
+from pagoda.worker.input_stream import make_input_stream
 from pagoda.worker.penalty_state import PenaltyState, StepPenalties
 from pagoda.worker.staging import StagingRing
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
@@ -119,6 +122,9 @@ class ModelRunner:
         self.kv_pool: Optional[KVCachePool] = None  # set by initialize_kv_cache
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
+        # Graph steps' inputs built on a side stream (worker/input_stream.py); set with
+        # the graphs.
+        self.input_stream = None
         self.drafter = None  # a model drafter (speculative decoding), with the KV cache
         # The running requests' block ids on the device (CUDA; set with the KV cache).
         # On CPU the attention reads block tables on the host, so they are built there.
@@ -180,6 +186,7 @@ class ModelRunner:
             self.warmup_seconds += warm_up_logits(self, logits_rows_bucket(
                 self.config.scheduler.max_num_seqs))
         self.graph_runner = self.capture_cuda_graphs(self.model, self.backend, max_model_len)
+        self.input_stream = make_input_stream(self.device, self.graph_runner is not None)
 
     def _model_id(self) -> str:
         """What the KV of these weights depends on (the disk tier's files name it)."""
@@ -257,20 +264,46 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             self._launched = _LaunchedForward(None, None, False)
             return
-        inputs = build_step_inputs(self.states, out, self.block_size, self.device,
-                                   pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
-                                   block_table=self.block_table, staging=self.staging)
-        graphs = self.graph_runner
-        output_rows = None
-        if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        graphs, output_rows = self.graph_runner, None
+        if self.input_stream is not None and self.block_table is not None and \
+                graphs.takes(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)):
+            inputs, hidden = self._staged_graph_step(out)
         else:
-            output_rows = self._output_rows(inputs)
-            step_metadata = self.backend.build_metadata(inputs.metadata)  # once per step
-            with forward_context(self.backend, step_metadata, self.kv_pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
+            inputs = build_step_inputs(self.states, out, self.block_size, self.device,
+                                       pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
+                                       block_table=self.block_table, staging=self.staging)
+            if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            else:
+                output_rows = self._output_rows(inputs)
+                step_metadata = self.backend.build_metadata(inputs.metadata)  # once per step
+                with forward_context(self.backend, step_metadata, self.kv_pool):
+                    hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
+        if self.input_stream is not None:
+            self.input_stream.release()
         self._launched = _LaunchedForward(inputs, hidden, output_rows is not None,
                                           out.num_drafts_to_propose)
+
+    def _staged_graph_step(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor]:
+        """A graph step whose inputs are built and staged into the graph's buffers on the
+        input stream (worker/input_stream.py), beside the previous step's LM head and
+        sampling; on the main stream only the tokens that step sampled are filled in
+        before the replay. -> (inputs, hidden)."""
+        graphs, stream = self.graph_runner, self.input_stream
+        with stream.staging():
+            inputs = build_step_inputs(self.states, out, self.block_size, self.device,
+                                       prev=self._prev_sampled, block_table=self.block_table,
+                                       staging=self.staging, defer_pending=True)
+            n = inputs.input_ids.shape[0]
+            if not graphs.can_run(inputs.metadata, n):  # the device table fits every graph
+                raise RuntimeError(f"a step of {n} rows that the graphs take does not fit "
+                                   f"them (block tables {tuple(inputs.metadata.block_tables.shape)})")
+            key = graphs.stage(inputs.positions, inputs.metadata)
+        stream.hand_over(inputs.input_ids)  # filled and read on this stream from here on
+        if inputs.pending_index is not None:
+            fill_pending_tokens(inputs.input_ids, stream.hand_over(inputs.pending_index),
+                                self._prev_sampled)
+        return inputs, graphs.replay(key, inputs.input_ids)
 
     @torch.inference_mode()
     def sample_tokens(self, extras: Optional[StepExtras] = None) -> AsyncRunnerOutput:
@@ -339,7 +372,9 @@ class ModelRunner:
             else:
                 hidden = hidden.index_select(
                     0, host_to_device(bucketed, torch.long, self.device))
-        logits = self.model.compute_logits(hidden)[: len(inputs.sample_rows)]
+        # In the head's dtype: the sampler widens them to float32 where it needs to (an
+        # all-greedy step takes the argmax of these as they are).
+        logits = self.model.compute_logits(hidden, float32=False)[: len(inputs.sample_rows)]
         if extras is not None and extras.grammar_bitmasks:
             apply_token_bitmask(logits, stack_row_bitmasks(
                 extras.grammar_bitmasks, inputs.sample_req_ids, self.vocab_size), self.device)
