@@ -148,15 +148,18 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
         """Replays the step's graph over these inputs: its hidden states [n, hidden]."""
-        key = self.stage(positions, metadata)
-        return self.replay(key, input_ids)
+        return self.replay(self.stage(positions, metadata, input_ids), positions.shape[0])
 
-    def stage(self, positions: torch.Tensor, metadata: AttentionMetadata) -> GraphKey:
-        """Copies a step's positions and attention metadata into the static buffers of
-        its graph (the caller checked can_run); returns the graph's key for replay."""
+    def stage(self, positions: torch.Tensor, metadata: AttentionMetadata,
+              input_ids: Optional[torch.Tensor] = None) -> GraphKey:
+        """Copies a step's positions, attention metadata and (if given) token ids into
+        the static buffers of its graph (the caller checked can_run); returns the graph's
+        key for replay."""
         n = positions.shape[0]
         key = self.graph_for(n, metadata.num_reqs, metadata.max_seq_len)
         rows = key[1] or key[0]
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         if rows > n:
             self.input_ids[n:rows].zero_()
@@ -164,9 +167,11 @@ class CudaGraphRunner:
         self.backend.prepare_replay(metadata, key[0], key[1])
         return key
 
-    def replay(self, key: GraphKey, input_ids: torch.Tensor) -> torch.Tensor:
-        """Copies the step's token ids in and replays the staged graph key."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+    def replay(self, key: GraphKey, n: int,
+               input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replays the staged graph key (first copying in the token ids, if given): the
+        hidden states of its first n rows."""
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.graphs[key].replay()
         return self.outputs[key][:n]

@@ -290,6 +290,9 @@ class ModelRunner:
         sampling; on the main stream only the tokens that step sampled are filled in
         before the replay. -> (inputs, hidden)."""
         graphs, stream = self.graph_runner, self.input_stream
+        # A drafter reads the step's token ids afterwards (inputs.input_ids): the sampled
+        # tokens go there, then into the graph. Without one, straight into the graph.
+        ids_to_graph = self.drafter is None
         with stream.staging():
             inputs = build_step_inputs(self.states, out, self.block_size, self.device,
                                        prev=self._prev_sampled, block_table=self.block_table,
@@ -298,12 +301,12 @@ class ModelRunner:
             if not graphs.can_run(inputs.metadata, n):  # the device table fits every graph
                 raise RuntimeError(f"a step of {n} rows that the graphs take does not fit "
                                    f"them (block tables {tuple(inputs.metadata.block_tables.shape)})")
-            key = graphs.stage(inputs.positions, inputs.metadata)
-        stream.hand_over(inputs.input_ids)  # filled and read on this stream from here on
+            key = graphs.stage(inputs.positions, inputs.metadata,
+                               inputs.input_ids if ids_to_graph else None)
+        ids = graphs.input_ids if ids_to_graph else stream.hand_over(inputs.input_ids)
         if inputs.pending_index is not None:
-            fill_pending_tokens(inputs.input_ids, stream.hand_over(inputs.pending_index),
-                                self._prev_sampled)
-        return inputs, graphs.replay(key, inputs.input_ids)
+            fill_pending_tokens(ids, stream.hand_over(inputs.pending_index), self._prev_sampled)
+        return inputs, graphs.replay(key, n, None if ids_to_graph else inputs.input_ids)
 
     @torch.inference_mode()
     def sample_tokens(self, extras: Optional[StepExtras] = None) -> AsyncRunnerOutput:
