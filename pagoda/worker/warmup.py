@@ -99,19 +99,22 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
 def warm_up_logits(runner, max_rows: int) -> float:
     """The LM head once at each row count _sample can use (1..max_rows bucketed), and on
     CUDA the greedy argmax at every row count it takes (its chunking, a compile-time
-    constant, follows the exact row count; the sampler passes len(sample_rows) rows)."""
+    constant, follows the exact row count; the sampler passes len(sample_rows) rows),
+    on the logits in the head's dtype (what an all-greedy step takes) and in float32
+    (the other steps' processed logits)."""
     start = time.perf_counter()
     hidden = torch.zeros(max_rows, runner.arch.hidden_size, dtype=runner.dtype,
                          device=runner.device)
     logits = None
     for rows in logits_row_buckets(max_rows):
-        logits = runner.model.compute_logits(hidden[:rows])
+        logits = runner.model.compute_logits(hidden[:rows], float32=False)
     if runner.device.type == "cuda" and logits is not None:
         from pagoda.kernels.argmax import argmax_covers
         from pagoda.sample.sampler import greedy_argmax
-        for rows in range(1, logits.shape[0] + 1):
-            if not argmax_covers(logits[:rows]):
-                break
-            greedy_argmax(logits[:rows])
+        for table in {logits.dtype: logits, torch.float32: logits.float()}.values():
+            for rows in range(1, table.shape[0] + 1):
+                if not argmax_covers(table[:rows]):
+                    break
+                greedy_argmax(table[:rows])
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start
