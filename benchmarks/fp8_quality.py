@@ -11,7 +11,8 @@ Two models:
   and "fp8" 128x128 blocks, by pagoda.model.quant.fp8_export).
 - "smollm2": the embedded SmolLM2-135M GGUF (real weights), run in bf16 and FP8.
 Variants (each a fresh LLM): float32 (the reference), bfloat16, fp8 online
-(--quantization fp8; also with _scaled_mm's fast accumulation off), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8.
+(--quantization fp8; also with _scaled_mm's fast accumulation off, and with
+--quantize-lm-head), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8.
 Metrics vs float32: |logprob| error of each prompt's actual next tokens (teacher
 forcing, prompt_logprobs), mean and max; greedy agreement: the share of 32-token greedy
 continuations identical to float32's, and the mean length of the common prefix.
@@ -121,6 +122,8 @@ def variants_for(model_kind: str, fp8_ok: bool, dirs: dict) -> list[tuple[str, s
         out += [("fp8 online", base, {"dtype": "bfloat16", "quantization": "fp8"}),
                 ("fp8 online, float32 accumulation", base,
                  {"dtype": "bfloat16", "quantization": "fp8", "fp8_fast_accum": False}),
+                ("fp8 online, FP8 LM head", base,
+                 {"dtype": "bfloat16", "quantization": "fp8", "quantize_lm_head": True}),
                 ("bf16 + fp8 KV", base, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"})]
         for scheme in ("channel", "block"):
             if scheme in dirs:

@@ -15,7 +15,8 @@ bf16 matmul rate. Workloads (Llama-3.1-8B shape, bf16, random weights):
 Quantized variants run beside bf16 in the same run (each its own subprocess):
     python benchmarks/gpu_compare.py --variants bf16,fp8,fp8kv,fp8+fp8kv \
         --workloads latency,static,decode256
-("fp8": --quantization fp8 weights; "fp8kv": --kv-cache-dtype fp8.)
+("fp8": --quantization fp8 weights; "fp8+head": and --quantize-lm-head; "fp8kv":
+--kv-cache-dtype fp8.)
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ def run_pagoda(args) -> dict:
         quant["quantization"] = args.quantization
     if args.kv_cache_dtype:
         quant["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantize_lm_head:
+        quant["quantize_lm_head"] = True
     llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=args.batch,
               enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory,
@@ -459,13 +462,20 @@ def print_table(report: dict) -> None:
                   f"decode256 {roofs['decode256']['roofline_ms']:.2f} ms")
 
 
+# bf16 weights; fp8 weights (the LM head in bf16); fp8 with an FP8 LM head too
+# (--quantize-lm-head); an fp8 KV cache on bf16 / fp8 weights.
+VARIANTS = ("bf16", "fp8", "fp8+head", "fp8kv", "fp8+fp8kv")
+
+
 def variant_flags(variant: str) -> list[str]:
     """Child flags of a --variants entry (the last one names the variant)."""
-    if variant not in ("bf16", "fp8", "fp8kv", "fp8+fp8kv"):
-        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8, fp8kv, fp8+fp8kv")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
     flags = []
-    if variant in ("fp8", "fp8+fp8kv"):
+    if variant.startswith("fp8") and not variant.startswith("fp8kv"):
         flags += ["--quantization", "fp8"]
+    if variant == "fp8+head":
+        flags += ["--quantize-lm-head"]
     if variant.endswith("fp8kv"):
         flags += ["--kv-cache-dtype", "fp8"]
     return flags + ["--variant", variant]
@@ -475,9 +485,11 @@ def variant_rooflines(info: dict, ceilings: dict, variant: str, args) -> dict:
     """Batch-1 and batch-256 rooflines with fp8 weights (1 byte, but the embedding is
     not streamed anyway and the LM head stays bf16) and/or an fp8 KV cache."""
     info = dict(info)
-    if variant in ("fp8", "fp8+fp8kv"):
+    if variant in ("fp8", "fp8+head", "fp8+fp8kv"):
         head = info["embedding_bytes"]  # the LM head stays bf16 (its size equals the embedding's)
         info["weight_bytes"] = (info["weight_bytes"] - 2 * head) // 2 + 2 * head
+        if variant == "fp8+head":
+            info["weight_bytes"] -= head // 2
     if variant.endswith("fp8kv"):
         info["kv_bytes_per_token"] //= 2
     return {"batch1": roofline_decode_ms(info, ceilings, 1, args.latency_prompt + args.latency_tokens // 2),
@@ -507,13 +519,15 @@ def main() -> None:
     p.add_argument("--nano-max", type=int, default=1024)
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="Pagoda --quantize-lm-head (with --quantization fp8)")
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
     add_kernel_switches(p)
     p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
                    help="comma list of latency, static, nanovllm, decode256, profile")
     p.add_argument("--variants", default=None,
                    help="comma list of Pagoda variants run side by side: bf16, fp8 (weights), "
-                        "fp8kv (KV cache), fp8+fp8kv")
+                        "fp8+head (and the LM head), fp8kv (KV cache), fp8+fp8kv")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench_results/gpu_compare.json")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

@@ -70,12 +70,22 @@ class ModelConfig:
     # None: as the checkpoint says (unquantized unless its config.json has a
     # quantization_config); else one of QUANTIZATION_METHODS.
     quantization: Optional[str] = None
+    # The LM head quantized too (FP8 only: --quantization fp8 or an FP8 checkpoint,
+    # whose head stays in bf16 otherwise, as in vLLM); checked against the resolved
+    # scheme when the model loads.
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        if not isinstance(self.quantize_lm_head, bool):
+            raise _fail("quantize_lm_head", "a bool", self.quantize_lm_head)
+        if self.quantize_lm_head and self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantize_lm_head quantizes the LM head to FP8: it needs "
+                             f"--quantization fp8 (or an FP8 checkpoint), not "
+                             f"{self.quantization}")
         _check_positive_int("max_model_len", self.max_model_len, 2)
         if not isinstance(self.seed, int):
             raise _fail("seed", "an integer", self.seed)
@@ -400,6 +410,7 @@ class EngineArgs:
     revision: Optional[str] = None
     download_dir: Optional[str] = None
     quantization: Optional[str] = None
+    quantize_lm_head: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: Optional[int] = None
@@ -469,7 +480,8 @@ class EngineArgs:
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.max_model_len,
                               self.seed, self.load_format, self.served_model_name,
                               self.chat_template, self.skip_tokenizer_init, self.revision,
-                              self.download_dir, quantization=self.quantization),
+                              self.download_dir, quantization=self.quantization,
+                              quantize_lm_head=self.quantize_lm_head),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
                               self.enable_prefix_caching, self.num_gpu_blocks_override,
                               self.kv_offloading_size, self.kv_offloading_disk_path,

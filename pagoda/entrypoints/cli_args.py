@@ -38,6 +38,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "checkpoint at load time), int8 or int4 (CPU), gguf (CPU: keep the "
                         "GGUF file's Q4_0/Q4_1/Q8_0 blocks); default: as the checkpoint says "
                         "(an FP8 or compressed-tensors checkpoint is read as such)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with fp8: quantize the LM head too (per-channel FP8, at load time); "
+                        "by default it stays in bf16, as in vLLM. Faster small-batch decode "
+                        "(the head is the largest single weight read per step), at some "
+                        "logprob error (docs/performance.md)")
     g.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
                    help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -102,7 +102,8 @@ class ModelRunner:
                                  config.parallel.enable_expert_parallel)
         self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
                                            self.device, config.model.seed, self.tp,
-                                           config.model.quantization)
+                                           config.model.quantization,
+                                           config.model.quantize_lm_head)
         self.load_seconds = time.perf_counter() - start
         # What the KV pool stores: the model's dtype, or float8 e4m3 (kv_cache_dtype fp8).
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype,

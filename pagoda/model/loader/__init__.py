@@ -113,19 +113,24 @@ def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> Ar
 def load_model(model_path_or_preset: str, load_format: str = "auto",
                dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                seed: int = 0, tp: TensorParallel = SINGLE_RANK,
-               quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
-    """The model (this rank's share: loaders shard while loading) and its ArchConfig."""
+               quantization: str | None = None,
+               quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
+    """The model (this rank's share: loaders shard while loading) and its ArchConfig.
+    quantize_lm_head: the quantization scheme covers the LM head too (FP8 only)."""
     from pagoda.model.quant.registry import process_loaded_weights
 
     name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
         from pagoda.model.loader.gguf import load_gguf_model
-        model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization)
+        model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization,
+                                      quantize_lm_head)
     elif fmt == "safetensors":
         from pagoda.model.loader.safetensors import load_safetensors_model
-        model, arch = load_safetensors_model(Path(name), dtype, device, tp, quantization)
+        model, arch = load_safetensors_model(Path(name), dtype, device, tp, quantization,
+                                             quantize_lm_head)
     else:
         from pagoda.model.loader.dummy import load_dummy_model
-        model, arch = load_dummy_model(name, dtype, device, seed, tp, quantization)
+        model, arch = load_dummy_model(name, dtype, device, seed, tp, quantization,
+                                       quantize_lm_head)
     process_loaded_weights(model)
     return model, arch

@@ -50,12 +50,14 @@ def dummy_arch_config(name: str) -> ArchConfig:
 
 def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
                      seed: int, tp: TensorParallel = SINGLE_RANK,
-                     quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
+                     quantization: str | None = None,
+                     quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     from pagoda.model.loader import build_model
     from pagoda.model.quant.registry import resolve_quant_config
 
     arch = dummy_arch_config(name)
-    quant = resolve_quant_config(quantization, arch.quantization_config, "dummy")
+    quant = resolve_quant_config(quantization, arch.quantization_config, "dummy",
+                                 quantize_lm_head=quantize_lm_head)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     fill_dummy_weights(model, seed)
     return model, arch

@@ -138,7 +138,8 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
 def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     device: Union[str, torch.device],
                     tp: TensorParallel = SINGLE_RANK,
-                    quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
+                    quantization: str | None = None,
+                    quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     from pagoda.model.loader import build_model, find_gguf_file
     from pagoda.model.quant.registry import resolve_quant_config
 
@@ -147,7 +148,7 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    quant = resolve_quant_config(quantization, None, "gguf", reader)
+    quant = resolve_quant_config(quantization, None, "gguf", reader, quantize_lm_head)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     # Built first: the gguf scheme learns which layers keep their blocks as it hands
     # out their methods.

@@ -68,14 +68,16 @@ def read_arch_config(model_dir: Path) -> ArchConfig:
 def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
                            device: Union[str, torch.device],
                            tp: TensorParallel = SINGLE_RANK,
-                           quantization: str | None = None) -> tuple[nn.Module, ArchConfig]:
+                           quantization: str | None = None,
+                           quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     """The model with its weights loaded (quantized layers not yet processed: the
     caller, pagoda.model.loader.load_model, does that)."""
     from pagoda.model.loader import build_model
     from pagoda.model.quant.registry import resolve_quant_config
 
     arch = read_arch_config(model_dir)
-    quant = resolve_quant_config(quantization, arch.quantization_config, "safetensors")
+    quant = resolve_quant_config(quantization, arch.quantization_config, "safetensors",
+                                 quantize_lm_head=quantize_lm_head)
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     model.load_weights(iter_safetensors_weights(safetensors_files(model_dir), tp.rank))
     return model, arch

@@ -247,6 +247,12 @@ class QuantConfig(ABC):
         float weight after loading (the head may share its weight with the embedding)."""
         return None
 
+    def with_quantized_lm_head(self) -> "QuantConfig":
+        """This scheme with its LM head quantized too (--quantize-lm-head); the default
+        refuses: only FP8 offers it."""
+        raise ValueError(f"--quantize-lm-head is an FP8 option; the {self.name} scheme "
+                         f"keeps its own LM head choice")
+
     def check_device(self, device: torch.device) -> None:
         """Raises ValueError when this scheme cannot run on device."""
 

@@ -226,8 +226,11 @@ class Fp8Config(QuantConfig):
     """FP8 for every linear layer except those the checkpoint leaves in float (ignored)."""
 
     def __init__(self, method: LinearMethod, ignored: Sequence[str] = (),
-                 name: str = "fp8") -> None:
+                 name: str = "fp8", fp8_lm_head: bool = False) -> None:
+        """fp8_lm_head: the LM head quantized per channel at load time as well (from
+        its float weight; a checkpoint's FP8 scheme leaves it in float)."""
         self.method, self.ignored, self.name = method, tuple(ignored), name
+        self.fp8_lm_head = fp8_lm_head
 
     @classmethod
     def online(cls) -> "Fp8Config":
@@ -236,6 +239,12 @@ class Fp8Config(QuantConfig):
     def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
         return None if is_ignored(prefix, self.ignored) else self.method
 
+    def lm_head_method(self) -> Optional[LinearMethod]:
+        return Fp8OnlineLinearMethod() if self.fp8_lm_head else None
+
+    def with_quantized_lm_head(self) -> "Fp8Config":
+        return Fp8Config(self.method, self.ignored, self.name, fp8_lm_head=True)
+
     def check_device(self, device: torch.device) -> None:
         check_fp8_device(device)
 
@@ -243,7 +252,8 @@ class Fp8Config(QuantConfig):
         check_fp8_activation_dtype(dtype)
 
     def describe(self) -> str:
-        return f"{self.name}: {self.method.name}"
+        head = ", FP8 LM head" if self.fp8_lm_head else ""
+        return f"{self.name}: {self.method.name}{head}"
 
 
 def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:

@@ -39,9 +39,23 @@ def _load(target: str):
 
 
 def resolve_quant_config(requested: Optional[str], checkpoint_config: Optional[dict],
-                         load_format: str, gguf_reader=None) -> Optional[QuantConfig]:
+                         load_format: str, gguf_reader=None,
+                         quantize_lm_head: bool = False) -> Optional[QuantConfig]:
     """The scheme to load with, or None for float weights. gguf_reader: the open GGUF
-    file, for "gguf" (its tensors' block types pick each layer's method)."""
+    file, for "gguf" (its tensors' block types pick each layer's method).
+    quantize_lm_head: the scheme's LM head quantized too (QuantConfig.with_quantized_lm_head,
+    FP8 only); refused for float weights."""
+    scheme = _resolve_scheme(requested, checkpoint_config, load_format, gguf_reader)
+    if not quantize_lm_head:
+        return scheme
+    if scheme is None:
+        raise ValueError("--quantize-lm-head needs --quantization fp8 (or an FP8 "
+                         "checkpoint): these weights are not quantized")
+    return scheme.with_quantized_lm_head()
+
+
+def _resolve_scheme(requested: Optional[str], checkpoint_config: Optional[dict],
+                    load_format: str, gguf_reader=None) -> Optional[QuantConfig]:
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {requested!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)}")
