@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batch1_kernel_sweep import graph_us  # noqa: E402
 from pagoda.kernels.paged_decode import (choose_num_splits, min_split_tokens,  # noqa: E402
                                          paged_attention_decode)
 
@@ -56,42 +57,22 @@ class Layers:
                 flush[1].copy_(flush[0])
 
 
-def graph_us(fn, replays: int) -> float:
-    """µs per replay of a CUDA graph of fn (two warm-up calls first)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return sorted(times)[len(times) // 2]
-
-
 def measure(args, shape, heads, kv_heads, batch, context, flush, sms):
     layers = Layers(heads, kv_heads, batch, context, args.layers, "cuda")
     graph_splits = choose_num_splits(batch, kv_heads, args.max_model_len, sms)
     min_split = min_split_tokens(batch, kv_heads, sms)
-    base = graph_us(lambda: layers.run(0, 1, flush), args.replays) if flush else 0.0
+    # µs a replay of a graph of one step (graph_us: the median of --replays replays).
+    base = graph_us(lambda: layers.run(0, 1, flush), 1, args.replays) if flush else 0.0
     layers.run(1, min_split, None)
     want = [o.clone() for o in layers.outs]
     row = {"shape": shape, "batch": batch, "context": context, "graph_splits": graph_splits,
            "flush_us": base / args.layers, "us_per_layer": {}, "max_diff": {}}
     for splits in sorted({1, *args.splits, graph_splits}):
-        total = graph_us(lambda: layers.run(splits, min_split, flush), args.replays)
+        total = graph_us(lambda: layers.run(splits, min_split, flush), 1, args.replays)
         layers.run(splits, min_split, None)
         diff = max((o.float() - w.float()).abs().max().item() for o, w in zip(layers.outs, want))
-        key = "graph" if splits == graph_splits else str(splits)
-        row["us_per_layer"][key if splits != 1 else "1"] = (total - base) / args.layers
+        key = "1" if splits == 1 else "graph" if splits == graph_splits else str(splits)
+        row["us_per_layer"][key] = (total - base) / args.layers
         row["max_diff"][str(splits)] = diff
     return row
 
@@ -105,7 +86,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2304)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--flush-mb", type=int, default=64, help="0: no flush between layers")
-    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--replays", type=int, default=100, help="replays timed, one by one")
     p.add_argument("--out", default="benchmarks/results/decode_splits.json")
     args = p.parse_args()
     args.splits = [int(s) for s in args.splits.split(",") if s]

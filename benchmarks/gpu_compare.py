@@ -92,37 +92,35 @@ def uniform_lengths(rng, n, lo, hi):
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
+# Module switches a benchmark run may set (--FLAG on|off): flag, the module and its
+# boolean attribute, and what it switches. Default: as the module sets it.
+KERNEL_SWITCHES = (
+    ("pdl", "pagoda.kernels.pdl", "ENABLED",
+     "programmatic dependent launch of the decode kernels"),
+    ("fp8-fast-accum", "pagoda.kernels.fp8_linear", "SCALED_MM_FAST_ACCUM",
+     "torch._scaled_mm's fast accumulation in the FP8 GEMMs"),
+    ("input-stream", "pagoda.worker.input_stream", "ENABLED",
+     "graph steps' inputs built on a side stream"),
+    ("short-context-graphs", "pagoda.kernels.paged_decode", "SHORT_CONTEXT_GRAPHS",
+     "small-batch decode graphs also captured for short contexts"),
+)
+
+
 def add_kernel_switches(parser) -> None:
-    """--pdl on|off (pagoda.kernels.pdl.ENABLED), --fp8-fast-accum on|off
-    (fp8_linear.SCALED_MM_FAST_ACCUM), --short-context-graphs on|off
-    (paged_decode.SHORT_CONTEXT_GRAPHS) and --input-stream on|off (input_stream.ENABLED)
-    for the run; apply_kernel_switches sets them."""
-    parser.add_argument("--pdl", choices=("on", "off"), default=None,
-                        help="Pagoda: programmatic dependent launch of the decode kernels "
-                             "(pagoda.kernels.pdl.ENABLED; default: as the module sets it)")
-    parser.add_argument("--fp8-fast-accum", choices=("on", "off"), default=None,
-                        help="Pagoda: torch._scaled_mm's fast accumulation in the FP8 GEMMs "
-                             "(fp8_linear.SCALED_MM_FAST_ACCUM; default: as the module sets it)")
-    parser.add_argument("--input-stream", choices=("on", "off"), default=None,
-                        help="Pagoda: graph steps' inputs built on a side stream "
-                             "(worker/input_stream.ENABLED; default: on)")
-    parser.add_argument("--short-context-graphs", choices=("on", "off"), default=None,
-                        help="Pagoda: small-batch decode graphs also captured for short "
-                             "contexts (paged_decode.SHORT_CONTEXT_GRAPHS; default: on)")
+    """--FLAG on|off for each of KERNEL_SWITCHES; apply_kernel_switches sets them."""
+    for flag, module, attribute, what in KERNEL_SWITCHES:
+        parser.add_argument(f"--{flag}", choices=("on", "off"), default=None,
+                            help=f"Pagoda: {what} ({module}.{attribute}; default: as the "
+                                 f"module sets it)")
 
 
 def apply_kernel_switches(args) -> None:
     """Sets the switches from the flags; call before the model's kernels first launch."""
-    from pagoda.kernels import fp8_linear, paged_decode, pdl
-    if args.pdl is not None:
-        pdl.ENABLED = args.pdl == "on"
-    if getattr(args, "fp8_fast_accum", None) is not None:
-        fp8_linear.SCALED_MM_FAST_ACCUM = args.fp8_fast_accum == "on"
-    if getattr(args, "short_context_graphs", None) is not None:
-        paged_decode.SHORT_CONTEXT_GRAPHS = args.short_context_graphs == "on"
-    if getattr(args, "input_stream", None) is not None:
-        from pagoda.worker import input_stream
-        input_stream.ENABLED = args.input_stream == "on"
+    import importlib
+    for flag, module, attribute, _ in KERNEL_SWITCHES:
+        value = getattr(args, flag.replace("-", "_"), None)
+        if value is not None:
+            setattr(importlib.import_module(module), attribute, value == "on")
 
 
 def random_prompts(rng, lengths, vocab):
@@ -465,6 +463,7 @@ def print_table(report: dict) -> None:
 # bf16 weights; fp8 weights (the LM head in bf16); fp8 with an FP8 LM head too
 # (--quantize-lm-head); an fp8 KV cache on bf16 / fp8 weights.
 VARIANTS = ("bf16", "fp8", "fp8+head", "fp8kv", "fp8+fp8kv")
+FP8_WEIGHT_VARIANTS = ("fp8", "fp8+head", "fp8+fp8kv")
 
 
 def variant_flags(variant: str) -> list[str]:
@@ -472,7 +471,7 @@ def variant_flags(variant: str) -> list[str]:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
     flags = []
-    if variant.startswith("fp8") and not variant.startswith("fp8kv"):
+    if variant in FP8_WEIGHT_VARIANTS:
         flags += ["--quantization", "fp8"]
     if variant == "fp8+head":
         flags += ["--quantize-lm-head"]
@@ -485,7 +484,7 @@ def variant_rooflines(info: dict, ceilings: dict, variant: str, args) -> dict:
     """Batch-1 and batch-256 rooflines with fp8 weights (1 byte, but the embedding is
     not streamed anyway and the LM head stays bf16) and/or an fp8 KV cache."""
     info = dict(info)
-    if variant in ("fp8", "fp8+head", "fp8+fp8kv"):
+    if variant in FP8_WEIGHT_VARIANTS:
         head = info["embedding_bytes"]  # the LM head stays bf16 (its size equals the embedding's)
         info["weight_bytes"] = (info["weight_bytes"] - 2 * head) // 2 + 2 * head
         if variant == "fp8+head":

@@ -158,8 +158,9 @@ class TritonBackend(AttentionBackend):
         metadata = self.build_metadata(capture_metadata(g, batch_size, num_tokens))
         if max_context is None:
             return metadata
+        from pagoda.kernels.paged_decode import SHORT_CONTEXT_TOKENS
         splits = self._short_context_splits(batch_size)
-        if num_tokens is not None or splits is None or max_context != self.short_context_graph(batch_size):
+        if num_tokens is not None or splits is None or max_context != SHORT_CONTEXT_TOKENS:
             raise ValueError(f"no short-context decode graph of {batch_size} requests "
                              f"(rows {num_tokens}) for contexts up to {max_context}")
         return replace(metadata, num_splits=splits)
