@@ -3,11 +3,15 @@
     python benchmarks/decode_tiles.py --out benchmarks/results/decode_tiles_h200.json
 
 One layer of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128, block 16)
-at batch x context (default 256 x 1024, 64 x 4096 and 32 x 1024). For each KV dtype, each
+at batch x context (default 256 x 1024, 64 x 4096 and 32 x 1024). `--layouts nhd,hnd`
+also times each case with the cache's blocks head-major (HND: one head's tokens of a
+block contiguous, the kernels seeing the same [2, blocks, page, heads, dim] view through
+its strides); `--page` sets the block size. For each KV dtype, each
 FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt") and each tile
 (BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
 the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
-its default tile, beside a measured copy. num_stages 5 / 7 / 9 are the ones that give the
+its default tile, beside a measured copy. `--sweep quick` times only the defaults and a
+few word-kernel tiles. num_stages 5 / 7 / 9 are the ones that give the
 K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothing. The FP8 cache holds the
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
 kernel reading the same rounded values before it is timed. `--sweep wide` adds the full
@@ -31,7 +35,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import choose_num_splits, paged_attention_decode  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
 BF16_TILES = [None, (64, 4, 5), (64, 4, 7), (128, 4, 5), (32, 4, 9)]
 # num_stages 1: no software pipelining, so an FP8 tile is loaded into registers and
@@ -47,11 +51,11 @@ FP8_TILES = {
 }
 
 
-def make_case(batch: int, context: int, device) -> dict:
+def make_case(batch: int, context: int, page: int, device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
-    blocks_per_req = context // PAGE
+    blocks_per_req = context // page
     num_blocks = batch * blocks_per_req
-    cache = torch.randn(2, num_blocks, PAGE, KV_HEADS, HEAD_DIM, device=device,
+    cache = torch.randn(2, num_blocks, page, KV_HEADS, HEAD_DIM, device=device,
                         dtype=torch.bfloat16, generator=gen)
     tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_req)
     return {"cache": cache, "tables": tables.int(),
@@ -69,17 +73,25 @@ def run(case: dict, cache: torch.Tensor, splits: int, config, scales) -> torch.T
     return out
 
 
-def variants(dtype: str, wide: bool) -> list[tuple[str, dict | None]]:
+QUICK_FP8 = [("words_cvt", (128, 4, 5)), ("words_cvt", (64, 4, 5)), ("words_cvt", (128, 4, 7)),
+             ("words_cvt", (64, 4, 9)), ("words_cvt", (128, 8, 5))]
+
+
+def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
     """(label, config) pairs for one KV dtype; config None = the defaults."""
     def cfg(path, tile):
         if tile is None:
             return None
         c = dict(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2])
         return c if path is None else dict(c, fp8_path=path)
+    wide = sweep == "wide"
     if dtype == "bf16":
-        tiles = BF16_TILES + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
+        tiles = [None, (64, 4, 5)] if sweep == "quick" else BF16_TILES
+        tiles = tiles + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
     out = [("default", None)]
+    if sweep == "quick":
+        return out + [(f"{path} {t}", cfg(path, t)) for path, t in QUICK_FP8]
     for path, tiles in FP8_TILES.items():
         if path == "tile" and wide:
             tiles = tiles + list(product((32, 64, 128, 256), (4, 8), (2, 3, 4)))
@@ -87,10 +99,20 @@ def variants(dtype: str, wide: bool) -> list[tuple[str, dict | None]]:
     return out
 
 
-def sweep_case(spec: str, device, sms: int, wide: bool, rows: list) -> None:
+def in_layout(cache: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """cache ([2, blocks, page, heads, dim]) as dtype, stored token-major (nhd) or with
+    each block head-major (hnd), seen through the same [2, blocks, page, heads, dim] view."""
+    if layout == "nhd":
+        return cache.to(dtype).contiguous()
+    return cache.to(dtype).permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+
+
+def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
+               rows: list) -> None:
     batch, context = map(int, spec.split("x"))
-    case = make_case(batch, context, device)
-    caches = {"bf16": case["cache"], "fp8": case["cache"].to(torch.float8_e4m3fn)}
+    case = make_case(batch, context, page, device)
+    caches = {"bf16": in_layout(case["cache"], torch.bfloat16, layout),
+              "fp8": in_layout(case["cache"], torch.float8_e4m3fn, layout)}
     scales = torch.ones(2, device=device, dtype=torch.float32)
     splits = choose_num_splits(batch, KV_HEADS, context, sms)
     ref = run(case, caches["fp8"].to(torch.bfloat16), splits, None, None).float()
@@ -98,9 +120,9 @@ def sweep_case(spec: str, device, sms: int, wide: bool, rows: list) -> None:
     for dtype, cache in caches.items():
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
         sc = scales if dtype == "fp8" else None
-        for label, config in variants(dtype, wide):
-            row = {"case": spec, "dtype": dtype, "variant": label, "config": config,
-                   "splits": splits}
+        for label, config in variants(dtype, sweep):
+            row = {"case": spec, "layout": layout, "page": page, "dtype": dtype,
+                   "variant": label, "config": config, "splits": splits}
             try:
                 out = run(case, cache, splits, config, sc)
                 if dtype == "fp8":
@@ -108,13 +130,13 @@ def sweep_case(spec: str, device, sms: int, wide: bool, rows: list) -> None:
                 ms = do_bench(lambda: run(case, cache, splits, config, sc))
             except Exception as e:  # out of resources, or a wrong result: recorded, not fatal
                 rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                print(f"{spec:>9s} {dtype:4s} {label:28s} {type(e).__name__}", flush=True)
+                print(f"{spec:>9s} {layout} {dtype:4s} {label:28s} {type(e).__name__}", flush=True)
                 continue
             if base_us is None:  # bf16, default tile: the first row of the case
                 base_us = ms * 1e3
             row.update(us=ms * 1e3, gbps=kv_bytes / ms / 1e6, speedup_vs_bf16=base_us / (ms * 1e3))
             rows.append(row)
-            print(f"{spec:>9s} {dtype:4s} {label:28s} {row['us']:8.1f} us {row['gbps']:6.0f} GB/s"
+            print(f"{spec:>9s} {layout} {dtype:4s} {label:28s} {row['us']:8.1f} us {row['gbps']:6.0f} GB/s"
                   f"  x{row['speedup_vs_bf16']:.2f} vs bf16 default", flush=True)
     del case, caches
     torch.cuda.empty_cache()
@@ -124,7 +146,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/decode_tiles.json")
     p.add_argument("--cases", default="256x1024,64x4096,32x1024")
-    p.add_argument("--sweep", choices=("focused", "wide"), default="focused")
+    p.add_argument("--sweep", choices=("quick", "focused", "wide"), default="focused")
+    p.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd")
+    p.add_argument("--page", type=int, default=16, help="tokens per KV block")
     args = p.parse_args()
     start = time.time()
     device = torch.device("cuda")
@@ -134,18 +158,19 @@ def main() -> None:
     del x
     rows: list = []
     for spec in args.cases.split(","):
-        sweep_case(spec, device, sms, args.sweep == "wide", rows)
+        for layout in args.layouts.split(","):
+            sweep_case(spec, layout, args.page, device, sms, args.sweep, rows)
     best = {}
     for row in rows:
-        key = (row["case"], row["dtype"])
+        key = (row["case"], row["layout"], row["dtype"])
         if "us" in row and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
-    for (spec, dtype), row in best.items():
-        print(f"best {spec:>9s} {dtype:4s} {row['variant']:28s} {row['us']:8.1f} us "
+    for (spec, layout, dtype), row in best.items():
+        print(f"best {spec:>9s} {layout} {dtype:4s} {row['variant']:28s} {row['us']:8.1f} us "
               f"{row['gbps']:6.0f} GB/s x{row['speedup_vs_bf16']:.2f}")
     report = {"benchmark": "decode_tiles", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
-              "platform": platform.platform(), "copy_gbps": copy_gbps,
+              "platform": platform.platform(), "copy_gbps": copy_gbps, "page": args.page,
               "seconds": time.time() - start, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
