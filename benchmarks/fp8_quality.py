@@ -25,12 +25,15 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's pagoda
 
 
 def save_random_llama(path: Path, smoke: bool) -> None:
