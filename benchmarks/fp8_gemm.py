@@ -25,7 +25,7 @@ relative error max|y - y_bf16| / max|y_bf16|. The roofline is the weight bytes o
 copy bandwidth measured in the same run. Prints tables and the M where scaled_mm starts
 to beat w8a16 per shape (what W8A16_MAX_M should be); --sweep also prints the best
 W8A16 and W8A8 tiles per shape and M. --decode-compare runs instead of the table: the
-W8A16 kernel's weight decodes (DECODE "cvt" vs "bits", see fp8_linear.W8A16_DECODES) on
+W8A16 kernel's weight decodes (DECODE "cvt" vs "bits", see fp8_w8a16.W8A16_DECODES) on
 the default tiles and a few alternatives (decode_variants) at each M <= 16 given, next to
 bf16 F.linear. Writes JSON.
 """
@@ -101,6 +101,8 @@ def make_methods(kl, kq, w, device, dtype):
     """{name: (fn(x) -> y or None when the method does not apply to x's M)}, and the
     weights' byte counts, for one weight w [N, K]."""
     import torch
+
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
     import torch.nn.functional as F
     w8, s = kq.quantize_weight_per_channel(w)
     wb, sb = kq.quantize_weight_blockwise(w, (128, 128))
@@ -116,7 +118,7 @@ def make_methods(kl, kq, w, device, dtype):
                                 out_dtype=dtype, use_fast_accum=False)
 
     def w8a16(x):
-        return kl.w8a16_linear(x, w8, s) if x.shape[0] <= kl.W8A16_ROWS_LIMIT else None
+        return kw.w8a16_linear(x, w8, s) if x.shape[0] <= kw.W8A16_ROWS_LIMIT else None
 
     def w8a8(x):
         xq, xs = kq.per_token_quant_fp8(x)
@@ -199,13 +201,15 @@ GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, LOOP_STAGES=s
 
 def gemv_sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
     import torch
+
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
     found = []
     for label, (n, k) in shapes.items():
         w8, s = kq.quantize_weight_per_channel((torch.randn(n, k, device=device) * 0.02).to(dtype))
         x = torch.randn(1, k, device=device).to(dtype)
         tiles = GEMV_SWEEP if device.type == "cuda" else GEMV_SWEEP[:2]
         found.append(_best(f"gemv {label} M=1", tiles, timer,
-                           lambda c: kl.w8a16_linear(x, w8, s, config=c)))
+                           lambda c: kw.w8a16_linear(x, w8, s, config=c)))
     return found
 
 
@@ -223,6 +227,8 @@ def sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
 
 def _sweep_shape(kl, kq, label, n, k, device, dtype, timer) -> list[dict]:
     import torch
+
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
     smoke = device.type != "cuda"
     w8a16_tiles, w8a8_tiles = ((W8A16_SWEEP[:2], W8A8_SWEEP[:2]) if smoke
                                else (W8A16_SWEEP, W8A8_SWEEP))
@@ -231,7 +237,7 @@ def _sweep_shape(kl, kq, label, n, k, device, dtype, timer) -> list[dict]:
     for m in (SMOKE_MS if smoke else (1, 4, 16, 64)):
         x = torch.randn(m, k, device=device).to(dtype)
         found.append(_best(f"w8a16 {label} M={m}", w8a16_tiles, timer,
-                           lambda c: kl.w8a16_linear(x, w8, s, config=c)))
+                           lambda c: kw.w8a16_linear(x, w8, s, config=c)))
     for m in (SMOKE_MS[-1:] if smoke else (64, 1024, 16384)):
         xq, xs = kq.per_token_quant_fp8(torch.randn(m, k, device=device).to(dtype))
         found.append(_best(f"w8a8 {label} M={m}", w8a8_tiles, timer,
@@ -259,7 +265,8 @@ def decode_variants(kl, m: int, n: int, k: int) -> list[tuple[str, dict]]:
     """(label, W8A16 config) pairs to time with each decode: the default tiles
     (w8a16_config); at one row also half as many rows per program (twice the programs
     resident per SM), 8 warps, and the tl.dot path (16-row tile, 15 padding rows)."""
-    base = kl.w8a16_config(m, n, k)
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    base = kw.w8a16_config(m, n, k)
     out = [("default", base)]
     if m == 1 and n < 65536:
         out += [("bn4", dict(base, BLOCK_N=4)), ("warps8", dict(base, num_warps=8)),
@@ -273,6 +280,8 @@ def decode_compare(kl, kq, shapes, ms, device, dtype, timer, copy_bw) -> list[di
     with each decode; microseconds, TB/s over x + W + y, error vs the dequantized-weight
     float32 product (which the decodes must all match)."""
     import torch
+
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
     import torch.nn.functional as F
     rows = []
     for label, (n, k) in shapes.items():
@@ -287,11 +296,11 @@ def decode_compare(kl, kq, shapes, ms, device, dtype, timer, copy_bw) -> list[di
             rows.append(_decode_row(label, m, "bf16_linear", "-", us, moved + n * k, None,
                                     copy_bw, n, k))
             for name, cfg in decode_variants(kl, m, n, k):
-                for dec in kl.W8A16_DECODES:
+                for dec in kw.W8A16_DECODES:
                     c = dict(cfg, DECODE=dec)
                     try:
-                        y = kl.w8a16_linear(x, w8, s, config=c)
-                        us = timer(lambda: kl.w8a16_linear(x, w8, s, config=c))
+                        y = kw.w8a16_linear(x, w8, s, config=c)
+                        us = timer(lambda: kw.w8a16_linear(x, w8, s, config=c))
                     except Exception as exc:  # noqa: BLE001  (a tile that does not compile)
                         print(f"  {label} M={m} {name} {dec}: {type(exc).__name__}", flush=True)
                         continue
@@ -384,6 +393,7 @@ def main():
     import torch
     from pagoda.kernels import fp8_linear as kl
     from pagoda.kernels import fp8_quant as kq
+    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
@@ -423,7 +433,7 @@ def main():
         "smoke": args.smoke, "copy_bandwidth_bytes_s": copy_bw, "dtype": str(dtype),
         "w8a16_max_m": kl.W8A16_MAX_M, "rows": rows, "summary": summ, "sweeps": sweeps,
         "decode_rows": decodes,
-        "configs": {"W8A16_GEMV": kl.W8A16_GEMV_CONFIG, "W8A16_DOT": kl.W8A16_DOT_CONFIG,
+        "configs": {"W8A16_GEMV": kw.W8A16_GEMV_CONFIG, "W8A16_DOT": kw.W8A16_DOT_CONFIG,
                     "W8A8_SMALL": kl.W8A8_SMALL_CONFIG, "W8A8_LARGE": kl.W8A8_LARGE_CONFIG},
     }
     write_json(args.out, result, indent=1)

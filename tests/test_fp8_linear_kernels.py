@@ -32,7 +32,7 @@ import triton.language as tl  # noqa: E402
 
 # Jit functions the test kernels below call: imported here, since a compiled kernel
 # cannot import (only the interpreter runs an import inside a kernel body).
-from pagoda.kernels.fp8_linear import _e4m3_bits_f32, _e4m3_bits_to  # noqa: E402
+from pagoda.kernels.fp8_w8a16 import _e4m3_bits_f32, _e4m3_bits_to  # noqa: E402
 from pagoda.kernels.fp8_quant import round_to_e4m3  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -45,7 +45,12 @@ def kq():
 
 
 @pytest.fixture(scope="module")
-def kl(kq):
+def kw(kq):
+    return kernel_modules("fp8_w8a16")[0]
+
+
+@pytest.fixture(scope="module")
+def kl(kw):
     return kernel_modules("fp8_linear")[0]
 
 
@@ -224,12 +229,12 @@ def test_fp8_linear_is_close_to_the_float_matmul(kq, kl):
 
 
 @pytest.mark.parametrize("m", [1, 4, 40])  # 40: a 64-row tile, past the dispatch's 16
-def test_w8a16_split_k(kq, kl, m):
+def test_w8a16_split_k(kq, kl, kw, m):
     w, s = _weights(kq, 48, 700)
     x = _rand(m, 700, seed=3)
     bias = _rand(48, seed=4)
     cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4)
-    out = kl.w8a16_linear(x, w, s, bias=bias, config=cfg)
+    out = kw.w8a16_linear(x, w, s, bias=bias, config=cfg)
     _close(out, kl.fp8_linear_ref(x, w, s, bias), torch.float32)
 
 
@@ -239,7 +244,7 @@ def test_w8a16_split_k(kq, kl, m):
     (64, 512, dict(BLOCK_N=8, BLOCK_K=128, SPLIT_K=1, LOOP_STAGES=3, num_warps=4)),
     (24, 256, dict(BLOCK_N=4, BLOCK_K=64, SPLIT_K=1, num_warps=2, DECODE="bits")),
 ])
-def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, dtype, n, k, config):
+def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, kw, dtype, n, k, config):
     """One row of [gate; up] weights through the gated kernel equals the plain W8A16
     GEMV followed by silu_and_mul (the kernel the engine ran after it): the same sums,
     roundings and activation, so the same bits interpreted; compiled, within one ulp."""
@@ -247,11 +252,11 @@ def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, dtype, n, k, config):
     w, s = _weights(kq, 2 * n, k, seed=n)
     x = _rand(1, k, dtype=dtype, seed=k)
     plain_cfg = None if config is None else dict(config, BLOCK_N=2 * config["BLOCK_N"])
-    want = fused_ops.silu_and_mul(kl.w8a16_linear(x, w, s, config=plain_cfg))
+    want = fused_ops.silu_and_mul(kw.w8a16_linear(x, w, s, config=plain_cfg))
     if config is None:
         got = kl.fp8_linear_silu_and_mul(x, w, s)
     else:
-        got = kl.w8a16_linear(x, w, s, config=config, gated=True)
+        got = kw.w8a16_linear(x, w, s, config=config, gated=True)
     assert got.shape == (1, n) and got.dtype == dtype
     if ON_GPU:
         torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=1e-6)
@@ -262,14 +267,14 @@ def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, dtype, n, k, config):
                                rtol=2e-2 if dtype == torch.float16 else 1e-4, atol=1e-3)
 
 
-def test_gated_w8a16_declines_and_refuses(kq, kl):
+def test_gated_w8a16_declines_and_refuses(kq, kl, kw):
     w, s = _weights(kq, 32, 64)
     assert kl.fp8_linear_silu_and_mul(_rand(2, 64), w, s) is None  # rows: caller unfuses
     assert kl.fp8_linear_silu_and_mul(_rand(1, 64), w[:31], s[:31]) is None  # odd width
     with pytest.raises(ValueError, match="one row"):
-        kl.w8a16_linear(_rand(2, 64), w, s, gated=True)
+        kw.w8a16_linear(_rand(2, 64), w, s, gated=True)
     with pytest.raises(ValueError, match="SPLIT_K 1"):
-        kl.w8a16_linear(_rand(1, 64), w, s, gated=True,
+        kw.w8a16_linear(_rand(1, 64), w, s, gated=True,
                         config=dict(BLOCK_N=4, BLOCK_K=32, SPLIT_K=2, num_warps=4))
 
 
@@ -393,7 +398,7 @@ def _extreme_weights(n, k, seed):
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (5, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_w8a16_decodes_with_subnormal_and_extreme_weights(kl, decode, blocked, m, dot, dtype):
+def test_w8a16_decodes_with_subnormal_and_extreme_weights(kl, kw, decode, blocked, m, dot, dtype):
     """Both decodes, both scale layouts, one row on the FMA or the tl.dot path, several
     rows: equal to the torch reference on weights with subnormals and +-448 (row 2 holds
     subnormals only: flushing them would zero its outputs), scales from tiny (2^-60) to
@@ -418,7 +423,7 @@ def test_w8a16_decodes_with_subnormal_and_extreme_weights(kl, decode, blocked, m
         w_abs = w.float().abs() * s[:, None]
     cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2 if m > 1 else 1, num_warps=4,
                LOOP_STAGES=2, DECODE=decode, DOT=dot)
-    out = kl.w8a16_linear(x, w, s, block=block, config=cfg)
+    out = kw.w8a16_linear(x, w, s, block=block, config=cfg)
     # Each output against the sum of its terms' magnitudes (outputs cancel, and the
     # scales span 70 binades): float32 summation error, or float16's output rounding
     # (down to its subnormals' spacing, 2^-24).
@@ -428,8 +433,8 @@ def test_w8a16_decodes_with_subnormal_and_extreme_weights(kl, decode, blocked, m
     assert ((out.float() - ref).abs() <= tol * bound + floor).all()
 
 
-def test_w8a16_rejects_unknown_decode(kq, kl):
+def test_w8a16_rejects_unknown_decode(kq, kw):
     w, s = _weights(kq, 24, 64)
     with pytest.raises(ValueError, match="DECODE must be one of"):
-        kl.w8a16_linear(_rand(1, 64), w, s, config=dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1,
+        kw.w8a16_linear(_rand(1, 64), w, s, config=dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1,
                                                           num_warps=4, DECODE="lut"))

@@ -163,7 +163,7 @@ def _pdl_cases():
     yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
         x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0, 2048), dict(
         TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
-    from pagoda.kernels import fp8_linear as fl
+    from pagoda.kernels import fp8_w8a16 as fl
     w8 = torch.empty(2 * 768, 2048, dtype=torch.float8_e4m3fn)
     scale, y8 = torch.empty(2 * 768), torch.empty(1, 2 * 768, dtype=bf16)
     for gated in (False, True):
