@@ -5,12 +5,12 @@
         python3 benchmarks/ncu_targets.py --case decode-fp8-256x1024-hnd
 
 Cases (Llama-3.1-8B / Qwen3-30B-A3B shapes, random bf16 values, FP8 scales 1.0):
-- decode-{bf16,fp8}-256x1024-{nhd,hnd}: paged decode attention of one layer, 256
-  requests x 1024 tokens, 32 query / 8 KV heads, head_dim 128, block 16; nhd is the
-  engine's token-major block, hnd the same blocks stored head-major (seen through the
-  same view's strides, as benchmarks/decode_tiles.py does);
+- decode-{bf16,fp8}-BATCHxCONTEXT-{nhd,hnd} (e.g. decode-fp8-256x1024-nhd): paged
+  decode attention of one layer, 32 query / 8 KV heads, head_dim 128, block 16, built
+  as benchmarks/decode_tiles.py builds its cases; nhd is the engine's token-major block,
+  hnd the same blocks stored head-major (seen through the same view's strides);
 - moe-qwen3-b1: the MoE GEMV decode path (gate/up then down) of one Qwen3-30B-A3B layer
-  at one token, top 8 of 128 experts.
+  at one token, top 8 of 128 experts (benchmarks/batch1_kernel_sweep.py's inputs).
 Each case prints the output's checksum so a broken kernel shows.
 """
 
@@ -23,41 +23,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagoda.kernels.paged_decode import choose_num_splits, paged_attention_decode  # noqa: E402
+from pagoda.kernels.paged_decode import choose_num_splits  # noqa: E402
 
 CALLS = 5
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+LAYOUTS = ("nhd", "hnd")
 
 
-def decode_case(dtype: str, layout: str, device: torch.device):
-    """A closure launching one decode-attention layer."""
-    from decode_tiles import HEAD_DIM, KV_HEADS, in_layout, make_case
-    case = make_case(256, 1024, 16, device)
-    kv_dtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
-    cache = in_layout(case["cache"], kv_dtype, layout)
+def decode_case(dtype: str, spec: str, layout: str, device: torch.device):
+    """A closure launching one decode-attention layer (decode_tiles.run)."""
+    from decode_tiles import KV_HEADS, in_layout, make_case, run
+    if dtype not in DTYPES or layout not in LAYOUTS:
+        raise SystemExit(f"decode case: dtype one of {list(DTYPES)}, layout one of "
+                         f"{list(LAYOUTS)}; got {dtype!r}, {layout!r}")
+    batch, context = map(int, spec.split("x"))
+    case = make_case(batch, context, 16, device)
+    cache = in_layout(case["cache"], DTYPES[dtype], layout)
     scales = torch.ones(2, device=device) if dtype == "fp8" else None
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = choose_num_splits(256, KV_HEADS, 1024, sms)
-    out = torch.empty_like(case["q"])
-
-    def launch():
-        paged_attention_decode(out, case["q"], cache, case["tables"], case["qsl"],
-                               case["seq"], 256, HEAD_DIM ** -0.5, splits, kv_scales=scales)
-        return out
-    return launch
+    splits = choose_num_splits(batch, KV_HEADS, context, sms)
+    return lambda: run(case, cache, splits, None, scales)
 
 
 def moe_case(device: torch.device):
+    from batch1_kernel_sweep import MOE_SHAPES, moe_inputs
     from pagoda.kernels.fused_moe_decode import fused_moe_gemv
-    gen = torch.Generator(device=device).manual_seed(0)
-    experts, hidden, inter, top_k = 128, 2048, 768, 8
-    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16,
-                      generator=gen) * 0.02
-    w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16,
-                     generator=gen) * 0.02
-    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    ids = torch.randperm(experts, device=device, generator=gen)[:top_k].view(1, top_k)
-    weights = torch.softmax(torch.randn(1, top_k, device=device, generator=gen), -1)
-    return lambda: fused_moe_gemv(x, w13, w2, weights, ids)
+    x, w13, w2, ids, weights, _, _ = moe_inputs(MOE_SHAPES["qwen3-30b-a3b"], device,
+                                                torch.bfloat16)
+    return lambda: fused_moe_gemv(x, w13, w2, weights.view(1, -1), ids.view(1, -1))
 
 
 def main() -> None:
@@ -67,8 +60,8 @@ def main() -> None:
     device = torch.device("cuda")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.case.startswith("decode-"):
-        _, dtype, _, layout = args.case.split("-")
-        launch = decode_case(dtype, layout, device)
+        _, dtype, spec, layout = args.case.split("-")
+        launch = decode_case(dtype, spec, layout, device)
     elif args.case == "moe-qwen3-b1":
         launch = moe_case(device)
     else:
