@@ -7,14 +7,15 @@ at batch x context (default 256 x 1024, 64 x 4096 and 32 x 1024). `--layouts nhd
 also times each case with the cache's blocks head-major (HND: one head's tokens of a
 block contiguous, the kernels seeing the same [2, blocks, page, heads, dim] view through
 its strides); `--page` sets the block size. For each KV dtype, each
-FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt") and each tile
+FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt", "words_qk8") and each tile
 (BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
 the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
 its default tile, beside a measured copy. `--sweep quick` times only the defaults and a
 few word-kernel tiles. num_stages 5 / 7 / 9 are the ones that give the
 K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothing. The FP8 cache holds the
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
-kernel reading the same rounded values before it is timed. `--sweep wide` adds the full
+kernel reading the same rounded values before it is timed ("words_qk8" against it with
+the queries rounded as that path rounds them). `--sweep wide` adds the full
 BLOCK_N x warps x stages product for the "tile" path.
 """
 
@@ -33,7 +34,8 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagoda.kernels.paged_decode import choose_num_splits, paged_attention_decode  # noqa: E402
+from pagoda.kernels.paged_decode import (  # noqa: E402
+    choose_num_splits, paged_attention_decode, quantize_q_fp8_reference)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -48,6 +50,8 @@ FP8_TILES = {
                    (128, 8, 5)],
     "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
                   (64, 4, 1), (128, 4, 1)],
+    "words_qk8": [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5), (256, 4, 5),
+                  (128, 4, 3)],
 }
 
 
@@ -73,7 +77,7 @@ def run(case: dict, cache: torch.Tensor, splits: int, config, scales) -> torch.T
     return out
 
 
-# --sweep quick: the FP8 default and these word-kernel ("words_cvt") tiles only.
+# --sweep quick: the FP8 default and these word-kernel tiles ("words_cvt", "words_qk8") only.
 QUICK_WORD_TILES = [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5)]
 
 
@@ -91,7 +95,8 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
     out = [("default", None)]
     if sweep == "quick":
-        return out + [(f"words_cvt {t}", cfg("words_cvt", t)) for t in QUICK_WORD_TILES]
+        return out + [(f"{path} {t}", cfg(path, t)) for path in ("words_cvt", "words_qk8")
+                      for t in QUICK_WORD_TILES]
     for path, tiles in FP8_TILES.items():
         if path == "tile" and wide:
             tiles = tiles + list(product((32, 64, 128, 256), (4, 8), (2, 3, 4)))
@@ -116,6 +121,9 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
     scales = torch.ones(2, device=device, dtype=torch.float32)
     splits = choose_num_splits(batch, KV_HEADS, context, sms)
     ref = run(case, caches["fp8"].to(torch.bfloat16), splits, None, None).float()
+    q8, q_scale = quantize_q_fp8_reference(case["q"])
+    ref_qk8 = run(dict(case, q=(q8.float() * q_scale).to(torch.bfloat16)),
+                  caches["fp8"].to(torch.bfloat16), splits, None, None).float()
     base_us = None
     for dtype, cache in caches.items():
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
@@ -126,7 +134,9 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             try:
                 out = run(case, cache, splits, config, sc)
                 if dtype == "fp8":
-                    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+                    qk8 = (config or {}).get("fp8_path") == "words_qk8"
+                    torch.testing.assert_close(out.float(), ref_qk8 if qk8 else ref,
+                                               atol=2e-2, rtol=2e-2)
                 ms = do_bench(lambda: run(case, cache, splits, config, sc))
             except Exception as e:  # out of resources, or a wrong result: recorded, not fatal
                 rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))

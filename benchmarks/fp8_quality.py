@@ -12,10 +12,12 @@ Two models:
 - "smollm2": the embedded SmolLM2-135M GGUF (real weights), run in bf16 and FP8.
 Variants (each a fresh LLM): float32 (the reference), bfloat16, fp8 online
 (--quantization fp8; also with _scaled_mm's fast accumulation off, and with
---quantize-lm-head), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8.
+--quantize-lm-head), each FP8 checkpoint, and bf16 weights with --kv-cache-dtype fp8
+(also with the decode kernel's FP8 q.K dot, paged_decode.FP8_QK_DOT).
 Metrics vs float32: |logprob| error of each prompt's actual next tokens (teacher
 forcing, prompt_logprobs), mean and max; greedy agreement: the share of 32-token greedy
-continuations identical to float32's, and the mean length of the common prefix.
+continuations identical to float32's, the mean length of the common prefix, and the
+|logprob| error of the decode steps inside it (the same tokens seen by both).
 transformers' own bf16 run of the same checkpoint gives the peer's error for scale.
 """
 
@@ -56,16 +58,17 @@ def save_random_llama(path: Path, smoke: bool) -> None:
 
 def run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str) -> dict:
     """Teacher-forced logprobs of every prompt and 32-token greedy continuations.
-    kwargs' "fp8_fast_accum" (not an LLM argument) sets fp8_linear.SCALED_MM_FAST_ACCUM
-    for this variant."""
-    from pagoda.kernels import fp8_linear
+    kwargs' "fp8_fast_accum" and "fp8_qk_dot" (not LLM arguments) set
+    fp8_linear.SCALED_MM_FAST_ACCUM and paged_decode.FP8_QK_DOT for this variant."""
+    from pagoda.kernels import fp8_linear, paged_decode
     kwargs = dict(kwargs)
-    default_fast_accum = fp8_linear.SCALED_MM_FAST_ACCUM
-    fp8_linear.SCALED_MM_FAST_ACCUM = kwargs.pop("fp8_fast_accum", default_fast_accum)
+    defaults = fp8_linear.SCALED_MM_FAST_ACCUM, paged_decode.FP8_QK_DOT
+    fp8_linear.SCALED_MM_FAST_ACCUM = kwargs.pop("fp8_fast_accum", defaults[0])
+    paged_decode.FP8_QK_DOT = kwargs.pop("fp8_qk_dot", defaults[1])
     try:
         return _run_variant(model, kwargs, prompts, device)
     finally:
-        fp8_linear.SCALED_MM_FAST_ACCUM = default_fast_accum
+        fp8_linear.SCALED_MM_FAST_ACCUM, paged_decode.FP8_QK_DOT = defaults
 
 
 def _run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str) -> dict:
@@ -79,9 +82,15 @@ def _run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str
     logprobs = [[pl[tok].logprob for pl, tok in zip(out.prompt_logprobs[1:], p[1:])]
                 for out, p in zip(scored, prompts)]
     greedy = llm.generate([{"prompt_token_ids": p[:16]} for p in prompts],
-                          SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                          SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                         logprobs=0),
                           use_tqdm=False)
-    result = {"logprobs": logprobs, "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
+    # The sampled tokens' logprobs come from decode steps (the decode attention kernel),
+    # the prompt's from prefill.
+    result = {"logprobs": logprobs, "greedy": [list(o.outputs[0].token_ids) for o in greedy],
+              "greedy_logprobs": [[step[tok].logprob for step, tok in
+                                   zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                  for o in greedy]}
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -115,6 +124,14 @@ def compare(ref: dict, other: dict) -> dict:
                   for a, b in zip(ref["greedy"], other["greedy"])]
         summary.update(greedy_identical=float(np.mean(same)),
                        greedy_common_prefix_mean=float(np.mean(prefix)))
+        # Decode-step logprob error where both saw the same tokens: the common prefix.
+        decode_err = [abs(a - b) for r, o, n in zip(ref["greedy_logprobs"],
+                                                     other["greedy_logprobs"], prefix)
+                      for a, b in zip(r[:n], o[:n])]
+        if decode_err:
+            summary.update(decode_logprob_abs_err_mean=float(np.mean(decode_err)),
+                           decode_logprob_abs_err_max=float(np.max(decode_err)),
+                           decode_tokens_compared=len(decode_err))
     return summary
 
 
@@ -127,7 +144,9 @@ def variants_for(model_kind: str, fp8_ok: bool, dirs: dict) -> list[tuple[str, s
                  {"dtype": "bfloat16", "quantization": "fp8", "fp8_fast_accum": False}),
                 ("fp8 online, FP8 LM head", base,
                  {"dtype": "bfloat16", "quantization": "fp8", "quantize_lm_head": True}),
-                ("bf16 + fp8 KV", base, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"})]
+                ("bf16 + fp8 KV", base, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}),
+                ("bf16 + fp8 KV + FP8 q.K decode", base,
+                 {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "fp8_qk_dot": True})]
         for scheme in ("channel", "block"):
             if scheme in dirs:
                 out.append((f"fp8 checkpoint ({scheme})", dirs[scheme], {"dtype": "bfloat16"}))
@@ -141,8 +160,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--models", default="llama-8b-layers,smollm2")
+    p.add_argument("--variants", default=None,
+                   help="';'-separated variant names (as printed) to run beside float32 (the "
+                        "reference); default: all")
     p.add_argument("--out", default="benchmarks/results/fp8_quality.json")
     args = p.parse_args()
+    wanted = None if args.variants is None else {"float32", *args.variants.split(";")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fp8_ok = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     if args.smoke:
@@ -161,6 +184,8 @@ def main() -> None:
                 if fp8_ok:
                     from pagoda.model.quant.fp8_export import export_fp8
                     for scheme in ("channel", "block"):
+                        if wanted is not None and f"fp8 checkpoint ({scheme})" not in wanted:
+                            continue
                         dirs[scheme] = Path(tmp) / f"llama-{scheme}"
                         export_fp8(dirs["float"], dirs[scheme], scheme)
                 vocab = 512 if args.smoke else 128256
@@ -171,8 +196,12 @@ def main() -> None:
                 vocab, model_name = 49152, None
             prompts = [[int(t) for t in rng.integers(10, vocab - 10, size=args.prompt_len)]
                        for _ in range(args.prompts)]
+            chosen = [v for v in variants_for(kind, fp8_ok, dirs) if wanted is None or v[0] in wanted]
+            if wanted is not None and len(chosen) < len(wanted) and fp8_ok:
+                known = [v[0] for v in variants_for(kind, fp8_ok, dirs)]
+                raise SystemExit(f"unknown variant in {sorted(wanted)}: known {known}")
             results = {name: run_variant(model, kwargs, prompts, device)
-                       for name, model, kwargs in variants_for(kind, fp8_ok, dirs)}
+                       for name, model, kwargs in chosen}
             ref = results["float32"]
             entry = {name: compare(ref, r) for name, r in results.items() if name != "float32"}
             if model_name is not None:
@@ -187,6 +216,10 @@ def main() -> None:
                 if isinstance(m, dict):
                     extra = (f"  greedy identical {m['greedy_identical']:.0%}, common prefix "
                              f"{m['greedy_common_prefix_mean']:.1f}/32" if "greedy_identical" in m else "")
+                    if "decode_logprob_abs_err_mean" in m:
+                        extra += (f"; decode |err| mean {m['decode_logprob_abs_err_mean']:.4f} "
+                                  f"max {m['decode_logprob_abs_err_max']:.4f} over "
+                                  f"{m['decode_tokens_compared']} tokens")
                     print(f"  {name:34s} logprob |err| mean {m['logprob_abs_err_mean']:.4f} "
                           f"max {m['logprob_abs_err_max']:.4f}{extra}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

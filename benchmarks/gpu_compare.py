@@ -103,6 +103,8 @@ KERNEL_SWITCHES = (
      "graph steps' inputs built on a side stream"),
     ("short-context-graphs", "pagoda.kernels.paged_decode", "SHORT_CONTEXT_GRAPHS",
      "small-batch decode graphs also captured for short contexts"),
+    ("fp8-qk-dot", "pagoda.kernels.paged_decode", "FP8_QK_DOT",
+     "FP8-cache decode attention with the queries in e4m3 and q.K one FP8 dot"),
 )
 
 

@@ -140,23 +140,41 @@ class Fp8Case:
             self.pools[use_triton] = pool
 
 
-def attend(backend, pool, case, **kw):
+def attend(backend, pool, case, q=None, **kw):
     pool.store(0, case.md, case.k, case.v, scales=case.scales)
-    return backend.forward(case.q, pool.cache(0), backend.build_metadata(case.md),
-                           kv_scales=case.scales, **kw)
+    return backend.forward(case.q if q is None else q, pool.cache(0),
+                           backend.build_metadata(case.md), kv_scales=case.scales, **kw)
+
+
+def decode_rows_rounded(q, md):
+    """q with its decode rows (query length 1) rounded as the "words_qk8" decode path
+    rounds them (paged_decode.quantize_q_fp8_reference); other rows as they are."""
+    from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+    starts = md.query_start_loc.tolist()
+    rows = [a for a, b in zip(starts, starts[1:]) if b - a == 1]
+    q8, scale = quantize_q_fp8_reference(q[rows])
+    out = q.clone()
+    out[rows] = (q8.float() * scale).to(q.dtype)  # exact: e4m3 times a power of two
+    return out
 
 
 MIXED = [(0, 37), (70, 40), (5, 3), (45, 1), (0, 1), (130, 1)]
 
 
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,block_size,splits", [
-    (torch.float16, 8, 2, 16, None),
-    (torch.float32, 2, 2, 32, 3),  # decode slices forced on: the V scale before the merge
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,block_size,splits,qk_dot", [
+    (torch.float16, 8, 2, 16, None, False),
+    # The default decode path: its queries rounded to e4m3, the reference given the same.
+    (torch.float16, 8, 2, 16, None, True),
+    (torch.float32, 2, 2, 32, 3, False),  # decode slices forced on: the V scale before the merge
 ])
-def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_size, splits):
+def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_size, splits,
+                                         qk_dot, monkeypatch):
+    from pagoda.kernels import paged_decode
+    monkeypatch.setattr(paged_decode, "FP8_QK_DOT", qk_dot)
     case = Fp8Case(MIXED, num_heads, num_kv_heads, 64, block_size, dtype)
     ref_backend = TorchRefBackend(num_heads, num_kv_heads, 64, 1 / 8)
-    ref = attend(ref_backend, case.pools[False], case)
+    ref = attend(ref_backend, case.pools[False], case,
+                 q=decode_rows_rounded(case.q, case.md) if qk_dot else None)
     backend = TritonBackend(num_heads, num_kv_heads, 64, 1 / 8, num_decode_splits=splits)
     out = attend(backend, case.pools[True], case)
     assert torch.equal(case.pools[True].cache(0).view(torch.uint8),
@@ -167,9 +185,11 @@ def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_s
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_graph_plan_reads_the_scales_tensor_at_run_time():
+def test_graph_plan_reads_the_scales_tensor_at_run_time(monkeypatch):
     """A plan built from capture-time values, run twice with the layer's scales changed
     in place in between (as a CUDA graph replays): each run follows the current values."""
+    from pagoda.kernels import paged_decode
+    monkeypatch.setattr(paged_decode, "FP8_QK_DOT", False)  # the exact read (qk8: above)
     num_heads, num_kv_heads, head_dim, block_size = 4, 1, 64, 16
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
     backend.init_cuda_graph_state(max_batch_size=4, max_blocks_per_req=8,
@@ -208,7 +228,9 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
     shapes = [(0, 513), (3000, 200), (17, 1), (4000, 1), (100, 1)]
     case = Fp8Case(shapes, 32, 8, 128, 16, torch.bfloat16, seed=3)
-    ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case)
+    from pagoda.kernels.paged_decode import FP8_QK_DOT  # the default decode path's queries
+    ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case,
+                 q=decode_rows_rounded(case.q, case.md) if FP8_QK_DOT else None)
     for splits in (None, 7):
         out = attend(TritonBackend(32, 8, 128, 1 / math.sqrt(128), num_decode_splits=splits),
                      case.pools[True], case)
@@ -218,7 +240,8 @@ def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
                        case.pools[False].cache(0).view(torch.uint8))
 
 
-def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, seed=0,
+                    quantized_q=False):
     """Decode rows over an FP8 cache holding every finite e4m3 byte (subnormals and both
     signs included): q, cache, block tables, query_start_loc with one 3-token row (the
     decode kernel must leave it alone), and the torch reference of the decode rows."""
@@ -241,6 +264,11 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
     scales = torch.tensor([0.01, 0.02])
     group = num_heads // num_kv_heads
     ref = torch.zeros(q.shape)
+    q_ref = q.float()
+    if quantized_q:  # what "words_qk8" attends with: each head rounded to e4m3
+        from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+        q8, q_scale = quantize_q_fp8_reference(q)
+        q_ref = q8.float() * q_scale
     for r, ctx in enumerate(contexts):
         if qlens[r] != 1:
             continue
@@ -248,14 +276,14 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
         blk = tables[r][pos // block_size].long()
         k = (cache[0][blk, pos % block_size].float() * scales[0]).repeat_interleave(group, 1)
         v = (cache[1][blk, pos % block_size].float() * scales[1]).repeat_interleave(group, 1)
-        s = torch.einsum("hd,nhd->hn", q[qsl[r]].float(), k) / math.sqrt(head_dim)
+        s = torch.einsum("hd,nhd->hn", q_ref[qsl[r]], k) / math.sqrt(head_dim)
         ref[qsl[r]] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
     return {"q": q, "cache": cache, "tables": tables, "qsl": qsl,
             "seq": torch.tensor(contexts, dtype=torch.int32), "scales": scales, "ref": ref,
             "decode_rows": [int(qsl[r]) for r in range(len(contexts)) if qlens[r] == 1]}
 
 
-@pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt"])
+@pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt", "words_qk8"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,splits", [
     (64, 8, 2, 1),
     (64, 8, 2, 3),   # slices and the merge: the V scale before the merge
@@ -263,7 +291,8 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
 ])
 def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_heads, splits):
     from pagoda.kernels.paged_decode import paged_attention_decode
-    case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16)
+    case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
+                           quantized_q=fp8_path == "words_qk8")
     q = case["q"].to(DEVICE)
     out = torch.full_like(q, 7.0)
     paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
@@ -275,6 +304,25 @@ def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_
     torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
     skipped = [r for r in range(q.shape[0]) if r not in rows]
     assert (out[skipped] == 7.0).all()  # the 3-token request: left to the chunk kernel
+
+
+def test_query_rounding_of_the_fp8_dot_path():
+    """quantize_q_fp8_reference: a power-of-two scale per head bringing its largest
+    |value| to at most 448 (and to no less than 224), lossless on values it produced,
+    and scale 1 for an all-zero head."""
+    from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 64, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 448.0])[:, None]
+    q[0, 0] = 0.0
+    q8, scale = quantize_q_fp8_reference(q.to(torch.float16))
+    assert scale.shape == (5, 4, 1) and scale[0, 0, 0] == 1.0 and (q8[0, 0].float() == 0).all()
+    mantissa, _ = torch.frexp(scale)
+    assert (mantissa == 0.5).all()  # powers of two
+    top = q8.float().abs().amax(-1)  # [224, 448]: 224 when the largest rounds down to it
+    assert ((top[1:] >= 224) & (top[1:] <= 448)).all() and (top[0, 1:] >= 224).all()
+    exact = q8.float() * scale
+    again_q8, again_scale = quantize_q_fp8_reference(exact)
+    assert torch.equal(again_q8.float() * again_scale, exact)
 
 
 def test_decode_words_path_refuses_what_it_cannot_read():

@@ -183,9 +183,10 @@ def _pdl_cases():
     for fp8 in (False, True):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else bf16)
         cfg = dict(pd.decode_tile_config(bf16, fp8))
-        kernel = pd._decode_words_kernel if cfg.pop("fp8_path", "tile") != "tile" else \
-            pd._decode_kernel
-        extra = dict(BITS=False) if fp8 else dict(IEEE_DOT=False, KV_FP8=False)
+        path = cfg.pop("fp8_path", "tile")
+        kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
+        extra = (dict(BITS=path == "words_bits", QK_FP8=path == "words_qk8") if fp8
+                 else dict(IEEE_DOT=False, KV_FP8=False))
         yield f"decode[fp8={fp8}]", kernel, (
             attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,

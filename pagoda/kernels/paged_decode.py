@@ -25,7 +25,9 @@ FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles con
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
 slice's output (the merge is linear in them), both read from kv_scales on the device.
 The word kernel (_decode_words_kernel, config key fp8_path) reads an FP8 cache as int32
-words instead; see the section above it for why.
+words instead; see the section above it for why. Its "words_qk8" form also rounds the
+queries to e4m3 (one power-of-two scale per head, quantize_q_fp8_reference) so that
+q.K is a single FP8 dot on the keys as stored, as FlashAttention-3's FP8 path does.
 """
 
 from __future__ import annotations
@@ -197,22 +199,34 @@ def _attend_word_tile(
     kv_head, start_n, kv_end, qk_scale,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+    QK_FP8: tl.constexpr,
 ):
     """attend_kv_tile for an FP8 cache read as words: keys start_n .. start_n + BLOCK_N - 1
     (those at or past kv_end masked, never loaded) folded into the per-plane
-    accumulators a0..a3 ([BLOCK_H, HEAD_DIM / 4], columns 4i + j of the output)."""
+    accumulators a0..a3 ([BLOCK_H, HEAD_DIM / 4], columns 4i + j of the output).
+    QK_FP8: q0 is the whole e4m3 query tile [BLOCK_H, HEAD_DIM] (q1..q3 unused) and the
+    scores are one FP8 dot with the key tile as stored; qk_scale then holds the query
+    rows' scales too ([BLOCK_H, 1])."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     words = tl.arange(0, HEAD_DIM // 4)
     n_ok = offs_n < kv_end
     page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
-            + kv_head * stride_cache_head) // 4  # byte offsets -> word offsets
+    byte_rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
+                 + kv_head * stride_cache_head)
+    rows = byte_rows // 4  # byte offsets -> word offsets
     offsets = rows[:, None] + words[None, :]
-    k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=n_ok[:, None], other=0), BITS)
-    s = tl.dot(q0, tl.trans(k0))
-    s = tl.dot(q1, tl.trans(k1), s)
-    s = tl.dot(q2, tl.trans(k2), s)
-    s = tl.dot(q3, tl.trans(k3), s)
+    if QK_FP8:
+        dims = tl.arange(0, HEAD_DIM)
+        k8 = tl.load(k_words_ptr.to(tl.pointer_type(tl.float8e4nv)) + byte_rows[:, None]
+                     + dims[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q0, tl.trans(k8))
+    else:
+        k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=n_ok[:, None], other=0),
+                                      BITS)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
     s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -227,6 +241,38 @@ def _attend_word_tile(
     a2 = tl.dot(p, v2, a2 * alpha[:, None])
     a3 = tl.dot(p, v3, a3 * alpha[:, None])
     return a0, a1, a2, a3, m_new, l_i
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 x with |x| <= 448 -> the nearest e4m3 value (ties to even), as float32:
+    exact, so the cast to float8e4nv after it rounds nothing (the same bytes as torch's
+    cast; Triton's interpreter mis-rounds values that round up into the next binade)."""
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal e4m3 (|x| >= 2^-6): keep 3 of float32's 23 mantissa bits, ties to even
+    # (a carry out of the mantissa moves the exponent up, as it should).
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Subnormal e4m3: multiples of 2^-9, rounded by float32's own addition (24576 =
+    # 1.5 * 2^14, whose float32 spacing is 2^-9).
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr):
+    """The query rows as e4m3 [BLOCK_H, HEAD_DIM] and their float32 scales [BLOCK_H]:
+    each row scaled by a power of two (exact both ways) to at most 448 and rounded to
+    e4m3 (ref: pagoda.kernels.paged_decode.quantize_q_fp8_reference)."""
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float32)
+    wanted = tl.max(tl.abs(q), 1) * (1.0 / 448.0)
+    # The smallest power of two >= wanted, and its inverse, from the exponent bits.
+    exp_bits = (wanted.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    scale = tl.where(wanted > 0, exp_bits.to(tl.float32, bitcast=True), 1.0)
+    inverse = tl.where(wanted > 0, ((254 << 23) - exp_bits).to(tl.float32, bitcast=True), 1.0)
+    x = tl.minimum(tl.maximum(q * inverse[:, None], -448.0), 448.0)
+    return _round_to_e4m3(x).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -245,11 +291,13 @@ def _decode_words_kernel(
     stride_cache_block, stride_cache_tok, stride_cache_head,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, BITS: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, BITS: tl.constexpr, QK_FP8: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
-    (the byte planes above); same grid, slices, workspace and merge."""
+    (the byte planes above); same grid, slices, workspace and merge. QK_FP8: the
+    queries are rounded to e4m3 (a power-of-two scale per head) and q.K is one FP8 dot
+    on the key tile as stored; P.V still reads V as words."""
     pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -262,10 +310,16 @@ def _decode_words_kernel(
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
     head_ok = h < GROUP
-    q0 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 0, HEAD_DIM)
-    q1 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 1, HEAD_DIM)
-    q2 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 2, HEAD_DIM)
-    q3 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 3, HEAD_DIM)
+    if QK_FP8:
+        q0, q_scale = _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    else:
+        q0 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 0, HEAD_DIM)
+        q1 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 1, HEAD_DIM)
+        q2 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 2, HEAD_DIM)
+        q3 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 3, HEAD_DIM)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
@@ -280,12 +334,16 @@ def _decode_words_kernel(
         v_scale = v_scale * 256.0
     k_words_ptr = k_cache_ptr.to(tl.pointer_type(tl.int32))
     v_words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int32))
+    if QK_FP8:  # the K planes' 2^-8 (BITS) does not apply: K is read as stored
+        score_scale = (qk_scale * tl.load(kv_scales_ptr) * q_scale)[:, None]
+    else:
+        score_scale = qk_scale * k_scale
     for start_n in range(kv_start, kv_end, BLOCK_N):
         a0, a1, a2, a3, m_i, l_i = _attend_word_tile(
             q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr,
-            block_table_ptr, kv_head, start_n, kv_end, qk_scale * k_scale,
+            block_table_ptr, kv_head, start_n, kv_end, score_scale,
             stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8)
 
     # Empty slice: the accumulators are 0, the lse -inf (_write_slice).
     factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
@@ -370,11 +428,14 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     (docs/performance.md, "measured reasons"); an FP8 cache with 16-bit queries: the
     word kernel on 128-key tiles with 5 stages (two K / V buffers), 179 us for one
     Llama-8B layer at 256 x 1k where the tile kernel took 242 us and bf16 264 us
-    (benchmarks/decode_tiles.py); the tile kernel where the word kernel cannot run.
+    (benchmarks/decode_tiles.py), 164 us in its FP8 q.K form (FP8_QK_DOT); the tile
+    kernel where the word kernel cannot run.
 
     Key "fp8_path" (FP8 cache, 16-bit queries) picks the kernel: "tile" (attend_kv_tile
     on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel, converting by
-    bit operations or by Triton's e4m3 cast: the same speed measured, the cast kept). Note on num_stages: the K / V
+    bit operations or by Triton's e4m3 cast: the same speed measured, the cast kept) or
+    "words_qk8" (the same kernel with the queries rounded to e4m3 and q.K one FP8 dot on
+    the stored keys: no conversion of K; FP8_QK_DOT makes it the default). Note on num_stages: the K / V
     loads depend on the block-table load of the same loop, and Triton 3.6 splits the
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
@@ -382,11 +443,30 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=5, fp8_path="words_cvt")
+        return dict(BLOCK_N=128, num_warps=4, num_stages=5,
+                    fp8_path="words_qk8" if FP8_QK_DOT else "words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-FP8_PATHS = ("tile", "words_bits", "words_cvt")
+FP8_PATHS = ("tile", "words_bits", "words_cvt", "words_qk8")
+# True: the FP8-cache default is "words_qk8" (queries rounded to e4m3, q.K one FP8 dot),
+# 164 us for one Llama-8B layer at 256 x 1k where "words_cvt" takes 177, with no larger
+# decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
+# (benchmarks' --fp8-qk-dot off).
+FP8_QK_DOT = True
+
+
+def quantize_q_fp8_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What "words_qk8" does to the queries, in torch: q [..., head_dim] -> (e4m3 q,
+    float32 scale [..., 1]) with q ~ e4m3 q * scale, the scale the smallest power of two
+    that brings each head's largest |value| to at most 448 (1 for an all-zero head)."""
+    q = q.float()
+    wanted = q.abs().amax(-1, keepdim=True) * (1.0 / 448.0)  # the kernel's float32 product
+    mantissa, exponent = torch.frexp(wanted)  # wanted = mantissa * 2^exponent, 0.5 <= m < 1
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # a power of two stays
+    scale = torch.where(wanted > 0, torch.ldexp(torch.ones_like(wanted), exponent),
+                        torch.ones_like(wanted))
+    return (q / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def _words_path_ok(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -449,8 +529,8 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
         _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
                              KV_FP8=kv_fp8, **cfg, **pdl)
     else:
-        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits", **cfg,
-                                   **pdl)
+        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits",
+                                   QK_FP8=fp8_path == "words_qk8", **cfg, **pdl)
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
