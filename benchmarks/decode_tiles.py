@@ -7,7 +7,8 @@ at batch x context (default 256 x 1024, 64 x 4096 and 32 x 1024). `--layouts nhd
 also times each case with the cache's blocks head-major (HND: one head's tokens of a
 block contiguous, the kernels seeing the same [2, blocks, page, heads, dim] view through
 its strides); `--page` sets the block size. For each KV dtype, each
-FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt", "words_qk8") and each tile
+FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt", "words_qk8",
+"words_kq8") and each tile
 (BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
 the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
 its default tile, beside a measured copy. `--sweep quick` times only the defaults and a
@@ -34,6 +35,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagoda.kernels import paged_decode  # noqa: E402
 from pagoda.kernels.paged_decode import (  # noqa: E402
     choose_num_splits, paged_attention_decode, quantize_q_fp8_reference)
 
@@ -51,6 +53,8 @@ FP8_TILES = {
     "words_cvt": [(128, 4, 4), (64, 4, 5), (64, 4, 7), (64, 4, 9), (128, 4, 5),
                   (64, 4, 1), (128, 4, 1)],
     "words_qk8": [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5), (256, 4, 5),
+                  (128, 4, 3)],
+    "words_kq8": [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5), (256, 4, 5),
                   (128, 4, 3)],
 }
 
@@ -77,7 +81,8 @@ def run(case: dict, cache: torch.Tensor, splits: int, config, scales) -> torch.T
     return out
 
 
-# --sweep quick: the FP8 default and these word-kernel tiles ("words_cvt", "words_qk8") only.
+# --sweep quick: the FP8 default and these tiles of the word kernel's paths
+# ("words_cvt", "words_qk8", "words_kq8") only.
 QUICK_WORD_TILES = [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5)]
 
 
@@ -95,7 +100,7 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
     out = [("default", None)]
     if sweep == "quick":
-        return out + [(f"{path} {t}", cfg(path, t)) for path in ("words_cvt", "words_qk8")
+        return out + [(f"{path} {t}", cfg(path, t)) for path in ("words_cvt", "words_qk8", "words_kq8")
                       for t in QUICK_WORD_TILES]
     for path, tiles in FP8_TILES.items():
         if path == "tile" and wide:
@@ -134,7 +139,8 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             try:
                 out = run(case, cache, splits, config, sc)
                 if dtype == "fp8":
-                    qk8 = (config or {}).get("fp8_path") == "words_qk8"
+                    qk8 = (config or {}).get("fp8_path", "words_qk8" if paged_decode.FP8_QK_DOT
+                                              else "") in ("words_qk8", "words_kq8")
                     torch.testing.assert_close(out.float(), ref_qk8 if qk8 else ref,
                                                atol=2e-2, rtol=2e-2)
                 ms = do_bench(lambda: run(case, cache, splits, config, sc))

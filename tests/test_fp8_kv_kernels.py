@@ -283,7 +283,8 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
             "decode_rows": [int(qsl[r]) for r in range(len(contexts)) if qlens[r] == 1]}
 
 
-@pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt", "words_qk8"])
+@pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt", "words_qk8",
+                                      "words_kq8"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,splits", [
     (64, 8, 2, 1),
     (64, 8, 2, 3),   # slices and the merge: the V scale before the merge
@@ -292,7 +293,7 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
 def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_heads, splits):
     from pagoda.kernels.paged_decode import paged_attention_decode
     case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
-                           quantized_q=fp8_path == "words_qk8")
+                           quantized_q=fp8_path in ("words_qk8", "words_kq8"))
     q = case["q"].to(DEVICE)
     out = torch.full_like(q, 7.0)
     paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),

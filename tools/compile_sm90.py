@@ -180,14 +180,17 @@ def _pdl_cases():
     q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
     i32 = torch.empty(64, dtype=torch.int32)
-    for fp8 in (False, True):
+    # The defaults for a bf16 and an FP8 cache, and the FP8 path benchmarks may switch to.
+    for fp8, path_override in ((False, None), (True, None), (True, "words_kq8")):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else bf16)
         cfg = dict(pd.decode_tile_config(bf16, fp8))
-        path = cfg.pop("fp8_path", "tile")
+        path = path_override or cfg.pop("fp8_path", "tile")
+        cfg.pop("fp8_path", None)
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
-        extra = (dict(BITS=path == "words_bits", QK_FP8=path == "words_qk8") if fp8
+        extra = (dict(BITS=path == "words_bits", QK_FP8=path in ("words_qk8", "words_kq8"),
+                      KEYS_AS_A=path == "words_kq8") if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
-        yield f"decode[fp8={fp8}]", kernel, (
+        yield f"decode[fp8={fp8}{', ' + path_override if path_override else ''}]", kernel, (
             attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(

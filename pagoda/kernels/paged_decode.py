@@ -199,14 +199,17 @@ def _attend_word_tile(
     kv_head, start_n, kv_end, qk_scale,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-    QK_FP8: tl.constexpr,
+    QK_FP8: tl.constexpr, KEYS_AS_A: tl.constexpr,
 ):
     """attend_kv_tile for an FP8 cache read as words: keys start_n .. start_n + BLOCK_N - 1
     (those at or past kv_end masked, never loaded) folded into the per-plane
     accumulators a0..a3 ([BLOCK_H, HEAD_DIM / 4], columns 4i + j of the output).
-    QK_FP8: q0 is the whole e4m3 query tile [BLOCK_H, HEAD_DIM] (q1..q3 unused) and the
+    QK_FP8: q0 is the whole e4m3 query tile [BLOCK_H, HEAD_DIM] (q2, q3 unused) and the
     scores are one FP8 dot with the key tile as stored; qk_scale then holds the query
-    rows' scales too ([BLOCK_H, 1])."""
+    rows' scales too ([BLOCK_H, 1]). q1: q0 again, or with KEYS_AS_A, q0 transposed, and the
+    dot is keys x q^T, [BLOCK_N, BLOCK_H], transposed back: with BLOCK_N a multiple of
+    64 it qualifies for Hopper's FP8 wgmma (M = keys), which q x K^T (M = 16 padded
+    heads) does not: Triton then converts both operands to float16 for mma.sync."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     words = tl.arange(0, HEAD_DIM // 4)
     n_ok = offs_n < kv_end
@@ -219,7 +222,10 @@ def _attend_word_tile(
         dims = tl.arange(0, HEAD_DIM)
         k8 = tl.load(k_words_ptr.to(tl.pointer_type(tl.float8e4nv)) + byte_rows[:, None]
                      + dims[None, :], mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q0, tl.trans(k8))
+        if KEYS_AS_A:
+            s = tl.trans(tl.dot(k8, q1))
+        else:
+            s = tl.dot(q0, tl.trans(k8))
     else:
         k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=n_ok[:, None], other=0),
                                       BITS)
@@ -292,12 +298,14 @@ def _decode_words_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr, QK_FP8: tl.constexpr,
+    KEYS_AS_A: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
     (the byte planes above); same grid, slices, workspace and merge. QK_FP8: the
     queries are rounded to e4m3 (a power-of-two scale per head) and q.K is one FP8 dot
-    on the key tile as stored; P.V still reads V as words."""
+    on the key tile as stored (KEYS_AS_A: keys x q^T, see _attend_word_tile); P.V still
+    reads V as words."""
     pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -312,7 +320,7 @@ def _decode_words_kernel(
     head_ok = h < GROUP
     if QK_FP8:
         q0, q_scale = _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM)
-        q1 = q0
+        q1 = tl.trans(q0) if KEYS_AS_A else q0
         q2 = q0
         q3 = q0
     else:
@@ -343,7 +351,7 @@ def _decode_words_kernel(
             q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr,
             block_table_ptr, kv_head, start_n, kv_end, score_scale,
             stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8, KEYS_AS_A)
 
     # Empty slice: the accumulators are 0, the lse -inf (_write_slice).
     factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
@@ -435,7 +443,8 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel, converting by
     bit operations or by Triton's e4m3 cast: the same speed measured, the cast kept) or
     "words_qk8" (the same kernel with the queries rounded to e4m3 and q.K one FP8 dot on
-    the stored keys: no conversion of K; FP8_QK_DOT makes it the default). Note on num_stages: the K / V
+    the stored keys: no conversion of K; FP8_QK_DOT makes it the default) or "words_kq8"
+    (that dot as keys x q^T, an FP8 wgmma on Hopper; not measured yet). Note on num_stages: the K / V
     loads depend on the block-table load of the same loop, and Triton 3.6 splits the
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
@@ -448,7 +457,7 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-FP8_PATHS = ("tile", "words_bits", "words_cvt", "words_qk8")
+FP8_PATHS = ("tile", "words_bits", "words_cvt", "words_qk8", "words_kq8")
 # True: the FP8-cache default is "words_qk8" (queries rounded to e4m3, q.K one FP8 dot),
 # 164 us for one Llama-8B layer at 256 x 1k where "words_cvt" takes 177, with no larger
 # decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
@@ -530,7 +539,8 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                              KV_FP8=kv_fp8, **cfg, **pdl)
     else:
         _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits",
-                                   QK_FP8=fp8_path == "words_qk8", **cfg, **pdl)
+                                   QK_FP8=fp8_path in ("words_qk8", "words_kq8"),
+                                   KEYS_AS_A=fp8_path == "words_kq8", **cfg, **pdl)
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
