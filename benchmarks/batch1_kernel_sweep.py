@@ -30,6 +30,8 @@ import sys
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH_DIR), BENCH_DIR]  # pagoda, and benchmarks/ modules
+if "--smoke" in sys.argv:  # before Triton picks its driver (none on a CPU machine)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -97,10 +99,8 @@ def sweep_gate_up(name, shape, args, timer) -> list[dict]:
     for block_n, block_k, warps, stages in itertools.product(
             args.gate_up_block_n, args.gate_up_block_k, args.warps, args.stages):
         def call():
-            fmd._gemv_gate_up_kernel[(top_k, triton.cdiv(inter, block_n))](
-                x, w13, ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
-                TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                num_stages=stages)
+            fmd.launch_gate_up(x, w13, ids, act, w13, top_k, 0, dict(
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages))
         us = timer(call, args.calls, args.repeat)
         rows.append({"model": name, "kernel": "gate_up", "BLOCK_N": block_n, "BLOCK_K": block_k,
                      "num_warps": warps, "num_stages": stages, "us": us,
@@ -115,14 +115,13 @@ def sweep_down(name, shape, args, timer) -> list[dict]:
     one_chunk = triton.next_power_of_2(inter)
     rows = []
     for block_n, block_k, warps, stages in itertools.product(
-            args.down_block_n, [one_chunk, *args.down_block_k], args.warps, args.stages):
+            args.down_block_n, [one_chunk, *args.down_block_k], args.down_warps, args.stages):
         if block_k > one_chunk or (block_k == one_chunk and block_k > 2048):
             continue
         def call():
-            fmd._gemv_down_sum_kernel[(1, triton.cdiv(hidden, block_n))](
-                act, w2, ids, weights, out, hidden, inter, w2.stride(0), w2.stride(1),
-                out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-                ONE_CHUNK=block_k >= inter, LOOP_STAGES=stages, num_warps=warps)
+            fmd.launch_down(act, w2, ids, weights, out, w2, top_k, 0, dict(
+                BLOCK_N=block_n, BLOCK_K=block_k, ONE_CHUNK=block_k >= inter,
+                LOOP_STAGES=stages, num_warps=warps))
         us = timer(call, args.calls, args.repeat)
         rows.append({"model": name, "kernel": "down", "BLOCK_N": block_n, "BLOCK_K": block_k,
                      "num_warps": warps, "loop_stages": stages, "us": us,
@@ -235,8 +234,9 @@ def parse_args():
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     args.gate_up_block_n, args.gate_up_block_k = [8, 16, 32], [128, 256, 512]
-    args.down_block_n, args.down_block_k = [4, 8, 16, 32], [256, 512]
+    args.down_block_n, args.down_block_k = [1, 2, 4, 8, 16], [256, 512]
     args.warps, args.stages = [2, 4, 8], [2, 3, 4]
+    args.down_warps = [1, 2, 4, 8]  # few rows per program (BLOCK_N 1-2) may want one warp
     args.kv_heads, args.contexts = [4, 8], [128, 256, 1024, 4096]
     args.splits, args.min_splits = [1, 2, 4, 8, 16], [16, 32, 64, 256]
     args.absorb_r, args.absorb_d, args.project_v = [32, 64, 128, 256], [32, 64, 128], [4, 8, 16, 32]
@@ -247,6 +247,7 @@ def parse_args():
         args.gate_up_block_n, args.gate_up_block_k = [16], [256]
         args.down_block_n, args.down_block_k = [8], [256]
         args.warps, args.stages = [4], [2]
+        args.down_warps = [4]
         args.kv_heads, args.contexts, args.splits, args.min_splits = [4], [64], [1, 2], [16]
         args.absorb_r, args.absorb_d, args.project_v = [64], [32], [16]
         args.calls, args.repeat = 1, 10

@@ -223,17 +223,34 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype,
                       device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    up_cfg = GATE_UP_CONFIG
-    down_cfg = down_config(inter)
-    _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, up_cfg["BLOCK_N"]))](
-        hidden, w13, ids, act, ws13, hidden_size, inter, hidden.stride(0), w13.stride(0),
-        w13.stride(1), routed, ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
-        SHARED_CHUNKS=chunks, **up_cfg, **launch_options(hidden.device))
-    _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg["BLOCK_N"]))](
-        act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), routed, ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks, **down_cfg,
-        **launch_options(hidden.device))
+    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG)
+    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter))
     return out
+
+
+def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+                   act: torch.Tensor, ws13: torch.Tensor, top_k: int, chunks: int,
+                   config: dict) -> None:
+    """The gate/up kernel: hidden [T, H], ids int32 [T * top_k] -> act [T * top_k + T *
+    chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks). config: tiles
+    and launch options as GATE_UP_CONFIG (benchmarks sweep them)."""
+    inter = w13.shape[1] // 2
+    _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
+        hidden, w13, ids, act, ws13, hidden.shape[1], inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), ids.numel(), ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
+        SHARED_CHUNKS=chunks, **config, **launch_options(hidden.device))
+
+
+def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor, ws2: torch.Tensor, top_k: int, chunks: int,
+                config: dict) -> None:
+    """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
+    shared chunks) summed. config: as down_config(I) returns (benchmarks sweep it)."""
+    hidden_size, inter = w2.shape[1], w2.shape[2]
+    _gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, config["BLOCK_N"]))](
+        act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), ids.numel(), ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks,
+        **config, **launch_options(act.device))
 
 
 def shared_chunks_of(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
