@@ -27,7 +27,10 @@ slice's output (the merge is linear in them), both read from kv_scales on the de
 The word kernel (_decode_words_kernel, config key fp8_path) reads an FP8 cache as int32
 words instead; see the section above it for why. Its "words_qk8" form also rounds the
 queries to e4m3 (one power-of-two scale per head, quantize_q_fp8_reference) so that
-q.K is a single FP8 dot on the keys as stored, as FlashAttention-3's FP8 path does.
+q.K is a single FP8 dot on the keys as stored, as FlashAttention-3's FP8 path does (on
+sm_90 Triton lowers that dot, 16 padded query rows, to float16 mma.sync and converts the
+whole key tile for it: cheaper than the byte planes, not free; "words_kq8" is the form
+that reaches Hopper's FP8 wgmma).
 """
 
 from __future__ import annotations
@@ -443,7 +446,8 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel, converting by
     bit operations or by Triton's e4m3 cast: the same speed measured, the cast kept) or
     "words_qk8" (the same kernel with the queries rounded to e4m3 and q.K one FP8 dot on
-    the stored keys: no conversion of K; FP8_QK_DOT makes it the default) or "words_kq8"
+    the stored keys: K converted whole by Triton, not in planes; FP8_QK_DOT makes it the
+    default) or "words_kq8"
     (that dot as keys x q^T, an FP8 wgmma on Hopper; not measured yet). Note on num_stages: the K / V
     loads depend on the block-table load of the same loop, and Triton 3.6 splits the
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
