@@ -10,6 +10,7 @@ with the reason, where Triton has no CUDA backend or ptxas.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -36,7 +37,13 @@ def _ptxas_present() -> bool:
 @pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant"])
 def test_kernels_compile_for_sm90(group):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, TOOL, group], capture_output=True, text=True,
-                         env=env, timeout=600)
+    out = subprocess.run([sys.executable, TOOL, "--loops", group], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "REG:" in out.stdout, out.stdout
+    if group == "pdl":  # --loops finds the FP8 decode kernels' key loop
+        lines = out.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("pdl.decode[fp8=True"):
+                assert re.fullmatch(r"  loop at 0x[0-9a-f]+: [1-9]\d+ instructions \(.+\)",
+                                    lines[i + 1]), lines[i:i + 2]

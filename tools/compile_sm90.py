@@ -2,6 +2,7 @@
 
     python tools/compile_sm90.py            # every kernel case in CASES below
     python tools/compile_sm90.py moe        # the cases of one group
+    python tools/compile_sm90.py --loops pdl   # and each kernel's loops in SASS
 
 The Triton interpreter (what the CPU tests run) executes a kernel's Python, so it
 cannot see what the GPU compiler rejects (an op a layout cannot lower, shared memory
@@ -10,14 +11,19 @@ each case's arguments (CPU tensors stand in for device pointers: only dtype and
 alignment matter), builds the kernel with Triton's own compiler for
 GPUTarget("cuda", 90, 32) through ptxas (shipped in Triton's wheel) and prints its
 registers, spills and shared memory. A compile error is raised, and the run exits 1.
-It says nothing about speed or results. The local Triton may be newer than the
+With --loops it also disassembles the cubin (cuobjdump -sass) and prints each loop
+(a backward branch) with its instruction count and commonest opcodes: for a kernel
+bound by instruction issue, the count of its main loop is a first measure of a change
+(docs/performance.md, 2026-12-03). It says nothing about speed or results. The local Triton may be newer than the
 GPU machine's: a kernel that compiles here is likely, not certain, to compile there.
 """
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,8 +50,7 @@ def compile_for_sm90(kernel, *args, **kwargs):
     return triton.compile(src, target=TARGET, options=options.__dict__)
 
 
-def resource_usage(compiled) -> str:
-    """cuobjdump's resource line of the cubin (registers, stack, local memory)."""
+def _cuobjdump(compiled, flag: str) -> str:
     import subprocess
     import tempfile
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -53,9 +58,37 @@ def resource_usage(compiled) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
-    lines = [ln.strip() for ln in out.stdout.splitlines() if "REG:" in ln]
-    return lines[0] if lines else out.stdout.strip()[-200:]
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's resource line of the cubin (registers, stack, local memory)."""
+    out = _cuobjdump(compiled, "-res-usage")
+    lines = [ln.strip() for ln in out.splitlines() if "REG:" in ln]
+    return lines[0] if lines else out.strip()[-200:]
+
+
+_SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+
+
+def sass_loops(compiled) -> list[tuple[int, int, collections.Counter]]:
+    """(start address, instruction count, opcode counts) of each loop of the kernel: the
+    instructions from a backward branch's target to the branch itself."""
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in
+                    map(_SASS_LINE.match, _cuobjdump(compiled, "-sass").splitlines()) if m]
+    index = {address: i for i, (address, _) in enumerate(instructions)}
+    loops = []
+    for i, (address, text) in enumerate(instructions):
+        target = _BRANCH_TARGET.search(text)
+        start = index.get(int(target.group(1), 16)) if target else None
+        if start is None or instructions[start][0] >= address:
+            continue
+        body = instructions[start:i + 1]
+        opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for _, t in body)
+        loops.append((instructions[start][0], len(body), opcodes))
+    return loops
 
 
 def report(name: str, compiled) -> str:
@@ -257,7 +290,8 @@ CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(CASES)
+    loops = "--loops" in argv
+    names = [a for a in argv if a != "--loops"] or list(CASES)
     failed = 0
     for module in names:
         for name, kernel, args, kwargs in CASES[module]():
@@ -267,6 +301,9 @@ def main(argv: list[str]) -> int:
                 if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in ptx:
                     raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
                 print(report(f"{module}.{name}", compiled))
+                for start, count, opcodes in sass_loops(compiled) if loops else ():
+                    top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
+                    print(f"  loop at {start:#x}: {count} instructions ({top})")
             except Exception as exc:  # report every case, then fail
                 failed += 1
                 print(f"{module}.{name}: FAILED {type(exc).__name__}: {exc}")
