@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import RequestStatus
 
-from test_scheduler import (BLOCK_SIZE, FakeRunner, alone, collect, make_request,
-                             make_scheduler, next_token, run_to_completion)
+from scheduler_harness import (BLOCK_SIZE, FakeRunner, alone, collect, make_request,
+                               make_scheduler, next_token, run_to_completion)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 from pagoda.core.draft_planner import DraftPlanner
 from pagoda.core.spec_budget import SpecBudget
 
-from test_scheduler import VOCAB, make_request, make_scheduler, next_token
+from scheduler_harness import VOCAB, make_request, make_scheduler, next_token
 from test_spec_scheduling import VerifyingRunner, check_outputs, run
 
 # The arithmetic of these trajectories (comments below) takes drafts down to a gain of

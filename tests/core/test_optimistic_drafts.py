@@ -15,7 +15,7 @@ from pagoda.core.optimistic_drafts import PLACEHOLDER_DRAFT
 from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.core.spec_budget import SpecBudget
 
-from test_scheduler import BLOCK_SIZE, alone, make_request, make_scheduler, next_token
+from scheduler_harness import BLOCK_SIZE, alone, make_request, make_scheduler, next_token
 import test_spec_scheduling
 from test_spec_scheduling import VerifyingRunner, run
 

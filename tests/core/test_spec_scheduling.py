@@ -19,8 +19,8 @@ from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.spec_budget import SpecBudget
 from pagoda.sample.verify import accept_draft_tokens
 
-from test_scheduler import (BLOCK_SIZE, FakeRunner, alone, make_request, make_scheduler,
-                            next_token)
+from scheduler_harness import (BLOCK_SIZE, FakeRunner, alone, make_request, make_scheduler,
+                               next_token)
 
 
 def oracle(tokens: list[int], k: int) -> list[int]:
