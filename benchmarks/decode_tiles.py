@@ -15,8 +15,8 @@ its default tile, beside a measured copy. `--sweep quick` times only the default
 few word-kernel tiles. num_stages 5 / 7 / 9 are the ones that give the
 K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothing. The FP8 cache holds the
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
-kernel reading the same rounded values before it is timed ("words_qk8" against it with
-the queries rounded as that path rounds them). `--sweep wide` adds the full
+kernel reading the same rounded values before it is timed (the query-rounding paths
+against it with the queries rounded as they round them). `--sweep wide` adds the full
 BLOCK_N x warps x stages product for the "tile" path.
 """
 
@@ -35,9 +35,9 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagoda.kernels import paged_decode  # noqa: E402
 from pagoda.kernels.paged_decode import (  # noqa: E402
-    choose_num_splits, paged_attention_decode, quantize_q_fp8_reference)
+    QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config, paged_attention_decode,
+    quantize_q_fp8_reference)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -139,9 +139,9 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             try:
                 out = run(case, cache, splits, config, sc)
                 if dtype == "fp8":
-                    qk8 = (config or {}).get("fp8_path", "words_qk8" if paged_decode.FP8_QK_DOT
-                                              else "") in ("words_qk8", "words_kq8")
-                    torch.testing.assert_close(out.float(), ref_qk8 if qk8 else ref,
+                    path = (config or decode_tile_config(case["q"].dtype, True)).get("fp8_path")
+                    rounded = path in QUERY_ROUNDING_PATHS
+                    torch.testing.assert_close(out.float(), ref_qk8 if rounded else ref,
                                                atol=2e-2, rtol=2e-2)
                 ms = do_bench(lambda: run(case, cache, splits, config, sc))
             except Exception as e:  # out of resources, or a wrong result: recorded, not fatal

@@ -291,9 +291,9 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
     (128, 4, 1, 7),  # more slices than some requests have tiles: empty slices
 ])
 def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_heads, splits):
-    from pagoda.kernels.paged_decode import paged_attention_decode
+    from pagoda.kernels.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
     case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
-                           quantized_q=fp8_path in ("words_qk8", "words_kq8"))
+                           quantized_q=fp8_path in QUERY_ROUNDING_PATHS)
     q = case["q"].to(DEVICE)
     out = torch.full_like(q, 7.0)
     paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),

@@ -220,7 +220,7 @@ def _pdl_cases():
         path = path_override or cfg.pop("fp8_path", "tile")
         cfg.pop("fp8_path", None)
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
-        extra = (dict(BITS=path == "words_bits", QK_FP8=path in ("words_qk8", "words_kq8"),
+        extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
                       KEYS_AS_A=path == "words_kq8") if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
         yield f"decode[fp8={fp8}{', ' + path_override if path_override else ''}]", kernel, (

@@ -345,8 +345,9 @@ def _decode_words_kernel(
         v_scale = v_scale * 256.0
     k_words_ptr = k_cache_ptr.to(tl.pointer_type(tl.int32))
     v_words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int32))
-    if QK_FP8:  # the K planes' 2^-8 (BITS) does not apply: K is read as stored
-        score_scale = (qk_scale * tl.load(kv_scales_ptr) * q_scale)[:, None]
+    if QK_FP8:  # K is read as stored, so there are no K planes for BITS to scale
+        tl.static_assert(not BITS, "QK_FP8 reads K as e4m3, BITS is for the K / V planes")
+        score_scale = (qk_scale * k_scale * q_scale)[:, None]
     else:
         score_scale = qk_scale * k_scale
     for start_n in range(kv_start, kv_end, BLOCK_N):
@@ -462,6 +463,8 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
 
 
 FP8_PATHS = ("tile", "words_bits", "words_cvt", "words_qk8", "words_kq8")
+# The paths that round the queries to e4m3 (quantize_q_fp8_reference says how).
+QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # True: the FP8-cache default is "words_qk8" (queries rounded to e4m3, q.K one FP8 dot),
 # 164 us for one Llama-8B layer at 256 x 1k where "words_cvt" takes 177, with no larger
 # decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
@@ -543,7 +546,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
                              KV_FP8=kv_fp8, **cfg, **pdl)
     else:
         _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits",
-                                   QK_FP8=fp8_path in ("words_qk8", "words_kq8"),
+                                   QK_FP8=fp8_path in QUERY_ROUNDING_PATHS,
                                    KEYS_AS_A=fp8_path == "words_kq8", **cfg, **pdl)
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
