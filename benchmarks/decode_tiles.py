@@ -12,7 +12,8 @@ FP8 kernel path (paged_decode.FP8_PATHS: "tile", "words_bits", "words_cvt", "wor
 (BLOCK_N, num_warps, num_stages): the kernel's time (triton.testing.do_bench, L2 flushed),
 the bandwidth over the KV bytes it must read, and the speedup over the bf16 cache with
 its default tile, beside a measured copy. `--sweep quick` times only the defaults and a
-few word-kernel tiles. num_stages 5 / 7 / 9 are the ones that give the
+few word-kernel tiles; `--splits 1,2,4` times every variant at each of those context-slice
+counts instead of the engine's choice. num_stages 5 / 7 / 9 are the ones that give the
 K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothing. The FP8 cache holds the
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
 kernel reading the same rounded values before it is timed (the query-rounding paths
@@ -36,8 +37,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import (  # noqa: E402
-    QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config, paged_attention_decode,
-    quantize_q_fp8_reference)
+    MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config,
+    paged_attention_decode, quantize_q_fp8_reference)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -73,17 +74,19 @@ def make_case(batch: int, context: int, page: int, device) -> dict:
             "seq": torch.full((batch,), context, device=device, dtype=torch.int32)}
 
 
-def run(case: dict, cache: torch.Tensor, splits: int, config, scales) -> torch.Tensor:
+def run(case: dict, cache: torch.Tensor, splits: int, config, scales,
+        min_split: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
     out = torch.empty_like(case["q"])
     paged_attention_decode(out, case["q"], cache, case["tables"], case["qsl"], case["seq"],
-                           case["q"].shape[0], HEAD_DIM ** -0.5, splits, config=config,
-                           kv_scales=scales)
+                           case["q"].shape[0], HEAD_DIM ** -0.5, splits, min_split,
+                           config=config, kv_scales=scales)
     return out
 
 
-# --sweep quick: the FP8 default and these tiles of the word kernel's paths
-# ("words_cvt", "words_qk8", "words_kq8") only.
-QUICK_WORD_TILES = [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5)]
+# --sweep quick: the FP8 default and these tiles of the word kernel's paths only.
+_QUICK_TILES = [(128, 4, 5), (64, 4, 5), (128, 4, 7), (64, 4, 9), (128, 8, 5)]
+QUICK_WORD_TILES = {"words_cvt": _QUICK_TILES, "words_qk8": _QUICK_TILES,
+                    "words_kq8": _QUICK_TILES + [(128, 4, 4)]}
 
 
 def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
@@ -100,8 +103,8 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
     out = [("default", None)]
     if sweep == "quick":
-        return out + [(f"{path} {t}", cfg(path, t)) for path in ("words_cvt", "words_qk8", "words_kq8")
-                      for t in QUICK_WORD_TILES]
+        return out + [(f"{path} {t}", cfg(path, t)) for path, tiles in QUICK_WORD_TILES.items()
+                      for t in tiles]
     for path, tiles in FP8_TILES.items():
         if path == "tile" and wide:
             tiles = tiles + list(product((32, 64, 128, 256), (4, 8), (2, 3, 4)))
@@ -118,7 +121,7 @@ def in_layout(cache: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Ten
 
 
 def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
-               rows: list) -> None:
+               rows: list, split_counts: list[int] | None = None) -> None:
     batch, context = map(int, spec.split("x"))
     case = make_case(batch, context, page, device)
     caches = {"bf16": in_layout(case["cache"], torch.bfloat16, layout),
@@ -130,20 +133,25 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
     ref_qk8 = run(dict(case, q=(q8.float() * q_scale).to(torch.bfloat16)),
                   caches["fp8"].to(torch.bfloat16), splits, None, None).float()
     base_us = None
+    # --splits: each variant also at these slice counts (slices as short as 16 tokens
+    # allowed, so the count is what runs); otherwise the engine's choose_num_splits.
+    plans = [(n, 16) for n in split_counts] if split_counts else [(splits, MIN_SPLIT_TOKENS)]
     for dtype, cache in caches.items():
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
         sc = scales if dtype == "fp8" else None
-        for label, config in variants(dtype, sweep):
+        for (label, config), (n_splits, min_split) in product(variants(dtype, sweep), plans):
             row = {"case": spec, "layout": layout, "page": page, "dtype": dtype,
-                   "variant": label, "config": config, "splits": splits}
+                   "variant": label if not split_counts else f"{label} s{n_splits}",
+                   "config": config, "splits": n_splits}
+            label = row["variant"]
             try:
-                out = run(case, cache, splits, config, sc)
+                out = run(case, cache, n_splits, config, sc, min_split)
                 if dtype == "fp8":
                     path = (config or decode_tile_config(case["q"].dtype, True)).get("fp8_path")
                     rounded = path in QUERY_ROUNDING_PATHS
                     torch.testing.assert_close(out.float(), ref_qk8 if rounded else ref,
                                                atol=2e-2, rtol=2e-2)
-                ms = do_bench(lambda: run(case, cache, splits, config, sc))
+                ms = do_bench(lambda: run(case, cache, n_splits, config, sc, min_split))
             except Exception as e:  # out of resources, or a wrong result: recorded, not fatal
                 rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"{spec:>9s} {layout} {dtype:4s} {label:28s} {type(e).__name__}", flush=True)
@@ -165,7 +173,11 @@ def main() -> None:
     p.add_argument("--sweep", choices=("quick", "focused", "wide"), default="focused")
     p.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd")
     p.add_argument("--page", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--splits", default="",
+                   help="comma list of context-slice counts to time each variant at "
+                        "(default: the engine's choose_num_splits)")
     args = p.parse_args()
+    split_counts = [int(n) for n in args.splits.split(",") if n]
     start = time.time()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -175,7 +187,7 @@ def main() -> None:
     rows: list = []
     for spec in args.cases.split(","):
         for layout in args.layouts.split(","):
-            sweep_case(spec, layout, args.page, device, sms, args.sweep, rows)
+            sweep_case(spec, layout, args.page, device, sms, args.sweep, rows, split_counts)
     best = {}
     for row in rows:
         key = (row["case"], row["layout"], row["dtype"])
