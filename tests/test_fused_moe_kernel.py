@@ -219,11 +219,25 @@ def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
     from pagoda.kernels import fused_moe_decode as dec
     monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
     monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
+    monkeypatch.setattr(dec, "NARROW_DOWN", False)  # DOWN_CONFIG at every width
     args = _case(2, 5, 40, 24, 3, dtype, seed=11, foreign=True)
     expected = fm.fused_moe_reference(*args)
     got = fm.fused_moe(*args, path="gemv")
     scale = expected.float().abs().max().item()
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
+
+
+def test_down_config_by_intermediate_width(monkeypatch):
+    """Narrow experts (Qwen3's 768) get the two-column one-warp down tile, wider ones
+    (DeepSeek-V2-Lite's 1408) DOWN_CONFIG; each with its whole row as one chunk."""
+    from pagoda.kernels import fused_moe_decode as dec
+    narrow, wide = dec.down_config(768), dec.down_config(1408)
+    assert (narrow["BLOCK_N"], narrow["num_warps"], narrow["BLOCK_K"], narrow["ONE_CHUNK"]) == \
+        (2, 1, 1024, True)
+    assert (wide["BLOCK_N"], wide["num_warps"], wide["BLOCK_K"], wide["ONE_CHUNK"]) == \
+        (4, 2, 2048, True)
+    monkeypatch.setattr(dec, "NARROW_DOWN", False)
+    assert dec.down_config(768)["BLOCK_N"] == 4
 
 
 @pytest.mark.parametrize("b_tma", [False, True])
@@ -323,6 +337,7 @@ def test_gemv_adds_the_shared_mlp_in_its_launches(fm, monkeypatch, dtype, small_
         from pagoda.kernels import fused_moe_decode as dec
         monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
         monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
+        monkeypatch.setattr(dec, "NARROW_DOWN", False)
     x, w13, w2, weights, ids = _case(3, 5, 40, 24, 2, dtype, seed=13)
     ids[1] = -1
     gate_up, down = _shared_mlp(40, 24, 2, dtype, seed=14)

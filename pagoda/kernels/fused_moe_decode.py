@@ -58,6 +58,13 @@ GATE_UP_CONFIG = dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=2)
 # chunks of 256.
 DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=2, LOOP_STAGES=3)
 DOWN_ONE_CHUNK_MAX = 2048
+# Intermediate rows of at most NARROW_DOWN_MAX (Qwen3-30B-A3B's 768): two columns of one
+# warp a program, twice the programs of DOWN_CONFIG (1,024 at batch 1 for hidden 2048,
+# where 512 filled 0.39 of a wave), the fastest of the batch-1 down sweep on the H200
+# (docs/performance.md, 2026-12-03). NARROW_DOWN False: DOWN_CONFIG for every size.
+NARROW_DOWN_CONFIG = dict(BLOCK_N=2, BLOCK_K=None, num_warps=1, LOOP_STAGES=3)
+NARROW_DOWN_MAX = 1024
+NARROW_DOWN = True
 
 
 @triton.jit
@@ -196,8 +203,10 @@ def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
 
 
 def down_config(inter: int) -> dict:
-    """DOWN_CONFIG with its key tile resolved for an intermediate size of inter."""
-    cfg = {"LOOP_STAGES": 1, **DOWN_CONFIG}  # a config without stages: no pipelining
+    """DOWN_CONFIG (NARROW_DOWN_CONFIG for narrow rows) with its key tile resolved for
+    an intermediate size of inter."""
+    chosen = NARROW_DOWN_CONFIG if NARROW_DOWN and inter <= NARROW_DOWN_MAX else DOWN_CONFIG
+    cfg = {"LOOP_STAGES": 1, **chosen}  # a config without stages: no pipelining
     if cfg["BLOCK_K"] is None:
         cfg["BLOCK_K"] = (triton.next_power_of_2(inter) if inter <= DOWN_ONE_CHUNK_MAX else 256)
     cfg["ONE_CHUNK"] = cfg["BLOCK_K"] >= inter
