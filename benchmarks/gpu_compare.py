@@ -105,6 +105,14 @@ KERNEL_SWITCHES = (
      "small-batch decode graphs also captured for short contexts"),
     ("fp8-qk-dot", "pagoda.kernels.paged_decode", "FP8_QK_DOT",
      "FP8-cache decode attention with the queries in e4m3 and q.K one FP8 dot"),
+    ("w8a16-short-k-tile", "pagoda.kernels.fp8_w8a16", "SHORT_K_GEMV_TILE",
+     "one-row FP8 W8A16 GEMVs of K <= 4096 (qkv, o) on 16-column programs"),
+    ("narrow-moe-down", "pagoda.kernels.fused_moe_decode", "NARROW_DOWN",
+     "batch-1 MoE down GEMV on two-column one-warp programs for narrow experts"),
+    ("d2h-stream", "pagoda.worker.step_output", "COPY_STREAM",
+     "sampled ids and logprobs copied to the host on a stream of their own"),
+    ("pending-fill-kernel", "pagoda.kernels.pending_fill", "ENABLED",
+     "the pending-token fill as one Triton launch"),
 )
 
 

@@ -1,4 +1,6 @@
-"""Graph steps' inputs built on a side stream (pagoda.worker.input_stream).
+"""Graph steps' inputs built on a side stream (pagoda.worker.input_stream), with the
+step outputs' copies on their own stream (step_output.COPY_STREAM) and the pending
+tokens filled by one kernel (kernels.pending_fill).
 
 On the CPU there is no side stream (make_input_stream gives None) and steps are built
 as before. On a GPU, whole runs must give the same greedy tokens and logprobs with the
@@ -7,15 +9,18 @@ prefill chunks, mixed graphs and decode graphs), different prompt and output len
 (the batch shrinks, pending tokens come from every position of the last step's sampled
 ids), async scheduling on. A race between the streams (the next step's inputs written
 before a graph read them, or a sampled token filled in before its ids are staged)
-would change tokens.
+would change tokens, as would the sampled ids' memory reused before their copy to the
+host ran. The run without them has all three off.
 """
 
 import pytest
 import torch
 
-from pagoda.worker import input_stream
+from pagoda.kernels import pending_fill
+from pagoda.worker import input_stream, step_output
 
 ON_GPU = torch.cuda.is_available()
+SWITCHES = ((input_stream, "ENABLED"), (step_output, "COPY_STREAM"), (pending_fill, "ENABLED"))
 
 
 def test_no_side_stream_without_graphs_or_on_the_cpu(monkeypatch):
@@ -47,10 +52,12 @@ def test_runs_unchanged_with_the_input_stream(monkeypatch, preset):
     prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90)), [8] * 100, [3, 1],
                list(range(200, 217))]
     max_tokens = [30, 12, 25, 7, 40, 18]
-    monkeypatch.setattr(input_stream, "ENABLED", False)
+    for module, switch in SWITCHES:
+        monkeypatch.setattr(module, switch, False)
     stream, off = _greedy(preset, prompts, max_tokens)
     assert stream is None
-    monkeypatch.setattr(input_stream, "ENABLED", True)
+    for module, switch in SWITCHES:
+        monkeypatch.setattr(module, switch, True)
     stream, on = _greedy(preset, prompts, max_tokens)
     assert stream is not None
     assert on == off

@@ -295,5 +295,9 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
 def fill_pending_tokens(input_ids: torch.Tensor, pending_index: torch.Tensor,
                         prev: PrevSampled) -> None:
     """input_ids[rows] = prev.token_ids[sources] for pending_index = [rows, sources], on
-    the device (no host sync)."""
-    input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))
+    the device (no host sync; one launch on CUDA: pagoda.kernels.pending_fill)."""
+    if input_ids.device.type == "cuda":
+        from pagoda.kernels.pending_fill import fill_pending
+        fill_pending(input_ids, pending_index, prev.token_ids)
+    else:
+        input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))

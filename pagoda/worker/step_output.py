@@ -5,11 +5,16 @@ device-to-host copies of the sampled ids and logprobs are queued right behind th
 step's kernels into pinned buffers, with an event after them. `result()` waits for
 that event only, so the host can schedule and launch the next step first: the
 copies were queued before the next step's kernels, so they never wait for them.
+With COPY_STREAM (the default) the copies run on a stream of their own that waits for
+the sampling, so the main stream's next step (the pending-token fill, the next graph)
+does not queue behind them either; the device tensors are marked as used by that
+stream (record_stream) so their memory is not reused before the copies end.
 On CPU the work is already done and `result()` only converts.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -20,11 +25,26 @@ from pagoda.sample.logprobs import unpack_token_logprobs
 from pagoda.sample.verify import accept_draft_tokens
 
 
-def _start_copy(tensor: torch.Tensor) -> torch.Tensor:
+# False: the copies on the current (main) stream (benchmarks' A/B switch, --d2h-stream).
+COPY_STREAM = True
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for the step outputs' copies (made on first use)."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device)
+    return _copy_streams[device]
+
+
+def _start_copy(tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> torch.Tensor:
+    """A pinned host copy of tensor, queued on the current stream (CUDA), or tensor."""
     if tensor.device.type != "cuda":
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
+    if stream is not None:
+        tensor.record_stream(stream)
     return host
 
 
@@ -48,15 +68,21 @@ class AsyncRunnerOutput:
         self.sample_req_ids = sample_req_ids
         self.drafts = drafts or {}
         self.wanted_logprobs = wanted_logprobs
-        self._sampled = None if sampled is None else _start_copy(sampled)
-        self._logprobs = None if packed_logprobs is None else _start_copy(packed_logprobs)
-        self._prompt_logprobs = {rid: _start_copy(t) for rid, t in packed_prompt_logprobs.items()}
         self._event: Optional[torch.cuda.Event] = None
-        on_cuda = any(t is not None and t.device.type == "cuda"
-                      for t in (sampled, packed_logprobs, *packed_prompt_logprobs.values()))
-        if on_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        cuda = [t for t in (sampled, packed_logprobs, *packed_prompt_logprobs.values())
+                if t is not None and t.device.type == "cuda"]
+        stream = _copy_stream(cuda[0].device) if cuda and COPY_STREAM else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the sampling
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._sampled = None if sampled is None else _start_copy(sampled, stream)
+            self._logprobs = (None if packed_logprobs is None
+                              else _start_copy(packed_logprobs, stream))
+            self._prompt_logprobs = {rid: _start_copy(t, stream)
+                                     for rid, t in packed_prompt_logprobs.items()}
+            if cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()  # on the copies' stream
         self._result: Optional[ModelRunnerOutput] = None
 
     @classmethod

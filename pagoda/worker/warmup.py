@@ -10,7 +10,8 @@ blocks no request holds yet; what they write there is overwritten before it is r
 
 `warm_up_logits` does the same for cuBLAS and the greedy sampler: the LM head at every
 bucketed row count (shape_buckets) and the argmax kernel at every row count it takes,
-whose first calls would otherwise stall a step mid-run.
+whose first calls would otherwise stall a step mid-run; and for the pending-token fill
+of async-scheduled steps (kernels/pending_fill.py).
 """
 
 from __future__ import annotations
@@ -116,5 +117,8 @@ def warm_up_logits(runner, max_rows: int) -> float:
                 if not argmax_covers(table[:rows]):
                     break
                 greedy_argmax(table[:rows])
+        from pagoda.kernels.pending_fill import fill_pending
+        ids = torch.zeros(2, dtype=torch.long, device=runner.device)
+        fill_pending(ids, torch.zeros(2, 1, dtype=torch.long, device=runner.device), ids)
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start
