@@ -15,6 +15,11 @@ one launch overlaps the head of the next, as inside the engine's step graph):
 - paged decode attention (pagoda/kernels/paged_decode.py) at batch 1 over context
   lengths, split counts and minimum slice lengths, for 32 query heads over 4 and 8 KV
   heads (Qwen3-30B-A3B, Llama-3.1-8B);
+- the one-row FP8 W8A16 GEMVs (pagoda/kernels/fp8_w8a16.py) of the Llama-3.1-8B layer
+  (qkv, o, gated gate/up, down) over tiles (BLOCK_N, BLOCK_K, warps, loop stages),
+  bandwidth over the e4m3 weight bytes;
+- the greedy sampler's argmax (pagoda/kernels/argmax.py) of one row of logits over
+  chunk sizes, for the vocabularies of Llama-3 (128256) and Qwen3 (151936);
 - the bandwidth ceiling (gpu_compare.measure_ceilings' copy).
 
 Prints each part's table sorted by time and the best entry; writes JSON.
@@ -42,6 +47,9 @@ from pagoda.kernels import fused_moe_decode as fmd  # noqa: E402
 from pagoda.kernels.mla_decode import mla_decode  # noqa: E402
 from pagoda.kernels.paged_decode import paged_attention_decode  # noqa: E402
 
+# Llama-3.1-8B's projections: name -> (N, K, gated: the weight is [gate; up], 2N rows).
+W8A16_SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
+                "gate_up": (14336, 4096, True), "down": (4096, 14336, False)}
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
 
 
@@ -212,6 +220,53 @@ def sweep_mla_projections(args, timer) -> list[dict]:
     return rows
 
 
+def sweep_w8a16(args, timer) -> list[dict]:
+    """One-row W8A16 GEMVs of the Llama-3.1-8B layer at each tile; "default" marks
+    w8a16_linear's own choice (timed as config None)."""
+    from pagoda.kernels.fp8_w8a16 import w8a16_linear
+    rows = []
+    for name in args.w8a16_shapes:
+        n, k, gated = W8A16_SHAPES[name] if not args.smoke else (96, 128, name == "gate_up")
+        gen = torch.Generator(device=args.device).manual_seed(0)
+        w = (torch.randn(2 * n if gated else n, k, device=args.device, generator=gen) * 0.05
+             ).to(torch.float8_e4m3fn)
+        scale = torch.rand(w.shape[0], device=args.device, generator=gen) * 0.01 + 1e-3
+        x = torch.randn(1, k, device=args.device, dtype=args.dtype, generator=gen)
+        tiles = [None] + list(itertools.product(args.w8a16_block_n, args.w8a16_block_k,
+                                                args.warps, args.w8a16_stages))
+        for tile in tiles:
+            cfg = None if tile is None else dict(BLOCK_N=tile[0], BLOCK_K=tile[1], SPLIT_K=1,
+                                                 num_warps=tile[2], LOOP_STAGES=tile[3])
+            try:
+                us = timer(lambda: w8a16_linear(x, w, scale, config=cfg, gated=gated),
+                           args.calls, args.repeat)
+            except Exception as e:  # a tile the compiler refuses: recorded, not fatal
+                print(f"w8a16 {name} {tile}: {type(e).__name__}", flush=True)
+                us = float("nan")
+            row = {"model": "llama-3.1-8b fp8", "kernel": f"w8a16 {name}", "us": us,
+                   "TB_per_s": w.numel() / us / 1e6}
+            row.update(dict(BLOCK_N="default") if tile is None else
+                       dict(BLOCK_N=tile[0], BLOCK_K=tile[1], num_warps=tile[2],
+                            loop_stages=tile[3]))
+            rows.append(row)
+    return rows
+
+
+def sweep_argmax(args, timer) -> list[dict]:
+    """argmax_rows of one row of logits at each chunk size (elements per program)."""
+    from pagoda.kernels.argmax import argmax_rows, default_chunk
+    rows = []
+    for vocab in args.vocabs:
+        logits = torch.randn(1, vocab, device=args.device, dtype=args.dtype)
+        for chunk in args.argmax_chunks:
+            if triton.cdiv(vocab, chunk) > 256:  # argmax.MAX_CHUNKS
+                continue
+            us = timer(lambda: argmax_rows(logits, chunk), args.calls, args.repeat)
+            rows.append({"kernel": "argmax", "kv_heads": 0, "context": vocab, "chunk": chunk,
+                         "default": chunk == default_chunk(1, vocab), "us": us})
+    return rows
+
+
 def print_best(rows: list[dict], keys: tuple[str, ...], top: int) -> None:
     groups: dict = {}
     for row in rows:
@@ -229,7 +284,9 @@ def parse_args():
     p.add_argument("--out", default="benchmarks/results/batch1_kernel_sweep.json")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--parts", default="gate_up,down,attention,mla,mla_proj")
+    p.add_argument("--parts", default="gate_up,down,attention,mla,mla_proj,argmax,w8a16")
+    p.add_argument("--w8a16-shapes", default=None,
+                   help="comma list of " + ",".join(W8A16_SHAPES) + " (default: all)")
     p.add_argument("--models", default=",".join(MOE_SHAPES))
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
@@ -240,8 +297,14 @@ def parse_args():
     args.kv_heads, args.contexts = [4, 8], [128, 256, 1024, 4096]
     args.splits, args.min_splits = [1, 2, 4, 8, 16], [16, 32, 64, 256]
     args.absorb_r, args.absorb_d, args.project_v = [32, 64, 128, 256], [32, 64, 128], [4, 8, 16, 32]
+    args.vocabs, args.argmax_chunks = [128256, 151936], [512, 1024, 2048, 4096, 8192]
+    args.w8a16_shapes = args.w8a16_shapes.split(",") if args.w8a16_shapes else list(W8A16_SHAPES)
+    args.w8a16_block_n, args.w8a16_block_k, args.w8a16_stages = [4, 8, 16], [512, 1024], [3, 4]
     args.device, args.dtype = "cuda", torch.bfloat16
     if args.smoke:
+        args.vocabs, args.argmax_chunks = [3000], [256, 1024]
+        args.w8a16_shapes, args.w8a16_block_n, args.w8a16_block_k = ["o", "gate_up"], [8], [64]
+        args.w8a16_stages = [2]
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.device, args.dtype = "cpu", torch.float32
         args.gate_up_block_n, args.gate_up_block_k = [16], [256]
@@ -272,6 +335,10 @@ def main() -> None:
         rows += sweep_mla(args, timer)
     if "mla_proj" in parts:
         rows += sweep_mla_projections(args, timer)
+    if "argmax" in parts:
+        rows += sweep_argmax(args, timer)
+    if "w8a16" in parts:
+        rows += sweep_w8a16(args, timer)
     ceiling = measure_ceilings(torch.device(args.device)).get("copy_bytes_per_s", float("nan")) / 1e12
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     rows = [r for r in rows if r["us"] == r["us"]]  # NaN: the tile did not fit

@@ -438,3 +438,17 @@ def test_w8a16_rejects_unknown_decode(kq, kw):
     with pytest.raises(ValueError, match="DECODE must be one of"):
         kw.w8a16_linear(_rand(1, 64), w, s, config=dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1,
                                                           num_warps=4, DECODE="lut"))
+
+
+def test_w8a16_one_row_tiles_by_shape(kw, monkeypatch):
+    """One row: 16-column tiles for qkv / o sized projections (K <= 4096, N <= 8192),
+    the 8-column rule for long K (down) and wide N (gate/up), 32 x 256 for a vocabulary."""
+    short = kw.w8a16_config(1, 4096, 4096)
+    assert (short["BLOCK_N"], short["BLOCK_K"], short["LOOP_STAGES"]) == (16, 512, 3)
+    assert kw.w8a16_config(1, 6144, 4096) == short
+    down, gate_up = kw.w8a16_config(1, 4096, 14336), kw.w8a16_config(1, 28672, 4096)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["LOOP_STAGES"]) == (8, 1024, 4)
+    assert (gate_up["BLOCK_N"], gate_up["BLOCK_K"], gate_up["LOOP_STAGES"]) == (8, 512, 3)
+    assert kw.w8a16_config(1, 128256, 4096)["BLOCK_N"] == 32
+    monkeypatch.setattr(kw, "SHORT_K_GEMV_TILE", False)
+    assert kw.w8a16_config(1, 4096, 4096)["BLOCK_N"] == 8

@@ -28,6 +28,13 @@ W8A16_ROWS_LIMIT = 64
 # adds programs along K and a reduce. Untuned guesses: benchmarks/fp8_gemm.py --sweep.
 W8A16_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4)
 W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+# One row of a projection no wider than 8192 with K <= 4096 (Llama-8B's qkv and o):
+# 16 columns a program, 3 loads in flight. benchmarks/batch1_kernel_sweep.py --parts
+# w8a16 on the H200 (launches back to back in a CUDA graph, as in the step), µs: o 7.22
+# -> 4.33, qkv 7.00 -> 6.60 (docs/performance.md, 2026-12-03). SHORT_K_GEMV_TILE False:
+# the W8A16_GEMV_CONFIG rule for these too (benchmarks' --w8a16-short-k-tile off).
+SHORT_K_GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4, LOOP_STAGES=3)
+SHORT_K_GEMV_TILE = True
 
 
 def w8a16_config(m: int, n: int, k: int) -> dict:
@@ -41,6 +48,8 @@ def w8a16_config(m: int, n: int, k: int) -> dict:
     if m == 1:
         if n >= 65536:
             return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+        if SHORT_K_GEMV_TILE and n <= 8192 and k <= 4096:
+            return dict(SHORT_K_GEMV_CONFIG)
         # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for o and down.
         return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512,
                     LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4)
