@@ -254,15 +254,15 @@ def sweep_w8a16(args, timer) -> list[dict]:
 
 def sweep_argmax(args, timer) -> list[dict]:
     """argmax_rows of one row of logits at each chunk size (elements per program)."""
-    from pagoda.kernels.argmax import argmax_rows, default_chunk
+    from pagoda.kernels.argmax import MAX_CHUNKS, argmax_rows, default_chunk
     rows = []
     for vocab in args.vocabs:
         logits = torch.randn(1, vocab, device=args.device, dtype=args.dtype)
         for chunk in args.argmax_chunks:
-            if triton.cdiv(vocab, chunk) > 256:  # argmax.MAX_CHUNKS
+            if triton.cdiv(vocab, chunk) > MAX_CHUNKS:  # argmax_rows refuses it
                 continue
             us = timer(lambda: argmax_rows(logits, chunk), args.calls, args.repeat)
-            rows.append({"kernel": "argmax", "kv_heads": 0, "context": vocab, "chunk": chunk,
+            rows.append({"model": f"vocabulary {vocab}", "kernel": "argmax", "chunk": chunk,
                          "default": chunk == default_chunk(1, vocab), "us": us})
     return rows
 

@@ -140,10 +140,10 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
         sc = scales if dtype == "fp8" else None
         for (label, config), (n_splits, min_split) in product(variants(dtype, sweep), plans):
+            if split_counts:
+                label = f"{label} s{n_splits}"
             row = {"case": spec, "layout": layout, "page": page, "dtype": dtype,
-                   "variant": label if not split_counts else f"{label} s{n_splits}",
-                   "config": config, "splits": n_splits}
-            label = row["variant"]
+                   "variant": label, "config": config, "splits": n_splits}
             try:
                 out = run(case, cache, n_splits, config, sc, min_split)
                 if dtype == "fp8":

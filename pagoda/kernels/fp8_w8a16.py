@@ -39,8 +39,9 @@ SHORT_K_GEMV_TILE = True
 
 def w8a16_config(m: int, n: int, k: int) -> dict:
     """The W8A16 tiles for an [m, k] x [n, k] product, from the H200 sweeps
-    (docs/performance.md): batch 1 reads 8 rows x 512 columns per step (1024 for a long
-    K such as down_proj's) with 3-4 steps' loads in flight, 32 x 256 for a
+    (docs/performance.md): batch 1 reads 16 rows x 512 columns per step for N <= 8192
+    and K <= 4096 (SHORT_K_GEMV_CONFIG), else 8 x 512 (1024 for a long K such as
+    down_proj's), with 3-4 steps' loads in flight, 32 x 256 for a
     vocabulary-wide N; 2..16 rows split a long K four ways (two for K <= 4096) and
     decode the weights by bit operations (8 rows of the Llama-8B shapes: qkv 18.0 ->
     17.5, o 15.1 -> 14.9, down 30.4 -> 28.3 us, gate_up equal; at one row the cvt decode
@@ -50,7 +51,8 @@ def w8a16_config(m: int, n: int, k: int) -> dict:
             return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
         if SHORT_K_GEMV_TILE and n <= 8192 and k <= 4096:
             return dict(SHORT_K_GEMV_CONFIG)
-        # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for o and down.
+        # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for down (and
+        # for o with SHORT_K_GEMV_TILE off).
         return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512,
                     LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4)
     if n >= 65536:

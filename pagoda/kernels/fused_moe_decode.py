@@ -50,8 +50,9 @@ from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 # Tile sizes: output columns per program, the reduction chunk and launch options, the
 # fastest of benchmarks/batch1_kernel_sweep.py's tiles on the H200 for both the
 # Qwen3-30B-A3B (I = 768) and DeepSeek-V2-Lite (I = 1408) layers (docs/performance.md).
-# At batch 1 on the Qwen3 shape, gate/up runs k * I / 8 = 768 programs and down H / 4 =
-# 512 (down has one program per token, so narrow columns keep every SM streaming).
+# At batch 1 on the Qwen3 shape, gate/up runs k * I / 8 = 768 programs and down H / 2 =
+# 1,024 (NARROW_DOWN_CONFIG; down has one program per token, so narrow columns keep
+# every SM streaming).
 GATE_UP_CONFIG = dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=2)
 # BLOCK_K None: the whole intermediate row in one chunk when it is at most
 # DOWN_ONE_CHUNK_MAX wide (768 -> one 1024-wide load per choice, 1408 -> 2048), else
