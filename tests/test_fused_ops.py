@@ -94,6 +94,22 @@ def test_fused_add_rms_norm_matches_torch(dtype, rows, hidden):
     assert new_residual.data_ptr() != residual.data_ptr()  # inputs left untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_with_preloaded_weight_is_bitwise_the_same(monkeypatch, dtype):
+    """The weight loaded before the PDL wait (one-chunk rows, 96 padded to 128): the
+    same bits as the kernel that loads it after, with and without a residual."""
+    x = _rand(3, 96, dtype=dtype)
+    residual = _rand(3, 96, dtype=dtype, seed=2, scale=4.0)
+    weight = _rand(96, dtype=dtype, seed=1)
+    plain = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6), \
+        fused_ops.rms_norm(x, weight, 1e-6)
+    monkeypatch.setattr(fused_ops, "PRELOAD_NORM_WEIGHT", True)
+    (out, new_residual), alone = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6), \
+        fused_ops.rms_norm(x, weight, 1e-6)
+    assert torch.equal(out, plain[0][0]) and torch.equal(new_residual, plain[0][1])
+    assert torch.equal(alone, plain[1])
+
+
 def test_rms_norm_chunked_row_and_3d_strided_input():
     # hidden above the single-chunk size walks the row in several chunks; a 3-D view
     # with padded rows (q of a fused qkv, normalised per head) is read in place.

@@ -255,3 +255,48 @@ def test_real_shapes_and_cuda_graph(mrf):
         routing.route(hidden, gate, qwen)  # the layer's scratch exists: captured
         with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
             mrf.RouterScratch.create(qwen.num_experts, hidden.device)
+
+
+@pytest.mark.parametrize("name", ["qwen3_softmax_norm", "softmax_e24_k5_h80", "v3_noaux_tc"])
+def test_fused_router_preloaded_weights(mrf, monkeypatch, name):
+    """One token, each program's expert row loaded in one chunk before the PDL wait (the
+    hidden size 80 padded to 128): the same routing as the reference, counter back at 0."""
+    monkeypatch.setattr(mrf, "PRELOAD_WEIGHTS", True)
+    cfg, hidden_size, fp32 = CASES[name]
+    tiles = mrf.default_tiles(1, cfg.num_experts, hidden_size, cfg, preload=True)
+    assert tiles.block_h >= hidden_size
+    gate = _gate(cfg.num_experts, hidden_size, fp32, torch.float32, seed=11)
+    hidden, bias = _inputs(cfg, hidden_size, 1, torch.float32, 21)
+    logits = gate(hidden)
+    got, scratch = _run(mrf, gate, cfg, hidden, bias)
+    _check(got, routing.select_experts_torch(logits, cfg, bias), logits, cfg, bias)
+    assert scratch.counter.item() == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_softmax_norm", "softmax_e24_k5_h80"])
+def test_fused_router_with_the_input_norm(mrf, monkeypatch, name):
+    """fused_route_norm at one row: the new residual is x + residual rounded (bitwise),
+    the normed row RMSNorm's (float32 order of the sum of squares aside), and the
+    routing exactly select_experts' on the normed row's logits; counter back at 0."""
+    from pagoda.model.layers.layernorm import RMSNorm
+    monkeypatch.setattr(mrf, "FUSE_NORM", True)
+    cfg, hidden_size, fp32 = CASES[name]
+    dtype = torch.float16
+    gate = _gate(cfg.num_experts, hidden_size, fp32, dtype, seed=5)
+    hidden, _ = _inputs(cfg, hidden_size, 1, dtype, 31)
+    residual, _ = _inputs(cfg, hidden_size, 1, dtype, 32)
+    norm = RMSNorm(hidden_size, 1e-6).to(DEVICE)
+    norm.weight.data = (1 + 0.1 * _inputs(cfg, hidden_size, 1, dtype, 33)[0][0]).to(dtype)
+    assert mrf.fused_route_norm_covers(hidden, residual, norm.weight, gate.weight, fp32)
+    assert not mrf.fused_route_norm_covers(hidden.repeat(2, 1), residual.repeat(2, 1),
+                                           norm.weight, gate.weight, fp32)
+    scratch = mrf.RouterScratch.create(cfg.num_experts, hidden.device)
+    weights, ids, normed, new_residual = mrf.fused_route_norm(
+        hidden, residual, norm.weight, norm.eps, gate.weight, cfg, None, scratch)
+    summed = hidden + residual
+    assert torch.equal(new_residual, summed)
+    want = norm._normalize_reference(summed)
+    torch.testing.assert_close(normed, want, atol=2e-3, rtol=2e-3)
+    logits = gate(normed)
+    _check((weights, ids), routing.select_experts_torch(logits, cfg, None), logits, cfg, None)
+    assert scratch.counter.item() == 0

@@ -28,6 +28,9 @@ FUSED_OPS_ENABLED = os.environ.get("PAGODA_FUSED_OPS", "1") != "0"
 # rms_norm walks a row in chunks of at most this many elements (one chunk for the
 # hidden sizes of common models, so the row's second read hits the cache).
 _MAX_NORM_BLOCK = 8192
+# rms_norm loads its weight before the PDL wait when the row is one chunk (pdl.py: a
+# weight is written by no kernel), so its load is off the norm's chain after the wait.
+PRELOAD_NORM_WEIGHT = True
 # silu_and_mul: columns per program.
 _ACT_BLOCK = 1024
 
@@ -44,9 +47,13 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PRELOAD_WEIGHT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
+    cols = tl.arange(0, BLOCK)
+    if PRELOAD_WEIGHT:  # one chunk (BLOCK >= HIDDEN): the weight, written by no kernel
+        preloaded = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    pdl_wait_and_release(USE_PDL)  # before any other load, and any store
     # One program per row. A row of an input viewed as [outer, inner, HIDDEN] (2-D
     # inputs have inner_rows == 1) lies at outer * stride_outer + inner * stride_inner.
     row = tl.program_id(0).to(tl.int64)
@@ -54,7 +61,6 @@ def _rms_norm_kernel(
     x_row = x_ptr + outer * stride_x_outer + inner * stride_x_inner
     r_row = residual_ptr + outer * stride_r_outer + inner * stride_r_inner
     out_row = row * HIDDEN  # outputs are contiguous [rows, HIDDEN]
-    cols = tl.arange(0, BLOCK)
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
     # Pass 1: the residual sum (rounded to its storage dtype, as torch's `x + residual`)
     # and the sum of squares of the rounded values.
@@ -79,7 +85,10 @@ def _rms_norm_kernel(
             normed = (summed * inv_rms).to(residual_out_ptr.dtype.element_ty)
         else:
             normed = (summed * inv_rms).to(x_ptr.dtype.element_ty)
-        weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        if PRELOAD_WEIGHT:
+            weight = preloaded
+        else:
+            weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         out = weight * normed.to(tl.float32)
         tl.store(out_ptr + out_row + start + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -129,6 +138,7 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
         out if residual_out is None else residual_out,
         inner_rows, sx0, sx1, sr0, sr1, float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        PRELOAD_WEIGHT=PRELOAD_NORM_WEIGHT and block >= hidden,
         num_warps=_num_warps(block), **launch_options(x.device),
     )
     return out, residual_out

@@ -60,6 +60,13 @@ MAX_FUSED_EXPERTS = MAX_KERNEL_EXPERTS
 # tiles the last program routes at once.
 _ACC_ELEMENTS = 4096
 _ROUTE_ELEMENTS = 4096
+# One token: each program loads its expert's whole weight row before the PDL wait
+# (one hidden chunk of up to PRELOAD_MAX_HIDDEN), instead of chunks after it.
+PRELOAD_WEIGHTS = True
+PRELOAD_MAX_HIDDEN = 4096
+# The MoE block's input norm (add + RMSNorm) computed by the router's programs at one
+# row (fused_route_norm), instead of a launch of its own before the router.
+FUSE_NORM = True
 _ROUNDING = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -67,32 +74,51 @@ _ROUNDING = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 def _router_fused_kernel(
     x_ptr, w_ptr, bias_ptr, scratch_ptr, counter_ptr, weights_ptr, ids_ptr,
     num_tokens, hidden_size, stride_x, stride_w, num_experts, group_size,
-    routed_scaling_factor,
+    routed_scaling_factor, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr, eps,
     LOGITS_DTYPE: tl.constexpr, ROUND_LOGITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr,
     ROUTE_T: tl.constexpr, BLOCK_E: tl.constexpr,
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD_W: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     # -- this program's logits: experts [pid * BLOCK_X, +BLOCK_X), every row ----------
     rows = tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     ex = tl.program_id(0) * BLOCK_X + tl.arange(0, BLOCK_X)
     ex_ok = ex < num_experts
     hs = tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_T, BLOCK_X, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, hidden_size, BLOCK_H):
-        h = h0 + hs
-        h_ok = h < hidden_size
-        x = tl.load(x_ptr + rows[:, None] * stride_x + h[None, :],
-                    mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + ex[:, None].to(tl.int64) * stride_w + h[None, :],
-                    mask=ex_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
+    w_rows = w_ptr + ex[:, None].to(tl.int64) * stride_w
+    if PRELOAD_W:
+        # One chunk covers the hidden size: the weight rows (written by no kernel) are
+        # loaded before the PDL wait, while the norm before this kernel runs.
+        h_ok = hs < hidden_size
+        w = tl.load(w_rows + hs[None, :], mask=ex_ok[:, None] & h_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_NORM:  # the norm's weight, too
+            norm_w = tl.load(norm_w_ptr + hs, mask=h_ok, other=0.0).to(tl.float32)
+        pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
+        if HAS_NORM:
+            x = _add_rms_norm_rows(x_ptr, residual_ptr, norm_w, normed_ptr, residual_out_ptr,
+                                   rows, row_ok, hs, h_ok, stride_x, hidden_size, eps)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_x + hs[None, :],
+                        mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc = x[:, None, :] * w[None, :, :]
+    else:
+        pdl_wait_and_release(USE_PDL)  # before any load or store
+        acc = tl.zeros([BLOCK_T, BLOCK_X, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, hidden_size, BLOCK_H):
+            h = h0 + hs
+            h_ok = h < hidden_size
+            x = tl.load(x_ptr + rows[:, None] * stride_x + h[None, :],
+                        mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + h[None, :], mask=ex_ok[:, None] & h_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += x[:, None, :] * w[None, :, :]
     logits = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_X]
     if ROUND_LOGITS:  # MoEGate's output dtype, as select_experts sees it
         logits = logits.to(LOGITS_DTYPE).to(tl.float32)
@@ -121,6 +147,30 @@ def _router_fused_kernel(
             tl.store(weights_ptr + out, chosen_w, mask=keep)
             tl.store(ids_ptr + out, chosen_ids, mask=keep)
         tl.store(counter_ptr, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _add_rms_norm_rows(x_ptr, residual_ptr, norm_w, normed_ptr, residual_out_ptr, rows,
+                       row_ok, hs, h_ok, stride_x, hidden_size, eps):
+    """[BLOCK_T, BLOCK_H] float32: rms_norm(x + residual) * norm_w with fused_ops'
+    _rms_norm_kernel's roundings (the sum rounded to the rows' dtype, normalised in
+    float32 and rounded, times the weight, rounded again), from one chunk of each row
+    (x rows at stride_x, residual rows contiguous). Every program computes the same
+    rows; program 0 stores them (normed_ptr) and the new residual."""
+    offs = rows[:, None] * hidden_size + hs[None, :]
+    mask = row_ok[:, None] & h_ok[None, :]
+    summed = tl.load(x_ptr + rows[:, None] * stride_x + hs[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    summed += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rounded = summed.to(residual_out_ptr.dtype.element_ty)
+    summed = rounded.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(summed * summed, axis=1) / hidden_size + eps)
+    normed = (summed * inv_rms[:, None]).to(residual_out_ptr.dtype.element_ty)
+    out = (norm_w[None, :] * normed.to(tl.float32)).to(normed_ptr.dtype.element_ty)
+    if tl.program_id(0) == 0:
+        tl.store(residual_out_ptr + offs, rounded, mask=mask)
+        tl.store(normed_ptr + offs, out, mask=mask)
+    return out.to(tl.float32)
 
 
 @dataclass
@@ -152,10 +202,12 @@ class FusedRouterTiles:
 
 @functools.lru_cache(maxsize=256)  # once per (rows, layer shape): off the launch path
 def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEConfig,
-                  block_x: Optional[int] = None, num_warps: Optional[int] = None
-                  ) -> FusedRouterTiles:
+                  block_x: Optional[int] = None, num_warps: Optional[int] = None,
+                  preload: bool = False) -> FusedRouterTiles:
     """About 128 programs (one H200 wave: 132 SMs) each streaming a few experts'
-    weight rows; the accumulator and the routed tiles within the register budget."""
+    weight rows; the accumulator and the routed tiles within the register budget.
+    preload: one token's single expert row a program is one hidden chunk (the kernel
+    then loads it before the PDL wait)."""
     block_t = triton.next_power_of_2(max(num_tokens, 1))
     if block_x is None:
         block_x = max(1, triton.next_power_of_2(num_experts) // 128)
@@ -164,6 +216,8 @@ def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEC
     num_warps = num_warps or (1 if block_t == 1 else 4)
     budget = _ACC_ELEMENTS * num_warps // 4
     block_h = max(32, min(triton.next_power_of_2(hidden_size), budget // (block_t * block_x)))
+    if preload and block_t == 1 and block_x == 1 and hidden_size <= PRELOAD_MAX_HIDDEN:
+        block_h = triton.next_power_of_2(hidden_size)  # one chunk: see the kernel
     block_e = triton.next_power_of_2(num_experts)
     per_row = block_e * (max(2, triton.next_power_of_2(cfg.n_group)) if cfg.grouped else 1)
     route_t = max(1, min(block_t, _ROUTE_ELEMENTS // per_row))
@@ -181,11 +235,13 @@ def fused_router_covers(hidden: torch.Tensor, weight: torch.Tensor, fp32_logits:
 
 def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
                 correction_bias: Optional[torch.Tensor], fp32_logits: bool,
-                scratch: RouterScratch, tiles: Optional[FusedRouterTiles] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                scratch: RouterScratch, tiles: Optional[FusedRouterTiles] = None,
+                norm_args: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [T, H], weight [E, H] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]),
     as select_experts(F.linear(hidden, weight) (fp32_logits: in float32), cfg, bias).
-    The caller (routing.route) has checked fused_router_covers and the bias."""
+    The caller (routing.route) has checked fused_router_covers and the bias.
+    norm_args (fused_route_norm's, one chunk a row): (residual, norm weight, normed out,
+    residual out, eps); the logits are then of the normalised hidden + residual."""
     num_tokens, hidden_size = hidden.shape
     num_experts = weight.shape[0]
     if not fused_router_covers(hidden, weight, fp32_logits):
@@ -203,12 +259,14 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     bias = correction_bias.float().contiguous() if correction_bias is not None else w
-    tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg)
+    tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg,
+                                   preload=PRELOAD_WEIGHTS)
     round_logits = not fp32_logits and hidden.dtype != torch.float32
     _router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
         x, w, bias, scratch.logits, scratch.counter, topk_weights, topk_ids,
         num_tokens, hidden_size, x.stride(0), w.stride(0), num_experts,
         num_experts // cfg.n_group, float(cfg.routed_scaling_factor),
+        *(norm_args or (x, x, x, x, 0.0)),
         LOGITS_DTYPE=_ROUNDING.get(hidden.dtype, tl.float32), ROUND_LOGITS=round_logits,
         BLOCK_T=triton.next_power_of_2(num_tokens), BLOCK_X=tiles.block_x,
         BLOCK_H=tiles.block_h, ROUTE_T=tiles.route_t,
@@ -218,5 +276,43 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
         N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
         BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps,
-        **launch_options(hidden.device))
+        PRELOAD_W=norm_args is not None or (PRELOAD_WEIGHTS and tiles.block_h >= hidden_size),
+        HAS_NORM=norm_args is not None, **launch_options(hidden.device))
     return topk_weights, topk_ids
+
+
+def fused_route_norm_covers(hidden: torch.Tensor, residual: torch.Tensor,
+                            norm_weight: torch.Tensor, weight: torch.Tensor,
+                            fp32_logits: bool) -> bool:
+    """Whether fused_route_norm computes this call: FUSE_NORM, one row of a 16-bit
+    model dtype (residual and norm weight alike, everything contiguous), a model-dtype
+    router of at most 256 experts (one a program) and a hidden size of at most
+    PRELOAD_MAX_HIDDEN (one chunk a program)."""
+    return (FUSE_NORM and not fp32_logits and hidden.dim() == 2 and hidden.shape[0] == 1
+            and hidden.dtype in (torch.float16, torch.bfloat16)
+            and residual.shape == hidden.shape and residual.dtype == hidden.dtype
+            and norm_weight.dtype == hidden.dtype and norm_weight.shape == hidden.shape[1:]
+            and hidden.shape[1] <= PRELOAD_MAX_HIDDEN and weight.shape[0] <= 256
+            and hidden.is_contiguous()
+            and residual.is_contiguous() and norm_weight.is_contiguous()
+            and fused_router_covers(hidden, weight, fp32_logits))
+
+
+def fused_route_norm(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, cfg: MoEConfig,
+                     correction_bias: Optional[torch.Tensor], scratch: RouterScratch
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE block's input norm and its router in one launch (one row):
+    (topk_weights, topk_ids, normed, new_residual), where (normed, new_residual) is
+    fused_ops.fused_add_rms_norm(hidden, residual, norm_weight, eps) (up to the float32
+    order of its sum of squares) and the routing is fused_route's of normed. Every
+    program normalises the row itself (4 KB each from L2), so the norm's own launch
+    and its step in the PDL chain go away. The caller has checked
+    fused_route_norm_covers."""
+    normed = torch.empty_like(hidden)
+    new_residual = torch.empty_like(hidden)
+    tiles = default_tiles(1, weight.shape[0], hidden.shape[1], cfg, preload=True)
+    weights, ids = fused_route(hidden, weight, cfg, correction_bias, False, scratch, tiles,
+                               norm_args=(residual, norm_weight, normed, new_residual,
+                                          float(eps)))
+    return weights, ids, normed, new_residual

@@ -7,13 +7,19 @@ in the stream is still running; it must then wait (``griddepcontrol.wait``) for 
 predecessor to complete and flush its memory before it touches any. What overlaps is
 the launch itself and the kernel's prologue: the step's gaps between kernels.
 
-The invariant every kernel that takes part keeps: ``pdl_wait_and_release(USE_PDL)`` is
-the first thing it does, before any load or store. Then the chain stays serialised in
-effect (each kernel's memory operations follow its predecessor's completion, so
-transitively every earlier kernel's), whatever ran before it (cuBLAS, torch ops: a
-predecessor that never signals is waited for to its end). A kernel must never be
-launched with ``launch_pdl=True`` without that wait: ``launch_options`` hands out the
-two together.
+The invariant every kernel that takes part keeps: ``pdl_wait_and_release(USE_PDL)``
+comes before any store and before any load of memory that a kernel writes. Then the
+chain stays serialised in effect (each kernel's memory operations follow its
+predecessor's completion, so transitively every earlier kernel's), whatever ran before
+it (cuBLAS, torch ops: a predecessor that never signals is waited for to its end). Only
+two kinds of load may come before the wait: weights (written by no kernel), and what a
+kernel at least two launches back wrote, when the one in between releases only after
+its own wait (as pdl_wait_and_release does): it then lets this kernel launch only after
+that earlier kernel completed and flushed; such loads go through L2 (``.cg``), never an
+L1 line of an earlier launch. The preloading kernels (the fused router's PRELOAD_W,
+fused_moe_decode's down kernel) say which loads they move. A kernel
+must never be launched with ``launch_pdl=True`` without the wait: ``launch_options``
+hands out the two together.
 
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the

@@ -200,6 +200,11 @@ class LlamaDecoderLayer(nn.Module):
         if output_rows is not None:
             residual = residual.index_select(0, output_rows)
         fp8 = module_takes_fp8_input(self.mlp, hidden.shape[0])  # after the selection
+        after_norm = getattr(self.mlp, "forward_after_norm", None)  # a block that fuses it
+        if after_norm is not None and not fp8:
+            fused = after_norm(hidden, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return fused
         hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8)
         return self.mlp(hidden), residual
 

@@ -24,7 +24,7 @@ from pagoda.model.layers.linear import ShardId
 from pagoda.model.layers.moe.deepseek_moe import is_moe_layer
 from pagoda.model.layers.moe.fused_moe import FusedMoE, map_expert_weight_name
 from pagoda.model.layers.moe.gate import MoEGate
-from pagoda.model.layers.moe.routing import route
+from pagoda.model.layers.moe.routing import route, route_after_norm
 from pagoda.model.llama import LlamaForCausalLM
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
@@ -41,6 +41,17 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, topk=route(hidden, self.gate, self.experts.cfg))
+
+    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm
+                           ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(forward(norm(hidden + residual)), hidden + residual) with the norm computed
+        inside the router's launch (routing.route_after_norm), or None where that does
+        not cover the call (the decoder layer then runs the norm and forward)."""
+        fused = route_after_norm(hidden, residual, norm, self.gate, self.experts.cfg)
+        if fused is None:
+            return None
+        topk, normed, new_residual = fused
+        return self.experts(normed, topk=topk), new_residual
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -34,6 +34,7 @@ import torch
 from pagoda.model.moe_config import MoEConfig
 
 if TYPE_CHECKING:
+    from pagoda.model.layers.layernorm import RMSNorm
     from pagoda.model.layers.moe.gate import MoEGate
 
 # Rows up to which route() runs the router linear and the routing as one kernel on
@@ -82,13 +83,38 @@ def route(hidden: torch.Tensor, gate: "MoEGate", cfg: MoEConfig,
         from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
         if mrf.fused_router_covers(hidden, gate.weight, gate.fp32):
             _check_bias(cfg, correction_bias)
-            scratch = gate.router_scratch
-            if scratch is None or scratch.logits.device != hidden.device:
-                scratch = gate.router_scratch = mrf.RouterScratch.create(
-                    gate.weight.shape[0], hidden.device)
             return mrf.fused_route(hidden, gate.weight, cfg, correction_bias, gate.fp32,
-                                   scratch)
+                                   router_scratch(gate, hidden.device))
     return select_experts(gate(hidden), cfg, correction_bias)
+
+
+def router_scratch(gate: "MoEGate", device: torch.device):
+    """The gate's fused-router scratch on device, made on first use (which must be
+    outside CUDA-graph capture: RouterScratch.create says so)."""
+    from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+    scratch = gate.router_scratch
+    if scratch is None or scratch.logits.device != device:
+        scratch = gate.router_scratch = mrf.RouterScratch.create(gate.weight.shape[0], device)
+    return scratch
+
+
+def route_after_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
+                     gate: "MoEGate", cfg: MoEConfig):
+    """The MoE block's input norm and its routing in one launch, where the fused router
+    covers it (CUDA, one row: moe_router_fused.fused_route_norm_covers): (topk, normed,
+    new residual) with topk as route returns it and (normed, new residual) as
+    norm(hidden, residual) returns them; else None (the caller runs the norm, then
+    route)."""
+    if not hidden.is_cuda or hidden.dim() != 2 or hidden.shape[0] != 1:
+        return None
+    from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+    if not mrf.fused_route_norm_covers(hidden, residual, norm.weight, gate.weight, gate.fp32):
+        return None
+    _check_bias(cfg, None)
+    weights, ids, normed, new_residual = mrf.fused_route_norm(
+        hidden, residual, norm.weight, norm.eps, gate.weight, cfg, None,
+        router_scratch(gate, hidden.device))
+    return (weights, ids), normed, new_residual
 
 
 def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
