@@ -113,6 +113,14 @@ KERNEL_SWITCHES = (
      "sampled ids and logprobs copied to the host on a stream of their own"),
     ("pending-fill-kernel", "pagoda.kernels.pending_fill", "ENABLED",
      "the pending-token fill as one Triton launch"),
+    ("norm-preload", "pagoda.kernels.fused_ops", "PRELOAD_NORM_WEIGHT",
+     "RMSNorm loads its weight before the PDL wait (rows of one chunk)"),
+    ("router-norm", "pagoda.kernels.moe_router_fused", "FUSE_NORM",
+     "one-row MoE block input norm computed by the fused router's programs"),
+    ("moe-down-preload", "pagoda.kernels.fused_moe_decode", "PRELOAD_DOWN",
+     "one-token MoE down GEMV loads every choice's weights before the PDL wait"),
+    ("router-preload", "pagoda.kernels.moe_router_fused", "PRELOAD_WEIGHTS",
+     "one-token fused MoE router loads its weight rows before the PDL wait"),
 )
 
 

@@ -317,8 +317,10 @@ def main() -> None:
         print(json.dumps(run_model(args.child, args)))
         return
     import torch
-    from gpu_compare import measure_ceilings
+    from gpu_compare import apply_kernel_switches, measure_ceilings
     from pagoda.model.presets import get_preset
+
+    apply_kernel_switches(args)  # the kernel part (a) runs with them too
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     ceilings = measure_ceilings(device)

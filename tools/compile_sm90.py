@@ -91,6 +91,16 @@ def sass_loops(compiled) -> list[tuple[int, int, collections.Counter]]:
     return loops
 
 
+def preloaded_loads(ptx: str) -> str:
+    """How many global loads the PTX issues before its griddepcontrol.wait (a kernel
+    that preloads its weights must have some); RuntimeError if none."""
+    head = ptx[:ptx.index("griddepcontrol.wait")]
+    loads = len(re.findall(r"\bld\.global", head))
+    if loads == 0:
+        raise RuntimeError("a preloading kernel with no global load before its wait")
+    return f"{loads} global loads before griddepcontrol.wait"
+
+
 def report(name: str, compiled) -> str:
     meta = compiled.metadata
     return (f"{name}: {resource_usage(compiled)}; {meta.shared} B shared (dynamic), "
@@ -180,9 +190,11 @@ def _pdl_cases():
     from pagoda.kernels import gemv
     bf16 = torch.bfloat16
     x, out = torch.empty(1, 2048, dtype=bf16), torch.empty(1, 2048, dtype=bf16)
-    yield "rms_norm", fo._rms_norm_kernel, (
-        x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048, 1e-6), dict(
-        HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, num_warps=4, USE_PDL=True)
+    for preload in (False, True):
+        yield f"rms_norm{'[preload]' if preload else ''}", fo._rms_norm_kernel, (
+            x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048,
+            1e-6), dict(HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
+                        num_warps=4, USE_PDL=True)
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
@@ -193,6 +205,21 @@ def _pdl_cases():
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
+    yield "moe_gemv_down_preloaded", fmd._gemv_down_preloaded_kernel, (
+        act, w2, ids, weights, out, 2048, 768, w2.stride(0), w2.stride(1)), dict(
+        TOP_K=8, BLOCK_TOPK=8, BLOCK_K=1024, **fmd.PRELOAD_DOWN_CONFIG, USE_PDL=True)
+    import triton.language as tl
+    from pagoda.kernels import moe_router_fused as mrf
+    gate_w, scratch = torch.empty(128, 2048, dtype=bf16), torch.empty(16, 128)
+    counter = torch.empty(1, dtype=torch.int32)
+    for norm in (False, True):
+        yield f"router_fused[preload{', norm' if norm else ''}]", mrf._router_fused_kernel, (
+            x, gate_w, scratch, scratch, counter, weights, ids, 1, 2048, 2048, 2048, 128, 128,
+            1.0, x, x[0], out, out, 1e-6), dict(
+            LOGITS_DTYPE=tl.bfloat16, ROUND_LOGITS=True, BLOCK_T=1, BLOCK_X=1, BLOCK_H=2048,
+            ROUTE_T=1, BLOCK_E=128, TOP_K=8, SIGMOID=False, HAS_BIAS=False, GROUPED=False,
+            GROUP_BY_TOP2=False, N_GROUP=1, TOPK_GROUP=1, RENORMALIZE=True, BLOCK_G=2,
+            BLOCK_K=8, PRELOAD_W=True, HAS_NORM=norm, num_warps=1, USE_PDL=True)
     yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
         x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0, 2048), dict(
         TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
@@ -301,6 +328,8 @@ def main(argv: list[str]) -> int:
                 if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in ptx:
                     raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
                 print(report(f"{module}.{name}", compiled))
+                if "preload" in name:
+                    print(f"  {preloaded_loads(ptx)}")
                 for start, count, opcodes in sass_loops(compiled) if loops else ():
                     top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
                     print(f"  loop at {start:#x}: {count} instructions ({top})")
