@@ -207,6 +207,18 @@ def test_every_grouping_gives_the_same_bits(per_program):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
+def test_preloaded_operands_give_the_same_bits(qk_norm, monkeypatch):
+    """cos / sin, the slots and the norm weights loaded before the PDL wait: the same
+    q and cache bits as loading them after it (padding rows included)."""
+    case = Case(4, 8, 2, 64, torch.float16, qk_norm=qk_norm, pad_rows=(0, 3))
+    monkeypatch.setattr(qk_rope_store, "PRELOAD_OPERANDS", False)
+    ref_q, ref_cache = case.fused(1)
+    monkeypatch.setattr(qk_rope_store, "PRELOAD_OPERANDS", True)
+    q, cache = case.fused(1)
+    assert _same(q, ref_q) and _same(cache, ref_cache)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
 def test_fp8_cache_bytes_equal_store_kv_and_quantize_kv(qk_norm):
     case = Case(6, 4, 2, 32, torch.float32, qk_norm, cache_dtype=FP8_KV_DTYPE,
                 pad_rows=(2,), seed=3)

@@ -37,9 +37,14 @@ from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
 
+# The kernel loads cos / sin, the slot mapping and the q/k norm weights before its PDL
+# wait (all are written before the kernel ahead of it: pdl.py), its qkv row after it.
+PRELOAD_OPERANDS = False
+
+
 @triton.jit
 def _norm_rope_head(
-    head_ptr, live_half, weight_ptr, cos, sin, eps,
+    head_ptr, live_half, w1, w2, cos, sin, eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -62,8 +67,6 @@ def _norm_rope_head(
         cols = tl.arange(0, BLOCK_DIM)
         x = tl.load(head_ptr + cols, mask=cols < 2 * live_half, other=0.0).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
         # normed rounded to the dtype, times the weight in float32, rounded again.
         x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -88,9 +91,9 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     # Program (token, group): groups [0, q_groups) are q heads, the next kv_groups k
     # heads, the last kv_groups v heads; HEADS_PER_PROGRAM heads each (tail masked),
     # q and k heads one after another (unrolled), v heads as one tile.
@@ -99,21 +102,32 @@ def _qk_norm_rope_store_kernel(
     q_groups = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     row = qkv_ptr + token * stride_qkv_t
+    weight_ptr = tl.where(group < q_groups, q_weight_ptr, k_weight_ptr)
+    if PRELOAD:
+        # cos / sin (the forward's first kernels wrote them), the slot mapping (the
+        # step's input copies) and the norm weights, all written before the kernel
+        # ahead of this one (pdl.py), are loaded before the wait; qkv after it.
+        cos, sin, w1, w2, slot = _row_operands(
+            cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
+            slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
+        pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
+    else:
+        pdl_wait_and_release(USE_PDL)  # before any load or store
+        cos, sin, w1, w2, slot = _row_operands(
+            cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
+            slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
     if group < q_groups:
-        _norm_rope_heads(row, group * HEADS_PER_PROGRAM, q_weight_ptr,
-                         cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, eps,
+        _norm_rope_heads(row, group * HEADS_PER_PROGRAM, w1, w2, cos, sin, eps,
                          q_out_ptr + token * (NUM_HEADS * HEAD_DIM), HEAD_DIM, kv_scales_ptr,
                          NUM_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
                          HAS_QK_NORM, False)
     else:
-        slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:  # -1: a padding row, nothing to store
             slot_ptr = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
                         + (slot % PAGE_SIZE) * stride_cache_tok)
             if group < q_groups + kv_groups:
                 _norm_rope_heads(row + NUM_HEADS * HEAD_DIM,
-                                 (group - q_groups) * HEADS_PER_PROGRAM, k_weight_ptr,
-                                 cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t,
+                                 (group - q_groups) * HEADS_PER_PROGRAM, w1, w2, cos, sin,
                                  eps, slot_ptr, stride_cache_head, kv_scales_ptr, NUM_KV_HEADS,
                                  HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
                                  HAS_QK_NORM, KV_FP8)
@@ -125,8 +139,26 @@ def _qk_norm_rope_store_kernel(
 
 
 @triton.jit
+def _row_operands(cos_row, sin_row, weight_ptr, slot_ptr, HEAD_DIM: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """What a program needs besides its qkv row: the token's cos / sin halves, the norm
+    weight's halves (zeros without a q/k norm) and the token's cache slot."""
+    half = HEAD_DIM // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+    else:
+        w1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        w2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    return cos, sin, w1, w2, tl.load(slot_ptr)
+
+
+@triton.jit
 def _norm_rope_heads(
-    src_row, first_head, weight_ptr, cos_row, sin_row, eps, dst_row, dst_head_stride,
+    src_row, first_head, w1, w2, cos, sin, eps, dst_row, dst_head_stride,
     kv_scales_ptr,
     NUM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -142,12 +174,10 @@ def _norm_rope_heads(
     returned)."""
     half = HEAD_DIM // 2
     dims = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
-    sin = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
     for i in tl.static_range(HEADS_PER_PROGRAM):
         head = first_head + i
         live_half = tl.where(head < NUM, half, 0)
-        out1, out2 = _norm_rope_head(src_row + head * HEAD_DIM, live_half, weight_ptr, cos,
+        out1, out2 = _norm_rope_head(src_row + head * HEAD_DIM, live_half, w1, w2, cos,
                                      sin, eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
         if QUANT_FP8:
             k_scale = tl.load(kv_scales_ptr)
@@ -257,7 +287,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], HEADS_PER_PROGRAM=per_program,
         BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        HAS_QK_NORM=has_norm, KV_FP8=kv_fp8,
+        HAS_QK_NORM=has_norm, KV_FP8=kv_fp8, PRELOAD=PRELOAD_OPERANDS,
         # rms_norm's warps for a row of block_dim: the same reduction order.
         num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
     )
