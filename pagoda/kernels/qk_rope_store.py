@@ -39,7 +39,8 @@ from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
 # The kernel loads cos / sin, the slot mapping and the q/k norm weights before its PDL
 # wait (all are written before the kernel ahead of it: pdl.py), its qkv row after it.
-PRELOAD_OPERANDS = False
+# On: Qwen3-30B-A3B batch 1 2.618 -> 2.595 ms in one lease (docs/performance.md).
+PRELOAD_OPERANDS = True
 
 
 @triton.jit
