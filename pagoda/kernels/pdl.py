@@ -12,14 +12,17 @@ comes before any store and before any load of memory that a kernel writes. Then 
 chain stays serialised in effect (each kernel's memory operations follow its
 predecessor's completion, so transitively every earlier kernel's), whatever ran before
 it (cuBLAS, torch ops: a predecessor that never signals is waited for to its end). Only
-two kinds of load may come before the wait: weights (written by no kernel), and what a
-kernel at least two launches back wrote, when the one in between releases only after
-its own wait (as pdl_wait_and_release does): it then lets this kernel launch only after
-that earlier kernel completed and flushed; such loads go through L2 (``.cg``), never an
-L1 line of an earlier launch. The preloading kernels (the fused router's PRELOAD_W,
-fused_moe_decode's down kernel) say which loads they move. A kernel
-must never be launched with ``launch_pdl=True`` without the wait: ``launch_options``
-hands out the two together.
+two kinds of load may come before the wait: weights (written by no kernel), and what was
+written at least two launches back (by a kernel or by the step's input copies): every
+kernel in between releases its dependents only after its own wait (as
+pdl_wait_and_release does), so this kernel launches only after that write completed and
+was flushed. The preloading kernels say which loads they move: the fused router's
+PRELOAD_W, fused_moe_decode's one-token down kernel (its expert ids, from the router two
+launches back, through L2 as a precaution), fused_ops' RMSNorm weight and
+qk_rope_store's cos / sin, slots and norm weights. A kernel must never be launched with
+``launch_pdl=True`` without the wait: ``launch_options`` hands out the two together.
+Loading the one-row GEMVs' weight slabs before the wait measured slower (it delays the
+short kernel before them; docs/performance.md, 2026-12-03) and is not done.
 
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
