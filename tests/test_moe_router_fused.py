@@ -300,3 +300,37 @@ def test_fused_router_with_the_input_norm(mrf, monkeypatch, name):
     logits = gate(normed)
     _check((weights, ids), routing.select_experts_torch(logits, cfg, None), logits, cfg, None)
     assert scratch.counter.item() == 0
+
+
+def test_decoder_layer_takes_the_fused_norm_with_the_same_result(mrf, monkeypatch, tmp_path):
+    """The seam: a tiny Qwen3-MoE layer in float16 (the router kernel interpreted on the
+    CPU) at one row. LlamaDecoderLayer asks its MoE block for forward_after_norm, which
+    returns the block's output of the normed row and the new residual; both agree with
+    the post-attention norm followed by the block's forward (the routed experts alike),
+    and the residual bit for bit."""
+    from tiny_models import save_tiny_hf_model
+    from pagoda.model.loader import load_model
+    monkeypatch.setattr(routing, "FUSED_NORM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(mrf, "FUSE_NORM", True)
+    save_tiny_hf_model(tmp_path, "qwen3_moe")
+    model, _ = load_model(str(tmp_path), dtype="float16", device=DEVICE)
+    layer = model.model.layers[0]
+    assert hasattr(layer.mlp, "forward_after_norm")
+    hidden_size = layer.post_attention_layernorm.weight.shape[0]
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, hidden_size, generator=gen).to(torch.float16).to(DEVICE)
+    residual = (torch.randn(1, hidden_size, generator=gen) * 3).to(torch.float16).to(DEVICE)
+    calls = []
+    real = mrf.fused_route_norm
+    monkeypatch.setattr(mrf, "fused_route_norm", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        out, new_residual = layer.mlp.forward_after_norm(hidden, residual,
+                                                         layer.post_attention_layernorm)
+        normed, want_residual = layer.post_attention_layernorm(hidden, residual)
+        want = layer.mlp(normed)
+    assert calls == [1]
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(out, want, atol=5e-3, rtol=5e-3)
+    # More than one row: not fused (the caller runs the norm, then the block).
+    assert layer.mlp.forward_after_norm(hidden.repeat(2, 1), residual.repeat(2, 1),
+                                        layer.post_attention_layernorm) is None

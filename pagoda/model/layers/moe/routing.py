@@ -98,6 +98,10 @@ def router_scratch(gate: "MoEGate", device: torch.device):
     return scratch
 
 
+# Devices route_after_norm fuses on (tests add "cpu" to run the kernel interpreted).
+FUSED_NORM_DEVICES = ("cuda",)
+
+
 def route_after_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
                      gate: "MoEGate", cfg: MoEConfig):
     """The MoE block's input norm and its routing in one launch, where the fused router
@@ -105,7 +109,7 @@ def route_after_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: "RMSNor
     new residual) with topk as route returns it and (normed, new residual) as
     norm(hidden, residual) returns them; else None (the caller runs the norm, then
     route)."""
-    if not hidden.is_cuda or hidden.dim() != 2 or hidden.shape[0] != 1:
+    if hidden.device.type not in FUSED_NORM_DEVICES or hidden.dim() != 2 or hidden.shape[0] != 1:
         return None
     from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
     if not mrf.fused_route_norm_covers(hidden, residual, norm.weight, gate.weight, gate.fp32):
