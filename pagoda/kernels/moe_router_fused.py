@@ -266,6 +266,10 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
     tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg,
                                    preload=PRELOAD_WEIGHTS)
     round_logits = not fp32_logits and hidden.dtype != torch.float32
+    one_chunk = tiles.block_h >= hidden_size  # the kernel's preloading form needs it
+    if norm_args is not None and not one_chunk:
+        raise ValueError(f"fused_route: the folded-in norm needs one hidden chunk a row, "
+                         f"got block_h {tiles.block_h} for hidden {hidden_size}")
     _router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
         x, w, bias, scratch.logits, scratch.counter, topk_weights, topk_ids,
         num_tokens, hidden_size, x.stride(0), w.stride(0), num_experts,
@@ -280,7 +284,7 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
         N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
         BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps,
-        PRELOAD_W=norm_args is not None or (PRELOAD_WEIGHTS and tiles.block_h >= hidden_size),
+        PRELOAD_W=one_chunk and (PRELOAD_WEIGHTS or norm_args is not None),
         HAS_NORM=norm_args is not None, **launch_options(hidden.device))
     return topk_weights, topk_ids
 
