@@ -123,6 +123,8 @@ KERNEL_SWITCHES = (
      "one-token MoE down GEMV loads every choice's weights before the PDL wait"),
     ("router-preload", "pagoda.kernels.moe_router_fused", "PRELOAD_WEIGHTS",
      "one-token fused MoE router loads its weight rows before the PDL wait"),
+    ("decode-metadata-preload", "pagoda.kernels.paged_decode", "PRELOAD_METADATA",
+     "decode attention and merge load query start and context length before the PDL wait"),
 )
 
 

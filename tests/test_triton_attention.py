@@ -134,6 +134,20 @@ def test_split_k_decode_head_dim_128():
     run_and_compare(case, backend, atol=3e-3, rtol=3e-3)
 
 
+def test_decode_metadata_preload_changes_no_bit(monkeypatch):
+    """paged_decode.PRELOAD_METADATA only moves the query-start and context-length loads
+    before the PDL wait: the decode and merge kernels give the same bits either way
+    (a mixed batch: its prefill rows exit both kernels at the query-length check)."""
+    from pagoda.kernels import paged_decode
+    outs = []
+    for preload in (False, True):
+        monkeypatch.setattr(paged_decode, "PRELOAD_METADATA", preload)
+        case = Case(MIXED, 8, 2, 64, 16, torch.float16, seed=3)
+        backend = TritonBackend(8, 2, 64, 1 / 8, num_decode_splits=3)
+        outs.append(run_and_compare(case, backend, atol=3e-3, rtol=3e-3)[0])
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_graph_buffers_replay_a_smaller_batch():
     """The graph path: launches sized from capture-time values only, real lengths read
     from the persistent buffers; padding requests are skipped."""

@@ -250,15 +250,19 @@ def _pdl_cases():
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
                       KEYS_AS_A=path == "words_kq8") if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
-        yield f"decode[fp8={fp8}{', ' + path_override if path_override else ''}]", kernel, (
+        name = f"fp8={fp8}{', ' + path_override if path_override else ''}"
+        if pd.PRELOAD_METADATA:
+            name += ", preload"
+        yield f"decode[{name}]", kernel, (
             attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(
             NUM_HEADS=32, GROUP=8, BLOCK_H=16, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
-            **extra, **cfg, USE_PDL=True)
-    yield "decode_merge", pd._merge_kernel, (
+            **extra, **cfg, PRELOAD_METADATA=pd.PRELOAD_METADATA, USE_PDL=True)
+    yield f"decode_merge{'[preload]' if pd.PRELOAD_METADATA else ''}", pd._merge_kernel, (
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
-        NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, USE_PDL=True)
+        NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, PRELOAD_METADATA=pd.PRELOAD_METADATA,
+        USE_PDL=True)
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)

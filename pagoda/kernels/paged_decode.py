@@ -19,7 +19,9 @@ combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weig
 (Merging inside the last slice's program instead, behind an arrival counter, was built
 twice and measured slower on the H200 both times: docs/performance.md, 2026-12-02.)
 num_splits is a runtime argument, so a changing split count does not recompile.
-Requests whose query length is not 1 exit at once in both kernels.
+Requests whose query length is not 1 exit at once in both kernels. With PDL both load
+the request's query start and context length before their wait (PRELOAD_METADATA;
+_wait_then_decode_row says why that is safe).
 
 FP8 cache (KV_FP8): as in the chunk kernel (paged_attention.py), K / V tiles converted
 to q's dtype, the K scale folded into the score factor and the V scale applied to each
@@ -65,9 +67,28 @@ SHORT_CONTEXT_GRAPHS = True  # False: one decode graph per size (benchmarks' A/B
 
 
 @triton.jit
-def _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N: tl.constexpr):
+def _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
+                          PRELOAD_METADATA: tl.constexpr, USE_PDL: tl.constexpr):
+    """The PDL wait and the request's (first query row, query length, context length).
+    PRELOAD_METADATA: those three are loaded before the wait. They are written before the
+    forward (the step's input copies), and at least two launches (the qkv projection and
+    the KV store) run between that and any decode attention, so pdl.py's rule allows it."""
+    if PRELOAD_METADATA:
+        q_row = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        seq_len = tl.load(seq_lens_ptr + req)
+        pdl_wait_and_release(USE_PDL)
+    else:
+        pdl_wait_and_release(USE_PDL)  # before any load or store
+        q_row = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        seq_len = tl.load(seq_lens_ptr + req)
+    return q_row, q_len, seq_len
+
+
+@triton.jit
+def _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N: tl.constexpr):
     """[kv_start, kv_end) of this program's context slice (see the module docstring)."""
-    seq_len = tl.load(seq_lens_ptr + req)
     per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     kv_start = split * per_split
@@ -105,16 +126,17 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    PRELOAD_METADATA: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
+                                                  PRELOAD_METADATA, USE_PDL)
+    if q_len != 1:
         return
-    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
+    kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -302,7 +324,7 @@ def _decode_words_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr, QK_FP8: tl.constexpr,
-    KEYS_AS_A: tl.constexpr,
+    KEYS_AS_A: tl.constexpr, PRELOAD_METADATA: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
@@ -310,14 +332,14 @@ def _decode_words_kernel(
     queries are rounded to e4m3 (a power-of-two scale per head) and q.K is one FP8 dot
     on the key tile as stored (KEYS_AS_A: keys x q^T, see _attend_word_tile); P.V still
     reads V as words."""
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
+                                                  PRELOAD_METADATA, USE_PDL)
+    if q_len != 1:
         return
-    kv_start, kv_end = _slice_bounds(seq_lens_ptr, req, split, num_splits, min_split, BLOCK_N)
+    kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -380,13 +402,20 @@ def _merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PRELOAD_METADATA: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
-    pdl_wait_and_release(USE_PDL)  # before any load or store
     req = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+    if PRELOAD_METADATA:  # the query start: see _wait_then_decode_row
+        q_row = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        pdl_wait_and_release(USE_PDL)
+    else:
+        pdl_wait_and_release(USE_PDL)  # before any load or store
+        q_row = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+    if q_len != 1:
         return
     splits = tl.arange(0, SPLITS_PAD)
     base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
@@ -472,6 +501,11 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
+# True: the decode and merge kernels load the request's query start and context length
+# before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
+# stays inside the key loop (the ninth session's try also moved the first tile's rows
+# out of it and measured slower: docs/performance.md, 2026-12-02).
+PRELOAD_METADATA = True
 
 
 def quantize_q_fp8_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,7 +576,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                   PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
     grid = (num_reqs, num_kv_heads, num_splits)
-    pdl = launch_options(q.device)
+    pdl = dict(launch_options(q.device), PRELOAD_METADATA=PRELOAD_METADATA)
     if fp8_path == "tile":
         _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
                              KV_FP8=kv_fp8, **cfg, **pdl)
