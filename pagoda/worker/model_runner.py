@@ -267,6 +267,7 @@ class ModelRunner:
             return
         graphs, output_rows = self.graph_runner, None
         if self.input_stream is not None and self.block_table is not None and \
+                graphs is not None and \
                 graphs.takes(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)):
             inputs, hidden = self._staged_graph_step(out)
         else:
