@@ -504,7 +504,8 @@ FP8_QK_DOT = True
 # True: the decode and merge kernels load the request's query start and context length
 # before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
 # stays inside the key loop (the ninth session's try also moved the first tile's rows
-# out of it and measured slower: docs/performance.md, 2026-12-02).
+# out of it and measured slower: docs/performance.md, 2026-12-02). On: Qwen3-30B-A3B batch 1
+# 2.600-2.605 -> 2.590-2.593 ms in one lease (docs/performance.md, 2026-12-03, fifteenth).
 PRELOAD_METADATA = True
 
 
