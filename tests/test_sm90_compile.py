@@ -45,5 +45,11 @@ def test_kernels_compile_for_sm90(group):
         lines = out.stdout.splitlines()
         for i, line in enumerate(lines):
             if line.startswith("pdl.decode[fp8=True"):
-                assert re.fullmatch(r"  loop at 0x[0-9a-f]+: [1-9]\d+ instructions \(.+\)",
-                                    lines[i + 1]), lines[i:i + 2]
+                # The kernel's indented report lines (preloaded loads, loops) follow it.
+                report = []
+                for detail in lines[i + 1:]:
+                    if not detail.startswith("  "):
+                        break
+                    report.append(detail)
+                assert any(re.fullmatch(r"  loop at 0x[0-9a-f]+: [1-9]\d+ instructions \(.+\)",
+                                        detail) for detail in report), [line] + report

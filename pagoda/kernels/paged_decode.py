@@ -74,16 +74,21 @@ def _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
     forward (the step's input copies), and at least two launches (the qkv projection and
     the KV store) run between that and any decode attention, so pdl.py's rule allows it."""
     if PRELOAD_METADATA:
-        q_row = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        q_row, q_len = _query_rows(query_start_loc_ptr, req)
         seq_len = tl.load(seq_lens_ptr + req)
         pdl_wait_and_release(USE_PDL)
     else:
         pdl_wait_and_release(USE_PDL)  # before any load or store
-        q_row = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        q_row, q_len = _query_rows(query_start_loc_ptr, req)
         seq_len = tl.load(seq_lens_ptr + req)
     return q_row, q_len, seq_len
+
+
+@triton.jit
+def _query_rows(query_start_loc_ptr, req):
+    """The request's first query row and its number of query rows."""
+    q_row = tl.load(query_start_loc_ptr + req)
+    return q_row, tl.load(query_start_loc_ptr + req + 1) - q_row
 
 
 @triton.jit
@@ -408,13 +413,11 @@ def _merge_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     if PRELOAD_METADATA:  # the query start: see _wait_then_decode_row
-        q_row = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        q_row, q_len = _query_rows(query_start_loc_ptr, req)
         pdl_wait_and_release(USE_PDL)
     else:
         pdl_wait_and_release(USE_PDL)  # before any load or store
-        q_row = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_row
+        q_row, q_len = _query_rows(query_start_loc_ptr, req)
     if q_len != 1:
         return
     splits = tl.arange(0, SPLITS_PAD)

@@ -20,8 +20,9 @@ was flushed. The preloading kernels say which loads they move: the fused router'
 PRELOAD_W, fused_moe_decode's one-token down kernel (its expert ids, from the router two
 launches back, through L2 as a precaution), fused_ops' RMSNorm weight and
 qk_rope_store's cos / sin, slots and norm weights, and paged_decode's decode and merge
-kernels their query start and context length (PRELOAD_METADATA). A kernel must never be launched with
-``launch_pdl=True`` without the wait: ``launch_options`` hands out the two together.
+kernels their query start and context length (PRELOAD_METADATA). A kernel must never be
+launched with ``launch_pdl=True`` without the wait: ``launch_options`` hands out the two
+together.
 Loading the one-row GEMVs' weight slabs before the wait measured slower (it delays the
 short kernel before them; docs/performance.md, 2026-12-03) and is not done.
 
