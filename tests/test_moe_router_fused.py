@@ -290,6 +290,11 @@ def test_fused_router_with_the_input_norm(mrf, monkeypatch, name):
     assert mrf.fused_route_norm_covers(hidden, residual, norm.weight, gate.weight, fp32)
     assert not mrf.fused_route_norm_covers(hidden.repeat(2, 1), residual.repeat(2, 1),
                                            norm.weight, gate.weight, fp32)
+    # Past 128 experts default_tiles puts two a program (no one-chunk tiles): declined,
+    # where fused_route would refuse the folded-in norm.
+    wide = torch.zeros(256, hidden_size, dtype=gate.weight.dtype, device=DEVICE)
+    assert mrf.experts_per_program(256) == 2
+    assert not mrf.fused_route_norm_covers(hidden, residual, norm.weight, wide, fp32)
     scratch = mrf.RouterScratch.create(cfg.num_experts, hidden.device)
     weights, ids, normed, new_residual = mrf.fused_route_norm(
         hidden, residual, norm.weight, norm.eps, gate.weight, cfg, None, scratch)

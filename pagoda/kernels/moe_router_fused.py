@@ -204,6 +204,11 @@ class FusedRouterTiles:
     num_warps: int
 
 
+def experts_per_program(num_experts: int) -> int:
+    """default_tiles' experts a program: about 128 programs, so 1 up to 128 experts."""
+    return max(1, triton.next_power_of_2(num_experts) // 128)
+
+
 @functools.lru_cache(maxsize=256)  # once per (rows, layer shape): off the launch path
 def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEConfig,
                   block_x: Optional[int] = None, num_warps: Optional[int] = None,
@@ -214,7 +219,7 @@ def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: MoEC
     then loads it before the PDL wait)."""
     block_t = triton.next_power_of_2(max(num_tokens, 1))
     if block_x is None:
-        block_x = max(1, triton.next_power_of_2(num_experts) // 128)
+        block_x = experts_per_program(num_experts)
     # One token: one warp per program (1024-wide hidden chunks), the fastest launch of
     # benchmarks/moe_router_bench.py's sweep on the H200 for both MoE presets.
     num_warps = num_warps or (1 if block_t == 1 else 4)
@@ -294,13 +299,15 @@ def fused_route_norm_covers(hidden: torch.Tensor, residual: torch.Tensor,
                             fp32_logits: bool) -> bool:
     """Whether fused_route_norm computes this call: FUSE_NORM, one row of a 16-bit
     model dtype (residual and norm weight alike, everything contiguous), a model-dtype
-    router of at most 256 experts (one a program) and a hidden size of at most
-    PRELOAD_MAX_HIDDEN (one chunk a program)."""
+    router with one expert a program (experts_per_program: at most 128 experts) and a
+    hidden size of at most PRELOAD_MAX_HIDDEN (one chunk a program): what default_tiles
+    needs to give the one-chunk tiles fused_route requires of a folded-in norm."""
     return (FUSE_NORM and not fp32_logits and hidden.dim() == 2 and hidden.shape[0] == 1
             and hidden.dtype in (torch.float16, torch.bfloat16)
             and residual.shape == hidden.shape and residual.dtype == hidden.dtype
             and norm_weight.dtype == hidden.dtype and norm_weight.shape == hidden.shape[1:]
-            and hidden.shape[1] <= PRELOAD_MAX_HIDDEN and weight.shape[0] <= 256
+            and hidden.shape[1] <= PRELOAD_MAX_HIDDEN
+            and experts_per_program(weight.shape[0]) == 1
             and hidden.is_contiguous()
             and residual.is_contiguous() and norm_weight.is_contiguous()
             and fused_router_covers(hidden, weight, fp32_logits))
