@@ -101,6 +101,7 @@ def test_norm_with_preloaded_weight_is_bitwise_the_same(monkeypatch, dtype):
     x = _rand(3, 96, dtype=dtype)
     residual = _rand(3, 96, dtype=dtype, seed=2, scale=4.0)
     weight = _rand(96, dtype=dtype, seed=1)
+    monkeypatch.setattr(fused_ops, "PRELOAD_NORM_WEIGHT", False)  # the default is on
     plain = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6), \
         fused_ops.rms_norm(x, weight, 1e-6)
     monkeypatch.setattr(fused_ops, "PRELOAD_NORM_WEIGHT", True)
