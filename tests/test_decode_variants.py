@@ -1,0 +1,63 @@
+"""benchmarks/decode_variants: a variant's targets parse to (module, attribute, key), are
+set, and are put back exactly (a dict entry that did not exist is removed again), and a
+bad target fails before any model loads."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # decode_variants imports result_file from there
+SPEC = importlib.util.spec_from_file_location("decode_variants", BENCHMARKS / "decode_variants.py")
+decode_variants = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(decode_variants)
+
+
+def test_targets_parse_to_module_attribute_and_key():
+    from pagoda.kernels import gemv
+    module, attribute, key = decode_variants.parse_target(
+        "pagoda.kernels.gemv.GEMV_CONFIGS[2048,4096,1]")
+    assert (module, attribute, key) == (gemv, "GEMV_CONFIGS", (2048, 4096, 1))
+    assert decode_variants.parse_target("pagoda.kernels.gemv.ENV_SWITCH") == \
+        (gemv, "ENV_SWITCH", None)
+    assert decode_variants.parse_target("pagoda.kernels.gemv.GEMV_CONFIGS[qkv]")[2] == "qkv"
+    with pytest.raises(ValueError, match="names no module"):
+        decode_variants.parse_target("GEMV_CONFIGS")
+
+
+def test_overrides_are_put_back_exactly():
+    from pagoda.kernels import fused_moe_decode as dec
+    from pagoda.kernels import gemv
+    narrow, table = dict(dec.NARROW_DOWN_CONFIG), dict(gemv.GEMV_CONFIGS)
+    existing = next(iter(gemv.GEMV_CONFIGS))
+    overrides = {
+        "pagoda.kernels.fused_moe_decode.NARROW_DOWN_CONFIG": {"BLOCK_N": 2},
+        "pagoda.kernels.fused_moe_decode.NARROW_DOWN": False,
+        f"pagoda.kernels.gemv.GEMV_CONFIGS[{','.join(map(str, existing))}]": {"BLOCK_N": 1},
+        "pagoda.kernels.gemv.GEMV_CONFIGS[7,7,1]": {"BLOCK_N": 8},
+    }
+    undo = decode_variants.apply_overrides(overrides)
+    assert dec.NARROW_DOWN_CONFIG == {"BLOCK_N": 2} and dec.NARROW_DOWN is False
+    assert gemv.GEMV_CONFIGS[existing] == {"BLOCK_N": 1}
+    assert gemv.GEMV_CONFIGS[(7, 7, 1)] == {"BLOCK_N": 8}
+    decode_variants.undo_overrides(undo)
+    assert dec.NARROW_DOWN_CONFIG == narrow and dec.NARROW_DOWN is True
+    assert gemv.GEMV_CONFIGS == table
+
+
+def test_unknown_attribute_is_refused():
+    with pytest.raises(ValueError, match="no attribute 'NO_SUCH_TILE'"):
+        decode_variants.apply_overrides({"pagoda.kernels.gemv.NO_SUCH_TILE": 1})
+
+
+def test_shipped_variant_files_name_real_targets():
+    """Every variants file under benchmarks/variants applies and undoes cleanly (what
+    main() checks before loading a model)."""
+    files = sorted((BENCHMARKS / "variants").glob("*.json"))
+    assert files
+    for path in files:
+        for name, overrides in json.loads(path.read_text()).items():
+            decode_variants.undo_overrides(decode_variants.apply_overrides(overrides))
