@@ -119,8 +119,6 @@ KERNEL_SWITCHES = (
      "one-row MoE block input norm computed by the fused router's programs"),
     ("rope-preload", "pagoda.kernels.qk_rope_store", "PRELOAD_OPERANDS",
      "q/k norm + rotary + KV store loads cos/sin, slots and norm weights before the PDL wait"),
-    ("moe-down-preload", "pagoda.kernels.fused_moe_decode", "PRELOAD_DOWN",
-     "one-token MoE down GEMV loads every choice's weights before the PDL wait"),
     ("router-preload", "pagoda.kernels.moe_router_fused", "PRELOAD_WEIGHTS",
      "one-token fused MoE router loads its weight rows before the PDL wait"),
     ("decode-metadata-preload", "pagoda.kernels.paged_decode", "PRELOAD_METADATA",

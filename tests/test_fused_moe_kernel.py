@@ -228,12 +228,13 @@ def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
 
 
 def test_down_config_by_intermediate_width(monkeypatch):
-    """Narrow experts (Qwen3's 768) get the two-column one-warp down tile, wider ones
-    (DeepSeek-V2-Lite's 1408) DOWN_CONFIG; each with its whole row as one chunk."""
+    """Narrow experts (Qwen3's 768) get the four-column one-warp down tile with six
+    choices in flight, wider ones (DeepSeek-V2-Lite's 1408) DOWN_CONFIG; each with its
+    whole row as one chunk."""
     from pagoda.kernels import fused_moe_decode as dec
     narrow, wide = dec.down_config(768), dec.down_config(1408)
-    assert (narrow["BLOCK_N"], narrow["num_warps"], narrow["BLOCK_K"], narrow["ONE_CHUNK"]) == \
-        (2, 1, 1024, True)
+    assert (narrow["BLOCK_N"], narrow["num_warps"], narrow["BLOCK_K"], narrow["ONE_CHUNK"],
+            narrow["LOOP_STAGES"]) == (4, 1, 1024, True, 6)
     assert (wide["BLOCK_N"], wide["num_warps"], wide["BLOCK_K"], wide["ONE_CHUNK"]) == \
         (4, 2, 2048, True)
     monkeypatch.setattr(dec, "NARROW_DOWN", False)
@@ -357,39 +358,3 @@ def test_shared_mlp_refusals(fm):
     with pytest.raises(ValueError, match="gemv path only"):
         fm.fused_moe(x, w13, w2, weights, ids, path="fused",
                      shared=_shared_mlp(32, 16, 2, torch.float32, 0))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("top_k,foreign", [(3, False), (4, True)])
-def test_gemv_down_with_preloaded_weights(fm, monkeypatch, dtype, top_k, foreign):
-    """One token, the down kernel loading every choice's weights before the PDL wait:
-    the reference's result (a ragged choice tile for k = 3, another rank's choice
-    adding nothing, H = 40 in 2-column programs, I = 24 padded to 32), the same result
-    twice, and the unpreloaded kernel's result up to float32 summation order."""
-    from pagoda.kernels import fused_moe_decode as dec
-    args = _case(1, 6, 40, 24, top_k, dtype, seed=20 + top_k, foreign=foreign)
-    if foreign:
-        assert args[4][0, 0] == -1
-    monkeypatch.setattr(dec, "PRELOAD_DOWN", False)
-    plain = fm.fused_moe(*args, path="gemv")
-    monkeypatch.setattr(dec, "PRELOAD_DOWN", True)
-    assert dec.preload_down_fits(1, top_k, 0, 24)
-    assert not dec.preload_down_fits(2, top_k, 0, 24)  # one token only
-    assert not dec.preload_down_fits(1, top_k, 1, 24)  # no shared chunks
-    got = fm.fused_moe(*args, path="gemv")
-    assert torch.equal(got, fm.fused_moe(*args, path="gemv"))
-    expected = fm.fused_moe_reference(*args)
-    scale = max(expected.float().abs().max().item(), 1)
-    assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * scale
-    torch.testing.assert_close(got, plain, **({} if dtype == torch.float32 else
-                                             dict(atol=2e-3, rtol=2e-3)))
-
-
-def test_preload_down_budget():
-    """Qwen3-30B-A3B's down tile (8 choices x 2 columns x 1024) is the budget's edge;
-    wider experts do not fit."""
-    from pagoda.kernels import fused_moe_decode as dec
-    assert dec.PRELOAD_DOWN_ELEMENTS_PER_THREAD * 32 * dec.PRELOAD_DOWN_CONFIG["num_warps"] \
-        == 8 * 2 * 1024
-    fits = [dec.PRELOAD_DOWN and dec.preload_down_fits(1, 8, 0, i) for i in (768, 1408)]
-    assert fits == ([True, False] if dec.PRELOAD_DOWN else [False, False])

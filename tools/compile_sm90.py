@@ -205,9 +205,6 @@ def _pdl_cases():
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
-    yield "moe_gemv_down_preloaded", fmd._gemv_down_preloaded_kernel, (
-        act, w2, ids, weights, out, 2048, 768, w2.stride(0), w2.stride(1)), dict(
-        TOP_K=8, BLOCK_TOPK=8, BLOCK_K=1024, **fmd.PRELOAD_DOWN_CONFIG, USE_PDL=True)
     import triton.language as tl
     from pagoda.kernels import moe_router_fused as mrf
     gate_w, scratch = torch.empty(128, 2048, dtype=bf16), torch.empty(16, 128)

@@ -59,20 +59,14 @@ GATE_UP_CONFIG = dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=2)
 # chunks of 256.
 DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=2, LOOP_STAGES=3)
 DOWN_ONE_CHUNK_MAX = 2048
-# Intermediate rows of at most NARROW_DOWN_MAX (Qwen3-30B-A3B's 768): two columns of one
-# warp a program, twice the programs of DOWN_CONFIG (1,024 at batch 1 for hidden 2048,
-# where 512 filled 0.39 of a wave), the fastest of the batch-1 down sweep on the H200
-# (docs/performance.md, 2026-12-03). NARROW_DOWN False: DOWN_CONFIG for every size.
-NARROW_DOWN_CONFIG = dict(BLOCK_N=2, BLOCK_K=None, num_warps=1, LOOP_STAGES=3)
+# Intermediate rows of at most NARROW_DOWN_MAX (Qwen3-30B-A3B's 768): four columns of one
+# warp a program (512 programs at batch 1 for hidden 2048), six of the k choices' weight
+# rows in flight: the fastest down kernel in the batch-1 step of the ones A/B-measured
+# by benchmarks/decode_variants.py on the H200 (docs/performance.md, 2026-12-04).
+# NARROW_DOWN False: DOWN_CONFIG for every size.
+NARROW_DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=1, LOOP_STAGES=6)
 NARROW_DOWN_MAX = 1024
 NARROW_DOWN = True
-# One token's down GEMV with every choice's weight rows loaded before the PDL wait
-# (_gemv_down_preloaded_kernel), where the whole [k, BLOCK_N, I] tile fits
-# PRELOAD_DOWN_ELEMENTS_PER_THREAD: the weights stream while the gate/up kernel ends.
-# On: Qwen3-30B-A3B batch 1 2.763 -> 2.737 ms alone (docs/performance.md, 2026-12-03).
-PRELOAD_DOWN = True
-PRELOAD_DOWN_CONFIG = dict(BLOCK_N=2, num_warps=4)
-PRELOAD_DOWN_ELEMENTS_PER_THREAD = 128
 
 
 @triton.jit
@@ -189,46 +183,6 @@ def _gemv_down_sum_kernel(
 
 
 @triton.jit
-def _gemv_down_preloaded_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
-    H, I, stride_we, stride_wn,
-    TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
-):
-    """One token (no shared chunks, I <= BLOCK_K), program = BLOCK_N output columns: the
-    k choices' [BLOCK_N, I] weight rows are loaded as one [BLOCK_TOPK, BLOCK_N, BLOCK_K]
-    tile BEFORE the PDL wait, then act (the gate/up kernel's output) after it.
-    Why that keeps pdl.py's invariant: the weights are written by no kernel, and the
-    expert ids come from the router, which ran before the gate/up kernel that precedes
-    this one; the gate/up kernel lets this one launch only after its own wait, i.e. after
-    the router completed and flushed. The ids are read through L2 (.cg), never from an
-    L1 line of an earlier launch. The routed sum is _gemv_down_sum_kernel's (each
-    choice's output rounded, weighted, summed in float32, rounded once), its terms added
-    in a reduction tree rather than one after another."""
-    choice = tl.arange(0, BLOCK_TOPK)
-    choice_ok = choice < TOP_K
-    expert = tl.load(ids_ptr + choice, mask=choice_ok, other=-1, cache_modifier=".cg")
-    live = choice_ok & (expert >= 0)  # -1: another rank's expert adds nothing
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < I
-    w_ptrs = (w2_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_we
-              + offs_n[None, :, None] * stride_wn + offs_k[None, None, :])
-    w_mask = live[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
-    a = tl.load(act_ptr + choice[:, None] * I + offs_k[None, :],
-                mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)  # [BLOCK_TOPK, BLOCK_N]
-    weight = tl.load(weights_ptr + choice, mask=live, other=0.0)
-    terms = y.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-    total = tl.sum(tl.where(live[:, None], terms, 0.0), axis=0)
-    tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """float32 [BLOCK_N]: the w_rows block times act_row over its first length (<= I)
@@ -281,33 +235,8 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG)
-    if preload_down_fits(num_tokens, top_k, chunks, inter):
-        launch_down_preloaded(act, w2, ids, weights, out, top_k, PRELOAD_DOWN_CONFIG)
-    else:
-        launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter))
+    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter))
     return out
-
-
-def preload_down_fits(num_tokens: int, top_k: int, chunks: int, inter: int) -> bool:
-    """Whether the down GEMV takes _gemv_down_preloaded_kernel: PRELOAD_DOWN, one token,
-    no shared chunks, and its weight tile within the register budget."""
-    if not PRELOAD_DOWN or num_tokens != 1 or chunks:
-        return False
-    cfg = PRELOAD_DOWN_CONFIG
-    tile = triton.next_power_of_2(top_k) * cfg["BLOCK_N"] * triton.next_power_of_2(inter)
-    return tile <= PRELOAD_DOWN_ELEMENTS_PER_THREAD * 32 * cfg["num_warps"]
-
-
-def launch_down_preloaded(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                          weights: torch.Tensor, out: torch.Tensor, top_k: int,
-                          config: dict) -> None:
-    """The one-token down kernel with its weights loaded before the PDL wait: act
-    [top_k, I] -> out [1, H]. config: BLOCK_N and num_warps."""
-    hidden_size, inter = w2.shape[1], w2.shape[2]
-    _gemv_down_preloaded_kernel[(triton.cdiv(hidden_size, config["BLOCK_N"]),)](
-        act, w2, ids, weights, out, hidden_size, inter, w2.stride(0), w2.stride(1),
-        TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_K=triton.next_power_of_2(inter), **config, **launch_options(act.device))
 
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,

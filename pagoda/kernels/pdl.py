@@ -17,14 +17,15 @@ written at least two launches back (by a kernel or by the step's input copies): 
 kernel in between releases its dependents only after its own wait (as
 pdl_wait_and_release does), so this kernel launches only after that write completed and
 was flushed. The preloading kernels say which loads they move: the fused router's
-PRELOAD_W, fused_moe_decode's one-token down kernel (its expert ids, from the router two
-launches back, through L2 as a precaution), fused_ops' RMSNorm weight and
+PRELOAD_W, fused_ops' RMSNorm weight and
 qk_rope_store's cos / sin, slots and norm weights, and paged_decode's decode and merge
 kernels their query start and context length (PRELOAD_METADATA). A kernel must never be
 launched with ``launch_pdl=True`` without the wait: ``launch_options`` hands out the two
 together.
 Loading the one-row GEMVs' weight slabs before the wait measured slower (it delays the
-short kernel before them; docs/performance.md, 2026-12-03) and is not done.
+short kernel before them; docs/performance.md, 2026-12-03) and is not done; so did the
+one-token MoE down GEMV's weights (a pipelined loop over the choices after the wait won
+in the step, 2026-12-04).
 
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
