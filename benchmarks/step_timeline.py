@@ -15,7 +15,11 @@ From the profile:
 - the largest idle gaps, each with the CPU work in progress around it: the runtime
   calls and torch ops that ended just before the device went idle and the one whose
   launch ended the gap (the host work the device waited on);
-- per CPU op / runtime call: count and host time per step (the host's share).
+- per CPU op / runtime call: count and host time per step (the host's share);
+- per kernel after a given predecessor: its increment, how much later it ends than the
+  activity before it (with PDL a kernel starts before its predecessor ends, so its own
+  duration overstates what it adds to the step; the increments of a step add up to its
+  span), its duration and how early it started.
 
 The chrome trace is written too (--trace, gzip) for a closer look. A diagnostic: it
 asserts nothing.
@@ -97,6 +101,23 @@ def host_table(hosts: list[tuple], steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def increments(spans: list[tuple[float, float, str]], steps: int, name_width: int = 40
+               ) -> list[dict]:
+    """Per (predecessor, activity) pair in device order: how often per step, and the
+    medians of the activity's increment (end minus the predecessor's end), duration and
+    head start (the predecessor's end minus its start), largest total increment first."""
+    pairs = defaultdict(list)
+    for (s0, e0, before), (s1, e1, name) in zip(spans, spans[1:]):
+        pairs[(before[:name_width], name[:name_width])].append((e1 - e0, e1 - s1, e0 - s1))
+    rows = []
+    for (before, name), values in pairs.items():
+        incr, dur, early = (statistics.median(v) for v in zip(*values))
+        rows.append({"after": before, "kernel": name, "per_step": len(values) / steps,
+                     "increment_us": incr, "duration_us": dur, "head_start_us": early,
+                     "increment_us_per_step": sum(v[0] for v in values) / steps})
+    return sorted(rows, key=lambda r: -r["increment_us_per_step"])
+
+
 def profile_steps(engine, steps: int, trace_path: str) -> dict:
     import torch
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -128,7 +149,8 @@ def analyse(trace: dict, steps: int) -> dict:
             "idle_us_per_step": (window - busy) / steps,
             "gaps_over_5us_per_step": sum(1 for g in gaps if g[1] - g[0] > 5) / steps,
             "largest_gaps": [describe_gap(g, hosts) for g in big],
-            "host_table": host_table(hosts, steps)[:30]}
+            "host_table": host_table(hosts, steps)[:30],
+            "increments": increments(spans, steps)[:30]}
 
 
 def print_report(result: dict) -> None:
@@ -144,6 +166,11 @@ def print_report(result: dict) -> None:
             print(f"      host ended before: {g['host_ended_before']}")
             print(f"      host spanning:     {g['host_spanning']}")
             print(f"      host started in:   {g['host_started_in_gap'][:6]}")
+        print(f"\n{'kernel':<42}{'after':<42}{'n/step':>7}{'incr us':>8}{'dur us':>8}"
+              f"{'early us':>9}")
+        for r in a["increments"][:20]:
+            print(f"{r['kernel']:<42}{r['after']:<42}{r['per_step']:>7.1f}"
+                  f"{r['increment_us']:>8.2f}{r['duration_us']:>8.2f}{r['head_start_us']:>9.2f}")
     print(f"\n{'host op / runtime call':<70}{'cat':>14}{'calls':>7}{'us/step':>10}")
     for r in a["host_table"][:25]:
         print(f"{r['name'][:69]:<70}{r['cat'][:13]:>14}{r['per_step']:>7.1f}"
