@@ -2,18 +2,13 @@
 set, and are put back exactly (a dict entry that did not exist is removed again), and a
 bad target fails before any model loads."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # decode_variants imports result_file from there
-SPEC = importlib.util.spec_from_file_location("decode_variants", BENCHMARKS / "decode_variants.py")
-decode_variants = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(decode_variants)
+from benchmark_modules import BENCHMARKS, load_benchmark
+
+decode_variants = load_benchmark("decode_variants")
 
 
 def test_targets_parse_to_module_attribute_and_key():

@@ -1,15 +1,9 @@
 """benchmarks/step_timeline: the critical-path increments of a device timeline, exactly,
 on a made-up trace where the second kernel starts before the first ends (as with PDL)."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from benchmark_modules import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # step_timeline imports gpu_compare and result_file
-SPEC = importlib.util.spec_from_file_location("step_timeline", BENCHMARKS / "step_timeline.py")
-step_timeline = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(step_timeline)
+step_timeline = load_benchmark("step_timeline")
 
 
 def test_increments_add_up_to_the_span_and_name_the_predecessor():

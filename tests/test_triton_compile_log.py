@@ -2,15 +2,11 @@
 region, pairs the before/after calls Triton makes around a compilation, never asks
 Triton to skip one, and puts the previous hooks back."""
 
-import importlib.util
-from pathlib import Path
-
 from triton import knobs
 
-SPEC = importlib.util.spec_from_file_location(
-    "triton_compiles", Path(__file__).resolve().parents[1] / "benchmarks" / "triton_compiles.py")
-triton_compiles = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(triton_compiles)
+from benchmark_modules import load_benchmark
+
+triton_compiles = load_benchmark("triton_compiles")
 
 
 class _Info:  # what Triton passes as fn= (triton.runtime.jit.JitFunctionInfo)
