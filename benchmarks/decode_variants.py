@@ -49,19 +49,24 @@ _MISSING = object()
 
 
 def apply_overrides(overrides: dict) -> list:
-    """Sets each target; returns what undo_overrides needs to put them back."""
+    """Sets each target; returns what undo_overrides needs to put them back. A target
+    that cannot be set raises, with the ones set before it put back."""
     undo = []
-    for target, value in overrides.items():
-        module, attribute, key = parse_target(target)
-        if not hasattr(module, attribute):
-            raise ValueError(f"{module.__name__} has no attribute {attribute!r}")
-        if key is None:
-            undo.append((module, attribute, None, getattr(module, attribute)))
-            setattr(module, attribute, value)
-        else:
-            table = getattr(module, attribute)
-            undo.append((module, attribute, key, table.get(key, _MISSING)))
-            table[key] = value
+    try:
+        for target, value in overrides.items():
+            module, attribute, key = parse_target(target)
+            if not hasattr(module, attribute):
+                raise ValueError(f"{module.__name__} has no attribute {attribute!r}")
+            if key is None:
+                undo.append((module, attribute, None, getattr(module, attribute)))
+                setattr(module, attribute, value)
+            else:
+                table = getattr(module, attribute)
+                undo.append((module, attribute, key, table.get(key, _MISSING)))
+                table[key] = value
+    except Exception:
+        undo_overrides(undo)
+        raise
     return undo
 
 
@@ -108,7 +113,10 @@ def run(args, variants: dict) -> dict:
               skip_tokenizer_init=True, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, **{"dtype": "bfloat16", **smoke})
     engine = llm.llm_engine
-    runner = engine.executor.runner
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        raise SystemExit("decode_variants needs the in-process executor (one device): it "
+                         "captures the model runner's graphs again between variants")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, engine.model_info.vocab_size, args.prompt).tolist()
     decode_ms(engine, prompt, 8)  # first use of the sampler and the step loop

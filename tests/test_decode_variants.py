@@ -43,9 +43,12 @@ def test_overrides_are_put_back_exactly():
     assert gemv.GEMV_CONFIGS == table
 
 
-def test_unknown_attribute_is_refused():
+def test_unknown_attribute_is_refused_and_earlier_targets_put_back():
+    from pagoda.kernels import fused_moe_decode as dec
     with pytest.raises(ValueError, match="no attribute 'NO_SUCH_TILE'"):
-        decode_variants.apply_overrides({"pagoda.kernels.gemv.NO_SUCH_TILE": 1})
+        decode_variants.apply_overrides({"pagoda.kernels.fused_moe_decode.NARROW_DOWN": False,
+                                         "pagoda.kernels.gemv.NO_SUCH_TILE": 1})
+    assert dec.NARROW_DOWN is True
 
 
 def test_shipped_variant_files_name_real_targets():
