@@ -101,6 +101,19 @@ def preloaded_loads(ptx: str) -> str:
     return f"{loads} global loads before griddepcontrol.wait"
 
 
+def check_pdl_order(ptx: str, trigger_first: bool) -> None:
+    """The kernel waits on its predecessor (griddepcontrol.wait) and releases its
+    dependents (griddepcontrol.launch_dependents) in pagoda.kernels.pdl's order: the
+    release first with TRIGGER_FIRST (USE_PDL == 2), else the wait first."""
+    if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
+        raise RuntimeError("USE_PDL but no griddepcontrol.wait / launch_dependents in the PTX")
+    released_first = (ptx.index("griddepcontrol.launch_dependents")
+                      < ptx.index("griddepcontrol.wait"))
+    if released_first != trigger_first:
+        raise RuntimeError(f"griddepcontrol order: release first {released_first}, "
+                           f"expected {trigger_first}")
+
+
 def report(name: str, compiled) -> str:
     meta = compiled.metadata
     return (f"{name}: {resource_usage(compiled)}; {meta.shared} B shared (dynamic), "
@@ -195,6 +208,11 @@ def _pdl_cases():
             x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048,
             1e-6), dict(HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
                         num_warps=4, USE_PDL=True)
+    # pdl.TRIGGER_FIRST: the release comes before the wait.
+    yield "rms_norm[preload, trigger first]", fo._rms_norm_kernel, (
+        x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048,
+        1e-6), dict(HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, PRELOAD_WEIGHT=True,
+                    num_warps=4, USE_PDL=2)
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
@@ -326,8 +344,8 @@ def main(argv: list[str]) -> int:
             try:
                 compiled = compile_for_sm90(kernel, *args, **kwargs)
                 ptx = compiled.asm["ptx"]
-                if kwargs.get("USE_PDL") and "griddepcontrol.wait" not in ptx:
-                    raise RuntimeError("USE_PDL but no griddepcontrol.wait in the PTX")
+                if kwargs.get("USE_PDL"):
+                    check_pdl_order(ptx, trigger_first=kwargs["USE_PDL"] == 2)
                 print(report(f"{module}.{name}", compiled))
                 if "preload" in name:
                     print(f"  {preloaded_loads(ptx)}")

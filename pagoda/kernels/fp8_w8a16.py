@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 # The most rows w8a16_linear takes (one program holds all rows' accumulators).
 W8A16_ROWS_LIMIT = 64
@@ -291,7 +291,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
-    _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
+    launched(_w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
         x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1) if block is not None else 0,
@@ -300,10 +300,10 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        **cfg, **launch_options(x.device))
+        **cfg, **launch_options(x.device)))
     if split_k > 1:
-        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
+        launched(_split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024,
-            **launch_options(x.device))
+            **launch_options(x.device)))
     return out

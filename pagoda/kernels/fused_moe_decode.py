@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 # Tile sizes: output columns per program, the reduction chunk and launch options, the
 # fastest of benchmarks/batch1_kernel_sweep.py's tiles on the H200 for both the
@@ -246,10 +246,10 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks). config: tiles
     and launch options as GATE_UP_CONFIG (benchmarks sweep them)."""
     inter = w13.shape[1] // 2
-    _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
+    launched(_gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
         hidden, w13, ids, act, ws13, hidden.shape[1], inter, hidden.stride(0), w13.stride(0),
         w13.stride(1), ids.numel(), ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
-        SHARED_CHUNKS=chunks, **config, **launch_options(hidden.device))
+        SHARED_CHUNKS=chunks, **config, **launch_options(hidden.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -258,10 +258,10 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights:
     """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
     shared chunks) summed. config: as down_config(I) returns (benchmarks sweep it)."""
     hidden_size, inter = w2.shape[1], w2.shape[2]
-    _gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, config["BLOCK_N"]))](
+    launched(_gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, config["BLOCK_N"]))](
         act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
         out.stride(0), ids.numel(), ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks,
-        **config, **launch_options(act.device))
+        **config, **launch_options(act.device)))
 
 
 def shared_chunks_of(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 FUSED_OPS_ENABLED = os.environ.get("PAGODA_FUSED_OPS", "1") != "0"
 
@@ -134,14 +134,14 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
             x_rows, inner_rows, sx0, sx1 = _row_layout(x.reshape(-1, hidden))
             r_rows, _, sr0, sr1 = _row_layout(residual.reshape(-1, hidden))
     block = min(triton.next_power_of_2(hidden), _MAX_NORM_BLOCK)
-    _rms_norm_kernel[(num_rows,)](
+    launched(_rms_norm_kernel[(num_rows,)](
         x_rows, r_rows, weight.contiguous(), out,
         out if residual_out is None else residual_out,
         inner_rows, sx0, sx1, sr0, sr1, float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
         PRELOAD_WEIGHT=PRELOAD_NORM_WEIGHT and block >= hidden,
         num_warps=_num_warps(block), **launch_options(x.device),
-    )
+    ))
     return out, residual_out
 
 
@@ -192,9 +192,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(intermediate), _ACT_BLOCK)
     grid = (rows.shape[0], triton.cdiv(intermediate, block))
-    _silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
-                               BLOCK=block, num_warps=_num_warps(block),
-                               **launch_options(rows.device))
+    launched(_silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
+                                        BLOCK=block, num_warps=_num_warps(block),
+                                        **launch_options(rows.device)))
     return out
 
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.arrival_counters import arrival_counters
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
 # larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
@@ -325,13 +325,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
-    _gemv_kernel[(blocks, split)](
+    launched(_gemv_kernel[(blocks, split)](
         x2, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device))
+        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
 

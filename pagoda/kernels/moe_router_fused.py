@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_rows
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 from pagoda.model.moe_config import MoEConfig
 
 # The most rows one launch routes (the whole [T, H] hidden tile is re-read by every
@@ -275,7 +275,7 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
     if norm_args is not None and not one_chunk:
         raise ValueError(f"fused_route: the folded-in norm needs one hidden chunk a row, "
                          f"got block_h {tiles.block_h} for hidden {hidden_size}")
-    _router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
+    launched(_router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
         x, w, bias, scratch.logits, scratch.counter, topk_weights, topk_ids,
         num_tokens, hidden_size, x.stride(0), w.stride(0), num_experts,
         num_experts // cfg.n_group, float(cfg.routed_scaling_factor),
@@ -290,7 +290,7 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig,
         BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps,
         PRELOAD_W=one_chunk and (PRELOAD_WEIGHTS or norm_args is not None),
-        HAS_NORM=norm_args is not None, **launch_options(hidden.device))
+        HAS_NORM=norm_args is not None, **launch_options(hidden.device)))
     return topk_weights, topk_ids
 
 

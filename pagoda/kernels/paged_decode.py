@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales
 
 # A slice shorter than this costs more in the merge than it saves in parallelism...
@@ -582,16 +582,17 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = dict(launch_options(q.device), PRELOAD_METADATA=PRELOAD_METADATA)
     if fp8_path == "tile":
-        _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
-                             KV_FP8=kv_fp8, **cfg, **pdl)
+        launched(_decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
+                                      KV_FP8=kv_fp8, **cfg, **pdl))
     else:
-        _decode_words_kernel[grid](*args, **consts, BITS=fp8_path == "words_bits",
-                                   QK_FP8=fp8_path in QUERY_ROUNDING_PATHS,
-                                   KEYS_AS_A=fp8_path == "words_kq8", **cfg, **pdl)
+        launched(_decode_words_kernel[grid](
+            *args, **consts, BITS=fp8_path == "words_bits",
+            QK_FP8=fp8_path in QUERY_ROUNDING_PATHS, KEYS_AS_A=fp8_path == "words_kq8",
+            **cfg, **pdl))
     if num_splits > 1:
-        _merge_kernel[(num_reqs, num_heads)](
+        launched(_merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
             **pdl,
-        )
+        ))

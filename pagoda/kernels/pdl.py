@@ -30,6 +30,31 @@ in the step, 2026-12-04).
 ENABLED is on: the batch-1 steps measured faster with it on the H200 (benchmarks/moe_bench.py
 and gpu_compare.py --pdl on|off time both; docs/performance.md, 2026-12-02). Off, the
 kernels compile and launch as before: USE_PDL=False removes the wait at compile time.
+
+TRIGGER_FIRST (off; to be measured). A dependent grid launches once every program of
+its predecessor has released it; released after the wait, a kernel's successor can start
+at most one kernel's increment ahead: 0.2-0.8 us behind the short kernels (RMSNorm, the
+q/k norm + rotary, the merge), less than a launch and its prologue take. Released first,
+the successor launches as soon as this kernel's programs have all started. The wait
+still orders every load and store after it behind the predecessor's completion (which
+follows its own predecessor's, and so on), so only the loads before a wait see a longer
+window: with TRIGGER_FIRST they may read nothing that a kernel of the chain writes during
+the step, only weights and the step's inputs, which non-PDL copies and torch ops write
+before the chain's first kernel (a PDL kernel waits for those to complete). The
+preloading kernels above read only such data. USE_PDL carries the mode: 2 releases
+first, any other true value waits first.
+
+PREFER_MAX_SHARED (off; to be measured) is about where a dependent's programs can sit
+while they wait. An SM divides its L1 / shared memory between the two per kernel, and a
+program needing more shared memory than the SM's current split gives cannot start there
+until the SM has drained. In the batch-1 chain the kernels that need the least (RMSNorm,
+the MoE gate/up GEMV: none) come right before ones that need tens of KB (the GEMVs'
+pipelined loads, decode attention); their successors started only 0.2-2.3 us before
+them, where successors needing less started 3.8-8.5 us early (step_timeline.py,
+2026-12-04). With it on, every participating kernel asks for the largest shared-memory
+split (`launched`, called with each launch's compiled kernel), so no split changes
+along the chain; with it off, kernels that it touched get the driver's default back at
+their next launch.
 """
 
 from __future__ import annotations
@@ -42,6 +67,19 @@ from pagoda.kernels.capability import cuda_capability
 
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = True
+# Whether a participating kernel releases its dependents before its wait instead of after
+# it (see TRIGGER_FIRST below the module's docstring; off, to be measured).
+TRIGGER_FIRST = False
+# Whether the participating kernels prefer the largest shared-memory split (see above).
+PREFER_MAX_SHARED = False
+
+# cuFuncSetAttribute's CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, and its values:
+# percent of the most shared memory an SM has, -1 for no preference (the default).
+_CARVEOUT_ATTRIBUTE = 9
+_CARVEOUT_MAX_SHARED, _CARVEOUT_DEFAULT = 100, -1
+# Function handle -> the carveout set on it (functions never touched are absent).
+_carveouts: dict[int, int] = {}
+_libcuda = None  # ctypes handle of the driver library, loaded at the first use
 
 # A Triton with griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait).
 _TRITON_HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
@@ -59,7 +97,7 @@ def launch_options(device: torch.device) -> dict:
     """The keyword arguments of a participating kernel's launch: USE_PDL (its constexpr)
     and, only together with it, Triton's launch_pdl option."""
     if active(device):
-        return {"USE_PDL": True, "launch_pdl": True}
+        return {"USE_PDL": 2 if TRIGGER_FIRST else True, "launch_pdl": True}
     return {"USE_PDL": False}
 
 
@@ -67,7 +105,40 @@ def launch_options(device: torch.device) -> dict:
 def pdl_wait_and_release(USE_PDL: tl.constexpr):
     """First statement of a participating kernel: wait for the predecessor grid to
     complete and flush, then let the next kernel in the stream begin launching (its
-    programs wait in turn at their own first statement)."""
-    if USE_PDL:
+    programs wait in turn at their own first statement). USE_PDL == 2 (TRIGGER_FIRST):
+    let it begin launching first, then wait."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def launched(compiled) -> None:
+    """Called with what a participating kernel's launch returned (its compiled kernel, or
+    whatever the interpreter returns): applies PREFER_MAX_SHARED to its function once,
+    and undoes it once the switch is off. Host-side only; a CUDA graph keeps what its
+    captured launches had."""
+    wanted = _CARVEOUT_MAX_SHARED if PREFER_MAX_SHARED else _CARVEOUT_DEFAULT
+    handle = getattr(compiled, "function", None)
+    if not isinstance(handle, int) or not handle:
+        return
+    if _carveouts.get(handle, _CARVEOUT_DEFAULT) == wanted:
+        return
+    _set_function_attribute(handle, _CARVEOUT_ATTRIBUTE, wanted)
+    _carveouts[handle] = wanted
+
+
+def _set_function_attribute(handle: int, attribute: int, value: int) -> None:
+    """cuFuncSetAttribute through the driver library; RuntimeError on a CUDA error."""
+    import ctypes
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        _libcuda.cuFuncSetAttribute.restype = ctypes.c_int
+    status = _libcuda.cuFuncSetAttribute(ctypes.c_void_p(handle), attribute, value)
+    if status != 0:
+        raise RuntimeError(f"cuFuncSetAttribute({attribute}, {value}) failed: CUresult {status}")
+

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 _BLOCK = 256
 # A fill of more rows than this runs the torch reference (a prefill-sized batch's
@@ -62,5 +62,5 @@ def fill_pending(ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
         return
     if ids.dim() != 1 or tokens.dim() != 1 or not ids.is_contiguous() or not tokens.is_contiguous():
         raise ValueError("ids and tokens must be contiguous 1-D tensors")
-    _fill_pending_kernel[(triton.cdiv(num_rows, _BLOCK),)](
-        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device))
+    launched(_fill_pending_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device)))

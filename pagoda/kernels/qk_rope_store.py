@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
 
@@ -277,7 +277,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     groups = 2 * triton.cdiv(num_kv_heads, per_program) + triton.cdiv(num_heads, per_program)
     has_norm = q_norm_weight is not None
     block_dim = triton.next_power_of_2(head_dim)
-    _qk_norm_rope_store_kernel[(num_tokens, groups)](
+    launched(_qk_norm_rope_store_kernel[(num_tokens, groups)](
         qkv, cos, sin,
         q_norm_weight.contiguous() if has_norm else qkv,
         k_norm_weight.contiguous() if has_norm else qkv,
@@ -291,5 +291,5 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         HAS_QK_NORM=has_norm, KV_FP8=kv_fp8, PRELOAD=PRELOAD_OPERANDS,
         # rms_norm's warps for a row of block_dim: the same reduction order.
         num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
-    )
+    ))
     return q
