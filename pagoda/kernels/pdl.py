@@ -47,14 +47,13 @@ first, any other true value waits first.
 PREFER_MAX_SHARED (off; to be measured) is about where a dependent's programs can sit
 while they wait. An SM divides its L1 / shared memory between the two per kernel, and a
 program needing more shared memory than the SM's current split gives cannot start there
-until the SM has drained. In the batch-1 chain the kernels that need the least (RMSNorm,
-the MoE gate/up GEMV: none) come right before ones that need tens of KB (the GEMVs'
-pipelined loads, decode attention); their successors started only 0.2-2.3 us before
-them, where successors needing less started 3.8-8.5 us early (step_timeline.py,
-2026-12-04). With it on, every participating kernel asks for the largest shared-memory
-split (`launched`, called with each launch's compiled kernel), so no split changes
-along the chain; with it off, kernels that it touched get the driver's default back at
-their next launch.
+until the SM has drained (a guess, to be measured). The hint: the MoE down GEMV (51 KB
+a program) started 2.3 us before the 14.9 us gate/up GEMV (none) ended, where the
+register-preloading down kernel it replaced started 14.2 us early (step_timeline.py,
+2026-12-04); the other kernels' head starts are bounded by the release rule above. With
+it on, every participating kernel asks for the largest shared-memory split (`launched`,
+called with each launch's compiled kernel), so no split changes along the chain; with it
+off, kernels that it touched get the driver's default back at their next launch.
 """
 
 from __future__ import annotations
@@ -68,9 +67,9 @@ from pagoda.kernels.capability import cuda_capability
 # Whether the decode kernels launch with PDL where the device supports it.
 ENABLED = True
 # Whether a participating kernel releases its dependents before its wait instead of after
-# it (see TRIGGER_FIRST below the module's docstring; off, to be measured).
+# it (TRIGGER_FIRST in the module docstring; off, to be measured).
 TRIGGER_FIRST = False
-# Whether the participating kernels prefer the largest shared-memory split (see above).
+# Whether the participating kernels prefer the largest shared-memory split (the docstring).
 PREFER_MAX_SHARED = False
 
 # cuFuncSetAttribute's CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, and its values:
