@@ -59,3 +59,20 @@ def test_shipped_variant_files_name_real_targets():
     for path in files:
         for name, overrides in json.loads(path.read_text()).items():
             decode_variants.undo_overrides(decode_variants.apply_overrides(overrides))
+
+
+def test_runs_each_variant_each_round_on_a_tiny_model(tmp_path):
+    """The whole loop on the CPU (no graphs there): two requests decoding together, two
+    variants taking turns for two rounds, the attributes back as they were after it."""
+    import argparse
+    from pagoda.kernels import fused_moe_decode as dec
+    narrow = dict(dec.NARROW_DOWN_CONFIG)
+    args = argparse.Namespace(preset="tiny-llama", smoke=True, max_model_len=128, batch=2,
+                              max_num_batched_tokens=None, quantization=None,
+                              kv_cache_dtype="auto", prompt=12, tokens=6, rounds=2)
+    variants = {"default": {},
+                "narrow": {"pagoda.kernels.fused_moe_decode.NARROW_DOWN_CONFIG": {"BLOCK_N": 2}}}
+    rows = decode_variants.run(args, variants)["rows"]
+    assert [r["variant"] for r in rows] == ["default", "narrow"]
+    assert all(len(r["ms_per_step"]) == 2 and r["median_ms"] > 0 for r in rows)
+    assert dec.NARROW_DOWN_CONFIG == narrow

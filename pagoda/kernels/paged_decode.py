@@ -491,8 +491,7 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=5,
-                    fp8_path="words_qk8" if FP8_QK_DOT else "words_cvt")
+        return dict(FP8_WORD_TILES, fp8_path="words_qk8" if FP8_QK_DOT else "words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -504,6 +503,7 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
+FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)  # decode_tile_config says why
 # True: the decode and merge kernels load the request's query start and context length
 # before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
 # stays inside the key loop (the ninth session's try also moved the first tile's rows
