@@ -5,11 +5,14 @@ embedded SmolLM2 on CPU and returns once GET /health answers 200 (polled with a
 bounded deadline); `ServerProcess.stop()` sends SIGTERM and returns the exit code.
 `MAIN_SERVER_FLAGS` configure the session-wide server of conftest.py: API key,
 debug routes, max_model_len 512, async scheduling and a KV pool small enough that 64
-concurrent streams preempt. (A module with a unique name, so test files can import it.)
+concurrent streams preempt. On Linux a server gets SIGTERM when the test process dies
+(`die_with_parent`): a pytest killed mid-run leaves no server behind to load the
+machine. (A module with a unique name, so test files can import it.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -34,6 +37,18 @@ MAIN_SERVER_FLAGS = ("--max-model-len", "512", "--num-gpu-blocks-override", "40"
                      "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
 
 
+# The C library, loaded before any fork (die_with_parent runs between fork and exec).
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A Popen preexec_fn: the child receives SIGTERM when the process that started it
+    exits, however it exits (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -51,7 +66,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--device", "cpu", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
     @property

@@ -12,7 +12,7 @@ import sys
 import time
 
 import httpx
-from server_harness import free_port, launch_server
+from server_harness import die_with_parent, free_port, launch_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,7 +75,7 @@ def test_ctrl_c_while_loading_exits_without_a_traceback():
         [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--device", "cpu",
          "--port", str(free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), die_with_parent()))
     try:
         first = proc.stdout.readline().decode()
         assert "loading" in first  # the engine is loading now; the port is not bound
