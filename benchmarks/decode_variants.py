@@ -14,9 +14,10 @@ variant's module attributes (a variants file maps names to {"module.ATTR": value
 graphs again (the kernels read those attributes when launched), runs --batch greedy
 requests of --prompt tokens for --tokens tokens and records the median time between the
 steps that decode all of them (at batch 1: the gap between tokens, as moe_bench.py and
-gpu_compare.py's latency report it), then puts the attributes back. Variants take turns within a round, so drift of clocks and power
-lands on all of them. It prints each variant's median over the rounds with its spread
-and writes JSON. Values replace whole attributes (a dict value replaces the dict).
+gpu_compare.py's latency report it), then puts the attributes back. Variants take turns
+within a round, so drift of clocks and power lands on all of them. It prints each
+variant's median over the rounds with its spread and writes JSON. Values replace whole
+attributes (a dict value replaces the dict).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 from pagoda.kernels import pdl
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+PROMPTS = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
 
 
 def test_off_by_default_and_never_on_the_cpu(monkeypatch):
@@ -56,16 +57,13 @@ def _greedy(preset: str, prompts, enforce_eager: bool):
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_models_unchanged_with_pdl(monkeypatch, preset, enforce_eager):
-    prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
     monkeypatch.setattr(pdl, "ENABLED", False)
-    off = _greedy(preset, prompts, enforce_eager)
+    off = _greedy(preset, PROMPTS, enforce_eager)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    on = _greedy(preset, prompts, enforce_eager)
+    on = _greedy(preset, PROMPTS, enforce_eager)
     assert on == off
     monkeypatch.setattr(pdl, "TRIGGER_FIRST", True)  # dependents released before the wait
-    assert _greedy(preset, prompts, enforce_eager) == off
-
-
+    assert _greedy(preset, PROMPTS, enforce_eager) == off
 
 
 class _Compiled:  # what a launch returns: Triton's compiled kernel, with its CUfunction
@@ -102,11 +100,10 @@ def test_carveout_preference_is_set_once_and_taken_back(monkeypatch):
 def test_models_unchanged_with_the_max_shared_carveout(monkeypatch, preset):
     """The carveout changes where programs may start, never what they compute; the driver
     accepts the attribute on every participating kernel (no CUDA error)."""
-    prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "PREFER_MAX_SHARED", False)
-    off = _greedy(preset, prompts, enforce_eager=False)
+    off = _greedy(preset, PROMPTS, enforce_eager=False)
     monkeypatch.setattr(pdl, "PREFER_MAX_SHARED", True)
-    on = _greedy(preset, prompts, enforce_eager=False)
+    on = _greedy(preset, PROMPTS, enforce_eager=False)
     assert on == off
     assert set(pdl._carveouts.values()) == {100}

@@ -119,6 +119,8 @@ def launched(compiled) -> None:
     whatever the interpreter returns): applies PREFER_MAX_SHARED to its function once,
     and undoes it once the switch is off. Host-side only; a CUDA graph keeps what its
     captured launches had."""
+    if not PREFER_MAX_SHARED and not _carveouts:  # never switched on: nothing to undo
+        return
     wanted = _CARVEOUT_MAX_SHARED if PREFER_MAX_SHARED else _CARVEOUT_DEFAULT
     handle = getattr(compiled, "function", None)
     if not isinstance(handle, int) or not handle:
@@ -140,4 +142,3 @@ def _set_function_attribute(handle: int, attribute: int, value: int) -> None:
     status = _libcuda.cuFuncSetAttribute(ctypes.c_void_p(handle), attribute, value)
     if status != 0:
         raise RuntimeError(f"cuFuncSetAttribute({attribute}, {value}) failed: CUresult {status}")
-
