@@ -15,7 +15,9 @@ With --loops it also disassembles the cubin (cuobjdump -sass) and prints each lo
 (a backward branch) with its instruction count and commonest opcodes: for a kernel
 bound by instruction issue, the count of its main loop is a first measure of a change
 (docs/performance.md, 2026-12-03). It says nothing about speed or results. The local Triton may be newer than the
-GPU machine's: a kernel that compiles here is likely, not certain, to compile there.
+GPU machine's: a kernel that compiles here is likely, not certain, to compile there, and
+its pipelining (buffers, copy waits) and counts can differ: for those, run this tool
+under the GPU's Triton (pip install triton==3.6.0 into a scratch venv with torch).
 """
 
 from __future__ import annotations
@@ -70,11 +72,15 @@ def resource_usage(compiled) -> str:
 
 _SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+_COPY_WAIT = re.compile(r"\bDEPBAR\.LE SB0, (0x[0-9a-f]+)")
 
 
-def sass_loops(compiled) -> list[tuple[int, int, collections.Counter]]:
-    """(start address, instruction count, opcode counts) of each loop of the kernel: the
-    instructions from a backward branch's target to the branch itself."""
+def sass_loops(compiled) -> list[tuple[int, int, collections.Counter, list[int]]]:
+    """(start address, instruction count, opcode counts, copy waits) of each loop of the
+    kernel: the instructions from a backward branch's target to the branch itself. Copy
+    waits: each DEPBAR.LE SB0, N in the loop, N the cp.async groups left in flight (a
+    loop that waits with 0 at its top has no copy in flight during its math: Triton's
+    pipelining did not overlap the loads, docs/performance.md, 2026-12-06)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for m in
                     map(_SASS_LINE.match, _cuobjdump(compiled, "-sass").splitlines()) if m]
     index = {address: i for i, (address, _) in enumerate(instructions)}
@@ -87,7 +93,8 @@ def sass_loops(compiled) -> list[tuple[int, int, collections.Counter]]:
         body = instructions[start:i + 1]
         opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                                       for _, t in body)
-        loops.append((instructions[start][0], len(body), opcodes))
+        waits = [int(m.group(1), 16) for _, t in body for m in [_COPY_WAIT.search(t)] if m]
+        loops.append((instructions[start][0], len(body), opcodes, waits))
     return loops
 
 
@@ -349,9 +356,11 @@ def main(argv: list[str]) -> int:
                 print(report(f"{module}.{name}", compiled))
                 if "preload" in name:
                     print(f"  {preloaded_loads(ptx)}")
-                for start, count, opcodes in sass_loops(compiled) if loops else ():
+                for start, count, opcodes, waits in sass_loops(compiled) if loops else ():
                     top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
                     print(f"  loop at {start:#x}: {count} instructions ({top})")
+                    if waits:
+                        print(f"    cp.async waits (groups left in flight): {waits}")
             except Exception as exc:  # report every case, then fail
                 failed += 1
                 print(f"{module}.{name}: FAILED {type(exc).__name__}: {exc}")
