@@ -290,8 +290,17 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
     (64, 8, 2, 3),   # slices and the merge: the V scale before the merge
     (128, 4, 1, 7),  # more slices than some requests have tiles: empty slices
 ])
-def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_heads, splits):
+# The word kernel's switches, off and on: whole-tile reads (keys past the end read from
+# the cache's random finite bytes, or block 0), int32 offsets, paired conversions (CUDA).
+@pytest.mark.parametrize("switches", [False, True])
+def test_decode_fp8_paths_match_torch_ref(monkeypatch, fp8_path, head_dim, num_heads,
+                                          num_kv_heads, splits, switches):
+    from pagoda.kernels import paged_decode
     from pagoda.kernels.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
+    if fp8_path == "tile" and switches:
+        pytest.skip("the switches act on the word kernel only")
+    for name in ("FP8_UNMASKED_KV", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
+        monkeypatch.setattr(paged_decode, name, switches)
     case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
                            quantized_q=fp8_path in QUERY_ROUNDING_PATHS)
     q = case["q"].to(DEVICE)
@@ -305,6 +314,18 @@ def test_decode_fp8_paths_match_torch_ref(fp8_path, head_dim, num_heads, num_kv_
     torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
     skipped = [r for r in range(q.shape[0]) if r not in rows]
     assert (out[skipped] == 7.0).all()  # the 3-token request: left to the chunk kernel
+
+
+def test_word_kernel_offsets_fit_int32_up_to_2_gib():
+    from pagoda.kernels.paged_decode import _offsets_fit_32
+    page, heads, dim = 16, 8, 128  # 16 KiB a block of one half, e4m3
+    fits = torch.empty(2, 2 ** 31 // (page * heads * dim), page, heads, dim,
+                       dtype=FP8_KV_DTYPE, device="meta")
+    over = torch.empty(2, 2 ** 31 // (page * heads * dim) + 1, page, heads, dim,
+                       dtype=FP8_KV_DTYPE, device="meta")
+    assert _offsets_fit_32(fits) and not _offsets_fit_32(over)
+    # In bytes, not entries: a bf16 cache of the same blocks spans twice as far.
+    assert not _offsets_fit_32(torch.empty(fits.shape, dtype=torch.bfloat16, device="meta"))
 
 
 def test_query_rounding_of_the_fp8_dot_path():
@@ -349,17 +370,21 @@ from pagoda.kernels.paged_decode import _word_planes  # noqa: E402  (after the r
 
 
 @triton.jit
-def _planes_kernel(words_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr):
+def _planes_kernel(words_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr,
+                   PTX_PAIRS: tl.constexpr):
     offs = tl.arange(0, N)
-    b0, b1, b2, b3 = _word_planes(tl.load(words_ptr + offs)[None, :], BITS)
+    b0, b1, b2, b3 = _word_planes(tl.load(words_ptr + offs)[None, :], BITS, PTX_PAIRS)
     tl.store(out_ptr + offs[None, :], b0)
     tl.store(out_ptr + N + offs[None, :], b1)
     tl.store(out_ptr + 2 * N + offs[None, :], b2)
     tl.store(out_ptr + 3 * N + offs[None, :], b3)
 
 
-@pytest.mark.parametrize("bits", [True, False])
-def test_word_planes_convert_every_finite_e4m3_byte_exactly(bits):
+@pytest.mark.parametrize("bits,ptx_pairs", [
+    (True, False), (False, False),
+    pytest.param(False, True, marks=pytest.mark.skipif(
+        DEVICE != "cuda", reason="inline PTX (the paired e4m3 conversion) runs on CUDA only"))])
+def test_word_planes_convert_every_finite_e4m3_byte_exactly(bits, ptx_pairs):
     """The decode word path's conversion: every finite e4m3 byte, in each of the four
     byte positions of a word, gives the e4m3 value (times 2^-8 by bit operations)."""
     finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -368,6 +393,6 @@ def test_word_planes_convert_every_finite_e4m3_byte_exactly(bits):
     entries = finite[idx]  # [4 positions, 256 words]
     words = entries.t().contiguous().view(torch.int32).view(-1)
     out = torch.empty(4, 256, dtype=torch.float16, device=DEVICE)
-    _planes_kernel[(1,)](words.to(DEVICE), out, N=256, BITS=bits)
+    _planes_kernel[(1,)](words.to(DEVICE), out, N=256, BITS=bits, PTX_PAIRS=ptx_pairs)
     expect = entries.view(FP8_KV_DTYPE).float() * (2.0 ** -8 if bits else 1.0)
     assert torch.equal(out.float().cpu(), expect)
