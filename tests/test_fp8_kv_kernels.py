@@ -299,7 +299,7 @@ def test_decode_fp8_paths_match_torch_ref(monkeypatch, fp8_path, head_dim, num_h
     from pagoda.kernels.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
     if fp8_path == "tile" and switches:
         pytest.skip("the switches act on the word kernel only")
-    for name in ("FP8_UNMASKED_KV", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
+    for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
         monkeypatch.setattr(paged_decode, name, switches)
     case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
                            quantized_q=fp8_path in QUERY_ROUNDING_PATHS)
@@ -314,6 +314,39 @@ def test_decode_fp8_paths_match_torch_ref(monkeypatch, fp8_path, head_dim, num_h
     torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
     skipped = [r for r in range(q.shape[0]) if r not in rows]
     assert (out[skipped] == 7.0).all()  # the 3-token request: left to the chunk kernel
+
+
+@pytest.mark.parametrize("switches", [False, True])
+def test_word_kernel_ignores_nan_bytes_past_the_context_end(monkeypatch, switches):
+    """A reused block's stale slots and unused blocks may hold anything, NaN included
+    (store_kv keeps a NaN input as NaN): with whole-K-tile reads on or off, none of it
+    reaches the output (K past the end gets score -inf; V past the end is never read).
+    The NaN case bites on the GPU only: the interpreter converts the byte 0x7F to a
+    finite value, so a V read past the end passes here and fails there."""
+    from pagoda.kernels import paged_decode
+    from pagoda.kernels.paged_decode import paged_attention_decode
+    for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
+        monkeypatch.setattr(paged_decode, name, switches)
+    contexts, block_size = [37, 20, 1, 130, 64], 16
+    case = fp8_decode_case(contexts, 8, 2, 64, block_size, quantized_q=True)
+    raw = case["cache"].view(torch.uint8)
+    used = {int(case["tables"][r, i]) for r, ctx in enumerate(contexts)
+            for i in range(-(-ctx // block_size))}
+    for block in set(range(raw.shape[1])) - used:
+        raw[:, block] = 0x7F  # e4m3 NaN
+    for r, ctx in enumerate(contexts):
+        if ctx % block_size:
+            raw[:, int(case["tables"][r, ctx // block_size]), ctx % block_size:] = 0x7F
+    q = case["q"].to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
+                           case["qsl"].to(DEVICE), case["seq"].to(DEVICE), len(contexts),
+                           1 / math.sqrt(64), 1, min_split_tokens=1,
+                           config=dict(BLOCK_N=32, num_warps=4, num_stages=2,
+                                       fp8_path="words_qk8"),
+                           kv_scales=case["scales"].to(DEVICE))
+    rows = case["decode_rows"]
+    torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
 
 
 def test_word_kernel_offsets_fit_int32_up_to_2_gib():

@@ -270,7 +270,7 @@ def _pdl_cases():
         cfg.pop("fp8_path", None)
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
-                      KEYS_AS_A=path == "words_kq8", UNMASKED_KV=pd.FP8_UNMASKED_KV,
+                      KEYS_AS_A=path == "words_kq8", UNMASKED_K=pd.FP8_UNMASKED_K,
                       OFFSETS_32=pd.FP8_OFFSETS_32, PTX_PAIRS=pd.FP8_PTX_PAIRS) if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
         name = f"fp8={fp8}{', ' + path_override if path_override else ''}"

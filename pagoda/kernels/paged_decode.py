@@ -190,8 +190,8 @@ def _e4m3_halves_to_f16(x):
     """int32 x with e4m3 bytes in bits 0-7 and 16-23 -> the same two entries as float16
     bit patterns in its two halves, each worth entry * 2^-8 (exact for every finite e4m3
     value, subnormals included: e4m3's exponent bias is 7, float16's 15). The NaN byte
-    0x7F would read as 480 * 2^-8: store_kv clamps to +-448 and never writes it, and
-    the pool is zeroed at allocation, so no slot read holds it."""
+    0x7F would read as 480 * 2^-8: store_kv clamps finite values to +-448 and writes it
+    only for a NaN input, and slots past a request's end are masked, never read."""
     return ((x & 0x00800080) << 8) | ((x & 0x007F007F) << 7)
 
 
@@ -243,12 +243,12 @@ def _attend_word_tile(
     kv_head, start_n, kv_end, qk_scale,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-    QK_FP8: tl.constexpr, KEYS_AS_A: tl.constexpr, UNMASKED_KV: tl.constexpr,
+    QK_FP8: tl.constexpr, KEYS_AS_A: tl.constexpr, UNMASKED_K: tl.constexpr,
     OFFSETS_32: tl.constexpr, PTX_PAIRS: tl.constexpr,
 ):
     """attend_kv_tile for an FP8 cache read as words: keys start_n .. start_n + BLOCK_N - 1
-    (those at or past kv_end masked: not loaded, or with UNMASKED_KV loaded and given
-    probability 0) folded into the per-plane
+    (those at or past kv_end masked: not loaded, or their keys with UNMASKED_K loaded and
+    given probability 0) folded into the per-plane
     accumulators a0..a3 ([BLOCK_H, HEAD_DIM / 4], columns 4i + j of the output).
     QK_FP8: q0 is the whole e4m3 query tile [BLOCK_H, HEAD_DIM] (q2, q3 unused) and the
     scores are one FP8 dot with the key tile as stored; qk_scale then holds the query
@@ -262,12 +262,13 @@ def _attend_word_tile(
     page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0)
     if not OFFSETS_32:  # the host found a cache half of 2 GiB or more
         page = page.to(tl.int64)
-    # UNMASKED_KV: whole K / V tiles are read, keys past kv_end from their own block or
-    # block 0 (page 0 above); every entry of an FP8 pool is finite (zeroed at allocation,
-    # store_kv clamps to +-448), and those keys' scores are -inf below, so they add 0.
-    kv_ok = None if UNMASKED_KV else n_ok[:, None]
-    word_fill = None if UNMASKED_KV else 0
-    e4m3_fill = None if UNMASKED_KV else 0.0
+    # UNMASKED_K: the whole K tile is read, keys past kv_end from their own block or
+    # block 0 (page 0 above), any bytes there: their scores are replaced by -inf below
+    # (a where, so even a NaN score drops out). V stays masked: a stale V slot of a
+    # reused block could hold a NaN (store_kv keeps NaN as NaN), and 0 * NaN is NaN.
+    k_ok = None if UNMASKED_K else n_ok[:, None]
+    word_fill = None if UNMASKED_K else 0
+    e4m3_fill = None if UNMASKED_K else 0.0
     byte_rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
                  + kv_head * stride_cache_head)
     rows = byte_rows // 4  # byte offsets -> word offsets
@@ -275,13 +276,13 @@ def _attend_word_tile(
     if QK_FP8:
         dims = tl.arange(0, HEAD_DIM)
         k8 = tl.load(k_words_ptr.to(tl.pointer_type(tl.float8e4nv)) + byte_rows[:, None]
-                     + dims[None, :], mask=kv_ok, other=e4m3_fill)
+                     + dims[None, :], mask=k_ok, other=e4m3_fill)
         if KEYS_AS_A:
             s = tl.trans(tl.dot(k8, q1))
         else:
             s = tl.dot(q0, tl.trans(k8))
     else:
-        k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=kv_ok, other=word_fill),
+        k0, k1, k2, k3 = _word_planes(tl.load(k_words_ptr + offsets, mask=k_ok, other=word_fill),
                                       BITS, PTX_PAIRS)
         s = tl.dot(q0, tl.trans(k0))
         s = tl.dot(q1, tl.trans(k1), s)
@@ -294,7 +295,7 @@ def _attend_word_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v0, v1, v2, v3 = _word_planes(tl.load(v_words_ptr + offsets, mask=kv_ok, other=word_fill),
+    v0, v1, v2, v3 = _word_planes(tl.load(v_words_ptr + offsets, mask=n_ok[:, None], other=0),
                                   BITS, PTX_PAIRS)
     p = p.to(tl.float16)
     a0 = tl.dot(p, v0, a0 * alpha[:, None])
@@ -353,7 +354,7 @@ def _decode_words_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr, BITS: tl.constexpr, QK_FP8: tl.constexpr,
-    KEYS_AS_A: tl.constexpr, UNMASKED_KV: tl.constexpr = False,
+    KEYS_AS_A: tl.constexpr, UNMASKED_K: tl.constexpr = False,
     OFFSETS_32: tl.constexpr = False, PTX_PAIRS: tl.constexpr = False,
     PRELOAD_METADATA: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
@@ -409,7 +410,7 @@ def _decode_words_kernel(
             q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr,
             block_table_ptr, kv_head, start_n, kv_end, score_scale,
             stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8, KEYS_AS_A, UNMASKED_KV, OFFSETS_32,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8, KEYS_AS_A, UNMASKED_K, OFFSETS_32,
             PTX_PAIRS)
 
     # Empty slice: the accumulators are 0, the lse -inf (_write_slice).
@@ -531,9 +532,10 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
 FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)  # decode_tile_config says why
-# True: the word kernel reads whole K / V tiles without masks (_attend_word_tile says why
-# that is safe), fewer instructions a tile; False: keys past the context end not loaded.
-FP8_UNMASKED_KV = False
+# True: the word kernel reads whole K tiles without masks (_attend_word_tile says why that
+# is safe and why V stays masked), fewer instructions a tile; False: keys past the
+# context end not loaded.
+FP8_UNMASKED_K = False
 # True: the word kernel computes cache offsets in int32 where a K or V half of the layer's
 # cache spans at most 2 GiB (_offsets_fit_32), fewer instructions a tile than int64.
 FP8_OFFSETS_32 = False
@@ -633,7 +635,7 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
         launched(_decode_words_kernel[grid](
             *args, **consts, BITS=fp8_path == "words_bits",
             QK_FP8=fp8_path in QUERY_ROUNDING_PATHS, KEYS_AS_A=fp8_path == "words_kq8",
-            UNMASKED_KV=FP8_UNMASKED_KV, OFFSETS_32=FP8_OFFSETS_32 and _offsets_fit_32(kv_cache),
+            UNMASKED_K=FP8_UNMASKED_K, OFFSETS_32=FP8_OFFSETS_32 and _offsets_fit_32(kv_cache),
             PTX_PAIRS=FP8_PTX_PAIRS and q.is_cuda, **cfg, **pdl))
     if num_splits > 1:
         launched(_merge_kernel[(num_reqs, num_heads)](
