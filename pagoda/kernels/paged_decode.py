@@ -532,12 +532,15 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
 FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)  # decode_tile_config says why
+# Three switches of the word kernel, each fewer instructions a tile, off until a step
+# measures a gain: none showed on the H100, the H200 (where the kernel is issue-bound)
+# has not run them (docs/performance.md, 2026-12-06, eighteenth session;
+# benchmarks/variants/llama8b-fp8kv-words.json A/Bs them).
 # True: the word kernel reads whole K tiles without masks (_attend_word_tile says why that
-# is safe and why V stays masked), fewer instructions a tile; False: keys past the
-# context end not loaded.
+# is safe and why V stays masked); False: keys past the context end not loaded.
 FP8_UNMASKED_K = False
 # True: the word kernel computes cache offsets in int32 where a K or V half of the layer's
-# cache spans at most 2 GiB (_offsets_fit_32), fewer instructions a tile than int64.
+# cache spans at most 2 GiB (_offsets_fit_32); False: int64.
 FP8_OFFSETS_32 = False
 # True: on CUDA the word kernel converts V (and K planes) two entries per instruction
 # (_e4m3_pairs_to_f16); False, and under the interpreter: Triton's conversion, one each.
