@@ -399,14 +399,14 @@ def test_decode_words_path_refuses_what_it_cannot_read():
 
 import triton.language as tl  # noqa: E402
 
-from pagoda.kernels.paged_decode import _word_planes  # noqa: E402  (after the reload above)
+from pagoda.kernels.fp8_decode_words import word_planes  # noqa: E402  (after the reload above)
 
 
 @triton.jit
 def _planes_kernel(words_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr,
                    PTX_PAIRS: tl.constexpr):
     offs = tl.arange(0, N)
-    b0, b1, b2, b3 = _word_planes(tl.load(words_ptr + offs)[None, :], BITS, PTX_PAIRS)
+    b0, b1, b2, b3 = word_planes(tl.load(words_ptr + offs)[None, :], BITS, PTX_PAIRS)
     tl.store(out_ptr + offs[None, :], b0)
     tl.store(out_ptr + N + offs[None, :], b1)
     tl.store(out_ptr + 2 * N + offs[None, :], b2)
