@@ -283,6 +283,13 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
             "decode_rows": [int(qsl[r]) for r in range(len(contexts)) if qlens[r] == 1]}
 
 
+def _set_word_kernel_switches(monkeypatch, on: bool) -> None:
+    """paged_decode's three word-kernel switches, all on or all off, for one test."""
+    from pagoda.kernels import paged_decode
+    for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
+        monkeypatch.setattr(paged_decode, name, on)
+
+
 @pytest.mark.parametrize("fp8_path", ["tile", "words_bits", "words_cvt", "words_qk8",
                                       "words_kq8"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,splits", [
@@ -295,12 +302,10 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
 @pytest.mark.parametrize("switches", [False, True])
 def test_decode_fp8_paths_match_torch_ref(monkeypatch, fp8_path, head_dim, num_heads,
                                           num_kv_heads, splits, switches):
-    from pagoda.kernels import paged_decode
     from pagoda.kernels.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
     if fp8_path == "tile" and switches:
         pytest.skip("the switches act on the word kernel only")
-    for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
-        monkeypatch.setattr(paged_decode, name, switches)
+    _set_word_kernel_switches(monkeypatch, switches)
     case = fp8_decode_case([37, 20, 1, 130, 64], num_heads, num_kv_heads, head_dim, 16,
                            quantized_q=fp8_path in QUERY_ROUNDING_PATHS)
     q = case["q"].to(DEVICE)
@@ -323,10 +328,8 @@ def test_word_kernel_ignores_nan_bytes_past_the_context_end(monkeypatch, switche
     reaches the output (K past the end gets score -inf; V past the end is never read).
     The NaN case bites on the GPU only: the interpreter converts the byte 0x7F to a
     finite value, so a V read past the end passes here and fails there."""
-    from pagoda.kernels import paged_decode
     from pagoda.kernels.paged_decode import paged_attention_decode
-    for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
-        monkeypatch.setattr(paged_decode, name, switches)
+    _set_word_kernel_switches(monkeypatch, switches)
     contexts, block_size = [37, 20, 1, 130, 64], 16
     case = fp8_decode_case(contexts, 8, 2, 64, block_size, quantized_q=True)
     raw = case["cache"].view(torch.uint8)
