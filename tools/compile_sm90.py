@@ -108,6 +108,17 @@ def preloaded_loads(ptx: str) -> str:
     return f"{loads} global loads before griddepcontrol.wait"
 
 
+def bulk_prefetches(ptx: str, name: str) -> str:
+    """How many L2 bulk prefetches the PTX issues (pagoda.kernels.l2_prefetch): none for a
+    case named with prefetch off (`=False` / `=0`), some otherwise; RuntimeError if not."""
+    count = ptx.count("cp.async.bulk.prefetch.L2.global")
+    off = re.search(r"prefetch\w*=(False|0)\b", name) is not None
+    if (count == 0) != off:
+        raise RuntimeError(f"{count} bulk prefetches in a case with the prefetch "
+                           f"{'off' if off else 'on'}")
+    return f"{count} L2 bulk prefetches"
+
+
 def check_pdl_order(ptx: str, trigger_first: bool) -> None:
     """The kernel waits on its predecessor (griddepcontrol.wait) and releases its
     dependents (griddepcontrol.launch_dependents) in pagoda.kernels.pdl's order: the
@@ -242,9 +253,14 @@ def _pdl_cases():
             ROUTE_T=1, BLOCK_E=128, TOP_K=8, SIGMOID=False, HAS_BIAS=False, GROUPED=False,
             GROUP_BY_TOP2=False, N_GROUP=1, TOPK_GROUP=1, RENORMALIZE=True, BLOCK_G=2,
             BLOCK_K=8, PRELOAD_W=True, HAS_NORM=norm, num_warps=1, USE_PDL=True)
-    yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
-        x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0, 2048), dict(
-        TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
+    # The down weights' L2 prefetch (pagoda.kernels.l2_prefetch): off, at start, at the end.
+    for prefetch in (0, 1, 2):
+        yield f"moe_gemv_gate_up[prefetch_down={prefetch}]", fmd._gemv_gate_up_kernel, (
+            x, w13, ids, act, w13, w2, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0,
+            2048, w2.stride(0), 2048 * 768 * 2), dict(
+            TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, PREFETCH_DOWN=prefetch,
+            USE_PDL=True)
+    yield from _qk_rope_store_cases()
     from pagoda.kernels import fp8_w8a16 as fl
     w8 = torch.empty(2 * 768, 2048, dtype=torch.float8_e4m3fn)
     scale, y8 = torch.empty(2 * 768), torch.empty(1, 2 * 768, dtype=bf16)
@@ -289,6 +305,25 @@ def _pdl_cases():
     yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
         act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
         768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
+
+
+def _qk_rope_store_cases():
+    """Qwen3-30B-A3B's q/k norm + rotary + KV store at batch 1, with and without the
+    o_proj weight's L2 prefetch (pagoda.kernels.l2_prefetch)."""
+    from pagoda.kernels import qk_rope_store as qr
+    bf16 = torch.bfloat16
+    qkv, cos = torch.empty(1, (32 + 8) * 128, dtype=bf16), torch.empty(1, 64, dtype=bf16)
+    norm_w, q = torch.empty(128, dtype=bf16), torch.empty(1, 4096, dtype=bf16)
+    cache, slots = torch.empty(2, 64, 16, 4, 128, dtype=bf16), torch.empty(1, dtype=torch.int64)
+    o_proj = torch.empty(2048, 4096, dtype=bf16)
+    for prefetch in (False, True):
+        yield f"qk_rope_store[preload, prefetch={prefetch}]", qr._qk_norm_rope_store_kernel, (
+            qkv, cos, cos, norm_w, norm_w, q, cache, slots, slots, o_proj, 2048 * 4096 * 2,
+            qkv.stride(0), 64, 64, cache.stride(0), cache.stride(1), cache.stride(2),
+            cache.stride(3), 1e-6), dict(
+            NUM_HEADS=32, NUM_KV_HEADS=4, HEAD_DIM=128, PAGE_SIZE=16, HEADS_PER_PROGRAM=1,
+            BLOCK_DIM=128, BLOCK_HALF=64, HAS_QK_NORM=True, KV_FP8=False, PRELOAD=True,
+            PREFETCH=prefetch, num_warps=1, USE_PDL=True)
 
 
 def _fp8_fused_quant_cases():
@@ -357,6 +392,8 @@ def main(argv: list[str]) -> int:
                 print(report(f"{module}.{name}", compiled))
                 if "preload" in name:
                     print(f"  {preloaded_loads(ptx)}")
+                if "prefetch" in name:
+                    print(f"  {bulk_prefetches(ptx, name)}")
                 for start, count, opcodes, waits in sass_loops(compiled) if loops else ():
                     top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
                     print(f"  loop at {start:#x}: {count} instructions ({top})")

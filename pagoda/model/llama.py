@@ -124,9 +124,12 @@ class LlamaAttention(nn.Module):
         target = self.attn.kv_store_target()
         if target is None:  # also the CPU: no triton imported below
             return None
-        from pagoda.kernels import fused_ops, qk_rope_store  # imports triton
+        from pagoda.kernels import fused_ops, l2_prefetch, qk_rope_store  # imports triton
         if not fused_ops.FUSED_OPS_ENABLED:
             return None
+        # o_proj's weight streams into L2 during this kernel, the attention and its merge
+        # (l2_prefetch.O_PROJ_IN_ROPE; decode-sized steps only, the kernel checks).
+        prefetch = l2_prefetch.weight_of(self.o_proj) if l2_prefetch.O_PROJ_IN_ROPE else None
         q_weight = k_weight = None
         eps = 0.0
         if self.qk_norm:
@@ -136,7 +139,8 @@ class LlamaAttention(nn.Module):
                 return None
         return qk_rope_store.qk_norm_rope_store(
             qkv, cos, sin, q_weight, k_weight, eps, target.cache, target.slot_mapping,
-            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim)
+            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim,
+            prefetch=prefetch)
 
     def _rotate_qk_together(self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor,
                             sin: torch.Tensor

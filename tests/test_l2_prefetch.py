@@ -1,0 +1,87 @@
+"""pagoda.kernels.l2_prefetch: which launches prefetch, how a range is shared among a
+kernel's programs, and (on a Hopper GPU) that whole models decode the same tokens and
+logprobs with every prefetch switch on as with them off: a prefetch is a hint to the
+memory system and may change timing only.
+
+The prefetch instruction itself is inline PTX, which the interpreter cannot run; CI
+compiles the kernels that issue it for sm_90 (tests/test_sm90_compile.py, the pdl group).
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels import l2_prefetch
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_nothing_is_prefetched_on_the_cpu_or_for_large_steps(monkeypatch):
+    weight = torch.empty(64, 40, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    assert not l2_prefetch.available(cpu)
+    assert l2_prefetch.prefetch_bytes(weight, 1, cpu) == 0
+    assert l2_prefetch.prefetch_bytes(None, 1, cpu) == 0
+    # On a device that can, the rule is the rows and the tensor's layout.
+    monkeypatch.setattr(l2_prefetch, "available", lambda device: True)
+    assert l2_prefetch.prefetch_bytes(weight, 1, cpu) == 64 * 40 * 2
+    assert l2_prefetch.prefetch_bytes(weight, l2_prefetch.MAX_ROWS, cpu) == 64 * 40 * 2
+    assert l2_prefetch.prefetch_bytes(weight, l2_prefetch.MAX_ROWS + 1, cpu) == 0
+    assert l2_prefetch.prefetch_bytes(weight.t(), 1, cpu) == 0  # not one byte range
+    odd = torch.empty(3, 7, dtype=torch.bfloat16)  # 42 bytes -> the 32 of whole units
+    assert l2_prefetch.prefetch_bytes(odd, 1, cpu) == 32
+
+
+def test_weight_of_a_linear_layer():
+    layer = torch.nn.Linear(8, 4, bias=False)
+    assert l2_prefetch.weight_of(layer) is layer.weight
+    assert l2_prefetch.weight_of(torch.nn.ReLU()) is None
+
+
+@triton.jit
+def _bounds_kernel(out_ptr, nbytes, parts):
+    part = tl.program_id(0)
+    start, end = l2_prefetch.share_bounds(nbytes, part, parts)
+    tl.store(out_ptr + 2 * part, start)
+    tl.store(out_ptr + 2 * part + 1, end)
+
+
+@pytest.mark.parametrize("nbytes, parts", [(16, 1), (16, 5), (4096, 3), (16 * 97, 8),
+                                           (2048 * 768 * 2, 96), (4096 * 2048 * 2, 40)])
+def test_shares_tile_the_range_in_whole_units(nbytes, parts):
+    out = torch.empty(2 * parts, dtype=torch.int64)
+    _bounds_kernel[(parts,)](out, nbytes, parts)
+    bounds = out.view(parts, 2).tolist()
+    covered = [(start, end) for start, end in bounds if end > start]
+    assert covered[0][0] == 0 and covered[-1][1] == nbytes
+    for (_, end), (start, _) in zip(covered, covered[1:]):
+        assert start == end  # adjacent, no overlap, no gap
+    assert all(start % 16 == 0 and end % 16 == 0 for start, end in covered)
+    largest = max(end - start for start, end in covered)
+    assert largest == -(-nbytes // 16 // parts) * 16  # equal shares but the last ones
+
+
+def _greedy(preset: str):
+    from pagoda import LLM, SamplingParams
+    llm = LLM(preset, load_format="dummy", dtype="bfloat16", max_model_len=256,
+              max_num_seqs=8, skip_tokenizer_init=True, kv_cache_memory=1 << 28)
+    prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                       logprobs=1), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return [(o.outputs[0].token_ids, [max(lp.values(), key=lambda v: v.logprob).logprob
+                                      for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.skipif(not SM90, reason="bulk L2 prefetch needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
+def test_models_unchanged_with_prefetch(monkeypatch, preset):
+    monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", False)
+    monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", 0)
+    off = _greedy(preset)
+    for down in (1, 2):
+        monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", True)
+        monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", down)
+        assert _greedy(preset) == off
