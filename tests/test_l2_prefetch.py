@@ -80,8 +80,27 @@ def _greedy(preset: str):
 def test_models_unchanged_with_prefetch(monkeypatch, preset):
     monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", False)
     monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", 0)
+    monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
     off = _greedy(preset)
     for down in (1, 2):
         monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", True)
         monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", down)
+        monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
         assert _greedy(preset) == off
+
+
+def test_qwen3_moe_blocks_know_the_next_layers_qkv():
+    """The wiring NEXT_QKV_IN_MOE_DOWN uses: every MoE block holds the next layer's qkv
+    projection (the last layer's none), and not as a submodule (no extra parameters)."""
+    from pagoda.model.presets import get_preset
+    from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(get_preset("tiny-qwen3-moe"))
+    layers = list(model.model.layers)
+    sparse = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+    assert sparse  # the preset has MoE layers
+    for i in sparse:
+        expected = (layers[i + 1].self_attn.qkv_proj,) if i + 1 < len(layers) else ()
+        assert layers[i].mlp.experts._next_linear == expected
+    names = [name for name, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) and not any("next_linear" in n for n in names)

@@ -302,9 +302,13 @@ def _pdl_cases():
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
         NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, PRELOAD_METADATA=pd.PRELOAD_METADATA,
         USE_PDL=True)
-    yield "moe_gemv_down", fmd._gemv_down_sum_kernel, (
-        act, w2, ids, weights, out, w2, 2048, 768, w2.stride(0), w2.stride(1), 2048, 8,
-        768), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), USE_PDL=True)
+    # With and without the next layer's qkv weight prefetched at the end (l2_prefetch).
+    for prefetch in (False, True):
+        yield f"moe_gemv_down[prefetch_next={prefetch}]", fmd._gemv_down_sum_kernel, (
+            act, w2, ids, weights, out, w2, w, 2048, 768, w2.stride(0), w2.stride(1), 2048,
+            8, 768, 5120 * 2048 * 2), dict(
+            TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), PREFETCH_NEXT=prefetch,
+            USE_PDL=True)
 
 
 def _qk_rope_store_cases():

@@ -237,12 +237,14 @@ def gemv_path_takes(num_pairs: int) -> bool:
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               path: str | None = None,
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              prefetch_after: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
     -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice).
     shared: a shared MLP's (gate_up, down) weights added in the same launches, on the
-    gemv path only (fused_moe_decode.fused_moe_gemv)."""
+    gemv path only (fused_moe_decode.fused_moe_gemv). prefetch_after: the weight of the
+    layer that runs next, which the gemv path's down kernel prefetches into L2."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -257,7 +259,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
     if path == "gemv":
-        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared)
+        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared,
+                              prefetch_after)
     config = pick_config(num_pairs, w13.shape[0], w13.element_size())
     down_config = pick_config(num_pairs, w13.shape[0], w13.element_size(), gemm="down")
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(

@@ -149,10 +149,11 @@ def _prefetch_down_share(w2_ptr, expert, stride_w2e, down_bytes):
 
 @triton.jit
 def _gemv_down_sum_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, ws2_ptr,
-    H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn,
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, ws2_ptr, next_ptr,
+    H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn, next_bytes,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr = False,  # pagoda.kernels.l2_prefetch.NEXT_QKV_IN_MOE_DOWN
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -200,6 +201,10 @@ def _gemv_down_sum_kernel(
         total += shared.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
              mask=n_ok)
+    if PREFETCH_NEXT:  # the next layer's weight, a share per program, during the tail
+        l2_prefetch.prefetch_share(
+            next_ptr, next_bytes, token * tl.num_programs(1) + tl.program_id(1),
+            tl.num_programs(0) * tl.num_programs(1), l2_prefetch.PIECE_BYTES)
 
 
 @triton.jit
@@ -237,11 +242,13 @@ def down_config(inter: int) -> dict:
 
 def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                   shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                   prefetch_after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
     one pair) -> [T, H] in hidden's dtype. shared: a shared MLP's (gate_up [2 * Is, H],
     down [H, Is]) with Is a multiple of the experts' I (shared_chunks_of); its output is
-    added to every token's (see the module docstring)."""
+    added to every token's (see the module docstring). prefetch_after: a weight the down
+    kernel prefetches into L2 at its end (l2_prefetch; the caller's switch)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = w2.shape[1], w2.shape[2]
     if w13.stride(2) != 1 or w2.stride(2) != 1:
@@ -255,7 +262,8 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG, w2=w2)
-    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter))
+    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter),
+                prefetch=prefetch_after)
     return out
 
 
@@ -280,13 +288,16 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 out: torch.Tensor, ws2: torch.Tensor, top_k: int, chunks: int,
-                config: dict) -> None:
+                config: dict, prefetch: Optional[torch.Tensor] = None) -> None:
     """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
-    shared chunks) summed. config: as down_config(I) returns (benchmarks sweep it)."""
+    shared chunks) summed. config: as down_config(I) returns (benchmarks sweep it).
+    prefetch: a weight asked into L2 at the kernel's end, where l2_prefetch allows."""
     hidden_size, inter = w2.shape[1], w2.shape[2]
+    next_bytes = l2_prefetch.prefetch_bytes(prefetch, out.shape[0], out.device)
     launched(_gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, config["BLOCK_N"]))](
-        act, w2, ids, weights, out, ws2, hidden_size, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), ids.numel(), ws2.stride(0), TOP_K=top_k, SHARED_CHUNKS=chunks,
+        act, w2, ids, weights, out, ws2, prefetch if next_bytes else w2, hidden_size, inter,
+        w2.stride(0), w2.stride(1), out.stride(0), ids.numel(), ws2.stride(0), next_bytes,
+        TOP_K=top_k, SHARED_CHUNKS=chunks, PREFETCH_NEXT=next_bytes > 0,
         **config, **launch_options(act.device)))
 
 

@@ -20,7 +20,10 @@ can A/B them in one engine) and the device function the kernels call:
   expert's down weight: 1 at each program's start (after the wait: the expert ids are
   the router's, one launch back), 2 after its store (the bytes then stream during the
   gate/up kernel's tail), 0 off.
-Both apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
+- NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
+  weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
+  during the down kernel's tail and the input norm.
+All three apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
 memory-bound), on CUDA devices of compute capability 9.0 or newer; never under the
 interpreter (the CPU tests), which cannot run inline PTX.
 """
@@ -38,6 +41,7 @@ from pagoda.kernels.capability import cuda_capability
 # The switches (module docstring). Off until measured on the H200.
 O_PROJ_IN_ROPE = False
 MOE_DOWN_IN_GATE_UP = 0
+NEXT_QKV_IN_MOE_DOWN = False
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
 # The most bytes one prefetch instruction asks for; a program's share is split into

@@ -59,6 +59,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if arch.moe is None or not arch.qk_norm:
             raise ValueError("Qwen3MoeForCausalLM needs an MoE config and qk_norm")
         super().__init__(arch, tp)
+        # Each MoE block's decode down GEMV may prefetch the next layer's qkv weight
+        # (pagoda.kernels.l2_prefetch.NEXT_QKV_IN_MOE_DOWN).
+        layers = list(self.model.layers)
+        for layer, following in zip(layers, layers[1:]):
+            if isinstance(layer.mlp, Qwen3MoeSparseBlock):
+                layer.mlp.experts.set_next_linear(following.self_attn.qkv_proj)
 
     def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
         if is_moe_layer(self.arch, layer_idx):

@@ -96,6 +96,15 @@ class FusedMoE(nn.Module):
             self.e_score_correction_bias.keep_dtype = True
         else:
             self.register_parameter("e_score_correction_bias", None)
+        # The linear layer that runs after this block (set_next_linear), in a tuple so
+        # that it is not registered as a submodule of this one.
+        self._next_linear: tuple[nn.Module, ...] = ()
+
+    def set_next_linear(self, layer: nn.Module) -> None:
+        """The linear layer the model runs next (the next decoder layer's qkv projection):
+        the decode down GEMV prefetches its weight into L2 at its end where
+        l2_prefetch.NEXT_QKV_IN_MOE_DOWN is on."""
+        self._next_linear = (layer,)
 
     def expected_shard_ids(self, param_name: str) -> list[ExpertShardId]:
         """Every shard id a complete checkpoint gives param_name ("w13_weight" or
@@ -156,9 +165,12 @@ class FusedMoE(nn.Module):
             topk_ids = self._local_ids(topk_ids)
         shared_weights = self._shared_weights(shared, hidden_states, topk_ids.numel())
         if hidden_states.is_cuda:
-            from pagoda.kernels.fused_moe import fused_moe  # imports triton: CUDA only
+            from pagoda.kernels import l2_prefetch  # imports triton: CUDA only
+            from pagoda.kernels.fused_moe import fused_moe
+            following = (l2_prefetch.weight_of(self._next_linear[0])
+                         if self._next_linear and l2_prefetch.NEXT_QKV_IN_MOE_DOWN else None)
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids, shared=shared_weights)
+                            topk_ids, shared=shared_weights, prefetch_after=following)
         else:
             out = fused_moe_reference(hidden_states, self.w13_weight, self.w2_weight,
                                       topk_weights, topk_ids)
