@@ -31,6 +31,7 @@ def test_nothing_is_prefetched_on_the_cpu_or_for_large_steps(monkeypatch):
     assert l2_prefetch.prefetch_bytes(weight.t(), 1, cpu) == 0  # not one byte range
     odd = torch.empty(3, 7, dtype=torch.bfloat16)  # 42 bytes -> the 32 of whole units
     assert l2_prefetch.prefetch_bytes(odd, 1, cpu) == 32
+    assert l2_prefetch.prefetch_bytes(odd.view(-1)[1:], 1, cpu) == 0  # 2 bytes past a boundary
 
 
 def test_weight_of_a_linear_layer():

@@ -276,7 +276,9 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     weights, prefetched into L2 per l2_prefetch.MOE_DOWN_IN_GATE_UP where given."""
     inter = w13.shape[1] // 2
     down_bytes = 0
-    if w2 is not None and l2_prefetch.MOE_DOWN_IN_GATE_UP:
+    # Every expert's block must start on a 16-byte boundary, as w2[0]'s does.
+    if (w2 is not None and l2_prefetch.MOE_DOWN_IN_GATE_UP
+            and w2.stride(0) * w2.element_size() % 16 == 0):
         down_bytes = l2_prefetch.prefetch_bytes(w2[0], hidden.shape[0], hidden.device)
     launched(_gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
         hidden, w13, ids, act, ws13, w2 if down_bytes else w13, hidden.shape[1], inter,

@@ -59,10 +59,11 @@ def available(device: torch.device) -> bool:
 def prefetch_bytes(weight: Optional[torch.Tensor], num_rows: int, device: torch.device) -> int:
     """How many bytes of weight a launch of num_rows rows on device should prefetch: its
     whole storage rounded down to 16 bytes (the instruction's granularity) where weight
-    is a contiguous tensor on device, the step is decode-sized and the device can; else
-    0 (prefetch nothing)."""
+    is a contiguous tensor on device starting at a 16-byte boundary (the instruction's
+    alignment), the step is decode-sized and the device can; else 0 (prefetch nothing)."""
     if (weight is None or num_rows > MAX_ROWS or not available(device)
-            or weight.device != device or not weight.is_contiguous()):
+            or weight.device != device or not weight.is_contiguous()
+            or weight.data_ptr() % 16):
         return 0
     return weight.numel() * weight.element_size() // 16 * 16
 
