@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import l2_prefetch
+from tests.tiny_models import greedy_dummy_run
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+PROMPTS = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
 
 
 def test_nothing_is_prefetched_on_the_cpu_or_for_large_steps(monkeypatch):
@@ -63,31 +65,18 @@ def test_shares_tile_the_range_in_whole_units(nbytes, parts):
     assert largest == -(-nbytes // 16 // parts) * 16  # equal shares but the last ones
 
 
-def _greedy(preset: str):
-    from pagoda import LLM, SamplingParams
-    llm = LLM(preset, load_format="dummy", dtype="bfloat16", max_model_len=256,
-              max_num_seqs=8, skip_tokenizer_init=True, kv_cache_memory=1 << 28)
-    prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                       logprobs=1), use_tqdm=False)
-    llm.llm_engine.shutdown()
-    return [(o.outputs[0].token_ids, [max(lp.values(), key=lambda v: v.logprob).logprob
-                                      for lp in o.outputs[0].logprobs]) for o in outs]
-
-
 @pytest.mark.skipif(not SM90, reason="bulk L2 prefetch needs a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
 def test_models_unchanged_with_prefetch(monkeypatch, preset):
     monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", False)
     monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", 0)
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
-    off = _greedy(preset)
+    off = greedy_dummy_run(preset, PROMPTS)
     for down in (1, 2):
         monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", True)
         monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", down)
         monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
-        assert _greedy(preset) == off
+        assert greedy_dummy_run(preset, PROMPTS) == off
 
 
 def test_qwen3_moe_blocks_know_the_next_layers_qkv():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagoda.kernels import pdl
+from tests.tiny_models import greedy_dummy_run as _greedy
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 PROMPTS = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
@@ -38,19 +39,6 @@ def test_trigger_first_never_reaches_the_cpu(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "TRIGGER_FIRST", True)
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
-
-
-def _greedy(preset: str, prompts, enforce_eager: bool):
-    from pagoda import LLM, SamplingParams
-    llm = LLM(preset, load_format="dummy", dtype="bfloat16", max_model_len=256,
-              max_num_seqs=8, skip_tokenizer_init=True, enforce_eager=enforce_eager,
-              kv_cache_memory=1 << 28)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                       logprobs=1), use_tqdm=False)
-    llm.llm_engine.shutdown()
-    return [(o.outputs[0].token_ids, [max(lp.values(), key=lambda v: v.logprob).logprob
-                                      for lp in o.outputs[0].logprobs]) for o in outs]
 
 
 @pytest.mark.skipif(not SM90, reason="PDL needs a CUDA GPU of compute capability 9.0+")

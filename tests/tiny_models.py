@@ -99,3 +99,19 @@ def save_tiny_servable_model(path, **overrides):
     save_tiny_hf_model(path, "llama", **{"vocab_size": 49152, "tie_word_embeddings": True,
                                          **overrides})
     load_tokenizer(embedded_model_path()).save_pretrained(path)
+
+
+def greedy_dummy_run(preset: str, prompts, enforce_eager: bool = False):
+    """[(token ids, top logprob of each)] of 12 greedy tokens per prompt (token-id lists)
+    from a preset with dummy bf16 weights on the default device: what GPU tests compare
+    with a kernel switch off and on (a switch that may change timing only)."""
+    from pagoda import LLM, SamplingParams
+    llm = LLM(preset, load_format="dummy", dtype="bfloat16", max_model_len=256,
+              max_num_seqs=8, skip_tokenizer_init=True, enforce_eager=enforce_eager,
+              kv_cache_memory=1 << 28)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                       logprobs=1), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return [(o.outputs[0].token_ids, [max(lp.values(), key=lambda v: v.logprob).logprob
+                                      for lp in o.outputs[0].logprobs]) for o in outs]
