@@ -36,6 +36,14 @@ def test_nothing_is_prefetched_on_the_cpu_or_for_large_steps(monkeypatch):
     assert l2_prefetch.prefetch_bytes(odd.view(-1)[1:], 1, cpu) == 0  # 2 bytes past a boundary
 
 
+def test_where_the_gate_up_kernel_prefetches_the_down_weights(monkeypatch):
+    from pagoda.kernels import fused_moe_decode as fmd
+    monkeypatch.setattr(l2_prefetch, "MOE_DOWN_AFTER_STORE", True)
+    assert (fmd._prefetch_down_mode(0), fmd._prefetch_down_mode(4096)) == (0, 2)
+    monkeypatch.setattr(l2_prefetch, "MOE_DOWN_AFTER_STORE", False)
+    assert (fmd._prefetch_down_mode(0), fmd._prefetch_down_mode(4096)) == (0, 1)
+
+
 def test_weight_of_a_linear_layer():
     layer = torch.nn.Linear(8, 4, bias=False)
     assert l2_prefetch.weight_of(layer) is layer.weight
@@ -69,12 +77,13 @@ def test_shares_tile_the_range_in_whole_units(nbytes, parts):
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
 def test_models_unchanged_with_prefetch(monkeypatch, preset):
     monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", False)
-    monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", 0)
+    monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", False)
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
     off = greedy_dummy_run(preset, PROMPTS)
-    for down in (1, 2):
+    for after_store in (False, True):
         monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", True)
-        monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", down)
+        monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", True)
+        monkeypatch.setattr(l2_prefetch, "MOE_DOWN_AFTER_STORE", after_store)
         monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
         assert greedy_dummy_run(preset, PROMPTS) == off
 

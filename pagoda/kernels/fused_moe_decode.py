@@ -87,7 +87,7 @@ def _gemv_gate_up_kernel(
     stride_w2e, down_bytes,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH_DOWN: tl.constexpr = 0,  # pagoda.kernels.l2_prefetch.MOE_DOWN_IN_GATE_UP
+    PREFETCH_DOWN: tl.constexpr = 0,  # l2_prefetch.MOE_DOWN_*: 0 off, 1 at start, 2 at end
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -284,8 +284,16 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         hidden, w13, ids, act, ws13, w2 if down_bytes else w13, hidden.shape[1], inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), ids.numel(), ws13.shape[0] // 2,
         ws13.stride(0), w2.stride(0) if down_bytes else 0, down_bytes, TOP_K=top_k,
-        SHARED_CHUNKS=chunks, PREFETCH_DOWN=l2_prefetch.MOE_DOWN_IN_GATE_UP if down_bytes else 0,
+        SHARED_CHUNKS=chunks, PREFETCH_DOWN=_prefetch_down_mode(down_bytes),
         **config, **launch_options(hidden.device)))
+
+
+def _prefetch_down_mode(down_bytes: int) -> int:
+    """The gate/up kernel's PREFETCH_DOWN: 0 nothing, 1 at each program's start, 2 after
+    its store (l2_prefetch.MOE_DOWN_AFTER_STORE)."""
+    if not down_bytes:
+        return 0
+    return 2 if l2_prefetch.MOE_DOWN_AFTER_STORE else 1
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

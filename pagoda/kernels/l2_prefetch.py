@@ -17,9 +17,9 @@ can A/B them in one engine) and the device function the kernels call:
   (before its PDL wait: a weight is written by no kernel, pdl.py's rule), so it streams
   during the norm/rotary, attention and merge kernels.
 - MOE_DOWN_IN_GATE_UP: the MoE gate/up GEMV (fused_moe_decode) prefetches its pair's
-  expert's down weight: 1 at each program's start (after the wait: the expert ids are
-  the router's, one launch back), 2 after its store (the bytes then stream during the
-  gate/up kernel's tail), 0 off.
+  expert's down weight: with MOE_DOWN_AFTER_STORE after each program's store (the bytes
+  then stream during the gate/up kernel's tail), otherwise at its start (after the
+  wait: the expert ids are the router's, one launch back).
 - NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
   weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
   during the down kernel's tail and the input norm.
@@ -40,7 +40,8 @@ from pagoda.kernels.capability import cuda_capability
 
 # The switches (module docstring). Off until measured on the H200.
 O_PROJ_IN_ROPE = False
-MOE_DOWN_IN_GATE_UP = 0
+MOE_DOWN_IN_GATE_UP = False
+MOE_DOWN_AFTER_STORE = True
 NEXT_QKV_IN_MOE_DOWN = False
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
