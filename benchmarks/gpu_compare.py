@@ -32,6 +32,7 @@ import time
 from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernel_switches import add_kernel_switches, apply_kernel_switches  # noqa: E402
 from result_file import write_json  # noqa: E402  (benchmarks/)
 
 
@@ -90,67 +91,6 @@ def roofline_decode_ms(info: dict, ceilings: dict, batch: int, context: int) -> 
 
 def uniform_lengths(rng, n, lo, hi):
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
-
-
-# Module switches a benchmark run may set (--FLAG on|off): flag, the module and its
-# boolean attribute, and what it switches. Default: as the module sets it.
-KERNEL_SWITCHES = (
-    ("pdl", "pagoda.kernels.pdl", "ENABLED",
-     "programmatic dependent launch of the decode kernels"),
-    ("fp8-fast-accum", "pagoda.kernels.fp8_linear", "SCALED_MM_FAST_ACCUM",
-     "torch._scaled_mm's fast accumulation in the FP8 GEMMs"),
-    ("input-stream", "pagoda.worker.input_stream", "ENABLED",
-     "graph steps' inputs built on a side stream"),
-    ("short-context-graphs", "pagoda.kernels.paged_decode", "SHORT_CONTEXT_GRAPHS",
-     "small-batch decode graphs also captured for short contexts"),
-    ("fp8-qk-dot", "pagoda.kernels.paged_decode", "FP8_QK_DOT",
-     "FP8-cache decode attention with the queries in e4m3 and q.K one FP8 dot"),
-    ("w8a16-short-k-tile", "pagoda.kernels.fp8_w8a16", "SHORT_K_GEMV_TILE",
-     "one-row FP8 W8A16 GEMVs of K <= 4096 (qkv, o) on 16-column programs"),
-    ("narrow-moe-down", "pagoda.kernels.fused_moe_decode", "NARROW_DOWN",
-     "batch-1 MoE down GEMV on two-column one-warp programs for narrow experts"),
-    ("d2h-stream", "pagoda.worker.step_output", "COPY_STREAM",
-     "sampled ids and logprobs copied to the host on a stream of their own"),
-    ("pending-fill-kernel", "pagoda.kernels.pending_fill", "ENABLED",
-     "the pending-token fill as one Triton launch"),
-    ("norm-preload", "pagoda.kernels.fused_ops", "PRELOAD_NORM_WEIGHT",
-     "RMSNorm loads its weight before the PDL wait (rows of one chunk)"),
-    ("router-norm", "pagoda.kernels.moe_router_fused", "FUSE_NORM",
-     "one-row MoE block input norm computed by the fused router's programs"),
-    ("rope-preload", "pagoda.kernels.qk_rope_store", "PRELOAD_OPERANDS",
-     "q/k norm + rotary + KV store loads cos/sin, slots and norm weights before the PDL wait"),
-    ("pdl-trigger-first", "pagoda.kernels.pdl", "TRIGGER_FIRST",
-     "PDL kernels release their dependents before their wait, not after it"),
-    ("max-shared-carveout", "pagoda.kernels.pdl", "PREFER_MAX_SHARED",
-     "PDL chain kernels prefer the largest shared-memory split (dependents start early)"),
-    ("router-preload", "pagoda.kernels.moe_router_fused", "PRELOAD_WEIGHTS",
-     "one-token fused MoE router loads its weight rows before the PDL wait"),
-    ("decode-metadata-preload", "pagoda.kernels.paged_decode", "PRELOAD_METADATA",
-     "decode attention and merge load query start and context length before the PDL wait"),
-    ("l2-prefetch-o-proj", "pagoda.kernels.l2_prefetch", "O_PROJ_IN_ROPE",
-     "q/k norm + rotary + store prefetches o_proj's weight into L2 (decode-sized steps)"),
-    ("l2-prefetch-moe-down", "pagoda.kernels.l2_prefetch", "MOE_DOWN_IN_GATE_UP",
-     "MoE gate/up GEMV prefetches the chosen experts' down weights into L2"),
-    ("l2-prefetch-next-qkv", "pagoda.kernels.l2_prefetch", "NEXT_QKV_IN_MOE_DOWN",
-     "MoE down GEMV prefetches the next layer's qkv weight into L2"),
-)
-
-
-def add_kernel_switches(parser) -> None:
-    """--FLAG on|off for each of KERNEL_SWITCHES; apply_kernel_switches sets them."""
-    for flag, module, attribute, what in KERNEL_SWITCHES:
-        parser.add_argument(f"--{flag}", choices=("on", "off"), default=None,
-                            help=f"Pagoda: {what} ({module}.{attribute}; default: as the "
-                                 f"module sets it)")
-
-
-def apply_kernel_switches(args) -> None:
-    """Sets the switches from the flags; call before the model's kernels first launch."""
-    import importlib
-    for flag, module, attribute, _ in KERNEL_SWITCHES:
-        value = getattr(args, flag.replace("-", "_"), None)
-        if value is not None:
-            setattr(importlib.import_module(module), attribute, value == "on")
 
 
 def random_prompts(rng, lengths, vocab):

@@ -169,7 +169,8 @@ def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
 # ---------------------------------------------------------------- (b) models -------
 def run_model(preset: str, args) -> dict:
     import numpy as np
-    from gpu_compare import apply_kernel_switches, random_prompts, token_arrival_times
+    from gpu_compare import random_prompts, token_arrival_times
+    from kernel_switches import apply_kernel_switches
     from triton_compiles import CompileLog
     from pagoda import LLM, SamplingParams
 
@@ -240,7 +241,7 @@ def model_entry(preset: str, args, ceilings: dict) -> dict:
 
 # ---------------------------------------------------------------- driver ----------
 def parse_args():
-    from gpu_compare import add_kernel_switches
+    from kernel_switches import add_kernel_switches
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen3-30b-a3b",
                    help="comma-separated MoE presets; the first one's layer shape is (a)'s")
@@ -317,7 +318,8 @@ def main() -> None:
         print(json.dumps(run_model(args.child, args)))
         return
     import torch
-    from gpu_compare import apply_kernel_switches, measure_ceilings
+    from gpu_compare import measure_ceilings
+    from kernel_switches import apply_kernel_switches
     from pagoda.model.presets import get_preset
 
     apply_kernel_switches(args)  # the kernel part (a) runs with them too

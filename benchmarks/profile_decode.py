@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_compare import add_kernel_switches, apply_kernel_switches  # noqa: E402  (benchmarks/)
+from kernel_switches import add_kernel_switches, apply_kernel_switches  # noqa: E402  (benchmarks/)
 
 # Kernel name patterns -> coarse group, first match wins (Triton kernels keep their
 # Python names; cuBLAS / CUTLASS GEMMs carry gemm / cutlass / sm90 in theirs).

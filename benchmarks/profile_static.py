@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--out", default="bench_results/profile_static.json")
-    from gpu_compare import add_kernel_switches, apply_kernel_switches  # benchmarks/
+    from kernel_switches import add_kernel_switches, apply_kernel_switches  # benchmarks/
     add_kernel_switches(p)
     args = p.parse_args()
     apply_kernel_switches(args)

@@ -39,8 +39,8 @@ from collections import defaultdict
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
-from gpu_compare import (add_kernel_switches, apply_kernel_switches, random_prompts,  # noqa: E402
-                         token_arrival_times)
+from gpu_compare import random_prompts, token_arrival_times  # noqa: E402
+from kernel_switches import add_kernel_switches, apply_kernel_switches  # noqa: E402
 from result_file import write_json  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
