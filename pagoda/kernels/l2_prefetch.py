@@ -4,8 +4,8 @@ At batch 1 a decode layer alternates kernels that stream weights (the GEMVs: qkv
 the MoE gate/up and down) with kernels that barely touch memory (q/k norm + rotary +
 KV store, decode attention, its merge, the router). While the latter run, the memory
 bus idles, and each GEMV after them starts from an idle bus: it pays the ramp of its
-first loads (docs/performance.md, 2026-12-04: the o_proj GEMV adds 6.1 us a layer for
-4.0 us of bytes, the MoE down GEMV 9.5 us for 5.9). A kernel that knows which weights
+first loads (the per-kernel increments in docs/performance.md, 2026-12-04, put o_proj
+and the MoE down GEMV well above their bytes' time). A kernel that knows which weights
 come next can ask the memory system to bring them into L2 while it runs; the GEMV then
 finds (some of) its lines there. Hopper's bulk prefetch (`cp.async.bulk.prefetch.L2`,
 sm_90, issued by the TMA unit) takes a whole byte range in one instruction and nothing
