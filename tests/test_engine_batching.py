@@ -29,7 +29,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def small_pool_llm():
-    # 24 blocks of 16 tokens: 32 requests of up to ~71 tokens cannot all fit -> preemption.
+    # 24 blocks of 16 tokens: 16 requests of up to ~71 tokens cannot all fit -> preemption.
     return LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=32,
                num_gpu_blocks_override=24, enable_prefix_caching=False)
 
@@ -38,9 +38,9 @@ def test_batch_invariance_with_chunking_and_preemption(small_pool_llm):
     """Greedy and seeded requests: the same tokens alone and in a batch whose
     preemptions restart them with a fresh worker state (seeded draws included)."""
     llm = small_pool_llm
-    prompts = make_prompts(llm.get_tokenizer(), 32)
+    prompts = make_prompts(llm.get_tokenizer(), 16)
     params = [GREEDY if i % 2 else SamplingParams(max_tokens=24, temperature=0.9, seed=i,
-                                                  ignore_eos=True) for i in range(32)]
+                                                  ignore_eos=True) for i in range(16)]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
              for p, sp in zip(prompts, params)]
     preemptions_before = llm.llm_engine.get_stats().num_preemptions
