@@ -143,8 +143,7 @@ def _prefetch_down_share(w2_ptr, expert, stride_w2e, down_bytes):
     that follows; nothing for another rank's expert (-1)."""
     if expert >= 0:
         l2_prefetch.prefetch_share(w2_ptr + expert * stride_w2e, down_bytes,
-                                   tl.program_id(1), tl.num_programs(1),
-                                   l2_prefetch.PIECE_BYTES)
+                                   tl.program_id(1), tl.num_programs(1))
 
 
 @triton.jit
@@ -202,9 +201,7 @@ def _gemv_down_sum_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
              mask=n_ok)
     if PREFETCH_NEXT:  # the next layer's weight, a share per program, during the tail
-        l2_prefetch.prefetch_share(
-            next_ptr, next_bytes, token * tl.num_programs(1) + tl.program_id(1),
-            tl.num_programs(0) * tl.num_programs(1), l2_prefetch.PIECE_BYTES)
+        l2_prefetch.prefetch_program_share(next_ptr, next_bytes)
 
 
 @triton.jit

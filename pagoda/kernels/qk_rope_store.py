@@ -109,10 +109,7 @@ def _qk_norm_rope_store_kernel(
     if PREFETCH:
         # The next GEMV's weight (o_proj), a share per program, into L2 while this kernel,
         # the attention and its merge run; a weight, so before the wait (pdl.py).
-        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes,
-                                   token * tl.num_programs(1) + group,
-                                   tl.num_programs(0) * tl.num_programs(1),
-                                   l2_prefetch.PIECE_BYTES)
+        l2_prefetch.prefetch_program_share(prefetch_ptr, prefetch_bytes)
     if PRELOAD:
         # cos / sin (the forward's first kernels wrote them), the slot mapping (the
         # step's input copies) and the norm weights, all written before the kernel
