@@ -49,6 +49,8 @@ KERNEL_SWITCHES = (
      "MoE gate/up GEMV prefetches the chosen experts' down weights into L2"),
     ("l2-prefetch-next-qkv", "pagoda.kernels.l2_prefetch", "NEXT_QKV_IN_MOE_DOWN",
      "MoE down GEMV prefetches the next layer's qkv weight into L2"),
+    ("l2-prefetch-o-proj-in-qkv", "pagoda.kernels.l2_prefetch", "NEXT_IN_GEMV",
+     "attention's one-row qkv GEMV prefetches o_proj's weight into L2 at its end"),
 )
 
 

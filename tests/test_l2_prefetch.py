@@ -61,7 +61,8 @@ def _bounds_kernel(out_ptr, nbytes, parts):
 @pytest.mark.parametrize("nbytes, parts", [(16, 1), (16, 5), (4096, 3), (16 * 97, 8),
                                            (2048 * 768 * 2, 96), (4096 * 2048 * 2, 40)])
 def test_shares_tile_the_range_in_whole_units(nbytes, parts):
-    out = torch.empty(2 * parts, dtype=torch.int64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # else interpreted (conftest)
+    out = torch.empty(2 * parts, dtype=torch.int64, device=device)
     _bounds_kernel[(parts,)](out, nbytes, parts)
     bounds = out.view(parts, 2).tolist()
     covered = [(start, end) for start, end in bounds if end > start]
@@ -79,12 +80,14 @@ def test_models_unchanged_with_prefetch(monkeypatch, preset):
     monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", False)
     monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", False)
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
+    monkeypatch.setattr(l2_prefetch, "NEXT_IN_GEMV", False)
     off = greedy_dummy_run(preset, PROMPTS)
     for after_store in (False, True):
         monkeypatch.setattr(l2_prefetch, "O_PROJ_IN_ROPE", True)
         monkeypatch.setattr(l2_prefetch, "MOE_DOWN_IN_GATE_UP", True)
         monkeypatch.setattr(l2_prefetch, "MOE_DOWN_AFTER_STORE", after_store)
         monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
+        monkeypatch.setattr(l2_prefetch, "NEXT_IN_GEMV", True)
         assert greedy_dummy_run(preset, PROMPTS) == off
 
 
@@ -103,3 +106,34 @@ def test_qwen3_moe_blocks_know_the_next_layers_qkv():
         assert layers[i].mlp.experts._next_linear == expected
     names = [name for name, _ in model.named_parameters()]
     assert len(names) == len(set(names)) and not any("next_linear" in n for n in names)
+
+
+def test_attention_qkv_knows_its_o_proj():
+    """The wiring NEXT_IN_GEMV uses: every attention layer's qkv projection names its
+    o_proj (not as a submodule: no extra parameters); o_proj names nothing."""
+    from pagoda.model.llama import LlamaForCausalLM
+    from pagoda.model.presets import get_preset
+    with torch.device("meta"):
+        model = LlamaForCausalLM(get_preset("tiny-llama"))
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        assert attn.qkv_proj.next_linear() is attn.o_proj
+        assert attn.o_proj.next_linear() is None
+    names = [name for name, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) and not any("next_linear" in n for n in names)
+
+
+def test_the_gemv_router_passes_the_next_weight_only_when_switched_on(monkeypatch):
+    from pagoda.kernels import gemv as gemv_module
+    calls = []
+    monkeypatch.setattr(gemv_module, "gemv",
+                        lambda x, w, bias, cfg, prefetch=None: calls.append(prefetch))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the router takes CPU tensors only then
+    n, k, _ = next(key for key in gemv_module.GEMV_CONFIGS if key[2] == 1)
+    x, weight = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+    following = torch.nn.Linear(8, 4, bias=False)
+    for switch in (False, True):
+        monkeypatch.setattr(l2_prefetch, "NEXT_IN_GEMV", switch)
+        gemv_module.maybe_gemv(x, weight, None, following)
+        gemv_module.maybe_gemv(x, weight, None, None)
+    assert calls == [None, None, following.weight, None]

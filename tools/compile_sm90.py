@@ -234,10 +234,12 @@ def _pdl_cases():
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
-    yield "gemv[qkv]", gemv._gemv_kernel, (
-        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
-        HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-        EVEN_K=True, **cfg, USE_PDL=True)
+    # With and without o_proj's weight prefetched at the end (l2_prefetch.NEXT_IN_GEMV).
+    for prefetch in (False, True):
+        yield f"gemv[qkv, prefetch={prefetch}]", gemv._gemv_kernel, (
+            x, w, y, y, y, y, w, 4096 * 2048 * 2, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+            HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
+            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch)
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)

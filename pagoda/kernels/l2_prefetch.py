@@ -23,7 +23,11 @@ can A/B them in one engine) and the device function the kernels call:
 - NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
   weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
   during the down kernel's tail and the input norm.
-All three apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
+- NEXT_IN_GEMV: the one-row bf16/fp16 GEMV (kernels/gemv.py) of a linear layer wired to
+  the layer that runs after it (LinearBase.set_next_linear: LlamaAttention wires qkv_proj
+  to o_proj) prefetches that layer's weight after its store, so it streams during the
+  GEMV's tail, the rotary, the attention and its merge.
+All four apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
 memory-bound), on CUDA devices of compute capability 9.0 or newer; never under the
 interpreter (the CPU tests), which cannot run inline PTX.
 """
@@ -43,6 +47,7 @@ O_PROJ_IN_ROPE = False
 MOE_DOWN_IN_GATE_UP = False
 MOE_DOWN_AFTER_STORE = True
 NEXT_QKV_IN_MOE_DOWN = False
+NEXT_IN_GEMV = False
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
 # The most bytes one prefetch instruction asks for; a program's share is split into

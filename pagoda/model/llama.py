@@ -76,6 +76,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False,
                                         tp_rank=tp.rank, tp_size=tp.size)
+        # qkv's one-row GEMV may prefetch o_proj's weight (l2_prefetch.NEXT_IN_GEMV).
+        self.qkv_proj.set_next_linear(self.o_proj)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
