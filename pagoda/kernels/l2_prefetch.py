@@ -42,11 +42,13 @@ import triton.language as tl
 
 from pagoda.kernels.capability import cuda_capability
 
-# The switches (module docstring). Off until measured on the H200.
+# The switches (module docstring). NEXT_QKV_IN_MOE_DOWN is on: it took Qwen3-30B-A3B's
+# batch-1 step down in every round of two leases (docs/performance.md, twentieth
+# session); the others measured slower or are not measured yet, and stay off.
 O_PROJ_IN_ROPE = False
 MOE_DOWN_IN_GATE_UP = False
 MOE_DOWN_AFTER_STORE = True
-NEXT_QKV_IN_MOE_DOWN = False
+NEXT_QKV_IN_MOE_DOWN = True
 NEXT_IN_GEMV = False
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
