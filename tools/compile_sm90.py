@@ -234,12 +234,10 @@ def _pdl_cases():
     w = torch.empty(5120, 2048, dtype=bf16)
     y = torch.empty(1, 5120, dtype=bf16)
     cfg = dict(gemv.default_config(1, 5120, 2048))
-    # With and without o_proj's weight prefetched at the end (l2_prefetch.NEXT_IN_GEMV).
-    for prefetch in (False, True):
-        yield f"gemv[qkv, prefetch={prefetch}]", gemv._gemv_kernel, (
-            x, w, y, y, y, y, w, 4096 * 2048 * 2, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
-            HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-            EVEN_K=True, **cfg, USE_PDL=True, PREFETCH=prefetch)
+    yield "gemv[qkv]", gemv._gemv_kernel, (
+        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+        HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
+        EVEN_K=True, **cfg, USE_PDL=True)
     w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
     act = torch.empty(8, 768, dtype=bf16)
@@ -314,22 +312,19 @@ def _pdl_cases():
 
 
 def _qk_rope_store_cases():
-    """Qwen3-30B-A3B's q/k norm + rotary + KV store at batch 1, with and without the
-    o_proj weight's L2 prefetch (pagoda.kernels.l2_prefetch)."""
+    """Qwen3-30B-A3B's q/k norm + rotary + KV store at batch 1, operands preloaded."""
     from pagoda.kernels import qk_rope_store as qr
     bf16 = torch.bfloat16
     qkv, cos = torch.empty(1, (32 + 8) * 128, dtype=bf16), torch.empty(1, 64, dtype=bf16)
     norm_w, q = torch.empty(128, dtype=bf16), torch.empty(1, 4096, dtype=bf16)
     cache, slots = torch.empty(2, 64, 16, 4, 128, dtype=bf16), torch.empty(1, dtype=torch.int64)
-    o_proj = torch.empty(2048, 4096, dtype=bf16)
-    for prefetch in (False, True):
-        yield f"qk_rope_store[preload, prefetch={prefetch}]", qr._qk_norm_rope_store_kernel, (
-            qkv, cos, cos, norm_w, norm_w, q, cache, slots, slots, o_proj, 2048 * 4096 * 2,
-            qkv.stride(0), 64, 64, cache.stride(0), cache.stride(1), cache.stride(2),
-            cache.stride(3), 1e-6), dict(
-            NUM_HEADS=32, NUM_KV_HEADS=4, HEAD_DIM=128, PAGE_SIZE=16, HEADS_PER_PROGRAM=1,
-            BLOCK_DIM=128, BLOCK_HALF=64, HAS_QK_NORM=True, KV_FP8=False, PRELOAD=True,
-            PREFETCH=prefetch, num_warps=1, USE_PDL=True)
+    yield "qk_rope_store[preload]", qr._qk_norm_rope_store_kernel, (
+        qkv, cos, cos, norm_w, norm_w, q, cache, slots, slots,
+        qkv.stride(0), 64, 64, cache.stride(0), cache.stride(1), cache.stride(2),
+        cache.stride(3), 1e-6), dict(
+        NUM_HEADS=32, NUM_KV_HEADS=4, HEAD_DIM=128, PAGE_SIZE=16, HEADS_PER_PROGRAM=1,
+        BLOCK_DIM=128, BLOCK_HALF=64, HAS_QK_NORM=True, KV_FP8=False, PRELOAD=True,
+        num_warps=1, USE_PDL=True)
 
 
 def _fp8_fused_quant_cases():

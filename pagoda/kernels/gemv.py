@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import l2_prefetch
 from pagoda.kernels.arrival_counters import arrival_counters
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
@@ -123,18 +122,16 @@ def default_config(m: int, n: int, k: int) -> dict:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, prefetch_ptr, prefetch_bytes,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
-    PREFETCH: tl.constexpr = False,  # pagoda.kernels.l2_prefetch.NEXT_IN_GEMV
 ):
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
-    float32 partial and, for the last of the block's splits, the reduction. PREFETCH:
-    then its share of prefetch_bytes at prefetch_ptr (the next layer's weight) into L2.
+    float32 partial and, for the last of the block's splits, the reduction.
     EVEN_N / EVEN_K: no weight tile is cut by N's / K's end, so weight loads carry no mask
     (a mask Triton cannot prove uniform splits 16-byte vector loads into narrow ones, and
     the kernel then falls far short of the bandwidth). EVEN_M: M == BLOCK_M."""
@@ -168,8 +165,6 @@ def _gemv_kernel(
         _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs_m,
                         offs_n, n_ok, pid_n, pid_k, M, N, HAS_BIAS, SPLIT_K, BLOCK_M,
                         BLOCK_N)
-    if PREFETCH:  # after the program's own loads: its bytes stream during the tail
-        l2_prefetch.prefetch_program_share(prefetch_ptr, prefetch_bytes)
 
 
 @triton.jit
@@ -308,13 +303,11 @@ def _check_config(cfg: dict, m: int) -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[dict] = None, prefetch: Optional[torch.Tensor] = None
-         ) -> torch.Tensor:
+         config: Optional[dict] = None) -> torch.Tensor:
     """x [..., K] (M = its rows, 1..GEMV_MAX_ROWS; rows may be strided) @ weight[N, K].T
     (+ bias) -> [..., N] in x's dtype, float32 accumulation, rounded once. config: the
     tiles (GEMV_CONFIGS' form); default: the table's entry for the shape, else
-    default_config. prefetch: a later kernel's weight, asked into L2 at the kernel's end
-    where l2_prefetch.prefetch_bytes allows (the caller's switch)."""
+    default_config."""
     n, k = _check(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -332,25 +325,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
-    prefetch_bytes = l2_prefetch.prefetch_bytes(prefetch, m, x.device)
     launched(_gemv_kernel[(blocks, split)](
         x2, weight, bias if bias is not None else out, out, part, counters,
-        prefetch if prefetch_bytes else out, prefetch_bytes, m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, PREFETCH=prefetch_bytes > 0, **cfg,
-        **launch_options(x.device)))
+        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
 
-def maybe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               next_layer: Optional[torch.nn.Module] = None) -> Optional[torch.Tensor]:
+def maybe_gemv(x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """gemv(x, weight, bias) when the engine should take it: x on CUDA (or any device
     under TRITON_INTERPRET=1), fp16 or bf16 x and weight, at most GEMV_MAX_ROWS rows,
     the (N, K, rows bucket) in GEMV_CONFIGS and PAGODA_TRITON_GEMV not 0. Otherwise None:
-    the caller's F.linear. next_layer: the linear layer that runs after this one, whose
-    weight the kernel prefetches where l2_prefetch.NEXT_IN_GEMV is on."""
+    the caller's F.linear."""
     if not GEMV_CONFIGS or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
@@ -362,9 +352,7 @@ def maybe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     cfg = GEMV_CONFIGS.get((n, k, rows_bucket(m)))
     if cfg is None or os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    following = (l2_prefetch.weight_of(next_layer)
-                 if next_layer is not None and l2_prefetch.NEXT_IN_GEMV else None)
-    return gemv(x, weight, bias, cfg, prefetch=following)
+    return gemv(x, weight, bias, cfg)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,

@@ -13,9 +13,6 @@ waits for it: it is a hint, so results cannot change, only timing.
 
 Owns the switches (module attributes, read at each launch, so benchmarks/decode_variants.py
 can A/B them in one engine) and the device function the kernels call:
-- O_PROJ_IN_ROPE: qk_rope_store's kernel prefetches the attention layer's o_proj weight
-  (before its PDL wait: a weight is written by no kernel, pdl.py's rule), so it streams
-  during the norm/rotary, attention and merge kernels.
 - MOE_DOWN_IN_GATE_UP: the MoE gate/up GEMV (fused_moe_decode) prefetches its pair's
   expert's down weight: with MOE_DOWN_AFTER_STORE after each program's store (the bytes
   then stream during the gate/up kernel's tail), otherwise at its start (after the
@@ -23,13 +20,14 @@ can A/B them in one engine) and the device function the kernels call:
 - NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
   weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
   during the down kernel's tail and the input norm.
-- NEXT_IN_GEMV: the one-row bf16/fp16 GEMV (kernels/gemv.py) of a linear layer wired to
-  the layer that runs after it (LinearBase.set_next_linear: LlamaAttention wires qkv_proj
-  to o_proj) prefetches that layer's weight after its store, so it streams during the
-  GEMV's tail, the rotary, the attention and its merge.
-All four apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
+Both apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
 memory-bound), on CUDA devices of compute capability 9.0 or newer; never under the
 interpreter (the CPU tests), which cannot run inline PTX.
+
+Prefetching o_proj's weight measured slower in both forms tried (from the q/k norm +
+rotary kernel before its wait, and from the qkv GEMV's end; docs/performance.md, twentieth
+session) and was removed: those kernels' programs share the bus with the attention's and
+the GEMV's own loads, which then end later.
 """
 
 from __future__ import annotations
@@ -44,12 +42,10 @@ from pagoda.kernels.capability import cuda_capability
 
 # The switches (module docstring). NEXT_QKV_IN_MOE_DOWN is on: it took Qwen3-30B-A3B's
 # batch-1 step down in every round of two leases (docs/performance.md, twentieth
-# session); the others measured slower or are not measured yet, and stay off.
-O_PROJ_IN_ROPE = False
+# session). MOE_DOWN_IN_GATE_UP measured slower after the store; at the start, not yet.
 MOE_DOWN_IN_GATE_UP = False
 MOE_DOWN_AFTER_STORE = True
 NEXT_QKV_IN_MOE_DOWN = True
-NEXT_IN_GEMV = False
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
 # The most bytes one prefetch instruction asks for; a program's share is split into

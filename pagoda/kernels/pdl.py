@@ -19,9 +19,7 @@ pdl_wait_and_release does), so this kernel launches only after that write comple
 was flushed. The preloading kernels say which loads they move: the fused router's
 PRELOAD_W, fused_ops' RMSNorm weight and
 qk_rope_store's cos / sin, slots and norm weights, and paged_decode's decode and merge
-kernels their query start and context length (PRELOAD_METADATA). qk_rope_store's L2
-prefetch of o_proj's weight (l2_prefetch.O_PROJ_IN_ROPE) also comes before its wait: a
-weight, and a prefetch loads nothing into the program. A kernel must never be
+kernels their query start and context length (PRELOAD_METADATA). A kernel must never be
 launched with ``launch_pdl=True`` without the wait: ``launch_options`` hands out the two
 together.
 Loading the one-row GEMVs' weight slabs before the wait measured slower (it delays the

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import l2_prefetch
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 from pagoda.kernels.store_kv import check_kv_scales, quantize_e4m3
 
@@ -80,7 +79,7 @@ def _norm_rope_head(
 @triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, cache_ptr,
-    slot_mapping_ptr, kv_scales_ptr, prefetch_ptr, prefetch_bytes,
+    slot_mapping_ptr, kv_scales_ptr,
     stride_qkv_t, stride_cos_t, stride_sin_t,
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
     eps,
@@ -94,7 +93,6 @@ def _qk_norm_rope_store_kernel(
     HAS_QK_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
     PRELOAD: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,  # pagoda.kernels.l2_prefetch
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     # Program (token, group): groups [0, q_groups) are q heads, the next kv_groups k
@@ -106,10 +104,6 @@ def _qk_norm_rope_store_kernel(
     kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     row = qkv_ptr + token * stride_qkv_t
     weight_ptr = tl.where(group < q_groups, q_weight_ptr, k_weight_ptr)
-    if PREFETCH:
-        # The next GEMV's weight (o_proj), a share per program, into L2 while this kernel,
-        # the attention and its merge run; a weight, so before the wait (pdl.py).
-        l2_prefetch.prefetch_program_share(prefetch_ptr, prefetch_bytes)
     if PRELOAD:
         # cos / sin (the forward's first kernels wrote them), the slot mapping (the
         # step's input copies) and the norm weights, all written before the kernel
@@ -261,15 +255,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_norm_weight: Optional[torch.Tensor], eps: float,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        kv_scales: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
-                       head_dim: int, heads_per_program: Optional[int] = None,
-                       prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       head_dim: int, heads_per_program: Optional[int] = None) -> torch.Tensor:
     """qkv [T, (H + 2*Hkv) * D] (row stride may exceed the width) -> q [T, H*D], new and
     contiguous: q heads normed (q_norm_weight [D], when given) and rotated by cos/sin
     [T, D/2]; k heads normed (k_norm_weight) and rotated, and v, written into kv_cache
     [2, num_blocks, block_size, Hkv, D] at slot_mapping (slot -1: nothing written).
-    An FP8 cache needs kv_scales (float32 [k_scale, v_scale] on the device).
-    prefetch: a weight the kernel asks into L2 for a later kernel, where
-    l2_prefetch.prefetch_bytes allows (the caller decides whether to pass one)."""
+    An FP8 cache needs kv_scales (float32 [k_scale, v_scale] on the device)."""
     _check_inputs(qkv, cos, sin, q_norm_weight, k_norm_weight, kv_cache, slot_mapping,
                   num_heads, num_kv_heads, head_dim)
     check_kv_scales(kv_scales, kv_cache)
@@ -286,13 +277,11 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     groups = 2 * triton.cdiv(num_kv_heads, per_program) + triton.cdiv(num_heads, per_program)
     has_norm = q_norm_weight is not None
     block_dim = triton.next_power_of_2(head_dim)
-    prefetch_bytes = l2_prefetch.prefetch_bytes(prefetch, num_tokens, qkv.device)
     launched(_qk_norm_rope_store_kernel[(num_tokens, groups)](
         qkv, cos, sin,
         q_norm_weight.contiguous() if has_norm else qkv,
         k_norm_weight.contiguous() if has_norm else qkv,
         q, kv_cache, slot_mapping, kv_scales if kv_fp8 else slot_mapping,
-        prefetch if prefetch_bytes else qkv, prefetch_bytes,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         float(eps),
@@ -300,7 +289,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         PAGE_SIZE=kv_cache.shape[2], HEADS_PER_PROGRAM=per_program,
         BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=has_norm, KV_FP8=kv_fp8, PRELOAD=PRELOAD_OPERANDS,
-        PREFETCH=prefetch_bytes > 0,
         # rms_norm's warps for a row of block_dim: the same reduction order.
         num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
     ))

@@ -76,8 +76,6 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False,
                                         tp_rank=tp.rank, tp_size=tp.size)
-        # qkv's one-row GEMV may prefetch o_proj's weight (l2_prefetch.NEXT_IN_GEMV).
-        self.qkv_proj.set_next_linear(self.o_proj)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -126,12 +124,9 @@ class LlamaAttention(nn.Module):
         target = self.attn.kv_store_target()
         if target is None:  # also the CPU: no triton imported below
             return None
-        from pagoda.kernels import fused_ops, l2_prefetch, qk_rope_store  # imports triton
+        from pagoda.kernels import fused_ops, qk_rope_store  # imports triton
         if not fused_ops.FUSED_OPS_ENABLED:
             return None
-        # o_proj's weight streams into L2 during this kernel, the attention and its merge
-        # (l2_prefetch.O_PROJ_IN_ROPE; decode-sized steps only, the kernel checks).
-        prefetch = l2_prefetch.weight_of(self.o_proj) if l2_prefetch.O_PROJ_IN_ROPE else None
         q_weight = k_weight = None
         eps = 0.0
         if self.qk_norm:
@@ -141,8 +136,7 @@ class LlamaAttention(nn.Module):
                 return None
         return qk_rope_store.qk_norm_rope_store(
             qkv, cos, sin, q_weight, k_weight, eps, target.cache, target.slot_mapping,
-            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim,
-            prefetch=prefetch)
+            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _rotate_qk_together(self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor,
                             sin: torch.Tensor

@@ -29,7 +29,7 @@ the method would compute from the float shard itself.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import nn
@@ -148,19 +148,6 @@ class LinearBase(nn.Module):
                                  from_method=False)
         else:
             self.register_parameter("bias", None)
-        # The linear layer that runs after this one (set_next_linear), in a tuple so that
-        # it is not registered as a submodule of this one.
-        self._next_linear: tuple[nn.Module, ...] = ()
-
-    def set_next_linear(self, layer: "LinearBase") -> None:
-        """The linear layer the model runs after this one (attention: o_proj after
-        qkv_proj): this layer's one-row GEMV prefetches its weight into L2 at its end where
-        pagoda.kernels.l2_prefetch.NEXT_IN_GEMV is on."""
-        self._next_linear = (layer,)
-
-    def next_linear(self) -> Optional["LinearBase"]:
-        """The layer set_next_linear named, or None."""
-        return self._next_linear[0] if self._next_linear else None
 
     def register_weight(self, name: str, tensor: torch.Tensor, dims: ShardDims,
                         keep_dtype: bool = False, from_method: bool = True) -> nn.Parameter:

@@ -38,8 +38,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.device.type in GEMV_DEVICES:
-            # None unless tuned faster than cuBLAS
-            y = _gemv_router()(x, layer.weight, bias, layer.next_linear())
+            y = _gemv_router()(x, layer.weight, bias)  # None unless tuned faster than cuBLAS
             if y is not None:
                 return y
         return rows_linear(x, layer.weight, bias)
