@@ -43,8 +43,6 @@ KERNEL_SWITCHES = (
      "one-token fused MoE router loads its weight rows before the PDL wait"),
     ("decode-metadata-preload", "pagoda.kernels.paged_decode", "PRELOAD_METADATA",
      "decode attention and merge load query start and context length before the PDL wait"),
-    ("l2-prefetch-moe-down", "pagoda.kernels.l2_prefetch", "MOE_DOWN_IN_GATE_UP",
-     "MoE gate/up GEMV prefetches the chosen experts' down weights into L2"),
     ("l2-prefetch-next-qkv", "pagoda.kernels.l2_prefetch", "NEXT_QKV_IN_MOE_DOWN",
      "MoE down GEMV prefetches the next layer's qkv weight into L2"),
 )

@@ -253,13 +253,9 @@ def _pdl_cases():
             ROUTE_T=1, BLOCK_E=128, TOP_K=8, SIGMOID=False, HAS_BIAS=False, GROUPED=False,
             GROUP_BY_TOP2=False, N_GROUP=1, TOPK_GROUP=1, RENORMALIZE=True, BLOCK_G=2,
             BLOCK_K=8, PRELOAD_W=True, HAS_NORM=norm, num_warps=1, USE_PDL=True)
-    # The down weights' L2 prefetch (pagoda.kernels.l2_prefetch): off, at start, at the end.
-    for prefetch in (0, 1, 2):
-        yield f"moe_gemv_gate_up[prefetch_down={prefetch}]", fmd._gemv_gate_up_kernel, (
-            x, w13, ids, act, w13, w2, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0,
-            2048, w2.stride(0), 2048 * 768 * 2), dict(
-            TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, PREFETCH_DOWN=prefetch,
-            USE_PDL=True)
+    yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
+        x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0,
+        2048), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
     yield from _qk_rope_store_cases()
     from pagoda.kernels import fp8_w8a16 as fl
     w8 = torch.empty(2 * 768, 2048, dtype=torch.float8_e4m3fn)

@@ -82,12 +82,10 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr, w2_ptr,
+    x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr,
     H, I, stride_xm, stride_we, stride_wn, num_routed_pairs, shared_inter, stride_swn,
-    stride_w2e, down_bytes,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH_DOWN: tl.constexpr = 0,  # l2_prefetch.MOE_DOWN_*: 0 off, 1 at start, 2 at end
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.pdl
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -112,8 +110,6 @@ def _gemv_gate_up_kernel(
         w_up = w_gate + I * stride_wn
         # -1 (another rank's expert): nothing read, and down reads nothing of this row.
         length = tl.where(expert >= 0, H, 0)
-        if PREFETCH_DOWN == 1:
-            _prefetch_down_share(w2_ptr, expert, stride_w2e, down_bytes)
     n_ok = offs_n < I
     x_row = x_ptr + token * stride_xm
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -130,20 +126,6 @@ def _gemv_gate_up_kernel(
     # the interpreter refuses a scalar bool combined with a vector).
     tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty),
              mask=offs_n < tl.where(length > 0, I, 0))
-    if PREFETCH_DOWN == 2:
-        if pair < num_routed_pairs:
-            _prefetch_down_share(w2_ptr, tl.load(ids_ptr + pair).to(tl.int64), stride_w2e,
-                                 down_bytes)
-
-
-@triton.jit
-def _prefetch_down_share(w2_ptr, expert, stride_w2e, down_bytes):
-    """This program's share (its column block of the pair's gate/up rows) of the
-    expert's down weight w2[expert] (down_bytes, contiguous) into L2 for the down GEMV
-    that follows; nothing for another rank's expert (-1)."""
-    if expert >= 0:
-        l2_prefetch.prefetch_share(w2_ptr + expert * stride_w2e, down_bytes,
-                                   tl.program_id(1), tl.num_programs(1))
 
 
 @triton.jit
@@ -258,7 +240,7 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype,
                       device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG, w2=w2)
+    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG)
     launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter),
                 prefetch=prefetch_after)
     return out
@@ -266,31 +248,15 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                    act: torch.Tensor, ws13: torch.Tensor, top_k: int, chunks: int,
-                   config: dict, w2: Optional[torch.Tensor] = None) -> None:
+                   config: dict) -> None:
     """The gate/up kernel: hidden [T, H], ids int32 [T * top_k] -> act [T * top_k + T *
     chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks). config: tiles
-    and launch options as GATE_UP_CONFIG (benchmarks sweep them). w2: the experts' down
-    weights, prefetched into L2 per l2_prefetch.MOE_DOWN_IN_GATE_UP where given."""
+    and launch options as GATE_UP_CONFIG (benchmarks sweep them)."""
     inter = w13.shape[1] // 2
-    down_bytes = 0
-    # Every expert's block must start on a 16-byte boundary, as w2[0]'s does.
-    if (w2 is not None and l2_prefetch.MOE_DOWN_IN_GATE_UP
-            and w2.stride(0) * w2.element_size() % 16 == 0):
-        down_bytes = l2_prefetch.prefetch_bytes(w2[0], hidden.shape[0], hidden.device)
     launched(_gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
-        hidden, w13, ids, act, ws13, w2 if down_bytes else w13, hidden.shape[1], inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), ids.numel(), ws13.shape[0] // 2,
-        ws13.stride(0), w2.stride(0) if down_bytes else 0, down_bytes, TOP_K=top_k,
-        SHARED_CHUNKS=chunks, PREFETCH_DOWN=_prefetch_down_mode(down_bytes),
-        **config, **launch_options(hidden.device)))
-
-
-def _prefetch_down_mode(down_bytes: int) -> int:
-    """The gate/up kernel's PREFETCH_DOWN: 0 nothing, 1 at each program's start, 2 after
-    its store (l2_prefetch.MOE_DOWN_AFTER_STORE)."""
-    if not down_bytes:
-        return 0
-    return 2 if l2_prefetch.MOE_DOWN_AFTER_STORE else 1
+        hidden, w13, ids, act, ws13, hidden.shape[1], inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), ids.numel(), ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
+        SHARED_CHUNKS=chunks, **config, **launch_options(hidden.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

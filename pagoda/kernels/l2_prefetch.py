@@ -11,23 +11,21 @@ finds (some of) its lines there. Hopper's bulk prefetch (`cp.async.bulk.prefetch
 sm_90, issued by the TMA unit) takes a whole byte range in one instruction and nothing
 waits for it: it is a hint, so results cannot change, only timing.
 
-Owns the switches (module attributes, read at each launch, so benchmarks/decode_variants.py
-can A/B them in one engine) and the device function the kernels call:
-- MOE_DOWN_IN_GATE_UP: the MoE gate/up GEMV (fused_moe_decode) prefetches its pair's
-  expert's down weight: with MOE_DOWN_AFTER_STORE after each program's store (the bytes
-  then stream during the gate/up kernel's tail), otherwise at its start (after the
-  wait: the expert ids are the router's, one launch back).
+Owns the switch (a module attribute, read at each launch, so benchmarks/decode_variants.py
+can A/B it in one engine) and the device functions the kernels call:
 - NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
   weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
   during the down kernel's tail and the input norm.
-Both apply to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
+It applies to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
 memory-bound), on CUDA devices of compute capability 9.0 or newer; never under the
 interpreter (the CPU tests), which cannot run inline PTX.
 
-Prefetching o_proj's weight measured slower in both forms tried (from the q/k norm +
-rotary kernel before its wait, and from the qkv GEMV's end; docs/performance.md, twentieth
-session) and was removed: those kernels' programs share the bus with the attention's and
-the GEMV's own loads, which then end later.
+Three other prefetches measured slower and were removed (docs/performance.md, twentieth
+session): o_proj's weight from the q/k norm + rotary kernel (before its wait) and from
+the qkv GEMV's end, and the chosen experts' down weights from the MoE gate/up GEMV (at
+each program's start or after its store). Their bytes join kernels whose own loads, or
+the next kernels', then end later; the down GEMV is itself bandwidth-bound and is
+followed by a kernel that reads almost nothing.
 """
 
 from __future__ import annotations
@@ -40,11 +38,8 @@ import triton.language as tl
 
 from pagoda.kernels.capability import cuda_capability
 
-# The switches (module docstring). NEXT_QKV_IN_MOE_DOWN is on: it took Qwen3-30B-A3B's
-# batch-1 step down in every round of two leases (docs/performance.md, twentieth
-# session). MOE_DOWN_IN_GATE_UP measured slower after the store; at the start, not yet.
-MOE_DOWN_IN_GATE_UP = False
-MOE_DOWN_AFTER_STORE = True
+# The switch (module docstring): on, as it took Qwen3-30B-A3B's batch-1 step down in every
+# round of three leases (docs/performance.md, twentieth session); False turns it off.
 NEXT_QKV_IN_MOE_DOWN = True
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
