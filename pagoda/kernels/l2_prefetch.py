@@ -39,7 +39,7 @@ import triton.language as tl
 from pagoda.kernels.capability import cuda_capability
 
 # The switch (module docstring): on, as it took Qwen3-30B-A3B's batch-1 step down in every
-# round of three leases (docs/performance.md, twentieth session); False turns it off.
+# round of four H100 leases (docs/performance.md, twentieth session); False turns it off.
 NEXT_QKV_IN_MOE_DOWN = True
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
