@@ -16,7 +16,6 @@ from pagoda.kernels import l2_prefetch
 from tests.tiny_models import greedy_dummy_run
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-PROMPTS = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
 
 
 def test_nothing_is_prefetched_on_the_cpu_or_for_large_steps(monkeypatch):
@@ -70,9 +69,9 @@ def test_shares_tile_the_range_in_whole_units(nbytes, parts):
 def test_qwen3_moe_unchanged_with_prefetch(monkeypatch):
     preset = "tiny-qwen3-moe"  # the model the switches reach
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
-    off = greedy_dummy_run(preset, PROMPTS)
+    off = greedy_dummy_run(preset)
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
-    assert greedy_dummy_run(preset, PROMPTS) == off
+    assert greedy_dummy_run(preset) == off
 
 
 def test_qwen3_moe_blocks_know_the_next_layers_qkv():
@@ -90,4 +89,3 @@ def test_qwen3_moe_blocks_know_the_next_layers_qkv():
         assert layers[i].mlp.experts._next_linear == expected
     names = [name for name, _ in model.named_parameters()]
     assert len(names) == len(set(names)) and not any("next_linear" in n for n in names)
-

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from pagoda.kernels import pdl
-from tests.tiny_models import greedy_dummy_run as _greedy
+from tests.tiny_models import greedy_dummy_run
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-PROMPTS = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90))]
 
 
 def test_off_by_default_and_never_on_the_cpu(monkeypatch):
@@ -46,12 +45,12 @@ def test_trigger_first_never_reaches_the_cpu(monkeypatch):
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_models_unchanged_with_pdl(monkeypatch, preset, enforce_eager):
     monkeypatch.setattr(pdl, "ENABLED", False)
-    off = _greedy(preset, PROMPTS, enforce_eager)
+    off = greedy_dummy_run(preset, enforce_eager=enforce_eager)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    on = _greedy(preset, PROMPTS, enforce_eager)
+    on = greedy_dummy_run(preset, enforce_eager=enforce_eager)
     assert on == off
     monkeypatch.setattr(pdl, "TRIGGER_FIRST", True)  # dependents released before the wait
-    assert _greedy(preset, PROMPTS, enforce_eager) == off
+    assert greedy_dummy_run(preset, enforce_eager=enforce_eager) == off
 
 
 class _Compiled:  # what a launch returns: Triton's compiled kernel, with its CUfunction
@@ -90,8 +89,8 @@ def test_models_unchanged_with_the_max_shared_carveout(monkeypatch, preset):
     accepts the attribute on every participating kernel (no CUDA error)."""
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "PREFER_MAX_SHARED", False)
-    off = _greedy(preset, PROMPTS, enforce_eager=False)
+    off = greedy_dummy_run(preset)
     monkeypatch.setattr(pdl, "PREFER_MAX_SHARED", True)
-    on = _greedy(preset, PROMPTS, enforce_eager=False)
+    on = greedy_dummy_run(preset)
     assert on == off
     assert set(pdl._carveouts.values()) == {100}

@@ -101,7 +101,11 @@ def save_tiny_servable_model(path, **overrides):
     load_tokenizer(embedded_model_path()).save_pretrained(path)
 
 
-def greedy_dummy_run(preset: str, prompts, enforce_eager: bool = False):
+# Token-id prompts of the GPU switch tests: a short one, a repeated token, a longer run.
+SWITCH_TEST_PROMPTS = ([11, 42, 7, 99, 3], [5] * 40, list(range(60, 90)))
+
+
+def greedy_dummy_run(preset: str, prompts=SWITCH_TEST_PROMPTS, enforce_eager: bool = False):
     """[(token ids, top logprob of each)] of 12 greedy tokens per prompt (token-id lists)
     from a preset with dummy bf16 weights on the default device: what GPU tests compare
     with a kernel switch off and on (a switch that may change timing only)."""
