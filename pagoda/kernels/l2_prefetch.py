@@ -96,19 +96,13 @@ def share_bounds(nbytes, part, parts):
 
 
 @triton.jit
-def prefetch_share(base_ptr, nbytes, part, parts):
-    """Prefetches share `part` of `parts` (share_bounds) of the nbytes bytes at base_ptr
-    (16-byte aligned) into L2, in pieces of at most PIECE_BYTES."""
-    start, end = share_bounds(nbytes, part, parts)
+def prefetch_program_share(base_ptr, nbytes):
+    """Prefetches this program's share (share_bounds, one share per program of a 2-D grid
+    in the order of its linear id, axis 0 major) of the nbytes bytes at base_ptr (16-byte
+    aligned) into L2, in pieces of at most PIECE_BYTES."""
+    start, end = share_bounds(nbytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                              tl.num_programs(0) * tl.num_programs(1))
     byte_ptr = base_ptr.to(tl.pointer_type(tl.int8))
     for offset in range(start, end, PIECE_BYTES):
         _bulk_prefetch_l2(byte_ptr + offset,
                           tl.minimum(end - offset, PIECE_BYTES).to(tl.int32))
-
-
-@triton.jit
-def prefetch_program_share(base_ptr, nbytes):
-    """prefetch_share with one share per program of a 2-D grid, in the order of the
-    program's linear id (axis 0 major)."""
-    prefetch_share(base_ptr, nbytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                   tl.num_programs(0) * tl.num_programs(1))
