@@ -12,7 +12,16 @@ from pagoda.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
+    """The engine's flags (EngineArgs' fields), in groups by what they set."""
+    _add_model_args(parser.add_argument_group("model and weights"))
+    _add_kv_cache_args(parser.add_argument_group("KV cache"))
+    _add_scheduling_args(parser.add_argument_group("scheduling"))
+    _add_parallel_args(parser.add_argument_group("parallelism"))
+    _add_runtime_args(parser.add_argument_group("runtime"))
+    _add_api_model_args(parser.add_argument_group("model in the API"))
+
+
+def _add_model_args(g) -> None:
     g.add_argument("--model", default=None,
                    help="GGUF file, Hugging Face directory or hub id (org/name), or a preset "
                         "name with --load-format dummy (default: the embedded "
@@ -43,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "by default it stays in bf16, as in vLLM. Faster small-batch decode "
                         "(the head is the largest single weight read per step), at some "
                         "logprob error (docs/performance.md)")
+
+
+def _add_kv_cache_args(g) -> None:
     g.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
                    help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -74,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="load bandwidths (GB/s) the KV tiers' cost model takes as given "
                         "instead of measuring, e.g. disk=2 ('inf': always load that tier's "
                         "hits); a hit is loaded only when that beats recomputing it")
+
+
+def _add_scheduling_args(g) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="maximum number of sequences running in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -82,6 +97,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="order of service: first come first served, or by request priority")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
+
+
+def _add_parallel_args(g) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of GPUs (one process each) the model is split across; the "
                         "model's attention heads must split evenly over them")
@@ -97,6 +115,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts whole across the tensor-parallel "
                         "ranks instead of splitting every expert (refused for dense models)")
+
+
+def _add_runtime_args(g) -> None:
     g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: triton on GPU, torch_ref on CPU)")
@@ -110,6 +131,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, '
                         '"num_speculative_tokens": 4}\' (methods: ngram, layer_skip, '
                         'draft_model; default: off)')
+
+
+def _add_api_model_args(g) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: --model as given, e.g. its hub id)")
     g.add_argument("--chat-template", default=None,
