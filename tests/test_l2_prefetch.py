@@ -67,7 +67,7 @@ def test_shares_tile_the_range_in_whole_units(nbytes, parts):
 
 @pytest.mark.skipif(not SM90, reason="bulk L2 prefetch needs a CUDA GPU of compute capability 9.0+")
 def test_qwen3_moe_unchanged_with_prefetch(monkeypatch):
-    preset = "tiny-qwen3-moe"  # the model the switches reach
+    preset = "tiny-qwen3-moe"  # the model the switch reaches
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
     off = greedy_dummy_run(preset)
     monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)

@@ -238,10 +238,11 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server where a signal starts a drain instead of an immediate stop, and a
     drained stop is a clean exit (uvicorn itself re-raises the signal: a non-zero exit)."""
 
-    # After a second signal, how long the requests in flight get to write their error
-    # (the engine thread delivers it between steps) before uvicorn's own shutdown starts:
-    # its graceful window (timeout_graceful_shutdown) would otherwise run concurrently and
-    # cut the streams of a slow or loaded machine mid-response.
+    # After a second signal, how long at most (the drain's deadline comes forward to it)
+    # the requests in flight get to write their error (the engine thread delivers it
+    # between steps) before uvicorn's own shutdown starts: its graceful window
+    # (timeout_graceful_shutdown) would otherwise run concurrently and cut the streams of a
+    # slow or loaded machine mid-response.
     STOP_GRACE_S = 15.0
 
     def __init__(self, config: uvicorn.Config, state: ServerState, engine: AsyncEngine,
@@ -251,7 +252,7 @@ class DrainingServer(uvicorn.Server):
         self.engine_client = engine
         self.shutdown_timeout = shutdown_timeout
         self.drain_deadline: Optional[float] = None
-        self.stop_deadline: Optional[float] = None  # set by a second signal
+        self.stopping = False  # a second signal came: the requests in flight were failed
         self.exit_code = 0
         self.web_ui = False  # log the pages' URLs once ready
 
@@ -274,16 +275,17 @@ class DrainingServer(uvicorn.Server):
                            sig, self.state.num_http_in_flight, self.shutdown_timeout)
             self.state.draining = True
             self.drain_deadline = time.monotonic() + self.shutdown_timeout
-        elif self.stop_deadline is None and not self.should_exit:
+        elif not self.stopping and not self.should_exit:
             # A second signal: stop now, but cleanly. Requests in flight end with an
             # error (an SSE error event for streams, a 503 otherwise) rather than a cut
-            # connection; once they have (on_tick), the ordinary shutdown (lifespan
-            # included, which joins the engine thread) runs: no CancelledError
-            # tracebacks, no thread killed in C++.
+            # connection; once they have (the drain's end, on_tick), the ordinary
+            # shutdown (lifespan included, which joins the engine thread) runs: no
+            # CancelledError tracebacks, no thread killed in C++.
             logger.warning("signal %d again: ending %d request(s) in flight and stopping",
                            sig, self.state.num_http_in_flight)
             self.engine_client.fail_all_requests("the server was stopped before this request finished")
-            self.stop_deadline = time.monotonic() + self.STOP_GRACE_S
+            self.stopping = True
+            self.drain_deadline = min(self.drain_deadline, time.monotonic() + self.STOP_GRACE_S)
         else:  # a third signal: give up on a clean stop
             self.force_exit = True
 
@@ -301,10 +303,6 @@ class DrainingServer(uvicorn.Server):
             logger.error("the engine failed to load; exiting")
             self.exit_code = 1
             self.should_exit = True
-        if self.stop_deadline is not None and not self.should_exit:
-            # The second signal's stop: once the failed requests have ended.
-            if self.state.num_http_in_flight == 0 or time.monotonic() >= self.stop_deadline:
-                self.should_exit = True
         if self.drain_deadline is not None and not self.should_exit:
             if self.state.num_http_in_flight == 0:
                 logger.warning("drained: no request in flight; stopping")
