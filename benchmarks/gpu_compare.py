@@ -465,7 +465,7 @@ def variant_rooflines(info: dict, ceilings: dict, variant: str, args) -> dict:
             "decode256": roofline_decode_ms(info, ceilings, args.batch, args.static_in + 12)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--engine", default="all",
                    choices=["all", "pagoda", "pagoda-sync", "transformers"],
@@ -505,6 +505,11 @@ def main() -> None:
         args.batch, args.latency_prompt, args.latency_tokens, args.hf_latency_tokens = 4, 8, 8, 4
         args.static_in, args.static_out, args.nano_min, args.nano_max = 16, 8, 4, 16
         args.max_model_len = 64
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.child_out:
         return child_main(args)
 

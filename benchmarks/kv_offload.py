@@ -206,7 +206,7 @@ def restart_probe(p: dict, flags: list[str], warm_dir: str, workdir: str) -> dic
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     parser.add_argument("--output", default=None, help="JSON file to write")
@@ -222,29 +222,12 @@ def main() -> int:
     parser.add_argument("--restart-only", action="store_true",
                         help="only the restart probe, on --workdir's disk tier left by an "
                              "earlier cpu+disk run")
-    args = parser.parse_args()
-    from pagoda.worker.kv_disk_tier import DEFAULT_IO_THREADS
-    p = SMOKE if args.smoke else GPU
-    flags = list(p["model"])
-    if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
-        if args.tokenizer:
-            _TOKENIZER.append(args.tokenizer)
-        flags += ["--tokenizer", tokenizer_path()]
-    workdir = args.workdir or tempfile.mkdtemp(prefix="pagoda-kv-offload-")
-    os.makedirs(workdir, exist_ok=True)
-    disk_dir = os.path.join(workdir, "disk")
-    if not args.restart_only:
-        shutil.rmtree(disk_dir, ignore_errors=True)
-    wanted = [] if args.restart_only else args.configs.split(",")
-    final_len = p["first_len"] + (p["turns"] - 1) * (p["turn_len"] + p["output_len"])
-    working_set = p["conversations"] * final_len
-    print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
-          f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
-    ceiling = None
-    if not args.no_ceiling and not args.restart_only:
-        ceiling = measure_disk_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
-                                       p["kv_bytes_per_token"] * 16)
-        print(describe_ceiling(ceiling), flush=True)
+    return parser.parse_args()
+
+
+def run_configurations(p: dict, flags: list[str], disk_dir: str, workdir: str,
+                       wanted: list[str]) -> dict:
+    """One server per wanted configuration (off, cpu, cpu+disk), each benchmarked and summarized."""
     runs = {}
     for name, extra in configurations(p, disk_dir).items():
         if name not in wanted:
@@ -262,6 +245,56 @@ def main() -> int:
             print(f"  tier {tier}: hits {row.get('hits')}, skipped (recompute faster) "
                   f"{row.get('skipped_blocks')}, hit rate {row.get('hit_rate')}, "
                   f"load {row.get('load_gb_per_s')} GB/s", flush=True)
+    return runs
+
+
+def print_summary(result: dict) -> None:
+    ratios, ceiling, restart = (result["revisited_p50_speedup_vs_off"], result["disk_ceiling"],
+                                result["restart"])
+    disk_tier = ((result["runs"].get("cpu+disk") or {}).get("kv_offload") or {}).get("disk") or {}
+    print(f"revisited-turn P50 TTFT speedup vs recompute: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(f"CPU tier load bandwidth: {result['cpu_load_gb_per_s']} GB/s")
+    if disk_tier:
+        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
+              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
+    if ceiling is not None:
+        print(describe_ceiling(ceiling))
+    if restart is not None:
+        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
+              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
+              f"({restart['speedup']:.2f}x); warm path: {restart['warm_path']['path']} "
+              f"(disk hits {restart['warm_path']['disk_hits']:.0f}, skipped "
+              f"{restart['warm_path']['disk_skipped_blocks']:.0f}, est. disk "
+              f"{restart['warm_path']['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
+              f"{restart['warm_path']['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
+
+
+def main() -> int:
+    args = parse_args()
+    from pagoda.worker.kv_disk_tier import DEFAULT_IO_THREADS
+    p = SMOKE if args.smoke else GPU
+    flags = list(p["model"])
+    if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
+        if args.tokenizer:
+            _TOKENIZER.append(args.tokenizer)
+        flags += ["--tokenizer", tokenizer_path()]
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pagoda-kv-offload-")
+    os.makedirs(workdir, exist_ok=True)
+    disk_dir = os.path.join(workdir, "disk")
+    if not args.restart_only:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    final_len = p["first_len"] + (p["turns"] - 1) * (p["turn_len"] + p["output_len"])
+    working_set = p["conversations"] * final_len
+    print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
+          f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
+    ceiling = None
+    if not args.no_ceiling and not args.restart_only:
+        ceiling = measure_disk_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
+                                       p["kv_bytes_per_token"] * 16)
+        print(describe_ceiling(ceiling), flush=True)
+    wanted = [] if args.restart_only else args.configs.split(",")
+    runs = run_configurations(p, flags, disk_dir, workdir, wanted)
     restart = None if args.no_restart else restart_probe(p, flags, disk_dir, workdir)
     off = runs["off"]["revisited_ttft_ms"]["p50"] if "off" in runs else None
     ratios = {name: off / run["revisited_ttft_ms"]["p50"] for name, run in runs.items()
@@ -276,22 +309,7 @@ def main() -> int:
         "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
         "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart,
     }
-    print(f"revisited-turn P50 TTFT speedup vs recompute: "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    print(f"CPU tier load bandwidth: {cpu_tier.get('load_gb_per_s')} GB/s")
-    if disk_tier:
-        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
-              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
-    if ceiling is not None:
-        print(describe_ceiling(ceiling))
-    if restart is not None:
-        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
-              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
-              f"({restart['speedup']:.2f}x); warm path: {restart['warm_path']['path']} "
-              f"(disk hits {restart['warm_path']['disk_hits']:.0f}, skipped "
-              f"{restart['warm_path']['disk_skipped_blocks']:.0f}, est. disk "
-              f"{restart['warm_path']['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
-              f"{restart['warm_path']['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
+    print_summary(result)
     if args.output:
         write_json(args.output, result)
     return 0

@@ -139,7 +139,7 @@ def summarise(steps: list, batch: int) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--dtype", default="bfloat16")
@@ -157,6 +157,51 @@ def main() -> None:
     add_kernel_switches(p)
     args = p.parse_args()
     apply_kernel_switches(args)
+    return args
+
+
+def print_profiled(profiled: dict, rows: list[dict]) -> None:
+    print(f"static (profiled): {profiled['seconds']:.3f} s wall, device busy "
+          f"{profiled['device_busy_ms']:.0f} ms, first-to-last kernel "
+          f"{profiled['device_first_to_last_ms']:.0f} ms")
+    for name, s in profiled["summary"].items():
+        print(f"{name}: {s['steps']} steps, host {s['host_ms']:.0f} ms, device {s['device_ms']:.0f} ms")
+        print("    device:", ", ".join(f"{k} {v:.0f}" for k, v in s["kinds_ms"].items()))
+        print("    host in runtime calls:", ", ".join(f"{k} {v:.0f}" for k, v in s["runtime_calls_ms"].items()))
+    print(f"{'step':>4} {'tokens':>6} {'host':>7} {'device':>7} {'span':>7}  kinds (ms)")
+    for r in rows:
+        kinds = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1])[:6])
+        calls = " ".join(f"{k}={v:.1f}" for k, v in r["runtime_ms"].items())
+        print(f"{r['step']:>4} {r['tokens']:>6} {r['host_ms']:>7.1f} {r['device_ms']:>7.1f} "
+              f"{r['span_ms']:>7.1f}  {kinds} | {calls}")
+
+
+def profile_run(engine, prompts: list, params, device: str, batch: int) -> dict:
+    """The static run again under torch.profiler; each step's kernels attributed to it."""
+    import torch
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        wall, steps = run_static(engine, prompts, params, "prof",
+                                 torch.profiler.record_function)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    device_steps, run = attribute_kernels(trace, len(steps))
+    rows = [{"step": i, "tokens": n, "host_ms": round(h, 2), **d}
+            for i, ((n, h, _), d) in enumerate(zip(steps, device_steps))]
+    profiled = {"seconds": wall, **run, "summary": summarise(rows, batch), "steps": rows}
+    print_profiled(profiled, rows)
+    return profiled
+
+
+def main() -> None:
+    args = parse_args()
     import numpy as np
     import torch
     from pagoda import LLM, SamplingParams
@@ -194,38 +239,9 @@ def main() -> None:
           f"{len(plain_steps)} steps; host stages per step (ms):")
     for i, (n, host, stages) in enumerate(plain_steps):
         print(f"{i:>4} {n:>6} {host:>7.1f}  " + " ".join(f"{k}={v:.1f}" for k, v in stages.items()))
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     # Fresh prompts: the first run's would hit the prefix cache and skip their prefill.
     prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.batch)]
-    with torch.profiler.profile(activities=activities) as prof:
-        wall, steps = run_static(engine, prompts, params, "prof",
-                                 torch.profiler.record_function)
-        sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    device_steps, run = attribute_kernels(trace, len(steps))
-    rows = [{"step": i, "tokens": n, "host_ms": round(h, 2), **d}
-            for i, ((n, h, _), d) in enumerate(zip(steps, device_steps))]
-    report["profiled"] = {"seconds": wall, **run, "summary": summarise(rows, args.batch),
-                          "steps": rows}
-    print(f"static (profiled): {wall:.3f} s wall, device busy {run['device_busy_ms']:.0f} ms, "
-          f"first-to-last kernel {run['device_first_to_last_ms']:.0f} ms")
-    for name, s in report["profiled"]["summary"].items():
-        print(f"{name}: {s['steps']} steps, host {s['host_ms']:.0f} ms, device {s['device_ms']:.0f} ms")
-        print("    device:", ", ".join(f"{k} {v:.0f}" for k, v in s["kinds_ms"].items()))
-        print("    host in runtime calls:", ", ".join(f"{k} {v:.0f}" for k, v in s["runtime_calls_ms"].items()))
-    print(f"{'step':>4} {'tokens':>6} {'host':>7} {'device':>7} {'span':>7}  kinds (ms)")
-    for r in rows:
-        kinds = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1])[:6])
-        calls = " ".join(f"{k}={v:.1f}" for k, v in r["runtime_ms"].items())
-        print(f"{r['step']:>4} {r['tokens']:>6} {r['host_ms']:>7.1f} {r['device_ms']:>7.1f} "
-              f"{r['span_ms']:>7.1f}  {kinds} | {calls}")
+    report["profiled"] = profile_run(engine, prompts, params, args.device, args.batch)
     write_json(args.out, report, indent=1)
 
 

@@ -213,71 +213,95 @@ def _moe_gemm_cases(fm, m):
                     IEEE_FP32=dtype == torch.float32, B_TMA=tma, **config)
 
 
+_BF16 = torch.bfloat16
+_HIDDEN, _QKV_ROWS, _EXPERTS, _EXPERT_INTER = 2048, 5120, 128, 768  # Qwen3-30B-A3B
+
+
 def _pdl_cases():
-    """Batch-1 decode kernels of the Qwen3-30B-A3B shape with USE_PDL (pagoda.kernels.pdl):
-    the wait on the predecessor grid must lower to griddepcontrol (checked in main)."""
-    from pagoda.kernels import fused_moe_decode as fmd
+    """Batch-1 decode kernels of the Qwen3-30B-A3B shape with USE_PDL (pagoda.kernels.pdl),
+    in a layer's order: the wait on the predecessor grid must lower to griddepcontrol
+    (checked in main)."""
+    yield from _pdl_norm_gemv_cases()
+    yield from _pdl_router_gate_up_cases()
+    yield from _qk_rope_store_cases()
+    yield from _pdl_w8a16_cases()
+    yield from _pdl_decode_cases()
+    yield from _pdl_moe_down_cases()
+
+
+def _pdl_norm_gemv_cases():
     from pagoda.kernels import fused_ops as fo
     from pagoda.kernels import gemv
-    bf16 = torch.bfloat16
-    x, out = torch.empty(1, 2048, dtype=bf16), torch.empty(1, 2048, dtype=bf16)
+    x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
+    norm_args = (x, x, torch.empty(_HIDDEN, dtype=_BF16), out, out, 1, _HIDDEN, _HIDDEN,
+                 _HIDDEN, _HIDDEN, 1e-6)
     for preload in (False, True):
-        yield f"rms_norm{'[preload]' if preload else ''}", fo._rms_norm_kernel, (
-            x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048,
-            1e-6), dict(HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
-                        num_warps=4, USE_PDL=True)
+        yield f"rms_norm{'[preload]' if preload else ''}", fo._rms_norm_kernel, norm_args, dict(
+            HIDDEN=_HIDDEN, BLOCK=_HIDDEN, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
+            num_warps=4, USE_PDL=True)
     # pdl.TRIGGER_FIRST: the release comes before the wait.
-    yield "rms_norm[preload, trigger first]", fo._rms_norm_kernel, (
-        x, x, torch.empty(2048, dtype=bf16), out, out, 1, 2048, 2048, 2048, 2048,
-        1e-6), dict(HIDDEN=2048, BLOCK=2048, HAS_RESIDUAL=True, PRELOAD_WEIGHT=True,
-                    num_warps=4, USE_PDL=2)
-    w = torch.empty(5120, 2048, dtype=bf16)
-    y = torch.empty(1, 5120, dtype=bf16)
-    cfg = dict(gemv.default_config(1, 5120, 2048))
+    yield "rms_norm[preload, trigger first]", fo._rms_norm_kernel, norm_args, dict(
+        HIDDEN=_HIDDEN, BLOCK=_HIDDEN, HAS_RESIDUAL=True, PRELOAD_WEIGHT=True, num_warps=4,
+        USE_PDL=2)
+    w = torch.empty(_QKV_ROWS, _HIDDEN, dtype=_BF16)
+    y = torch.empty(1, _QKV_ROWS, dtype=_BF16)
+    cfg = dict(gemv.default_config(1, _QKV_ROWS, _HIDDEN))
     yield "gemv[qkv]", gemv._gemv_kernel, (
-        x, w, y, y, y, y, 1, 5120, 2048, 2048, 2048, 2048, 5120), dict(
+        x, w, y, y, y, y, 1, _QKV_ROWS, _HIDDEN, _HIDDEN, _HIDDEN, _HIDDEN, _QKV_ROWS), dict(
         HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
         EVEN_K=True, **cfg, USE_PDL=True)
-    w13, w2 = torch.empty(128, 1536, 2048, dtype=bf16), torch.empty(128, 2048, 768, dtype=bf16)
-    ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
-    act = torch.empty(8, 768, dtype=bf16)
+
+
+def _pdl_router_gate_up_cases():
     import triton.language as tl
+
+    from pagoda.kernels import fused_moe_decode as fmd
     from pagoda.kernels import moe_router_fused as mrf
-    gate_w, scratch = torch.empty(128, 2048, dtype=bf16), torch.empty(16, 128)
+    x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
+    w13 = torch.empty(_EXPERTS, 2 * _EXPERT_INTER, _HIDDEN, dtype=_BF16)
+    ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
+    act = torch.empty(8, _EXPERT_INTER, dtype=_BF16)
+    gate_w, scratch = torch.empty(_EXPERTS, _HIDDEN, dtype=_BF16), torch.empty(16, _EXPERTS)
     counter = torch.empty(1, dtype=torch.int32)
     for norm in (False, True):
         yield f"router_fused[preload{', norm' if norm else ''}]", mrf._router_fused_kernel, (
-            x, gate_w, scratch, scratch, counter, weights, ids, 1, 2048, 2048, 2048, 128, 128,
-            1.0, x, x[0], out, out, 1e-6), dict(
-            LOGITS_DTYPE=tl.bfloat16, ROUND_LOGITS=True, BLOCK_T=1, BLOCK_X=1, BLOCK_H=2048,
-            ROUTE_T=1, BLOCK_E=128, TOP_K=8, SIGMOID=False, HAS_BIAS=False, GROUPED=False,
+            x, gate_w, scratch, scratch, counter, weights, ids, 1, _HIDDEN, _HIDDEN, _HIDDEN,
+            _EXPERTS, _EXPERTS, 1.0, x, x[0], out, out, 1e-6), dict(
+            LOGITS_DTYPE=tl.bfloat16, ROUND_LOGITS=True, BLOCK_T=1, BLOCK_X=1, BLOCK_H=_HIDDEN,
+            ROUTE_T=1, BLOCK_E=_EXPERTS, TOP_K=8, SIGMOID=False, HAS_BIAS=False, GROUPED=False,
             GROUP_BY_TOP2=False, N_GROUP=1, TOPK_GROUP=1, RENORMALIZE=True, BLOCK_G=2,
             BLOCK_K=8, PRELOAD_W=True, HAS_NORM=norm, num_warps=1, USE_PDL=True)
     yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
-        x, w13, ids, act, w13, 2048, 768, 2048, w13.stride(0), w13.stride(1), 8, 0,
-        2048), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
-    yield from _qk_rope_store_cases()
+        x, w13, ids, act, w13, _HIDDEN, _EXPERT_INTER, _HIDDEN, w13.stride(0), w13.stride(1), 8,
+        0, _HIDDEN), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
+
+
+def _pdl_w8a16_cases():
     from pagoda.kernels import fp8_w8a16 as fl
-    w8 = torch.empty(2 * 768, 2048, dtype=torch.float8_e4m3fn)
-    scale, y8 = torch.empty(2 * 768), torch.empty(1, 2 * 768, dtype=bf16)
+    x = torch.empty(1, _HIDDEN, dtype=_BF16)
+    w8 = torch.empty(2 * _EXPERT_INTER, _HIDDEN, dtype=torch.float8_e4m3fn)
+    scale, y8 = torch.empty(2 * _EXPERT_INTER), torch.empty(1, 2 * _EXPERT_INTER, dtype=_BF16)
     for gated in (False, True):
-        cfg = dict(fl.w8a16_config(1, 2 * 768, 2048))
+        cfg = dict(fl.w8a16_config(1, 2 * _EXPERT_INTER, _HIDDEN))
         cfg["BLOCK_N"] //= 2 if gated else 1
         cfg.pop("SPLIT_K")
         yield f"w8a16[gated={gated}]", fl._w8a16_kernel, (
-            x, w8, scale, y8, y8, y8, 1, 768 if gated else 1536, 2048, 2048, 2048, 2048,
-            1536, 1, 0), dict(
+            x, w8, scale, y8, y8, y8, 1, _EXPERT_INTER if gated else 2 * _EXPERT_INTER, _HIDDEN,
+            _HIDDEN, _HIDDEN, _HIDDEN, 2 * _EXPERT_INTER, 1, 0), dict(
             SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
             DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=True, DECODE="cvt",
             GATED=gated, **cfg, USE_PDL=True)
+
+
+def _pdl_decode_cases():
     from pagoda.kernels import paged_decode as pd
-    q, attn_out = torch.empty(1, 32, 128, dtype=bf16), torch.empty(1, 32, 128, dtype=bf16)
+    q, attn_out = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 128, dtype=_BF16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
     i32 = torch.empty(64, dtype=torch.int32)
     # The defaults for a bf16 and an FP8 cache, and the FP8 path benchmarks may switch to.
     for fp8, path_override in ((False, None), (True, None), (True, "words_kq8")):
-        cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else bf16)
-        cfg = dict(pd.decode_tile_config(bf16, fp8))
+        cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
+        cfg = dict(pd.decode_tile_config(_BF16, fp8))
         path = path_override or cfg.pop("fp8_path", "tile")
         cfg.pop("fp8_path", None)
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
@@ -298,12 +322,21 @@ def _pdl_cases():
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
         NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, PRELOAD_METADATA=pd.PRELOAD_METADATA,
         USE_PDL=True)
+
+
+def _pdl_moe_down_cases():
+    from pagoda.kernels import fused_moe_decode as fmd
+    out = torch.empty(1, _HIDDEN, dtype=_BF16)
+    w2 = torch.empty(_EXPERTS, _HIDDEN, _EXPERT_INTER, dtype=_BF16)
+    next_qkv = torch.empty(_QKV_ROWS, _HIDDEN, dtype=_BF16)
+    ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
+    act = torch.empty(8, _EXPERT_INTER, dtype=_BF16)
     # With and without the next layer's qkv weight prefetched at the end (l2_prefetch).
     for prefetch in (False, True):
         yield f"moe_gemv_down[prefetch_next={prefetch}]", fmd._gemv_down_sum_kernel, (
-            act, w2, ids, weights, out, w2, w, 2048, 768, w2.stride(0), w2.stride(1), 2048,
-            8, 768, 5120 * 2048 * 2), dict(
-            TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(768), PREFETCH_NEXT=prefetch,
+            act, w2, ids, weights, out, w2, next_qkv, _HIDDEN, _EXPERT_INTER, w2.stride(0),
+            w2.stride(1), _HIDDEN, 8, _EXPERT_INTER, _QKV_ROWS * _HIDDEN * 2), dict(
+            TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(_EXPERT_INTER), PREFETCH_NEXT=prefetch,
             USE_PDL=True)
 
 
