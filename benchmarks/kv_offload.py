@@ -248,10 +248,10 @@ def run_configurations(p: dict, flags: list[str], disk_dir: str, workdir: str,
     return runs
 
 
-def print_summary(result: dict) -> None:
+def print_summary(result: dict, disk_tier: dict) -> None:
+    """The run's headline figures; disk_tier: the cpu+disk run's disk-tier row (or {})."""
     ratios, ceiling, restart = (result["revisited_p50_speedup_vs_off"], result["disk_ceiling"],
                                 result["restart"])
-    disk_tier = ((result["runs"].get("cpu+disk") or {}).get("kv_offload") or {}).get("disk") or {}
     print(f"revisited-turn P50 TTFT speedup vs recompute: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"CPU tier load bandwidth: {result['cpu_load_gb_per_s']} GB/s")
@@ -309,7 +309,7 @@ def main() -> int:
         "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
         "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart,
     }
-    print_summary(result)
+    print_summary(result, disk_tier)
     if args.output:
         write_json(args.output, result)
     return 0

@@ -160,7 +160,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def print_profiled(profiled: dict, rows: list[dict]) -> None:
+def print_profiled(profiled: dict) -> None:
     print(f"static (profiled): {profiled['seconds']:.3f} s wall, device busy "
           f"{profiled['device_busy_ms']:.0f} ms, first-to-last kernel "
           f"{profiled['device_first_to_last_ms']:.0f} ms")
@@ -169,14 +169,14 @@ def print_profiled(profiled: dict, rows: list[dict]) -> None:
         print("    device:", ", ".join(f"{k} {v:.0f}" for k, v in s["kinds_ms"].items()))
         print("    host in runtime calls:", ", ".join(f"{k} {v:.0f}" for k, v in s["runtime_calls_ms"].items()))
     print(f"{'step':>4} {'tokens':>6} {'host':>7} {'device':>7} {'span':>7}  kinds (ms)")
-    for r in rows:
+    for r in profiled["steps"]:
         kinds = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1])[:6])
         calls = " ".join(f"{k}={v:.1f}" for k, v in r["runtime_ms"].items())
         print(f"{r['step']:>4} {r['tokens']:>6} {r['host_ms']:>7.1f} {r['device_ms']:>7.1f} "
               f"{r['span_ms']:>7.1f}  {kinds} | {calls}")
 
 
-def profile_run(engine, prompts: list, params, device: str, batch: int) -> dict:
+def profile_run(engine, prompts: list, params, device: str, batch: int, sync) -> dict:
     """The static run again under torch.profiler; each step's kernels attributed to it."""
     import torch
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -185,8 +185,7 @@ def profile_run(engine, prompts: list, params, device: str, batch: int) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         wall, steps = run_static(engine, prompts, params, "prof",
                                  torch.profiler.record_function)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -196,7 +195,7 @@ def profile_run(engine, prompts: list, params, device: str, batch: int) -> dict:
     rows = [{"step": i, "tokens": n, "host_ms": round(h, 2), **d}
             for i, ((n, h, _), d) in enumerate(zip(steps, device_steps))]
     profiled = {"seconds": wall, **run, "summary": summarise(rows, batch), "steps": rows}
-    print_profiled(profiled, rows)
+    print_profiled(profiled)
     return profiled
 
 
@@ -241,7 +240,7 @@ def main() -> None:
         print(f"{i:>4} {n:>6} {host:>7.1f}  " + " ".join(f"{k}={v:.1f}" for k, v in stages.items()))
     # Fresh prompts: the first run's would hit the prefix cache and skip their prefill.
     prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.batch)]
-    report["profiled"] = profile_run(engine, prompts, params, args.device, args.batch)
+    report["profiled"] = profile_run(engine, prompts, params, args.device, args.batch, sync)
     write_json(args.out, report, indent=1)
 
 
