@@ -103,6 +103,101 @@ def _e4m3_bits_to(w, dtype: tl.constexpr):
 
 
 @triton.jit
+def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
+                  stride_sn, stride_sk, SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr,
+                  GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
+                  DECODE: tl.constexpr):
+    """One x row times the ROWS weight rows at w_rows over [k_start, k_end): [1, ROWS]
+    float32, block scales applied, per-channel scales not (the kernel's epilogue does).
+    DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
+    factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
+    (2^56) applied at the end, so w * s stays a normal float32 (exact products) for any
+    scale in [2^-70, 2^64)."""
+    acc2 = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
+    # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if DECODE == "bits":
+            w = _e4m3_bits_f32(w)
+        else:
+            w = w.to(tl.float32)
+        if SCALE_BLOCKED:
+            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                        mask=n_ok, other=0.0)
+            if DECODE == "bits":
+                s = s * 18446744073709551616.0  # 2^64
+            w = w * s[:, None]
+        acc2 += w * x[None, :]
+    acc = tl.sum(acc2, axis=1)[None, :]
+    if DECODE == "bits":
+        if SCALE_BLOCKED:
+            acc = acc * 72057594037927936.0  # 2^56
+        else:
+            acc = acc * 1.329227995784916e36  # 2^120; the scale multiplies below
+    return acc
+
+
+@triton.jit
+def _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_end, M,
+               stride_xm, stride_sn, stride_sk, SCALE_BLOCKED: tl.constexpr,
+               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DECODE: tl.constexpr):
+    """x's rows (BLOCK_M, those >= M zero) times the BLOCK_N weight rows at w_rows over
+    [k_start, k_end) by tl.dot on weights decoded to x's dtype: [BLOCK_M, BLOCK_N]
+    float32, block scales applied, per-channel scales not."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
+        if EVEN_K:
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < k_end - k0
+            x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if DECODE == "bits":
+            w = _e4m3_bits_to(w, x.dtype)
+        else:
+            w = w.to(x.dtype)
+        part = tl.dot(x, w, input_precision=DOT_PRECISION)
+        if SCALE_BLOCKED:
+            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                        mask=n_ok, other=0.0)
+            part = part * s[None, :]
+        acc += part
+    return acc
+
+
+@triton.jit
+def _silu_mul_pairs(acc, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[1, 2 * BLOCK_N] accumulators of interleaved gate / up rows -> [1, BLOCK_N]
+    silu(gate) * up, each rounded to out_dtype first as the unfused gate_up linear and
+    silu_and_mul round them."""
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+    gate = gate.to(out_dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype)
+    return (silu.to(tl.float32) * up.to(out_dtype).to(tl.float32))[None, :]
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
@@ -120,9 +215,8 @@ def _w8a16_kernel(
     mask along that axis (a mask Triton cannot prove uniform splits the 16-byte vector
     loads into narrower ones: the GEMV then falls far short of the memory bandwidth).
     GATED (one row, SPLIT_K 1, no bias): the weight is [gate; up], 2N rows, and out[:, j]
-    = silu(gate_j) * up_j, each rounded to out's dtype first as the unfused gate_up
-    linear and silu_and_mul round them; the program's accumulator rows interleave gate
-    row j and up row N + j, so one tile streams both."""
+    = silu(gate_j) * up_j (_silu_mul_pairs); the program's accumulator rows interleave
+    gate row j and up row N + j, so one tile streams both."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GATED:
@@ -140,78 +234,18 @@ def _w8a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     pdl_wait_and_release(USE_PDL)  # before any load or store
     if BLOCK_M == 1:
-        # DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
-        # factor is undone on the reduced sums. Block scales are raised by 2^64 and the rest
-        # (2^56) applied at the end, so w * s stays a normal float32 (exact products) for
-        # any scale in [2^-70, 2^64).
-        if GATED:
-            acc2 = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
-        # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-            w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
-            if EVEN_K:
-                x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < k_end - k0
-                x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if DECODE == "bits":
-                w = _e4m3_bits_f32(w)
-            else:
-                w = w.to(tl.float32)
-            if SCALE_BLOCKED:
-                s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
-                            mask=n_ok, other=0.0)
-                if DECODE == "bits":
-                    s = s * 18446744073709551616.0  # 2^64
-                w = w * s[:, None]
-            acc2 += w * x[None, :]
-        acc = tl.sum(acc2, axis=1)[None, :]
-        if DECODE == "bits":
-            if SCALE_BLOCKED:
-                acc = acc * 72057594037927936.0  # 2^56
-            else:
-                acc = acc * 1.329227995784916e36  # 2^120; the scale multiplies below
+        acc = _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
+                            stride_sn, stride_sk, SCALE_BLOCKED, GROUP_N, GROUP_K,
+                            2 * BLOCK_N if GATED else BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                            LOOP_STAGES, DECODE)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        for k0 in range(k_start, k_end, BLOCK_K):
-            w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
-            if EVEN_K:
-                x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < k_end - k0
-                x = tl.load(x_rows + (k0 + offs_k)[None, :],
-                            mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if DECODE == "bits":
-                w = _e4m3_bits_to(w, x.dtype)
-            else:
-                w = w.to(x.dtype)
-            part = tl.dot(x, w, input_precision=DOT_PRECISION)
-            if SCALE_BLOCKED:
-                s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
-                            mask=n_ok, other=0.0)
-                part = part * s[None, :]
-            acc += part
+        acc = _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_end,
+                         M, stride_xm, stride_sn, stride_sk, SCALE_BLOCKED, GROUP_N, GROUP_K,
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DECODE)
     if not SCALE_BLOCKED:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
     if GATED:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
-        gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-        acc = (silu.to(tl.float32) * up.to(out_ptr.dtype.element_ty).to(tl.float32))[None, :]
+        acc = _silu_mul_pairs(acc, out_ptr.dtype.element_ty, BLOCK_N)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]

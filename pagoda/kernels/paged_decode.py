@@ -220,6 +220,50 @@ def _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, J: tl.const
                    mask=head_ok[:, None], other=0.0).to(tl.float16)
 
 
+@triton.jit
+def _load_word_queries(q_ptr, q_row, head, head_ok, stride_qt, stride_qh,
+                       HEAD_DIM: tl.constexpr, QK_FP8: tl.constexpr, KEYS_AS_A: tl.constexpr):
+    """attend_word_tile's query operands q0..q3 and the rows' scales. QK_FP8: the rows in
+    e4m3 (q1 transposed for KEYS_AS_A; q2, q3 unused) and their power-of-two scales;
+    else the four float16 planes of every fourth dim (scale 1, unused)."""
+    if QK_FP8:
+        q0, q_scale = _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM)
+        q1 = tl.trans(q0) if KEYS_AS_A else q0
+        q2 = q0
+        q3 = q0
+    else:
+        q0 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 0, HEAD_DIM)
+        q1 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 1, HEAD_DIM)
+        q2 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 2, HEAD_DIM)
+        q3 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 3, HEAD_DIM)
+        q_scale = 1.0
+    return q0, q1, q2, q3, q_scale
+
+
+@triton.jit
+def _write_word_planes(a0, a1, a2, a3, l_i, m_i, v_scale, out_ptr, partial_out_ptr,
+                       partial_lse_ptr, q_row, req, head, head_ok, split, num_splits,
+                       stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIRECT_OUT: tl.constexpr):
+    """Stores the four planes' accumulators (plane j holds dims j, j + 4, ...), scaled by
+    v_scale / the slice's sum, through _write_slice (the lse once, with plane 0). An
+    empty slice's accumulators are 0 and its lse -inf."""
+    factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
+    cols = tl.arange(0, HEAD_DIM // 4) * 4
+    _write_slice(a0 * factor[:, None], l_i, m_i, cols, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
+    _write_slice(a1 * factor[:, None], l_i, m_i, cols + 1, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_slice(a2 * factor[:, None], l_i, m_i, cols + 2, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_slice(a3 * factor[:, None], l_i, m_i, cols + 3, out_ptr, partial_out_ptr, partial_lse_ptr,
+                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
+                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+
+
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_words_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
@@ -251,16 +295,8 @@ def _decode_words_kernel(
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
     head_ok = h < GROUP
-    if QK_FP8:
-        q0, q_scale = _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM)
-        q1 = tl.trans(q0) if KEYS_AS_A else q0
-        q2 = q0
-        q3 = q0
-    else:
-        q0 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 0, HEAD_DIM)
-        q1 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 1, HEAD_DIM)
-        q2 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 2, HEAD_DIM)
-        q3 = _load_q_plane(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, 3, HEAD_DIM)
+    q0, q1, q2, q3, q_scale = _load_word_queries(q_ptr, q_row, head, head_ok, stride_qt,
+                                                 stride_qh, HEAD_DIM, QK_FP8, KEYS_AS_A)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
     a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
@@ -288,21 +324,9 @@ def _decode_words_kernel(
             PAGE_SIZE, BLOCK_N, HEAD_DIM, BITS, QK_FP8, KEYS_AS_A, UNMASKED_K, OFFSETS_32,
             PTX_PAIRS)
 
-    # Empty slice: the accumulators are 0, the lse -inf (_write_slice).
-    factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
-    cols = tl.arange(0, HEAD_DIM // 4) * 4
-    _write_slice(a0 * factor[:, None], l_i, m_i, cols, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
-    _write_slice(a1 * factor[:, None], l_i, m_i, cols + 1, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
-    _write_slice(a2 * factor[:, None], l_i, m_i, cols + 2, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
-    _write_slice(a3 * factor[:, None], l_i, m_i, cols + 3, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_word_planes(a0, a1, a2, a3, l_i, m_i, v_scale, out_ptr, partial_out_ptr,
+                       partial_lse_ptr, q_row, req, head, head_ok, split, num_splits,
+                       stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT_OUT)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
