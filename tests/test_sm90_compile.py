@@ -35,12 +35,19 @@ def _ptxas_present() -> bool:
 @pytest.mark.skipif(not _ptxas_present(),
                     reason="needs Triton with its CUDA backend (pip install 'pagoda[test]')")
 @pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant"])
-def test_kernels_compile_for_sm90(group):
+def test_kernels_compile_for_sm90(group, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, TOOL, "--loops", group], capture_output=True,
+    sass = ["--sass", str(tmp_path)] if group == "fp8_fused_quant" else []
+    out = subprocess.run([sys.executable, TOOL, "--loops", *sass, group], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "REG:" in out.stdout, out.stdout
+    if sass:  # one SASS file per reported case, each with the kernel's instructions
+        cases = [line.split(":")[0] for line in out.stdout.splitlines() if "REG:" in line]
+        files = sorted(p.name for p in tmp_path.iterdir())
+        assert len(files) == len(cases) > 0, (files, cases)
+        for path in tmp_path.iterdir():
+            assert re.search(r"/\*[0-9a-f]{4}\*/\s+EXIT", path.read_text()), path.name
     if group == "pdl":  # --loops finds the FP8 decode kernels' key loop
         lines = out.stdout.splitlines()
         for i, line in enumerate(lines):

@@ -3,6 +3,7 @@
     python tools/compile_sm90.py            # every kernel case in CASES below
     python tools/compile_sm90.py moe        # the cases of one group
     python tools/compile_sm90.py --loops pdl   # and each kernel's loops in SASS
+    python tools/compile_sm90.py --sass DIR pdl   # and each case's SASS into DIR
 
 The Triton interpreter (what the CPU tests run) executes a kernel's Python, so it
 cannot see what the GPU compiler rejects (an op a layout cannot lower, shared memory
@@ -11,6 +12,9 @@ each case's arguments (CPU tensors stand in for device pointers: only dtype and
 alignment matter), builds the kernel with Triton's own compiler for
 GPUTarget("cuda", 90, 32) through ptxas (shipped in Triton's wheel) and prints its
 registers, spills and shared memory. A compile error is raised, and the run exits 1.
+With --sass DIR it writes each case's whole SASS to DIR/<group>.<case>.sass: run it
+before and after a change that should not alter the compiled code (a kernel split into
+helpers, say) and diff the two folders.
 With --loops it also disassembles the cubin (cuobjdump -sass) and prints each loop
 (a backward branch) with its instruction count and commonest opcodes: for a kernel
 bound by instruction issue, the count of its main loop is a first measure of a change
@@ -408,8 +412,23 @@ CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases
          "fp8_fused_quant": _fp8_fused_quant_cases}
 
 
+def write_sass(directory: str, case: str, compiled) -> None:
+    """The cubin's SASS (cuobjdump -sass) as directory/<case>.sass, the case name with
+    anything but letters, digits, '.', '_', '=' and '-' replaced by '_'."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, re.sub(r"[^\w.=-]", "_", case) + ".sass"), "w") as f:
+        f.write(_cuobjdump(compiled, "-sass"))
+
+
 def main(argv: list[str]) -> int:
     loops = "--loops" in argv
+    sass_dir = None
+    if "--sass" in argv:
+        at = argv.index("--sass")
+        if at + 1 >= len(argv):
+            raise SystemExit("--sass needs a folder")
+        sass_dir = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
     names = [a for a in argv if a != "--loops"] or list(CASES)
     failed = 0
     for module in names:
@@ -420,6 +439,8 @@ def main(argv: list[str]) -> int:
                 if kwargs.get("USE_PDL"):
                     check_pdl_order(ptx, trigger_first=kwargs["USE_PDL"] == 2)
                 print(report(f"{module}.{name}", compiled))
+                if sass_dir:
+                    write_sass(sass_dir, f"{module}.{name}", compiled)
                 if "preload" in name:
                     print(f"  {preloaded_loads(ptx)}")
                 if "prefetch" in name:
