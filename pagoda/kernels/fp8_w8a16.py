@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.gemv import load_row_step
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 # The most rows w8a16_linear takes (one program holds all rows' accumulators).
@@ -118,17 +119,7 @@ def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
     # LOOP_STAGES > 1: Triton's software pipeliner keeps that many K steps' loads in
     # flight (the GEMV is bound by bytes in flight per SM, not by arithmetic).
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-        w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x, w = load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N, EVEN_K, True)
         if DECODE == "bits":
             w = _e4m3_bits_f32(w)
         else:

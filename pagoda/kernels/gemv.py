@@ -168,6 +168,33 @@ def _gemv_kernel(
 
 
 @triton.jit
+def load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
+                  EVEN_K: tl.constexpr, X_F32: tl.constexpr = False):
+    """One K step of a one-row GEMV: x[k0 + offs_k] (as stored, or float32 with X_F32)
+    and the weight tile [rows, len(offs_k)] at w_rows' row starts as stored, zero past
+    N's or K's end. A load carries a mask only along an axis the tile can be cut on
+    (EVEN_N / EVEN_K false): a mask Triton cannot prove uniform splits the 16-byte
+    vector loads. X_F32 converts x right after its load, before the weight load (the
+    FP8 GEMV's order: converting after it compiles a longer block-scaled loop)."""
+    w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + offs_k)
+        if X_F32:
+            x = x.to(tl.float32)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        k_ok = offs_k < k_end - k0
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+        if X_F32:
+            x = x.to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
 def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
              LOOP_STAGES: tl.constexpr):
@@ -178,17 +205,7 @@ def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
     offs_k = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-        w_ptrs = w_rows[:, None] + (k0 + offs_k)[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x, w = load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N, EVEN_K)
         acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
     return tl.sum(acc2, axis=1)[None, :]
 
