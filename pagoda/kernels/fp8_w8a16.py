@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.gemv import load_row_step
+from pagoda.kernels.gemv import load_kn_step, load_row_step
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
 
 # The most rows w8a16_linear takes (one program holds all rows' accumulators).
@@ -153,17 +153,8 @@ def _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_en
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
         w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
-        if EVEN_K:
-            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_rows + (k0 + offs_k)[None, :],
-                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        x, w = load_kn_step(x_rows + (k0 + offs_k)[None, :], w_ptrs, offs_m < M, n_ok, offs_k,
+                            k0, k_end, EVEN_N, EVEN_K)
         if DECODE == "bits":
             w = _e4m3_bits_to(w, x.dtype)
         else:

@@ -195,6 +195,25 @@ def load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
 
 
 @triton.jit
+def load_kn_step(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """One K step of a tl.dot tile, as stored: x [rows, len(offs_k)] at x_ptrs (rows not
+    m_ok read as 0) and the weight tile read as [len(offs_k), N] at w_ptrs, zero past N's
+    or K's end; the weight load is masked only along an axis the tile can be cut on."""
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        k_ok = offs_k < k_end - k0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
 def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
              LOOP_STAGES: tl.constexpr):
@@ -221,16 +240,7 @@ def _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION: tl.cons
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
         x_ptrs = x_rows[:, None] + (k0 + offs_k)[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < k_end - k0
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        x, w = load_kn_step(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, k0, k_end, EVEN_N, EVEN_K)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     return acc
 
