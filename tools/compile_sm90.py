@@ -79,14 +79,14 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 _COPY_WAIT = re.compile(r"\bDEPBAR\.LE SB0, (0x[0-9a-f]+)")
 
 
-def sass_loops(compiled) -> list[tuple[int, int, collections.Counter, list[int]]]:
-    """(start address, instruction count, opcode counts, copy waits) of each loop of the
-    kernel: the instructions from a backward branch's target to the branch itself. Copy
-    waits: each DEPBAR.LE SB0, N in the loop, N the cp.async groups left in flight (a
-    loop that waits with 0 at its top has no copy in flight during its math: Triton's
-    pipelining did not overlap the loads, docs/performance.md, 2026-12-06)."""
+def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter, list[int]]]:
+    """(start address, instruction count, opcode counts, copy waits) of each loop in the
+    SASS text (cuobjdump -sass): the instructions from a backward branch's target to the
+    branch itself. Copy waits: each DEPBAR.LE SB0, N in the loop, N the cp.async groups
+    left in flight (a loop that waits with 0 at its top has no copy in flight during its
+    math: Triton's pipelining did not overlap the loads, docs/performance.md, 2026-12-06)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for m in
-                    map(_SASS_LINE.match, _cuobjdump(compiled, "-sass").splitlines()) if m]
+                    map(_SASS_LINE.match, sass.splitlines()) if m]
     index = {address: i for i, (address, _) in enumerate(instructions)}
     loops = []
     for i, (address, text) in enumerate(instructions):
@@ -412,12 +412,12 @@ CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases
          "fp8_fused_quant": _fp8_fused_quant_cases}
 
 
-def write_sass(directory: str, case: str, compiled) -> None:
-    """The cubin's SASS (cuobjdump -sass) as directory/<case>.sass, the case name with
+def write_sass(directory: str, case: str, sass: str) -> None:
+    """A case's SASS (cuobjdump -sass) as directory/<case>.sass, the case name with
     anything but letters, digits, '.', '_', '=' and '-' replaced by '_'."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, re.sub(r"[^\w.=-]", "_", case) + ".sass"), "w") as f:
-        f.write(_cuobjdump(compiled, "-sass"))
+        f.write(sass)
 
 
 def main(argv: list[str]) -> int:
@@ -439,13 +439,15 @@ def main(argv: list[str]) -> int:
                 if kwargs.get("USE_PDL"):
                     check_pdl_order(ptx, trigger_first=kwargs["USE_PDL"] == 2)
                 print(report(f"{module}.{name}", compiled))
+                # Disassembled once for both --sass and --loops.
+                sass = _cuobjdump(compiled, "-sass") if loops or sass_dir else ""
                 if sass_dir:
-                    write_sass(sass_dir, f"{module}.{name}", compiled)
+                    write_sass(sass_dir, f"{module}.{name}", sass)
                 if "preload" in name:
                     print(f"  {preloaded_loads(ptx)}")
                 if "prefetch" in name:
                     print(f"  {bulk_prefetches(ptx, name)}")
-                for start, count, opcodes, waits in sass_loops(compiled) if loops else ():
+                for start, count, opcodes, waits in sass_loops(sass) if loops else ():
                     top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
                     print(f"  loop at {start:#x}: {count} instructions ({top})")
                     if waits:
