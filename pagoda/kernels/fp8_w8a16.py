@@ -104,6 +104,15 @@ def _e4m3_bits_to(w, dtype: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, GROUP_N: tl.constexpr,
+                  GROUP_K: tl.constexpr):
+    """The block scales of weight rows offs_n at K offset k0: one per (GROUP_N, GROUP_K)
+    block, [len(offs_n)] float32, 0 for rows past N."""
+    return tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                   mask=n_ok, other=0.0)
+
+
+@triton.jit
 def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
                   stride_sn, stride_sk, SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr,
                   GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -125,8 +134,7 @@ def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
         else:
             w = w.to(tl.float32)
         if SCALE_BLOCKED:
-            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
-                        mask=n_ok, other=0.0)
+            s = _block_scales(s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, GROUP_N, GROUP_K)
             if DECODE == "bits":
                 s = s * 18446744073709551616.0  # 2^64
             w = w * s[:, None]
@@ -161,8 +169,7 @@ def _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_en
             w = w.to(x.dtype)
         part = tl.dot(x, w, input_precision=DOT_PRECISION)
         if SCALE_BLOCKED:
-            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
-                        mask=n_ok, other=0.0)
+            s = _block_scales(s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, GROUP_N, GROUP_K)
             part = part * s[None, :]
         acc += part
     return acc
