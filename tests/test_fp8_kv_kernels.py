@@ -383,6 +383,52 @@ def test_query_rounding_of_the_fp8_dot_path():
     assert torch.equal(again_q8.float() * again_scale, exact)
 
 
+def test_wide_grid_rule_and_its_tiles(monkeypatch):
+    """One context slice and at least PROGRAMS_PER_SM programs an SM is a wide grid; there
+    an FP8 cache's default is FP8_WIDE_GRID_TILES, unless either switch turns it off."""
+    from pagoda.kernels import paged_decode as pd
+    assert pd.PROGRAMS_PER_SM == 4
+    assert pd.wide_grid(256, 8, 1, 132) and pd.wide_grid(66, 8, 1, 132)
+    assert not pd.wide_grid(65, 8, 1, 132)  # 520 programs < 4 * 132
+    assert not pd.wide_grid(256, 8, 2, 132)  # sliced
+    bf16 = torch.bfloat16
+    assert pd.decode_tile_config(bf16, True, True) == pd.FP8_WIDE_GRID_TILES
+    assert pd.decode_tile_config(bf16, True, True)["fp8_path"] == "words_kq8"
+    assert pd.decode_tile_config(bf16, True, False) == dict(pd.FP8_WORD_TILES,
+                                                            fp8_path="words_qk8")
+    assert pd.decode_tile_config(bf16, False, True) == dict(BLOCK_N=64, num_warps=4,
+                                                            num_stages=3)
+    monkeypatch.setattr(pd, "FP8_WIDE_GRID", False)
+    assert pd.decode_tile_config(bf16, True, True)["fp8_path"] == "words_qk8"
+    monkeypatch.setattr(pd, "FP8_WIDE_GRID", True)
+    monkeypatch.setattr(pd, "FP8_QK_DOT", False)  # the exact read: no query rounding
+    assert pd.decode_tile_config(bf16, True, True) == dict(pd.FP8_WORD_TILES,
+                                                           fp8_path="words_cvt")
+
+
+def test_wide_grid_decode_matches_torch_ref(monkeypatch):
+    """The default decode on a wide grid (the SM count set to 4 so that 8 requests x 2 KV
+    heads fill it): FP8_WIDE_GRID_TILES, keys x q^T with whole K tiles read, against the
+    reference with the queries rounded as that path rounds them."""
+    from pagoda.kernels import paged_decode as pd
+    asked = []
+    config_of = pd.decode_tile_config
+    monkeypatch.setattr(pd, "decode_tile_config",
+                        lambda *a: asked.append(a[2]) or config_of(*a))
+    monkeypatch.setattr(pd, "sm_count", lambda device: 4)
+    contexts = [37, 20, 1, 130, 64, 200, 16, 9]
+    case = fp8_decode_case(contexts, 8, 2, 64, 16, quantized_q=True)
+    q = case["q"].to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    pd.paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
+                              case["qsl"].to(DEVICE), case["seq"].to(DEVICE), len(contexts),
+                              1 / math.sqrt(64), 1, kv_scales=case["scales"].to(DEVICE))
+    assert asked == [True]
+    rows = case["decode_rows"]
+    torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
+    assert (out[[r for r in range(q.shape[0]) if r not in rows]] == 7.0).all()
+
+
 def test_decode_words_path_refuses_what_it_cannot_read():
     from pagoda.kernels.paged_decode import paged_attention_decode
     case = fp8_decode_case([20], 4, 1, 64, 16)

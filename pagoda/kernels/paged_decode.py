@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.capability import sm_count
 from pagoda.kernels.fp8_decode_words import attend_word_tile
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
@@ -55,6 +56,9 @@ MIN_SPLIT_TOKENS = 256
 # step does: then slices as short as this (docs/performance.md, batch-1 kernel sweep).
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
+# The grid fills the GPU when it holds this many programs an SM: choose_num_splits slices
+# contexts until it does, and one slice at that size or more is a "wide" grid (below).
+PROGRAMS_PER_SM = 4
 # A decode CUDA graph is planned for the longest context its block table holds, which
 # at small batches means MAX_SPLITS slices; for steps whose contexts are all short, a
 # second graph with SHORT_CONTEXT_SPLITS slices (no more than ~64 tokens each up to
@@ -372,12 +376,12 @@ def min_split_tokens(num_decode_reqs: int, num_kv_heads: int, num_sms: int) -> i
 def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int) -> int:
     """Context slices per (request, kv head): enough programs to fill the GPU about
-    four times over, no slice under min_split_tokens, at most MAX_SPLITS."""
+    PROGRAMS_PER_SM times over, no slice under min_split_tokens, at most MAX_SPLITS."""
     min_split = min_split_tokens(num_decode_reqs, num_kv_heads, num_sms)
     if num_decode_reqs <= 0 or max_seq_len <= min_split:
         return 1
     by_length = triton.cdiv(max_seq_len, min_split)
-    by_occupancy = triton.cdiv(4 * num_sms, num_decode_reqs * num_kv_heads)
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, num_decode_reqs * num_kv_heads)
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
@@ -393,7 +397,14 @@ def short_context_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: i
     return SHORT_CONTEXT_SPLITS
 
 
-def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
+def wide_grid(num_reqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
+    """One context slice and at least PROGRAMS_PER_SM programs an SM (the batch-256
+    decode step): where an FP8 cache's decode takes FP8_WIDE_GRID_TILES."""
+    return num_splits == 1 and num_reqs * num_kv_heads >= PROGRAMS_PER_SM * num_sms
+
+
+def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False,
+                       wide: bool = False) -> dict:
     """Key tile and launch options of the decode kernel.
 
     16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
@@ -414,10 +425,17 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     loads depend on the block-table load of the same loop, and Triton 3.6 splits the
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
+
+    An FP8 cache at a wide grid (wide_grid; FP8_WIDE_GRID, with FP8_QK_DOT) takes
+    FP8_WIDE_GRID_TILES instead: keys x q^T, the word kernel's three switches on (config
+    keys "unmasked_k", "offsets_32", "ptx_pairs"; elsewhere the module's FP8_* switches
+    decide), one K / V buffer.
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
+        if wide and FP8_WIDE_GRID and FP8_QK_DOT:
+            return dict(FP8_WIDE_GRID_TILES)
         return dict(FP8_WORD_TILES, fp8_path="words_qk8" if FP8_QK_DOT else "words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -431,10 +449,10 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
 FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)  # decode_tile_config says why
-# Three switches of the word kernel, each fewer instructions a tile, off until a step
-# measures a gain: none showed on the H100, the H200 (where the kernel is issue-bound)
-# has not run them (docs/performance.md, 2026-12-06, eighteenth session;
-# benchmarks/variants/llama8b-fp8kv-words.json A/Bs them).
+# Three switches of the word kernel, each fewer instructions a tile: off at narrow grids,
+# where they measured no gain or a loss (docs/performance.md, 2026-12-06, eighteenth
+# session, and 2026-12-07, twenty-fourth), on in FP8_WIDE_GRID_TILES (below);
+# benchmarks/variants/llama8b-fp8kv-words.json A/Bs them.
 # True: the word kernel reads whole K tiles without masks
 # (fp8_decode_words.attend_word_tile says why that is safe and why V stays masked);
 # False: keys past the context end not loaded.
@@ -446,6 +464,17 @@ FP8_OFFSETS_32 = False
 # (fp8_decode_words._e4m3_pairs_to_f16); False, and under the interpreter: Triton's
 # conversion, one each.
 FP8_PTX_PAIRS = False
+# The FP8 decode at a wide grid (wide_grid): "words_kq8" on 128-key tiles, 4 warps, 2
+# stages (one K / V buffer, no prefetch: 55 KB of shared memory and 126 registers, four
+# programs an SM where FP8_WORD_TILES fits three), the three switches above on. Kernel
+# alone at 256 x 1152 (one Llama-8B layer) on the H100: 222 against 230 us reading the
+# cache from DRAM, 126 against 159 us with it held in L2, the regime of the H200's
+# power-capped step, where the kernel is bound by its instructions' latency, not bytes;
+# at narrower grids (slices, batch 1) FP8_WORD_TILES with the switches off measured
+# faster (docs/performance.md, 2026-12-07, twenty-fourth session).
+FP8_WIDE_GRID_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_kq8",
+                           unmasked_k=True, offsets_32=True, ptx_pairs=True)
+FP8_WIDE_GRID = True  # False: FP8_WORD_TILES at every grid (benchmarks' A/B switch)
 # True: the decode and merge kernels load the request's query start and context length
 # before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
 # stays inside the key loop (the ninth session's try also moved the first tile's rows
@@ -506,8 +535,12 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = dict(config) if config is not None else decode_tile_config(q.dtype, kv_fp8)
+    cfg = dict(config) if config is not None else decode_tile_config(
+        q.dtype, kv_fp8, wide_grid(num_reqs, num_kv_heads, num_splits, sm_count(q.device)))
     fp8_path = cfg.pop("fp8_path", "tile")
+    unmasked_k = cfg.pop("unmasked_k", FP8_UNMASKED_K)
+    offsets_32 = cfg.pop("offsets_32", FP8_OFFSETS_32)
+    ptx_pairs = cfg.pop("ptx_pairs", FP8_PTX_PAIRS)
     if config is None and fp8_path != "tile" and not _words_path_ok(q, kv_cache):
         # The default's word kernel cannot take this cache or query: the tile kernel can.
         cfg, fp8_path = dict(BLOCK_N=128, num_warps=4, num_stages=4), "tile"
@@ -539,8 +572,8 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
         launched(_decode_words_kernel[grid](
             *args, **consts, BITS=fp8_path == "words_bits",
             QK_FP8=fp8_path in QUERY_ROUNDING_PATHS, KEYS_AS_A=fp8_path == "words_kq8",
-            UNMASKED_K=FP8_UNMASKED_K, OFFSETS_32=FP8_OFFSETS_32 and _offsets_fit_32(kv_cache),
-            PTX_PAIRS=FP8_PTX_PAIRS and q.is_cuda, **cfg, **pdl))
+            UNMASKED_K=unmasked_k, OFFSETS_32=offsets_32 and _offsets_fit_32(kv_cache),
+            PTX_PAIRS=ptx_pairs and q.is_cuda, **cfg, **pdl))
     if num_splits > 1:
         launched(_merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
