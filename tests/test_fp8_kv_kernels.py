@@ -384,16 +384,16 @@ def test_query_rounding_of_the_fp8_dot_path():
 
 
 def test_wide_grid_rule_and_its_tiles(monkeypatch):
-    """One context slice and at least PROGRAMS_PER_SM programs an SM is a wide grid; there
-    an FP8 cache's default is FP8_WIDE_GRID_TILES, unless either switch turns it off."""
+    """At least PROGRAMS_PER_SM programs an SM, slices counted, is a wide grid; there an
+    FP8 cache's default is FP8_WIDE_GRID_TILES, unless either switch turns it off."""
     from pagoda.kernels import paged_decode as pd
     assert pd.PROGRAMS_PER_SM == 4
     assert pd.wide_grid(256, 8, 1, 132) and pd.wide_grid(66, 8, 1, 132)
     assert not pd.wide_grid(65, 8, 1, 132)  # 520 programs < 4 * 132
-    assert not pd.wide_grid(256, 8, 2, 132)  # sliced
+    assert pd.wide_grid(65, 8, 2, 132) and pd.wide_grid(3, 8, 22, 132)
+    assert not pd.wide_grid(1, 8, 32, 132)  # batch 1: 256 programs at most
     bf16 = torch.bfloat16
     assert pd.decode_tile_config(bf16, True, True) == pd.FP8_WIDE_GRID_TILES
-    assert pd.decode_tile_config(bf16, True, True)["fp8_path"] == "words_kq8"
     assert pd.decode_tile_config(bf16, True, False) == dict(pd.FP8_WORD_TILES,
                                                             fp8_path="words_qk8")
     assert pd.decode_tile_config(bf16, False, True) == dict(BLOCK_N=64, num_warps=4,
@@ -406,10 +406,11 @@ def test_wide_grid_rule_and_its_tiles(monkeypatch):
                                                            fp8_path="words_cvt")
 
 
-def test_wide_grid_decode_matches_torch_ref(monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3])  # 3: slices and the merge
+def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits):
     """The default decode on a wide grid (the SM count set to 4 so that 8 requests x 2 KV
-    heads fill it): FP8_WIDE_GRID_TILES, keys x q^T with whole K tiles read, against the
-    reference with the queries rounded as that path rounds them."""
+    heads fill it): FP8_WIDE_GRID_TILES (4 query rows a program here, whole K tiles
+    read), against the reference with the queries rounded as that path rounds them."""
     from pagoda.kernels import paged_decode as pd
     asked = []
     config_of = pd.decode_tile_config
@@ -422,7 +423,8 @@ def test_wide_grid_decode_matches_torch_ref(monkeypatch):
     out = torch.full_like(q, 7.0)
     pd.paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
                               case["qsl"].to(DEVICE), case["seq"].to(DEVICE), len(contexts),
-                              1 / math.sqrt(64), 1, kv_scales=case["scales"].to(DEVICE))
+                              1 / math.sqrt(64), splits, min_split_tokens=1,
+                              kv_scales=case["scales"].to(DEVICE))
     assert asked == [True]
     rows = case["decode_rows"]
     torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)

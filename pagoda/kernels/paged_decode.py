@@ -57,7 +57,7 @@ MIN_SPLIT_TOKENS = 256
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
 # The grid fills the GPU when it holds this many programs an SM: choose_num_splits slices
-# contexts until it does, and one slice at that size or more is a "wide" grid (below).
+# contexts until it does (up to MAX_SPLITS), and a grid that does is "wide" (wide_grid).
 PROGRAMS_PER_SM = 4
 # A decode CUDA graph is planned for the longest context its block table holds, which
 # at small batches means MAX_SPLITS slices; for steps whose contexts are all short, a
@@ -398,9 +398,9 @@ def short_context_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: i
 
 
 def wide_grid(num_reqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
-    """One context slice and at least PROGRAMS_PER_SM programs an SM (the batch-256
-    decode step): where an FP8 cache's decode takes FP8_WIDE_GRID_TILES."""
-    return num_splits == 1 and num_reqs * num_kv_heads >= PROGRAMS_PER_SM * num_sms
+    """At least PROGRAMS_PER_SM programs an SM (requests x KV heads x slices; every
+    batch-256 step, not batch 1): where an FP8 cache's decode takes FP8_WIDE_GRID_TILES."""
+    return num_reqs * num_kv_heads * num_splits >= PROGRAMS_PER_SM * num_sms
 
 
 def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False,
@@ -427,9 +427,10 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False,
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
 
     An FP8 cache at a wide grid (wide_grid; FP8_WIDE_GRID, with FP8_QK_DOT) takes
-    FP8_WIDE_GRID_TILES instead: keys x q^T, the word kernel's three switches on (config
-    keys "unmasked_k", "offsets_32", "ptx_pairs"; elsewhere the module's FP8_* switches
-    decide), one K / V buffer.
+    FP8_WIDE_GRID_TILES instead: query rows padded to 4 not 16 (config key
+    "min_block_h"), the word kernel's three switches on (config keys "unmasked_k",
+    "offsets_32", "ptx_pairs"; elsewhere the module's FP8_* switches decide), one K / V
+    buffer.
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
@@ -464,16 +465,17 @@ FP8_OFFSETS_32 = False
 # (fp8_decode_words._e4m3_pairs_to_f16); False, and under the interpreter: Triton's
 # conversion, one each.
 FP8_PTX_PAIRS = False
-# The FP8 decode at a wide grid (wide_grid): "words_kq8" on 128-key tiles, 4 warps, 2
-# stages (one K / V buffer, no prefetch: 55 KB of shared memory and 126 registers, four
-# programs an SM where FP8_WORD_TILES fits three), the three switches above on. Kernel
-# alone at 256 x 1152 (one Llama-8B layer) on the H100: 222 against 230 us reading the
-# cache from DRAM, 126 against 159 us with it held in L2, the regime of the H200's
-# power-capped step, where the kernel is bound by its instructions' latency, not bytes;
-# at narrower grids (slices, batch 1) FP8_WORD_TILES with the switches off measured
-# faster (docs/performance.md, 2026-12-07, twenty-fourth session).
-FP8_WIDE_GRID_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_kq8",
-                           unmasked_k=True, offsets_32=True, ptx_pairs=True)
+# The FP8 decode at a wide grid (wide_grid): "words_qk8" on 128-key tiles, 4 warps, 2
+# stages (one K / V buffer: 35 KB of shared memory, 116 registers, four programs an SM
+# where FP8_WORD_TILES fits three), a KV head's query rows padded to 4 (Llama-8B's group)
+# instead of 16, so the softmax works on a quarter of the rows, and the three switches
+# above on. One Llama-8B layer at 256 x 1152 on the H100: 232 against 240 us reading the
+# cache from DRAM; 120 against 159 us with the cache held in L2, the stand-in for the
+# H200's power-capped step, where this kernel is bound by its instructions' latency, not
+# by bytes. Faster at every wide shape measured; at batch 1 the switches cost 5 us
+# (docs/performance.md, 2026-12-07, twenty-fourth session).
+FP8_WIDE_GRID_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8",
+                           min_block_h=4, unmasked_k=True, offsets_32=True, ptx_pairs=True)
 FP8_WIDE_GRID = True  # False: FP8_WORD_TILES at every grid (benchmarks' A/B switch)
 # True: the decode and merge kernels load the request's query start and context length
 # before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
@@ -561,7 +563,10 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
             scale * LOG2_E, num_splits, max(1, min_split_tokens),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+    # The query heads of one KV head, padded to a power of two and at least min_block_h
+    # (16 fills an mma tile; fewer rows mean less softmax work on padding).
+    block_h = max(cfg.pop("min_block_h", 16), triton.next_power_of_2(group))
+    consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h,
                   PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = dict(launch_options(q.device), PRELOAD_METADATA=PRELOAD_METADATA)
