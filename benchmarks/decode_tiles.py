@@ -18,7 +18,17 @@ K / V loads 2 / 3 / 4 buffers (paged_decode.decode_tile_config); 1 stages nothin
 bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against the bf16
 kernel reading the same rounded values before it is timed (the query-rounding paths
 against it with the queries rounded as they round them). `--sweep wide` adds the full
-BLOCK_N x warps x stages product for the "tile" path.
+BLOCK_N x warps x stages product for the "tile" path. The FP8 rows also time
+FP8_WIDE_GRID_TILES ("wide") and FP8_WORD_TILES ("narrow"), the two defaults
+decode_tile_config picks between by grid size ("default" is whichever this case gets);
+`--sweep defaults` times only those and the bf16 default.
+
+`--pool-blocks N` shrinks the KV pool to N blocks, the block tables wrapping over them:
+with N * block bytes within L2 (512 blocks of this shape: 16 MB FP8, 32 MB bf16) every
+read hits L2, so a kernel's time is what its instructions and their latencies cost, not
+DRAM. On an H100 at 1.98 GHz that stands in for the H200's power-capped batch-256 step,
+where the FP8 kernel is bound the same way (docs/performance.md, 2026-12-07, twenty-fourth
+session): the bandwidth column then counts L2 bytes.
 """
 
 from __future__ import annotations
@@ -37,8 +47,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import (  # noqa: E402
-    MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config,
-    paged_attention_decode, quantize_q_fp8_reference)
+    FP8_WIDE_GRID_TILES, FP8_WORD_TILES, MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS,
+    choose_num_splits, decode_tile_config, min_split_tokens, paged_attention_decode,
+    quantize_q_fp8_reference)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -60,13 +71,17 @@ FP8_TILES = {
 }
 
 
-def make_case(batch: int, context: int, page: int, device) -> dict:
+def make_case(batch: int, context: int, page: int, device, pool_blocks: int = 0) -> dict:
+    """One layer's decode inputs; pool_blocks > 0: the block tables wrap over that many
+    physical blocks (every request still reads context tokens, from a smaller pool)."""
     gen = torch.Generator(device=device).manual_seed(0)
     blocks_per_req = context // page
     num_blocks = batch * blocks_per_req
-    cache = torch.randn(2, num_blocks, page, KV_HEADS, HEAD_DIM, device=device,
+    pool = min(pool_blocks, num_blocks) if pool_blocks > 0 else num_blocks
+    cache = torch.randn(2, pool, page, KV_HEADS, HEAD_DIM, device=device,
                         dtype=torch.bfloat16, generator=gen)
-    tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_req)
+    tables = (torch.randperm(num_blocks, device=device, generator=gen) % pool).view(
+        batch, blocks_per_req)
     return {"cache": cache, "tables": tables.int(),
             "q": torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16,
                              generator=gen),
@@ -98,10 +113,15 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         return c if path is None else dict(c, fp8_path=path)
     wide = sweep == "wide"
     if dtype == "bf16":
+        if sweep == "defaults":
+            return [("default", None)]
         tiles = [None, (64, 4, 5)] if sweep == "quick" else BF16_TILES
         tiles = tiles + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
-    out = [("default", None)]
+    out = [("default", None), ("wide", dict(FP8_WIDE_GRID_TILES)),
+           ("narrow", dict(FP8_WORD_TILES, fp8_path="words_qk8"))]
+    if sweep == "defaults":
+        return out
     if sweep == "quick":
         return out + [(f"{path} {t}", cfg(path, t)) for path, tiles in QUICK_WORD_TILES.items()
                       for t in tiles]
@@ -121,9 +141,9 @@ def in_layout(cache: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Ten
 
 
 def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
-               rows: list, split_counts: list[int] | None = None) -> None:
+               rows: list, split_counts: list[int] | None = None, pool_blocks: int = 0) -> None:
     batch, context = map(int, spec.split("x"))
-    case = make_case(batch, context, page, device)
+    case = make_case(batch, context, page, device, pool_blocks)
     caches = {"bf16": in_layout(case["cache"], torch.bfloat16, layout),
               "fp8": in_layout(case["cache"], torch.float8_e4m3fn, layout)}
     scales = torch.ones(2, device=device, dtype=torch.float32)
@@ -134,15 +154,18 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
                   caches["fp8"].to(torch.bfloat16), splits, None, None).float()
     base_us = None
     # --splits: each variant also at these slice counts (slices as short as 16 tokens
-    # allowed, so the count is what runs); otherwise the engine's choose_num_splits.
-    plans = [(n, 16) for n in split_counts] if split_counts else [(splits, MIN_SPLIT_TOKENS)]
+    # allowed, so the count is what runs); otherwise the engine's plan: choose_num_splits
+    # and the shortest slice it allows at this grid (min_split_tokens).
+    engine_plan = (splits, min_split_tokens(batch, KV_HEADS, sms))
+    plans = [(n, 16) for n in split_counts] if split_counts else [engine_plan]
     for dtype, cache in caches.items():
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
         sc = scales if dtype == "fp8" else None
         for (label, config), (n_splits, min_split) in product(variants(dtype, sweep), plans):
             if split_counts:
                 label = f"{label} s{n_splits}"
-            row = {"case": spec, "layout": layout, "page": page, "dtype": dtype,
+            row = {"case": spec, "layout": layout, "page": page, "pool_blocks": pool_blocks,
+                   "dtype": dtype,
                    "variant": label, "config": config, "splits": n_splits}
             try:
                 out = run(case, cache, n_splits, config, sc, min_split)
@@ -170,9 +193,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/decode_tiles.json")
     p.add_argument("--cases", default="256x1024,64x4096,32x1024")
-    p.add_argument("--sweep", choices=("quick", "focused", "wide"), default="focused")
+    p.add_argument("--sweep", choices=("defaults", "quick", "focused", "wide"), default="focused")
     p.add_argument("--layouts", default="nhd", help="comma list of nhd, hnd")
     p.add_argument("--page", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--pool-blocks", type=int, default=0,
+                   help="KV pool of this many blocks, the tables wrapping over it (512: "
+                        "held in L2; see the module docstring); 0: one block per table entry")
     p.add_argument("--splits", default="",
                    help="comma list of context-slice counts to time each variant at "
                         "(default: the engine's choose_num_splits)")
@@ -187,7 +213,8 @@ def main() -> None:
     rows: list = []
     for spec in args.cases.split(","):
         for layout in args.layouts.split(","):
-            sweep_case(spec, layout, args.page, device, sms, args.sweep, rows, split_counts)
+            sweep_case(spec, layout, args.page, device, sms, args.sweep, rows, split_counts,
+                       args.pool_blocks)
     best = {}
     for row in rows:
         key = (row["case"], row["layout"], row["dtype"])
@@ -199,6 +226,7 @@ def main() -> None:
     report = {"benchmark": "decode_tiles", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "platform": platform.platform(), "copy_gbps": copy_gbps, "page": args.page,
+              "pool_blocks": args.pool_blocks,
               "seconds": time.time() - start, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
