@@ -407,9 +407,11 @@ def test_wide_grid_rule_and_its_tiles(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 3])  # 3: slices and the merge
-def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits):
+# Query heads a KV head of 4 (Llama-8B), 8 (Qwen3) and 1: BLOCK_H 4, 8 and 4 (3 padded).
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (2, 2)])
+def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits, num_heads, num_kv_heads):
     """The default decode on a wide grid (the SM count set to 4 so that 8 requests x 2 KV
-    heads fill it): FP8_WIDE_GRID_TILES (4 query rows a program here, whole K tiles
+    heads fill it): FP8_WIDE_GRID_TILES (query rows padded to 4, not 16; whole K tiles
     read), against the reference with the queries rounded as that path rounds them."""
     from pagoda.kernels import paged_decode as pd
     asked = []
@@ -418,7 +420,7 @@ def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits):
                         lambda *a: asked.append(a[2]) or config_of(*a))
     monkeypatch.setattr(pd, "sm_count", lambda device: 4)
     contexts = [37, 20, 1, 130, 64, 200, 16, 9]
-    case = fp8_decode_case(contexts, 8, 2, 64, 16, quantized_q=True)
+    case = fp8_decode_case(contexts, num_heads, num_kv_heads, 64, 16, quantized_q=True)
     q = case["q"].to(DEVICE)
     out = torch.full_like(q, 7.0)
     pd.paged_attention_decode(out, q, case["cache"].to(DEVICE), case["tables"].to(DEVICE),
