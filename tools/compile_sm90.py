@@ -302,25 +302,30 @@ def _pdl_decode_cases():
     q, attn_out = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 128, dtype=_BF16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
     i32 = torch.empty(64, dtype=torch.int32)
-    # The defaults for a bf16 and an FP8 cache, and the FP8 path benchmarks may switch to.
-    for fp8, path_override in ((False, None), (True, None), (True, "words_kq8")):
+    # The defaults for a bf16 and an FP8 cache (narrow and wide grids), and the FP8 path
+    # benchmarks may switch to.
+    for fp8, wide, path_override in ((False, False, None), (True, False, None),
+                                     (True, True, None), (True, False, "words_kq8")):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
-        cfg = dict(pd.decode_tile_config(_BF16, fp8))
+        cfg = dict(pd.decode_tile_config(_BF16, fp8, wide))
         path = path_override or cfg.pop("fp8_path", "tile")
         cfg.pop("fp8_path", None)
+        switches = dict(UNMASKED_K=cfg.pop("unmasked_k", pd.FP8_UNMASKED_K),
+                        OFFSETS_32=cfg.pop("offsets_32", pd.FP8_OFFSETS_32),
+                        PTX_PAIRS=cfg.pop("ptx_pairs", pd.FP8_PTX_PAIRS))
+        block_h = max(cfg.pop("min_block_h", 16), 8)  # GROUP 8, as paged_attention_decode pads
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
-                      KEYS_AS_A=path == "words_kq8", UNMASKED_K=pd.FP8_UNMASKED_K,
-                      OFFSETS_32=pd.FP8_OFFSETS_32, PTX_PAIRS=pd.FP8_PTX_PAIRS) if fp8
+                      KEYS_AS_A=path == "words_kq8", **switches) if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
-        name = f"fp8={fp8}{', ' + path_override if path_override else ''}"
+        name = f"fp8={fp8}{', wide' if wide else ''}{', ' + path_override if path_override else ''}"
         if pd.PRELOAD_METADATA:
             name += ", preload"
         yield f"decode[{name}]", kernel, (
             attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(
-            NUM_HEADS=32, GROUP=8, BLOCK_H=16, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
+            NUM_HEADS=32, GROUP=8, BLOCK_H=block_h, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
             **extra, **cfg, PRELOAD_METADATA=pd.PRELOAD_METADATA, USE_PDL=True)
     yield f"decode_merge{'[preload]' if pd.PRELOAD_METADATA else ''}", pd._merge_kernel, (
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
