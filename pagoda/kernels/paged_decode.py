@@ -33,7 +33,9 @@ q.K is a single FP8 dot on the keys as stored, as FlashAttention-3's FP8 path do
 sm_90 Triton lowers that dot, 16 padded query rows, to float16 mma.sync and converts the
 whole key tile for it: cheaper than the byte planes, not free; "words_kq8" is the form
 that reaches Hopper's FP8 wgmma, measured slower: 175 against 164 us for one Llama-8B
-layer at 256 x 1k, two programs an SM where "words_qk8" fits three).
+layer at 256 x 1k, two programs an SM where "words_qk8" fits three). On a wide grid
+(wide_grid: every batch-256 step) the FP8 default is FP8_WIDE_GRID_TILES: query rows
+padded to 4 instead of 16, whole K tiles read, one K / V buffer.
 """
 
 from __future__ import annotations
