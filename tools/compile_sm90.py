@@ -308,12 +308,8 @@ def _pdl_decode_cases():
                                      (True, True, None), (True, False, "words_kq8")):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
         cfg = dict(pd.decode_tile_config(_BF16, fp8, wide))
-        path = path_override or cfg.pop("fp8_path", "tile")
-        cfg.pop("fp8_path", None)
-        switches = dict(UNMASKED_K=cfg.pop("unmasked_k", pd.FP8_UNMASKED_K),
-                        OFFSETS_32=cfg.pop("offsets_32", pd.FP8_OFFSETS_32),
-                        PTX_PAIRS=cfg.pop("ptx_pairs", pd.FP8_PTX_PAIRS))
-        block_h = max(cfg.pop("min_block_h", 16), 8)  # GROUP 8, as paged_attention_decode pads
+        path, switches, block_h = pd.split_decode_config(cfg, 8)  # GROUP 8 below
+        path = path_override or path
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
                       KEYS_AS_A=path == "words_kq8", **switches) if fp8

@@ -509,6 +509,20 @@ def _offsets_fit_32(kv_cache: torch.Tensor) -> bool:
     return span * half.element_size() <= 2 ** 31
 
 
+def split_decode_config(cfg: dict, group: int) -> tuple[str, dict, int]:
+    """Takes the keys that are not launch options out of a decode config (in place):
+    (fp8_path, the word kernel's switches as its constexprs, BLOCK_H). The switches
+    default to the module's FP8_* globals (before the wrapper's checks of the cache and
+    device); BLOCK_H is the query heads of one KV head padded to a power of two and to at
+    least min_block_h (16 fills an mma tile; fewer rows mean less softmax work on padding)."""
+    fp8_path = cfg.pop("fp8_path", "tile")
+    switches = dict(UNMASKED_K=cfg.pop("unmasked_k", FP8_UNMASKED_K),
+                    OFFSETS_32=cfg.pop("offsets_32", FP8_OFFSETS_32),
+                    PTX_PAIRS=cfg.pop("ptx_pairs", FP8_PTX_PAIRS))
+    block_h = max(cfg.pop("min_block_h", 16), triton.next_power_of_2(group))
+    return fp8_path, switches, block_h
+
+
 def _words_path_ok(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The word kernel needs 16-bit queries, head_dim a power of two >= 64 (planes of at
     least 16 columns for the dots) and a cache whose rows start on 4-byte boundaries."""
@@ -541,13 +555,11 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     group = num_heads // num_kv_heads
     cfg = dict(config) if config is not None else decode_tile_config(
         q.dtype, kv_fp8, wide_grid(num_reqs, num_kv_heads, num_splits, sm_count(q.device)))
-    fp8_path = cfg.pop("fp8_path", "tile")
-    unmasked_k = cfg.pop("unmasked_k", FP8_UNMASKED_K)
-    offsets_32 = cfg.pop("offsets_32", FP8_OFFSETS_32)
-    ptx_pairs = cfg.pop("ptx_pairs", FP8_PTX_PAIRS)
-    if config is None and fp8_path != "tile" and not _words_path_ok(q, kv_cache):
+    if config is None and cfg.get("fp8_path", "tile") != "tile" and \
+            not _words_path_ok(q, kv_cache):
         # The default's word kernel cannot take this cache or query: the tile kernel can.
-        cfg, fp8_path = dict(BLOCK_N=128, num_warps=4, num_stages=4), "tile"
+        cfg = dict(BLOCK_N=128, num_warps=4, num_stages=4)
+    fp8_path, switches, block_h = split_decode_config(cfg, group)
     if fp8_path not in FP8_PATHS:
         raise ValueError(f"fp8_path must be one of {FP8_PATHS}, got {fp8_path!r}")
     if fp8_path != "tile" and not (kv_fp8 and _words_path_ok(q, kv_cache)):
@@ -565,9 +577,6 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
             scale * LOG2_E, num_splits, max(1, min_split_tokens),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    # The query heads of one KV head, padded to a power of two and at least min_block_h
-    # (16 fills an mma tile; fewer rows mean less softmax work on padding).
-    block_h = max(cfg.pop("min_block_h", 16), triton.next_power_of_2(group))
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h,
                   PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
     grid = (num_reqs, num_kv_heads, num_splits)
@@ -579,8 +588,9 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
         launched(_decode_words_kernel[grid](
             *args, **consts, BITS=fp8_path == "words_bits",
             QK_FP8=fp8_path in QUERY_ROUNDING_PATHS, KEYS_AS_A=fp8_path == "words_kq8",
-            UNMASKED_K=unmasked_k, OFFSETS_32=offsets_32 and _offsets_fit_32(kv_cache),
-            PTX_PAIRS=ptx_pairs and q.is_cuda, **cfg, **pdl))
+            UNMASKED_K=switches["UNMASKED_K"],
+            OFFSETS_32=switches["OFFSETS_32"] and _offsets_fit_32(kv_cache),
+            PTX_PAIRS=switches["PTX_PAIRS"] and q.is_cuda, **cfg, **pdl))
     if num_splits > 1:
         launched(_merge_kernel[(num_reqs, num_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits,
