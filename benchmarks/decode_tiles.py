@@ -29,6 +29,14 @@ read hits L2, so a kernel's time is what its instructions and their latencies co
 DRAM. On an H100 at 1.98 GHz that stands in for the H200's power-capped batch-256 step,
 where the FP8 kernel is bound the same way (docs/performance.md, 2026-12-07, twenty-fourth
 session): the bandwidth column then counts L2 bytes.
+
+`--timer graph` times each variant as replays of a CUDA graph of back-to-back calls
+(triton.testing.do_bench_cudagraph) instead of Python launches between events (do_bench):
+cases under ~100 µs (batch 1 and 8) are bound by the launch there (the same config read
+84 and 94 µs in one run), as the engine's decode steps, replayed from graphs, are not. A
+graph cannot flush L2 between calls, so the calls take turns over enough copies of the
+cache to span twice the L2 (a layer's KV is not in L2 when the engine reaches it); with
+`--pool-blocks` they share the one pool, which is meant to stay in L2.
 """
 
 from __future__ import annotations
@@ -38,12 +46,12 @@ import json
 import platform
 import sys
 import time
-from itertools import product
+from itertools import cycle, product
 from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import (  # noqa: E402
@@ -140,8 +148,18 @@ def in_layout(cache: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Ten
     return cache.to(dtype).permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
 
 
+def cache_copies(cache: torch.Tensor, device) -> list[torch.Tensor]:
+    """The cache and as many clones as it takes to span twice the L2, so that calls
+    taking turns over them read from DRAM without a flush (--timer graph)."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    cache_bytes = cache.numel() * cache.element_size()
+    count = min(64, -(-2 * l2_bytes // cache_bytes))
+    return [cache] + [cache.clone() for _ in range(count - 1)]
+
+
 def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
-               rows: list, split_counts: list[int] | None = None, pool_blocks: int = 0) -> None:
+               rows: list, split_counts: list[int] | None = None, pool_blocks: int = 0,
+               timer=do_bench) -> None:
     batch, context = map(int, spec.split("x"))
     case = make_case(batch, context, page, device, pool_blocks)
     caches = {"bf16": in_layout(case["cache"], torch.bfloat16, layout),
@@ -161,6 +179,9 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
     for dtype, cache in caches.items():
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * cache.element_size()
         sc = scales if dtype == "fp8" else None
+        copies = (cache_copies(cache, device) if timer is do_bench_cudagraph and not pool_blocks
+                  else [cache])
+        next_copy = cycle(copies).__next__
         for (label, config), (n_splits, min_split) in product(variants(dtype, sweep), plans):
             if split_counts:
                 label = f"{label} s{n_splits}"
@@ -174,7 +195,7 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
                     rounded = path in QUERY_ROUNDING_PATHS
                     torch.testing.assert_close(out.float(), ref_qk8 if rounded else ref,
                                                atol=2e-2, rtol=2e-2)
-                ms = do_bench(lambda: run(case, cache, n_splits, config, sc, min_split))
+                ms = timer(lambda: run(case, next_copy(), n_splits, config, sc, min_split))
             except Exception as e:  # out of resources, or a wrong result: recorded, not fatal
                 rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"{spec:>9s} {layout} {dtype:4s} {label:28s} {type(e).__name__}", flush=True)
@@ -185,7 +206,7 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             rows.append(row)
             print(f"{spec:>9s} {layout} {dtype:4s} {label:28s} {row['us']:8.1f} us {row['gbps']:6.0f} GB/s"
                   f"  x{row['speedup_vs_bf16']:.2f} vs bf16 default", flush=True)
-    del case, caches
+    del case, caches, copies
     torch.cuda.empty_cache()
 
 
@@ -202,7 +223,11 @@ def main() -> None:
     p.add_argument("--splits", default="",
                    help="comma list of context-slice counts to time each variant at "
                         "(default: the engine's choose_num_splits)")
+    p.add_argument("--timer", choices=("events", "graph"), default="events",
+                   help="events: Python launches, L2 flushed (triton do_bench); graph: "
+                        "replays of a CUDA graph of back-to-back calls (see the docstring)")
     args = p.parse_args()
+    timer = do_bench_cudagraph if args.timer == "graph" else do_bench
     split_counts = [int(n) for n in args.splits.split(",") if n]
     start = time.time()
     device = torch.device("cuda")
@@ -214,7 +239,7 @@ def main() -> None:
     for spec in args.cases.split(","):
         for layout in args.layouts.split(","):
             sweep_case(spec, layout, args.page, device, sms, args.sweep, rows, split_counts,
-                       args.pool_blocks)
+                       args.pool_blocks, timer)
     best = {}
     for row in rows:
         key = (row["case"], row["layout"], row["dtype"])
@@ -226,7 +251,7 @@ def main() -> None:
     report = {"benchmark": "decode_tiles", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "platform": platform.platform(), "copy_gbps": copy_gbps, "page": args.page,
-              "pool_blocks": args.pool_blocks,
+              "pool_blocks": args.pool_blocks, "timer": args.timer,
               "seconds": time.time() - start, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
