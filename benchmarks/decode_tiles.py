@@ -55,9 +55,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import (  # noqa: E402
-    FP8_WIDE_GRID_TILES, FP8_WORD_TILES, MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS,
-    choose_num_splits, decode_tile_config, min_split_tokens, paged_attention_decode,
-    quantize_q_fp8_reference)
+    MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config,
+    min_split_tokens, paged_attention_decode, quantize_q_fp8_reference, wide_grid)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -126,8 +125,8 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         tiles = [None, (64, 4, 5)] if sweep == "quick" else BF16_TILES
         tiles = tiles + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
-    out = [("default", None), ("wide", dict(FP8_WIDE_GRID_TILES)),
-           ("narrow", dict(FP8_WORD_TILES, fp8_path="words_qk8"))]
+    out = [("default", None), ("wide", decode_tile_config(torch.bfloat16, True, wide=True)),
+           ("narrow", decode_tile_config(torch.bfloat16, True, wide=False))]
     if sweep == "defaults":
         return out
     if sweep == "quick":
@@ -191,7 +190,9 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             try:
                 out = run(case, cache, n_splits, config, sc, min_split)
                 if dtype == "fp8":
-                    path = (config or decode_tile_config(case["q"].dtype, True)).get("fp8_path")
+                    wide_here = wide_grid(batch, KV_HEADS, n_splits, sms)
+                    path = (config or decode_tile_config(case["q"].dtype, True,
+                                                         wide_here)).get("fp8_path")
                     rounded = path in QUERY_ROUNDING_PATHS
                     torch.testing.assert_close(out.float(), ref_qk8 if rounded else ref,
                                                atol=2e-2, rtol=2e-2)
