@@ -308,7 +308,8 @@ def _pdl_decode_cases():
                                      (True, True, None), (True, False, "words_kq8")):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
         cfg = dict(pd.decode_tile_config(_BF16, fp8, wide))
-        path, switches, block_h = pd.split_decode_config(cfg, 8)  # GROUP 8 below
+        num_heads, group = q.shape[1], q.shape[1] // cache.shape[3]
+        path, switches, block_h = pd.split_decode_config(cfg, group)
         path = path_override or path
         kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
@@ -321,7 +322,8 @@ def _pdl_decode_cases():
             attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
             cache.stride(1), cache.stride(2), cache.stride(3)), dict(
-            NUM_HEADS=32, GROUP=8, BLOCK_H=block_h, PAGE_SIZE=16, HEAD_DIM=128, DIRECT_OUT=False,
+            NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h, PAGE_SIZE=16, HEAD_DIM=128,
+            DIRECT_OUT=False,
             **extra, **cfg, PRELOAD_METADATA=pd.PRELOAD_METADATA, USE_PDL=True)
     yield f"decode_merge{'[preload]' if pd.PRELOAD_METADATA else ''}", pd._merge_kernel, (
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
