@@ -19,9 +19,10 @@ bf16 values rounded to e4m3 (scales 1.0); every FP8 output is checked against th
 kernel reading the same rounded values before it is timed (the query-rounding paths
 against it with the queries rounded as they round them). `--sweep wide` adds the full
 BLOCK_N x warps x stages product for the "tile" path. The FP8 rows also time
-FP8_WIDE_GRID_TILES ("wide") and FP8_WORD_TILES ("narrow"), the two defaults
-decode_tile_config picks between by grid size ("default" is whichever this case gets);
-`--sweep defaults` times only those and the bf16 default.
+"two-buffer", "words_qk8" on FP8_CVT_TILES (5 stages, query rows padded to 16, the
+switches off: the default at batch 1 before the twenty-sixth session, and at every
+grid before the twenty-fourth); `--sweep defaults` times only the FP8 default, that
+row and the bf16 default.
 
 `--pool-blocks N` shrinks the KV pool to N blocks, the block tables wrapping over them:
 with N * block bytes within L2 (512 blocks of this shape: 16 MB FP8, 32 MB bf16) every
@@ -55,8 +56,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagoda.kernels.paged_decode import (  # noqa: E402
-    MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits, decode_tile_config,
-    min_split_tokens, paged_attention_decode, quantize_q_fp8_reference, wide_grid)
+    FP8_CVT_TILES, MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits,
+    decode_tile_config, min_split_tokens, paged_attention_decode, quantize_q_fp8_reference)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (BLOCK_N, num_warps, num_stages); None = decode_tile_config's choice.
@@ -125,8 +126,7 @@ def variants(dtype: str, sweep: str) -> list[tuple[str, dict | None]]:
         tiles = [None, (64, 4, 5)] if sweep == "quick" else BF16_TILES
         tiles = tiles + (list(product((32, 64, 128), (4, 8), (2, 3, 4))) if wide else [])
         return [(f"{t or 'default'}", cfg(None, t)) for t in tiles]
-    out = [("default", None), ("wide", decode_tile_config(torch.bfloat16, True, wide=True)),
-           ("narrow", decode_tile_config(torch.bfloat16, True, wide=False))]
+    out = [("default", None), ("two-buffer", dict(FP8_CVT_TILES, fp8_path="words_qk8"))]
     if sweep == "defaults":
         return out
     if sweep == "quick":
@@ -190,9 +190,7 @@ def sweep_case(spec: str, layout: str, page: int, device, sms: int, sweep: str,
             try:
                 out = run(case, cache, n_splits, config, sc, min_split)
                 if dtype == "fp8":
-                    wide_here = wide_grid(batch, KV_HEADS, n_splits, sms)
-                    path = (config or decode_tile_config(case["q"].dtype, True,
-                                                         wide_here)).get("fp8_path")
+                    path = (config or decode_tile_config(case["q"].dtype, True)).get("fp8_path")
                     rounded = path in QUERY_ROUNDING_PATHS
                     torch.testing.assert_close(out.float(), ref_qk8 if rounded else ref,
                                                atol=2e-2, rtol=2e-2)

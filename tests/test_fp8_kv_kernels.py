@@ -383,42 +383,37 @@ def test_query_rounding_of_the_fp8_dot_path():
     assert torch.equal(again_q8.float() * again_scale, exact)
 
 
-def test_wide_grid_rule_and_its_tiles(monkeypatch):
-    """At least PROGRAMS_PER_SM programs an SM, slices counted, is a wide grid; there an
-    FP8 cache's default is FP8_WIDE_GRID_TILES, unless either switch turns it off."""
+def test_fp8_default_tiles_and_the_qk_dot_switch(monkeypatch):
+    """An FP8 cache's default is FP8_WORD_TILES ("words_qk8", query rows padded to 4, the
+    word kernel's switches on) at every grid; with FP8_QK_DOT off, "words_cvt" on
+    FP8_CVT_TILES, the module's switches deciding."""
     from pagoda.kernels import paged_decode as pd
-    assert pd.PROGRAMS_PER_SM == 4
-    assert pd.wide_grid(256, 8, 1, 132) and pd.wide_grid(66, 8, 1, 132)
-    assert not pd.wide_grid(65, 8, 1, 132)  # 520 programs < 4 * 132
-    assert pd.wide_grid(65, 8, 2, 132) and pd.wide_grid(3, 8, 22, 132)
-    assert not pd.wide_grid(1, 8, 32, 132)  # batch 1: 256 programs at most
     bf16 = torch.bfloat16
-    assert pd.decode_tile_config(bf16, True, True) == pd.FP8_WIDE_GRID_TILES
-    assert pd.decode_tile_config(bf16, True, False) == dict(pd.FP8_WORD_TILES,
-                                                            fp8_path="words_qk8")
-    assert pd.decode_tile_config(bf16, False, True) == dict(BLOCK_N=64, num_warps=4,
-                                                            num_stages=3)
-    monkeypatch.setattr(pd, "FP8_WIDE_GRID", False)
-    assert pd.decode_tile_config(bf16, True, True)["fp8_path"] == "words_qk8"
-    monkeypatch.setattr(pd, "FP8_WIDE_GRID", True)
+    assert pd.decode_tile_config(bf16, True) == pd.FP8_WORD_TILES == dict(
+        BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8", min_block_h=4,
+        unmasked_k=True, offsets_32=True, ptx_pairs=True)
+    assert pd.decode_tile_config(bf16, True) is not pd.FP8_WORD_TILES  # a copy to pop from
+    assert pd.decode_tile_config(bf16, False) == dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    assert pd.split_decode_config(pd.decode_tile_config(bf16, True), 4) == (
+        "words_qk8", dict(UNMASKED_K=True, OFFSETS_32=True, PTX_PAIRS=True), 4)
+    assert pd.split_decode_config(pd.decode_tile_config(bf16, True), 8)[2] == 8
     monkeypatch.setattr(pd, "FP8_QK_DOT", False)  # the exact read: no query rounding
-    assert pd.decode_tile_config(bf16, True, True) == dict(pd.FP8_WORD_TILES,
-                                                           fp8_path="words_cvt")
+    cfg = pd.decode_tile_config(bf16, True)
+    assert cfg == dict(pd.FP8_CVT_TILES, fp8_path="words_cvt")
+    assert pd.split_decode_config(cfg, 4) == (
+        "words_cvt", dict(UNMASKED_K=pd.FP8_UNMASKED_K, OFFSETS_32=pd.FP8_OFFSETS_32,
+                          PTX_PAIRS=pd.FP8_PTX_PAIRS), 16)
 
 
 @pytest.mark.parametrize("splits", [1, 3])  # 3: slices and the merge
 # Query heads a KV head of 4 (Llama-8B), 8 (Qwen3) and 1: BLOCK_H 4, 8 and 4 (3 padded).
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (2, 2)])
-def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits, num_heads, num_kv_heads):
-    """The default decode on a wide grid (the SM count set to 4 so that 8 requests x 2 KV
-    heads fill it): FP8_WIDE_GRID_TILES (query rows padded to 4, not 16; whole K tiles
-    read), against the reference with the queries rounded as that path rounds them."""
+def test_default_fp8_decode_matches_torch_ref(splits, num_heads, num_kv_heads):
+    """The default FP8 decode, FP8_WORD_TILES (query rows padded to 4, not 16; whole K
+    tiles read), against the reference with the queries rounded as that path rounds
+    them."""
     from pagoda.kernels import paged_decode as pd
-    asked = []
-    config_of = pd.decode_tile_config
-    monkeypatch.setattr(pd, "decode_tile_config",
-                        lambda *a: asked.append(a[2]) or config_of(*a))
-    monkeypatch.setattr(pd, "sm_count", lambda device: 4)
+    assert pd.FP8_QK_DOT and pd.FP8_WORD_TILES["min_block_h"] == 4
     contexts = [37, 20, 1, 130, 64, 200, 16, 9]
     case = fp8_decode_case(contexts, num_heads, num_kv_heads, 64, 16, quantized_q=True)
     q = case["q"].to(DEVICE)
@@ -427,7 +422,6 @@ def test_wide_grid_decode_matches_torch_ref(monkeypatch, splits, num_heads, num_
                               case["qsl"].to(DEVICE), case["seq"].to(DEVICE), len(contexts),
                               1 / math.sqrt(64), splits, min_split_tokens=1,
                               kv_scales=case["scales"].to(DEVICE))
-    assert asked == [True]
     rows = case["decode_rows"]
     torch.testing.assert_close(out[rows].float().cpu(), case["ref"][rows], atol=3e-3, rtol=3e-3)
     assert (out[[r for r in range(q.shape[0]) if r not in rows]] == 7.0).all()

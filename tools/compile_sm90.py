@@ -302,12 +302,13 @@ def _pdl_decode_cases():
     q, attn_out = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 128, dtype=_BF16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
     i32 = torch.empty(64, dtype=torch.int32)
-    # The defaults for a bf16 and an FP8 cache (narrow and wide grids), and the FP8 path
-    # benchmarks may switch to.
-    for fp8, wide, path_override in ((False, False, None), (True, False, None),
-                                     (True, True, None), (True, False, "words_kq8")):
+    # The defaults for a bf16 and an FP8 cache, the FP8 tiles without the q.K dot
+    # ("cvt": FP8_CVT_TILES), and the FP8 path benchmarks may switch to on those tiles.
+    for fp8, cvt, path_override in ((False, False, None), (True, False, None),
+                                    (True, True, None), (True, True, "words_kq8")):
         cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
-        cfg = dict(pd.decode_tile_config(_BF16, fp8, wide))
+        cfg = (dict(pd.FP8_CVT_TILES, fp8_path="words_cvt") if cvt
+               else pd.decode_tile_config(_BF16, fp8))
         num_heads, group = q.shape[1], q.shape[1] // cache.shape[3]
         path, switches, block_h = pd.split_decode_config(cfg, group)
         path = path_override or path
@@ -315,7 +316,7 @@ def _pdl_decode_cases():
         extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
                       KEYS_AS_A=path == "words_kq8", **switches) if fp8
                  else dict(IEEE_DOT=False, KV_FP8=False))
-        name = f"fp8={fp8}{', wide' if wide else ''}{', ' + path_override if path_override else ''}"
+        name = f"fp8={fp8}{', cvt tiles' if cvt else ''}{', ' + path_override if path_override else ''}"
         if pd.PRELOAD_METADATA:
             name += ", preload"
         yield f"decode[{name}]", kernel, (

@@ -33,9 +33,9 @@ q.K is a single FP8 dot on the keys as stored, as FlashAttention-3's FP8 path do
 sm_90 Triton lowers that dot, 16 padded query rows, to float16 mma.sync and converts the
 whole key tile for it: cheaper than the byte planes, not free; "words_kq8" is the form
 that reaches Hopper's FP8 wgmma, measured slower: 175 against 164 us for one Llama-8B
-layer at 256 x 1k, two programs an SM where "words_qk8" fits three). On a wide grid
-(wide_grid: every batch-256 step) the FP8 default is FP8_WIDE_GRID_TILES: query rows
-padded to 4 instead of 16, whole K tiles read, one K / V buffer.
+layer at 256 x 1k, two programs an SM where "words_qk8" fits three). The FP8 default
+(FP8_WORD_TILES) pads a KV head's query rows to 4 instead of 16, reads whole K tiles and
+keeps one K / V buffer, at every grid.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.capability import sm_count
 from pagoda.kernels.fp8_decode_words import attend_word_tile
 from pagoda.kernels.paged_attention import LOG2_E, attend_kv_tile
 from pagoda.kernels.pdl import launch_options, launched, pdl_wait_and_release
@@ -59,7 +58,7 @@ MIN_SPLIT_TOKENS = 256
 SMALL_GRID_MIN_SPLIT = 32
 MAX_SPLITS = 32
 # The grid fills the GPU when it holds this many programs an SM: choose_num_splits slices
-# contexts until it does (up to MAX_SPLITS), and a grid that does is "wide" (wide_grid).
+# contexts until it does (up to MAX_SPLITS).
 PROGRAMS_PER_SM = 4
 # A decode CUDA graph is planned for the longest context its block table holds, which
 # at small batches means MAX_SPLITS slices; for steps whose contexts are all short, a
@@ -399,22 +398,15 @@ def short_context_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: i
     return SHORT_CONTEXT_SPLITS
 
 
-def wide_grid(num_reqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
-    """At least PROGRAMS_PER_SM programs an SM (requests x KV heads x slices; every
-    batch-256 step, not batch 1): where an FP8 cache's decode takes FP8_WIDE_GRID_TILES."""
-    return num_reqs * num_kv_heads * num_splits >= PROGRAMS_PER_SM * num_sms
-
-
-def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False,
-                       wide: bool = False) -> dict:
+def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Key tile and launch options of the decode kernel.
 
     16-bit: 64-key tiles, 4 warps, 3 stages, the fastest of the tiles swept on the H200
     (docs/performance.md, "measured reasons"); an FP8 cache with 16-bit queries: the
-    word kernel on 128-key tiles with 5 stages (two K / V buffers), 179 us for one
-    Llama-8B layer at 256 x 1k where the tile kernel took 242 us and bf16 264 us
-    (benchmarks/decode_tiles.py), 164 us in its FP8 q.K form (FP8_QK_DOT); the tile
-    kernel where the word kernel cannot run.
+    word kernel (below), which took 179 us for one Llama-8B layer at 256 x 1k where the
+    tile kernel took 242 us and bf16 264 us (benchmarks/decode_tiles.py, the H200), 164
+    us in its FP8 q.K form (FP8_QK_DOT); the tile kernel where the word kernel cannot
+    run.
 
     Key "fp8_path" (FP8 cache, 16-bit queries) picks the kernel: "tile" (attend_kv_tile
     on converted tiles), "words_bits" or "words_cvt" (_decode_words_kernel, converting by
@@ -428,18 +420,18 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False,
     stages between those two levels, so 2-4 stages give one K / V buffer (the next
     tile's copy waits for the current tile's math) and 5 / 7 / 9 give 2 / 3 / 4.
 
-    An FP8 cache at a wide grid (wide_grid; FP8_WIDE_GRID, with FP8_QK_DOT) takes
-    FP8_WIDE_GRID_TILES instead: query rows padded to 4 not 16 (config key
-    "min_block_h"), the word kernel's three switches on (config keys "unmasked_k",
-    "offsets_32", "ptx_pairs"; elsewhere the module's FP8_* switches decide), one K / V
-    buffer.
+    The FP8 default with FP8_QK_DOT is FP8_WORD_TILES at every grid: "words_qk8" with
+    query rows padded to 4 not 16 (config key "min_block_h"), the word kernel's three
+    switches on (config keys "unmasked_k", "offsets_32", "ptx_pairs"; where a config
+    lacks them the module's FP8_* switches decide), one K / V buffer. Without
+    FP8_QK_DOT: "words_cvt" on FP8_CVT_TILES.
     """
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
-        if wide and FP8_WIDE_GRID and FP8_QK_DOT:
-            return dict(FP8_WIDE_GRID_TILES)
-        return dict(FP8_WORD_TILES, fp8_path="words_qk8" if FP8_QK_DOT else "words_cvt")
+        if FP8_QK_DOT:  # "words_qk8" unless the tiles (a benchmark's variant) name a path
+            return dict(dict(fp8_path="words_qk8"), **FP8_WORD_TILES)
+        return dict(FP8_CVT_TILES, fp8_path="words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -451,11 +443,23 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # decode logprob error measured (docs/performance.md, 2026-12-03); False: "words_cvt"
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
-FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)  # decode_tile_config says why
-# Three switches of the word kernel, each fewer instructions a tile: off at narrow grids,
-# where they measured no gain or a loss (docs/performance.md, 2026-12-06, eighteenth
-# session, and 2026-12-07, twenty-fourth), on in FP8_WIDE_GRID_TILES (below);
-# benchmarks/variants/llama8b-fp8kv-words.json A/Bs them.
+# The FP8 decode's default (with FP8_QK_DOT): "words_qk8" on 128-key tiles, 4 warps, 2
+# stages (one K / V buffer: 35 KB of shared memory, 116 registers, four programs an SM),
+# a KV head's query rows padded to 4 (Llama-8B's group) instead of 16, so the softmax
+# works on a quarter of the rows, and the three switches below on. It was the wide-grid
+# default (batch 256) from the twenty-fourth session and is now the default at every
+# grid: faster than the two-buffer tiles it replaced (FP8_CVT_TILES) in the Llama-8B
+# batch-1 FP8-KV step as well (docs/performance.md, 2026-12-07, twenty-sixth session).
+FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8",
+                      min_block_h=4, unmasked_k=True, offsets_32=True, ptx_pairs=True)
+# "words_cvt" (FP8_QK_DOT off: no query rounding): 128-key tiles, 4 warps, 5 stages (two
+# K / V buffers), the module's switches below; the "words_qk8" default before the
+# twenty-fourth session.
+FP8_CVT_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)
+# Three switches of the word kernel, each fewer instructions a tile, for configs that do
+# not set them (FP8_WORD_TILES does: on); off, they measured no gain or a loss at batch 1
+# in the eighteenth session (docs/performance.md, 2026-12-06), which the twenty-fifth
+# session's graph timer showed to be the launch's noise.
 # True: the word kernel reads whole K tiles without masks
 # (fp8_decode_words.attend_word_tile says why that is safe and why V stays masked);
 # False: keys past the context end not loaded.
@@ -467,18 +471,6 @@ FP8_OFFSETS_32 = False
 # (fp8_decode_words._e4m3_pairs_to_f16); False, and under the interpreter: Triton's
 # conversion, one each.
 FP8_PTX_PAIRS = False
-# The FP8 decode at a wide grid (wide_grid): "words_qk8" on 128-key tiles, 4 warps, 2
-# stages (one K / V buffer: 35 KB of shared memory, 116 registers, four programs an SM
-# where FP8_WORD_TILES fits three), a KV head's query rows padded to 4 (Llama-8B's group)
-# instead of 16, so the softmax works on a quarter of the rows, and the three switches
-# above on. One Llama-8B layer at 256 x 1152 on the H100: 232 against 240 us reading the
-# cache from DRAM; 120 against 159 us with the cache held in L2, the stand-in for the
-# H200's power-capped step, where this kernel is bound by its instructions' latency, not
-# by bytes. Faster at every wide shape measured; at batch 1 the switches cost 5 us
-# (docs/performance.md, 2026-12-07, twenty-fourth session).
-FP8_WIDE_GRID_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8",
-                           min_block_h=4, unmasked_k=True, offsets_32=True, ptx_pairs=True)
-FP8_WIDE_GRID = True  # False: FP8_WORD_TILES at every grid (benchmarks' A/B switch)
 # True: the decode and merge kernels load the request's query start and context length
 # before the PDL wait (_wait_then_decode_row says why that is allowed); the block table
 # stays inside the key loop (the ninth session's try also moved the first tile's rows
@@ -553,16 +545,15 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = dict(config) if config is not None else decode_tile_config(
-        q.dtype, kv_fp8, wide_grid(num_reqs, num_kv_heads, num_splits, sm_count(q.device)))
-    if config is None and cfg.get("fp8_path", "tile") != "tile" and \
-            not _words_path_ok(q, kv_cache):
+    cfg = dict(config) if config is not None else decode_tile_config(q.dtype, kv_fp8)
+    words_ok = kv_fp8 and _words_path_ok(q, kv_cache)
+    if config is None and cfg.get("fp8_path", "tile") != "tile" and not words_ok:
         # The default's word kernel cannot take this cache or query: the tile kernel can.
         cfg = dict(BLOCK_N=128, num_warps=4, num_stages=4)
     fp8_path, switches, block_h = split_decode_config(cfg, group)
     if fp8_path not in FP8_PATHS:
         raise ValueError(f"fp8_path must be one of {FP8_PATHS}, got {fp8_path!r}")
-    if fp8_path != "tile" and not (kv_fp8 and _words_path_ok(q, kv_cache)):
+    if fp8_path != "tile" and not words_ok:
         raise ValueError(f"fp8_path {fp8_path!r} needs an FP8 cache, 16-bit q and "
                          "head_dim a power of two >= 64")
     if num_splits > 1:
