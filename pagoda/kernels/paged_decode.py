@@ -444,7 +444,7 @@ QUERY_ROUNDING_PATHS = ("words_qk8", "words_kq8")
 # (benchmarks' --fp8-qk-dot off).
 FP8_QK_DOT = True
 # The FP8 decode's default (with FP8_QK_DOT): "words_qk8" on 128-key tiles, 4 warps, 2
-# stages (one K / V buffer: 35 KB of shared memory, 116 registers, four programs an SM),
+# stages (one K / V buffer: 36 KB of shared memory, 117 registers, four programs an SM),
 # a KV head's query rows padded to 4 (Llama-8B's group) instead of 16, so the softmax
 # works on a quarter of the rows, and the three switches below on. It was the wide-grid
 # default (batch 256) from the twenty-fourth session and is now the default at every
@@ -453,8 +453,9 @@ FP8_QK_DOT = True
 FP8_WORD_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8",
                       min_block_h=4, unmasked_k=True, offsets_32=True, ptx_pairs=True)
 # "words_cvt" (FP8_QK_DOT off: no query rounding): 128-key tiles, 4 warps, 5 stages (two
-# K / V buffers), the module's switches below; the "words_qk8" default before the
-# twenty-fourth session.
+# K / V buffers), the module's switches below: the "words_qk8" default's tiles at every
+# grid before the twenty-fourth session, and at narrow grids (batch 1) until the
+# twenty-sixth.
 FP8_CVT_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=5)
 # Three switches of the word kernel, each fewer instructions a tile, for configs that do
 # not set them (FP8_WORD_TILES does: on); off, they measured no gain or a loss at batch 1
