@@ -430,7 +430,7 @@ def decode_tile_config(dtype: torch.dtype, kv_fp8: bool = False) -> dict:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_fp8:
         if FP8_QK_DOT:  # "words_qk8" unless the tiles (a benchmark's variant) name a path
-            return dict(dict(fp8_path="words_qk8"), **FP8_WORD_TILES)
+            return {"fp8_path": "words_qk8", **FP8_WORD_TILES}
         return dict(FP8_CVT_TILES, fp8_path="words_cvt")
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
