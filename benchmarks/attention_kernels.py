@@ -33,7 +33,7 @@ from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig  # noqa: E402
-from pagoda.worker.kv_pool import KVCachePool  # noqa: E402
+from pagoda.attention.kv_pool import KVCachePool  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -129,7 +129,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, gen: torch.Generato
     attend(backend, pool, q, k, v, md, plan, out=out)
     check["graph_matches_eager"] = bool(torch.equal(graph_out, out))
 
-    from pagoda.kernels.paged_decode import choose_num_splits
+    from pagoda.kernels.attention.paged_decode import choose_num_splits
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.cache(0).element_size()
     gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
@@ -175,8 +175,8 @@ CHUNK_SWEEP_SHAPES = [(8, 2048), (16, 1024)]
 def sweep_configs(gen: torch.Generator) -> list[dict]:
     """Times kernel tile configs and split counts directly (outputs checked against the
     default config's, itself checked against torch_ref by the main run)."""
-    from pagoda.kernels.paged_attention import paged_attention_chunks
-    from pagoda.kernels.paged_decode import paged_attention_decode
+    from pagoda.kernels.attention.paged_attention import paged_attention_chunks
+    from pagoda.kernels.attention.paged_decode import paged_attention_decode
     scale = 1 / math.sqrt(HEAD_DIM)
     rows = []
     for batch, context, split_options in [(1, 32768, [8, 16, 32, 64]), (64, 8192, [1, 2, 4]),

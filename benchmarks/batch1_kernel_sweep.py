@@ -7,18 +7,18 @@ Three parts, each timed as the engine sees it: `--calls` back-to-back launches c
 in one CUDA graph, replayed, the replay's time divided by the launch count (the tail of
 one launch overlaps the head of the next, as inside the engine's step graph):
 
-- MoE GEMV decode path (pagoda/kernels/fused_moe_decode.py) at one token: the gate/up
+- MoE GEMV decode path (pagoda/kernels/moe/fused_moe_decode.py) at one token: the gate/up
   kernel and the down kernel separately, over tiles (BLOCK_N, BLOCK_K, warps, stages),
   for the Qwen3-30B-A3B layer (128 experts, top 8, hidden 2048, intermediate 768) and
   the DeepSeek-V2-Lite layer (64, top 6, 2048, 1408); bandwidth over the bytes of the
   chosen experts' weights;
-- paged decode attention (pagoda/kernels/paged_decode.py) at batch 1 over context
+- paged decode attention (pagoda/kernels/attention/paged_decode.py) at batch 1 over context
   lengths, split counts and minimum slice lengths, for 32 query heads over 4 and 8 KV
   heads (Qwen3-30B-A3B, Llama-3.1-8B);
-- the one-row FP8 W8A16 GEMVs (pagoda/kernels/fp8_w8a16.py) of the Llama-3.1-8B layer
+- the one-row FP8 W8A16 GEMVs (pagoda/kernels/fp8/w8a16.py) of the Llama-3.1-8B layer
   (qkv, o, gated gate/up, down) over tiles (BLOCK_N, BLOCK_K, warps, loop stages),
   bandwidth over the e4m3 weight bytes;
-- the greedy sampler's argmax (pagoda/kernels/argmax.py) of one row of logits over
+- the greedy sampler's argmax (pagoda/kernels/sample/argmax.py) of one row of logits over
   chunk sizes, for the vocabularies of Llama-3 (128256) and Qwen3 (151936);
 - the bandwidth ceiling (gpu_compare.measure_ceilings' copy).
 
@@ -43,9 +43,9 @@ import triton  # noqa: E402
 
 from gpu_compare import measure_ceilings  # noqa: E402
 from result_file import write_json  # noqa: E402
-from pagoda.kernels import fused_moe_decode as fmd  # noqa: E402
-from pagoda.kernels.mla_decode import mla_decode  # noqa: E402
-from pagoda.kernels.paged_decode import paged_attention_decode  # noqa: E402
+from pagoda.kernels.moe import fused_moe_decode as fmd  # noqa: E402
+from pagoda.kernels.attention.mla_decode import mla_decode  # noqa: E402
+from pagoda.kernels.attention.paged_decode import paged_attention_decode  # noqa: E402
 
 # Llama-3.1-8B's projections: name -> (N, K, gated: the weight is [gate; up], 2N rows).
 W8A16_SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
@@ -189,7 +189,7 @@ def sweep_mla(args, timer) -> list[dict]:
 def sweep_mla_projections(args, timer) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed query (q_nope W_UK + rope) and value projection
     (o_lat W_UV^T) at one token: 16 heads, qk_nope 128, rope 64, rank 512, v 128."""
-    from pagoda.kernels import mla_absorb as ab
+    from pagoda.kernels.attention import mla_absorb as ab
     heads, nope, rope, rank, v = 16, 128, 64, 512, 128
     dev, dt = args.device, args.dtype
     q = torch.randn(1, heads * (nope + rope), device=dev, dtype=dt)
@@ -223,7 +223,7 @@ def sweep_mla_projections(args, timer) -> list[dict]:
 def sweep_w8a16(args, timer) -> list[dict]:
     """One-row W8A16 GEMVs of the Llama-3.1-8B layer at each tile; "default" marks
     w8a16_linear's own choice (timed as config None)."""
-    from pagoda.kernels.fp8_w8a16 import w8a16_linear
+    from pagoda.kernels.fp8.w8a16 import w8a16_linear
     rows = []
     for name in args.w8a16_shapes:
         n, k, gated = W8A16_SHAPES[name] if not args.smoke else (96, 128, name == "gate_up")
@@ -254,7 +254,7 @@ def sweep_w8a16(args, timer) -> list[dict]:
 
 def sweep_argmax(args, timer) -> list[dict]:
     """argmax_rows of one row of logits at each chunk size (elements per program)."""
-    from pagoda.kernels.argmax import MAX_CHUNKS, argmax_rows, default_chunk
+    from pagoda.kernels.sample.argmax import MAX_CHUNKS, argmax_rows, default_chunk
     rows = []
     for vocab in args.vocabs:
         logits = torch.randn(1, vocab, device=args.device, dtype=args.dtype)

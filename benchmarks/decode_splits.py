@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch1_kernel_sweep import graph_us  # noqa: E402
-from pagoda.kernels.paged_decode import (choose_num_splits, min_split_tokens,  # noqa: E402
+from pagoda.kernels.attention.paged_decode import (choose_num_splits, min_split_tokens,  # noqa: E402
                                          paged_attention_decode)
 
 HEAD_DIM, PAGE = 128, 16

@@ -55,7 +55,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagoda.kernels.paged_decode import (  # noqa: E402
+from pagoda.kernels.attention.paged_decode import (  # noqa: E402
     FP8_CVT_TILES, MIN_SPLIT_TOKENS, QUERY_ROUNDING_PATHS, choose_num_splits,
     decode_tile_config, min_split_tokens, paged_attention_decode, quantize_q_fp8_reference)
 

@@ -128,7 +128,7 @@ def describe(ceiling: dict) -> str:
 
 
 def main() -> int:
-    from pagoda.worker.kv_disk_tier import DEFAULT_IO_THREADS
+    from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=".", help="a directory on the disk to measure")
     parser.add_argument("--size-gib", type=float, default=2.0)

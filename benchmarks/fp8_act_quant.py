@@ -1,5 +1,5 @@
 """Micro-benchmark: per-token FP8 activation quantization fused into its producer
-(pagoda/kernels/fp8_fused_quant.py) against the unfused pair it replaces (a program,
+(pagoda/kernels/fp8/fused_quant.py) against the unfused pair it replaces (a program,
 not a test).
 
 Above W8A16_MAX_M rows an FP8 (W8A8) linear quantizes its input per token. In a Llama
@@ -37,8 +37,10 @@ if SMOKE and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagoda.kernels import fp8_fused_quant, fused_ops  # noqa: E402
-from pagoda.kernels.fp8_quant import per_token_quant_fp8  # noqa: E402
+from pagoda.kernels.fp8 import fused_quant as fp8_fused_quant  # noqa: E402
+
+from pagoda.kernels.norm import fused_ops
+from pagoda.kernels.fp8.quant import per_token_quant_fp8  # noqa: E402
 from kernel_timing import time_us  # noqa: E402
 from result_file import write_json  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""FP8 weight matmuls on one GPU (pagoda.kernels.fp8_linear) against bf16 F.linear, at
+"""FP8 weight matmuls on one GPU (pagoda.kernels.fp8.linear) against bf16 F.linear, at
 the Llama-3.1-8B linear shapes.
 
     python3 benchmarks/fp8_gemm.py --out benchmarks/results/h200-fp8-gemm.json
@@ -102,7 +102,7 @@ def make_methods(kl, kq, w, device, dtype):
     weights' byte counts, for one weight w [N, K]."""
     import torch
 
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
     import torch.nn.functional as F
     w8, s = kq.quantize_weight_per_channel(w)
     wb, sb = kq.quantize_weight_blockwise(w, (128, 128))
@@ -202,7 +202,7 @@ GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, LOOP_STAGES=s
 def gemv_sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
     import torch
 
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
     found = []
     for label, (n, k) in shapes.items():
         w8, s = kq.quantize_weight_per_channel((torch.randn(n, k, device=device) * 0.02).to(dtype))
@@ -228,7 +228,7 @@ def sweep(kl, kq, shapes, device, dtype, timer) -> list[dict]:
 def _sweep_shape(kl, kq, label, n, k, device, dtype, timer) -> list[dict]:
     import torch
 
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
     smoke = device.type != "cuda"
     w8a16_tiles, w8a8_tiles = ((W8A16_SWEEP[:2], W8A8_SWEEP[:2]) if smoke
                                else (W8A16_SWEEP, W8A8_SWEEP))
@@ -265,7 +265,7 @@ def decode_variants(kl, m: int, n: int, k: int) -> list[tuple[str, dict]]:
     """(label, W8A16 config) pairs to time with each decode: the default tiles
     (w8a16_config); at one row also half as many rows per program (twice the programs
     resident per SM), 8 warps, and the tl.dot path (16-row tile, 15 padding rows)."""
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
     base = kw.w8a16_config(m, n, k)
     out = [("default", base)]
     if m == 1 and n < 65536:
@@ -281,7 +281,7 @@ def decode_compare(kl, kq, shapes, ms, device, dtype, timer, copy_bw) -> list[di
     float32 product (which the decodes must all match)."""
     import torch
 
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
     import torch.nn.functional as F
     rows = []
     for label, (n, k) in shapes.items():
@@ -391,9 +391,9 @@ def main():
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import torch
-    from pagoda.kernels import fp8_linear as kl
-    from pagoda.kernels import fp8_quant as kq
-    from pagoda.kernels import fp8_w8a16 as kw  # the W8A16 kernel's module
+    from pagoda.kernels.fp8 import linear as kl
+    from pagoda.kernels.fp8 import quant as kq
+    from pagoda.kernels.fp8 import w8a16 as kw  # the W8A16 kernel's module
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:

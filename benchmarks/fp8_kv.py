@@ -144,7 +144,8 @@ def roofline_ms(args, kv_bytes_per_entry: int, ceiling: dict) -> dict:
     if not ceiling:
         return {}
     from pagoda.model.arch_config import ArchConfig
-    arch = ArchConfig.from_preset(args.preset)
+    from pagoda.model.presets import get_preset
+    arch = get_preset(args.preset)
     h, i, layers = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     weight_bytes = 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + arch.vocab_size * h)

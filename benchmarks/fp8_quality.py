@@ -60,7 +60,8 @@ def run_variant(model: str, kwargs: dict, prompts: list[list[int]], device: str)
     """Teacher-forced logprobs of every prompt and 32-token greedy continuations.
     kwargs' "fp8_fast_accum" and "fp8_qk_dot" (not LLM arguments) set
     fp8_linear.SCALED_MM_FAST_ACCUM and paged_decode.FP8_QK_DOT for this variant."""
-    from pagoda.kernels import fp8_linear, paged_decode
+    from pagoda.kernels.fp8 import linear as fp8_linear
+    from pagoda.kernels.attention import paged_decode
     kwargs = dict(kwargs)
     defaults = fp8_linear.SCALED_MM_FAST_ACCUM, paged_decode.FP8_QK_DOT
     fp8_linear.SCALED_MM_FAST_ACCUM = kwargs.pop("fp8_fast_accum", defaults[0])

@@ -1,4 +1,4 @@
-"""Tile sweep of the decode GEMV (pagoda.kernels.gemv) against torch F.linear (cuBLAS), at
+"""Tile sweep of the decode GEMV (pagoda.kernels.gemv.gemv) against torch F.linear (cuBLAS), at
 the dense projection shapes of Qwen3-30B-A3B, Llama-3.1-8B and DeepSeek-V2-Lite.
 
     python3 benchmarks/gemv_sweep.py --out benchmarks/results/h200-gemv-sweep.json
@@ -21,7 +21,7 @@ cost. TB/s counts the weight, x and y bytes; the roofline is the copy bandwidth
 measured in the same run.
 
 Prints a table per shape, then the GEMV_CONFIGS entries to paste into
-pagoda/kernels/gemv.py: the (N, K, M) where the best gemv beat cuBLAS in the graph by
+pagoda/kernels/gemv/gemv.py: the (N, K, M) where the best gemv beat cuBLAS in the graph by
 more than --margin. Writes JSON.
 """
 
@@ -319,7 +319,7 @@ def table_entries(cells: list[dict], margin: float) -> list[tuple]:
 
 
 def print_table(entries: list[tuple]) -> None:
-    print("\n# pagoda/kernels/gemv.py: measured on this GPU, in a CUDA graph")
+    print("\n# pagoda/kernels/gemv/gemv.py: measured on this GPU, in a CUDA graph")
     print("GEMV_CONFIGS: dict[tuple[int, int, int], dict] = {")
     for key, cfg, cublas_us, gemv_us in entries:
         args = ", ".join(f"{k}={v}" for k, v in cfg.items())
@@ -372,7 +372,7 @@ def main(argv=None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
     import torch
     import triton
-    from pagoda.kernels import gemv as kg
+    from pagoda.kernels.gemv.gemv import gemv as kg
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = _select_shapes(args)
     rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)

@@ -15,7 +15,7 @@ so the disk tier's load figure is stated against it.
 
 The restart probe reports which path each server's first request took: blocks loaded
 from the disk tier, or disk hits recomputed because the cost model expected recompute
-to be faster (pagoda/core/kv_cost.py), and the estimates it weighed.
+to be faster (pagoda/kv_offload/planning/cost.py), and the estimates it weighed.
 
     # H200, Llama-3.1-8B shape (dummy bf16 weights), GPU pool capped at 32k tokens:
     python benchmarks/kv_offload.py --output benchmarks/results/h200-kv-offload.json
@@ -272,7 +272,7 @@ def print_summary(result: dict, disk_tier: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    from pagoda.worker.kv_disk_tier import DEFAULT_IO_THREADS
+    from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
     p = SMOKE if args.smoke else GPU
     flags = list(p["model"])
     if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab

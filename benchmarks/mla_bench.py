@@ -140,8 +140,8 @@ def kernel_bench(arch, ceilings: dict, batches, contexts, ref_max_batch: int) ->
     from triton.testing import do_bench
 
     from pagoda.attention.mla_backend import latent_attention_ref
-    from pagoda.kernels.mla_decode import mla_decode
-    from pagoda.kernels.paged_decode import choose_num_splits
+    from pagoda.kernels.attention.mla_decode import mla_decode
+    from pagoda.kernels.attention.paged_decode import choose_num_splits
     from pagoda.model.mla_config import mla_softmax_scale
 
     mla, heads, bs = arch.mla, arch.num_attention_heads, 16

@@ -1,4 +1,4 @@
-"""MLA prefill attention on the GPU: the Triton kernel (pagoda.kernels.mla_prefill)
+"""MLA prefill attention on the GPU: the Triton kernel (pagoda.kernels.attention.mla_prefill)
 against the SDPA path it replaced, and a sweep of its tiles.
 
     python3 benchmarks/mla_prefill_bench.py --out benchmarks/results/mla_prefill.json
@@ -69,8 +69,8 @@ def median_ms(fn, smoke: bool) -> float:
 def run_step(name, layout, gen, scale, smoke: bool) -> dict:
     import torch
     from pagoda.attention.mla_backend import assemble_prefill_qk, prefill_attention
-    from pagoda.host_copy import host_to_device
-    from pagoda.kernels.mla_prefill import mla_prefill_attention, prefill_tile_table
+    from pagoda.kernels.launch.host_copy import host_to_device
+    from pagoda.kernels.attention.mla_prefill import mla_prefill_attention, prefill_tile_table
     dev, dt = ("cpu", torch.float16) if smoke else ("cuda", torch.bfloat16)
     p, chunks, rows, flops = make_step(layout, gen, dev, dt)
     q, k = assemble_prefill_qk(p["q_nope"], p["q_rope"], p["k_nope"], p["k_rope"])

@@ -98,7 +98,7 @@ def _graph_ms(fn, repeat: int) -> float:
 
 def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict:
     import torch
-    from pagoda.kernels import fused_moe as fm
+    from pagoda.kernels.moe import fused_moe as fm
     from pagoda.model.layers.moe.routing import select_experts
 
     moe, h, inter = arch.moe, arch.hidden_size, arch.moe.moe_intermediate_size
@@ -134,7 +134,7 @@ def bench_kernel(arch, tokens: int, device, ceilings: dict, repeat: int) -> dict
 
 
 def compare_paths(fm, args, device, repeat: int) -> dict:
-    """Each fused_moe path (pagoda.kernels.fused_moe.PATHS) on the same inputs: eager ms,
+    """Each fused_moe path (pagoda.kernels.moe.fused_moe.PATHS) on the same inputs: eager ms,
     CUDA-graph replay ms at decode sizes, and the largest difference from the default
     path's output. The GEMV path only up to 64 tokens (it re-reads shared experts)."""
     tokens = args[0].shape[0]
@@ -158,7 +158,7 @@ def compare_routing(logits, moe, correction, device, repeat: int) -> dict:
     out = {"torch_ms": time_ms(lambda: routing.select_experts_torch(logits, moe, correction),
                                 device, repeat)}
     if device.type == "cuda":
-        from pagoda.kernels.moe_routing import route_topk
+        from pagoda.kernels.moe.routing import route_topk
         out["kernel_ms"] = time_ms(lambda: route_topk(logits, moe, correction), device, repeat)
         out["torch_graph_ms"] = _graph_ms(
             lambda: routing.select_experts_torch(logits, moe, correction), repeat)

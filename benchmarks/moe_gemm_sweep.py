@@ -7,7 +7,7 @@ down with the routing weights), one layer of each model's shape, on the GPU.
 For each model (Qwen3-30B-A3B: 128 experts of 768, top 8; DeepSeek-V2-Lite: 64 of
 1408, top 6; hidden 2048) and token count (16384: a prefill step; 256: a decode step at
 batch 256), random routing, each candidate tile config of
-pagoda.kernels.fused_moe._grouped_gemm is timed on its own (median of CUDA-event timed
+pagoda.kernels.moe.fused_moe._grouped_gemm is timed on its own (median of CUDA-event timed
 launches after a warm-up) and checked against the default config's output. Reports
 TFLOP/s and the bandwidth over the expert weights the step touches, with the ceilings
 measured in the same run, and the best config per (model, tokens, GEMM). Prints a table;
@@ -61,7 +61,7 @@ def sweep_case(model: str, tokens: int, configs, repeat: int, ceilings: dict,
                tma: bool = False) -> dict:
     results_names = ("gate_up", "down")
     import torch
-    from pagoda.kernels import fused_moe as fm
+    from pagoda.kernels.moe import fused_moe as fm
     x, w13, w2, weights, ids = make_layer(model, tokens)
     num_experts, hidden, inter, top_k = SHAPES[model]
     pairs = tokens * top_k

@@ -1,5 +1,5 @@
 """The MoE router at decode sizes: the fused router kernel (router linear + routing in one
-launch, pagoda.kernels.moe_router_fused) against the two launches it replaces (MoEGate's
+launch, pagoda.kernels.moe.router_fused) against the two launches it replaces (MoEGate's
 F.linear through cuBLAS, then the routing kernel route_topk via select_experts).
 
     python3 benchmarks/moe_router_bench.py --out benchmarks/results/moe_router.json
@@ -67,7 +67,7 @@ def make_layers(case: dict, num_layers: int, device, dtype):
     """num_layers MoEGates (random weights, each with its fused-router scratch) and the
     correction bias (noaux_tc) they share."""
     import torch
-    from pagoda.kernels.moe_router_fused import RouterScratch
+    from pagoda.kernels.moe.router_fused import RouterScratch
     from pagoda.model.layers.moe.gate import MoEGate
 
     cfg, h = case["cfg"], case["hidden"]
@@ -92,7 +92,7 @@ def unfused(gate, hidden, cfg, bias):
 
 
 def fused(gate, hidden, cfg, bias, tiles=None):
-    from pagoda.kernels.moe_router_fused import fused_route
+    from pagoda.kernels.moe.router_fused import fused_route
     return fused_route(hidden, gate.weight, cfg, bias, gate.fp32, gate.router_scratch, tiles)
 
 
@@ -137,7 +137,7 @@ def rows_differ(a, b) -> int:
 
 def bench_case(case: dict, tokens: int, args, device, ceilings: dict) -> dict:
     import torch
-    from pagoda.kernels.moe_router_fused import default_tiles
+    from pagoda.kernels.moe.router_fused import default_tiles
 
     cfg = case["cfg"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16

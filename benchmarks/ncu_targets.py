@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagoda.kernels.paged_decode import choose_num_splits  # noqa: E402
+from pagoda.kernels.attention.paged_decode import choose_num_splits  # noqa: E402
 
 CALLS = 5
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -47,7 +47,7 @@ def decode_case(dtype: str, spec: str, layout: str, device: torch.device):
 
 def moe_case(device: torch.device):
     from batch1_kernel_sweep import MOE_SHAPES, moe_inputs
-    from pagoda.kernels.fused_moe_decode import fused_moe_gemv
+    from pagoda.kernels.moe.fused_moe_decode import fused_moe_gemv
     x, w13, w2, ids, weights, _, _ = moe_inputs(MOE_SHAPES["qwen3-30b-a3b"], device,
                                                 torch.bfloat16)
     return lambda: fused_moe_gemv(x, w13, w2, weights.view(1, -1), ids.view(1, -1))

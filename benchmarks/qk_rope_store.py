@@ -1,5 +1,5 @@
 """Micro-benchmark: the fused q/k norm + rotary + KV store kernel
-(pagoda/kernels/qk_rope_store.py) against the unfused launches it replaces (a program,
+(pagoda/kernels/attention/qk_rope_store.py) against the unfused launches it replaces (a program,
 not a test).
 
 Per attention layer, between the QKV projection and attention: Qwen3-30B-A3B
@@ -33,8 +33,10 @@ if SMOKE and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagoda.kernels import fused_ops, qk_rope_store  # noqa: E402
-from pagoda.kernels.store_kv import store_kv  # noqa: E402
+from pagoda.kernels.norm import fused_ops  # noqa: E402
+
+from pagoda.kernels.attention import qk_rope_store
+from pagoda.kernels.attention.store_kv import store_kv  # noqa: E402
 from kernel_timing import time_us  # noqa: E402
 from result_file import write_json  # noqa: E402
 

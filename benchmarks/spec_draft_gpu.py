@@ -48,7 +48,8 @@ def matched_draft_dir(target: str, num_layers: int) -> str:
     """A directory whose config.json is the target's shape with num_layers layers (the
     engine gives a dummy target's draft random weights of that shape)."""
     from pagoda.model.arch_config import ArchConfig
-    arch = ArchConfig.from_preset(target)
+    from pagoda.model.presets import get_preset
+    arch = get_preset(target)
     config = {"architectures": [arch.architecture], "model_type": "llama",
               "hidden_size": arch.hidden_size, "num_hidden_layers": num_layers,
               "num_attention_heads": arch.num_attention_heads,

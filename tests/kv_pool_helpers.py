@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 
 def pool_holding(caches: list[torch.Tensor], layouts=None) -> KVCachePool:

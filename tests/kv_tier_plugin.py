@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from pagoda.worker.kv_tier_api import KVBlockFormat, KVTier
+from pagoda.kv_offload.tier_api import KVBlockFormat, KVTier
 
 INSTANCES: list["DictTier"] = []
 

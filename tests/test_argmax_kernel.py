@@ -1,4 +1,4 @@
-"""The row-wise argmax kernel (pagoda.kernels.argmax) against torch.argmax, and the
+"""The row-wise argmax kernel (pagoda.kernels.sample.argmax) against torch.argmax, and the
 sampler's use of it.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 in float32 and float16 (the

@@ -28,7 +28,7 @@ from pagoda.model.loader import build_model
 from pagoda.model.quant.cpu_int import CpuBlockConfig, OnlineBlockMethod, block_ready
 from pagoda.model.quant.cpu_kernels import native_status
 from pagoda.model.quant.registry import process_loaded_weights
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 pytestmark = pytest.mark.skipif(native_status() != "native",
                                 reason=f"no native CPU kernel here: {native_status()}")

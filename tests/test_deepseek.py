@@ -22,6 +22,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.attention.mla_backend import MLATorchBackend
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.presets import get_preset
 from pagoda.model.loader import load_model
 from pagoda.model.mla_config import MLAConfig, mla_softmax_scale
 from test_model_hf_equivalence import PagedRunner, hf_logits, randomize
@@ -178,7 +179,7 @@ def test_arch_config_parses_mla_and_rejects_what_is_not_implemented():
         ArchConfig.from_hf_config(dict(hf, rope_parameters={"rope_type": "yarn", "factor": None,
                                                             "original_max_position_embeddings": 32}))
     with pytest.raises(ValueError, match="takes no an MLA config|takes no"):
-        ArchConfig.from_preset("tiny-llama").replace(mla=arch.mla)
+        get_preset("tiny-llama").replace(mla=arch.mla)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

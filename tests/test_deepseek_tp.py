@@ -20,7 +20,7 @@ from tp_helpers import free_port, paged_forward, run_ranks
 from pagoda.distributed.parallel_state import destroy_distributed, init_distributed
 from pagoda.model.loader import load_model
 from pagoda.model.parallel import TensorParallel
-from pagoda.worker.model_runner import make_attention_backend
+from pagoda.attention.selector import make_attention_backend
 
 WORLD = 2
 MODELS = {"deepseek_v2": {}, "deepseek_v3": {"q_lora_rank": 24}}
@@ -28,7 +28,7 @@ MODELS = {"deepseek_v2": {}, "deepseek_v3": {"q_lora_rank": 24}}
 
 def forward(path: str, tp: TensorParallel):
     model, arch = load_model(path, "safetensors", "float32", "cpu", tp=tp)
-    backend = make_attention_backend("torch_ref", "cpu", arch, tp)
+    backend = make_attention_backend("torch_ref", "cpu", arch.attention_shape(tp.size))
     assert backend.num_heads == arch.num_attention_heads // tp.size
     return paged_forward(model, STEPS, backend=backend)
 

@@ -18,7 +18,8 @@ from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.executor.base import ExecutorDeadError, ModelInfo
+from pagoda.core.outputs import ModelInfo
+from pagoda.executor.base import ExecutorDeadError
 from pagoda.executor.uniproc import UniProcExecutor
 from pagoda.sampling_params import SamplingParams
 

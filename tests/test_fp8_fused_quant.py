@@ -1,5 +1,5 @@
 """Per-token FP8 quantization fused into the RMSNorm and SiLU-and-mul kernels
-(pagoda/kernels/fp8_fused_quant.py) and the seam that hands their output to the FP8
+(pagoda/kernels/fp8/fused_quant.py) and the seam that hands their output to the FP8
 linears (Fp8Activation, takes_fp8_input / apply_fp8, the layers, the Llama layer).
 
 The exactness contract is checked bit for bit: the fused kernels' fp8 bytes (viewed as
@@ -148,7 +148,8 @@ import re, sys
 sys.path[:0] = ["tools", "."]
 import torch, triton
 from compile_sm90 import compile_for_sm90
-from pagoda.kernels import fp8_fused_quant as fq, fused_ops as fo
+from pagoda.kernels.fp8 import fused_quant as fq
+from pagoda.kernels.norm import fused_ops as fo
 
 def reduce_layout(compiled):
     ir = compiled.asm["ttgir"]
@@ -214,7 +215,7 @@ def fp8_input_on_cpu(monkeypatch):
 
 
 def test_fp8_methods_ask_only_where_they_would_quantize_per_token(fp8_input_on_cpu):
-    from pagoda.kernels.fp8_linear import W8A16_MAX_M
+    from pagoda.kernels.fp8.linear import W8A16_MAX_M
     from pagoda.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from pagoda.model.quant.fp8 import Fp8CheckpointLinearMethod
     layer = _online_layer(RowParallelLinear, 64, 32)
@@ -242,7 +243,7 @@ def test_an_fp8_activation_gives_what_the_float_input_gives(rows):
     """apply_fp8 on per_token_quant_fp8's output equals apply on the float rows (the
     W8A8 path; also below W8A16_MAX_M rows, where apply itself would take the GEMV,
     apply_fp8 still computes the W8A8 product of the rows it is given)."""
-    from pagoda.kernels.fp8_linear import fp8_linear_ref
+    from pagoda.kernels.fp8.linear import fp8_linear_ref
     from pagoda.model.layers.linear import ColumnParallelLinear
     layer = _online_layer(ColumnParallelLinear, 64, 48, bias=True)
     layer.bias.data.copy_(torch.linspace(-1, 1, 48))
@@ -342,7 +343,7 @@ def _llama_forward(model, arch, output_rows=None):
     from pagoda.attention.torch_ref import TorchRefBackend
     from pagoda.core.kv_cache_spec import KVCacheConfig
     from pagoda.model.layers.attention import kv_cache_specs
-    from pagoda.worker.kv_pool import KVCachePool
+    from pagoda.attention.kv_pool import KVCachePool
     lens = [20, 5]  # 25 rows: past W8A16_MAX_M, the W8A8 path
     pool = KVCachePool(KVCacheConfig(16, kv_cache_specs(model, 16, torch.float16)), DEVICE)
     backend = TorchRefBackend(arch.num_attention_heads, arch.num_key_value_heads,

@@ -16,7 +16,7 @@ from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.config import CacheConfig, EngineArgs
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 from tiny_models import save_tiny_hf_model
 
 FP8 = "float8_e4m3fn"
@@ -205,7 +205,7 @@ def generate(engine_llm):
 def fake_quantized_store(monkeypatch):
     """The reference engine: a float32 cache whose stored K/V are rounded through e4m3
     (scale 1.0, a checkpoint without scales) by the torch store."""
-    import pagoda.worker.kv_pool as kv_pool
+    import pagoda.attention.kv_pool as kv_pool
 
     plain_store = kv_pool.store_kv_torch
     one = torch.tensor(1.0)
@@ -289,11 +289,11 @@ def test_bad_checkpoint_scales_are_refused_by_name(tiny_llama, tmp_path, name, v
 # ---- offload tiers ------------------------------------------------------------------------
 
 def test_offload_tiers_copy_fp8_blocks_byte_for_byte(tmp_path):
-    from pagoda.core.kv_tiers import KVTransferPlan, LoadJob, TierRead, TierWrite
-    from pagoda.worker.kv_cpu_tier import BlockLayout, CpuTier
-    from pagoda.worker.kv_disk_tier import DiskTier
-    from pagoda.worker.kv_offload import KVCopyEngine
-    from pagoda.worker.kv_tier_api import KVBlockFormat
+    from pagoda.kv_offload.planning.tiers import KVTransferPlan, LoadJob, TierRead, TierWrite
+    from pagoda.kv_offload.cpu_tier import BlockLayout, CpuTier
+    from pagoda.kv_offload.disk_tier import DiskTier
+    from pagoda.kv_offload.copy_engine import KVCopyEngine
+    from pagoda.kv_offload.tier_api import KVBlockFormat
 
     specs = [FullAttentionSpec(4, 2, 8, FP8)] * 2
     pool = KVCachePool(KVCacheConfig(8, specs), "cpu")

@@ -30,7 +30,7 @@ from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig  # noqa: E402
-from pagoda.worker.kv_pool import FullAttentionLayout, KVCachePool  # noqa: E402
+from pagoda.attention.kv_pool import FullAttentionLayout, KVCachePool  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 POISON = 0x7E  # e4m3 448: what unused slots hold (the interpreter cannot read NaN)
@@ -92,7 +92,7 @@ def test_store_kv_quantizes_bit_exactly_like_the_torch_reference(dtype):
 
 
 def test_store_kv_refuses_an_fp8_cache_without_scales():
-    from pagoda.kernels.store_kv import store_kv
+    from pagoda.kernels.attention.store_kv import store_kv
     cache = torch.zeros(2, 2, 8, 1, 16, dtype=FP8_KV_DTYPE, device=DEVICE)
     k = torch.zeros(1, 1, 16, device=DEVICE)
     slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
@@ -149,7 +149,7 @@ def attend(backend, pool, case, q=None, **kw):
 def decode_rows_rounded(q, md):
     """q with its decode rows (query length 1) rounded as the "words_qk8" decode path
     rounds them (paged_decode.quantize_q_fp8_reference); other rows as they are."""
-    from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+    from pagoda.kernels.attention.paged_decode import quantize_q_fp8_reference
     starts = md.query_start_loc.tolist()
     rows = [a for a, b in zip(starts, starts[1:]) if b - a == 1]
     q8, scale = quantize_q_fp8_reference(q[rows])
@@ -169,7 +169,7 @@ MIXED = [(0, 37), (70, 40), (5, 3), (45, 1), (0, 1), (130, 1)]
 ])
 def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_size, splits,
                                          qk_dot, monkeypatch):
-    from pagoda.kernels import paged_decode
+    from pagoda.kernels.attention import paged_decode
     monkeypatch.setattr(paged_decode, "FP8_QK_DOT", qk_dot)
     case = Fp8Case(MIXED, num_heads, num_kv_heads, 64, block_size, dtype)
     ref_backend = TorchRefBackend(num_heads, num_kv_heads, 64, 1 / 8)
@@ -188,7 +188,7 @@ def test_kernels_read_fp8_like_torch_ref(dtype, num_heads, num_kv_heads, block_s
 def test_graph_plan_reads_the_scales_tensor_at_run_time(monkeypatch):
     """A plan built from capture-time values, run twice with the layer's scales changed
     in place in between (as a CUDA graph replays): each run follows the current values."""
-    from pagoda.kernels import paged_decode
+    from pagoda.kernels.attention import paged_decode
     monkeypatch.setattr(paged_decode, "FP8_QK_DOT", False)  # the exact read (qk8: above)
     num_heads, num_kv_heads, head_dim, block_size = 4, 1, 64, 16
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, 1 / 8)
@@ -228,7 +228,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_bf16_queries_on_an_fp8_cache_match_torch_ref():
     shapes = [(0, 513), (3000, 200), (17, 1), (4000, 1), (100, 1)]
     case = Fp8Case(shapes, 32, 8, 128, 16, torch.bfloat16, seed=3)
-    from pagoda.kernels.paged_decode import FP8_QK_DOT  # the default decode path's queries
+    from pagoda.kernels.attention.paged_decode import FP8_QK_DOT  # the default decode path's queries
     ref = attend(TorchRefBackend(32, 8, 128, 1 / math.sqrt(128)), case.pools[False], case,
                  q=decode_rows_rounded(case.q, case.md) if FP8_QK_DOT else None)
     for splits in (None, 7):
@@ -266,7 +266,7 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
     ref = torch.zeros(q.shape)
     q_ref = q.float()
     if quantized_q:  # what "words_qk8" attends with: each head rounded to e4m3
-        from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+        from pagoda.kernels.attention.paged_decode import quantize_q_fp8_reference
         q8, q_scale = quantize_q_fp8_reference(q)
         q_ref = q8.float() * q_scale
     for r, ctx in enumerate(contexts):
@@ -285,7 +285,7 @@ def fp8_decode_case(contexts, num_heads, num_kv_heads, head_dim, block_size, see
 
 def _set_word_kernel_switches(monkeypatch, on: bool) -> None:
     """paged_decode's three word-kernel switches, all on or all off, for one test."""
-    from pagoda.kernels import paged_decode
+    from pagoda.kernels.attention import paged_decode
     for name in ("FP8_UNMASKED_K", "FP8_OFFSETS_32", "FP8_PTX_PAIRS"):
         monkeypatch.setattr(paged_decode, name, on)
 
@@ -302,7 +302,7 @@ def _set_word_kernel_switches(monkeypatch, on: bool) -> None:
 @pytest.mark.parametrize("switches", [False, True])
 def test_decode_fp8_paths_match_torch_ref(monkeypatch, fp8_path, head_dim, num_heads,
                                           num_kv_heads, splits, switches):
-    from pagoda.kernels.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
+    from pagoda.kernels.attention.paged_decode import QUERY_ROUNDING_PATHS, paged_attention_decode
     if fp8_path == "tile" and switches:
         pytest.skip("the switches act on the word kernel only")
     _set_word_kernel_switches(monkeypatch, switches)
@@ -328,7 +328,7 @@ def test_word_kernel_ignores_nan_bytes_past_the_context_end(monkeypatch, switche
     reaches the output (K past the end gets score -inf; V past the end is never read).
     The NaN case bites on the GPU only: the interpreter converts the byte 0x7F to a
     finite value, so a V read past the end passes here and fails there."""
-    from pagoda.kernels.paged_decode import paged_attention_decode
+    from pagoda.kernels.attention.paged_decode import paged_attention_decode
     _set_word_kernel_switches(monkeypatch, switches)
     contexts, block_size = [37, 20, 1, 130, 64], 16
     case = fp8_decode_case(contexts, 8, 2, 64, block_size, quantized_q=True)
@@ -353,7 +353,7 @@ def test_word_kernel_ignores_nan_bytes_past_the_context_end(monkeypatch, switche
 
 
 def test_word_kernel_offsets_fit_int32_up_to_2_gib():
-    from pagoda.kernels.paged_decode import _offsets_fit_32
+    from pagoda.kernels.attention.paged_decode import _offsets_fit_32
     page, heads, dim = 16, 8, 128  # 16 KiB a block of one half, e4m3
     fits = torch.empty(2, 2 ** 31 // (page * heads * dim), page, heads, dim,
                        dtype=FP8_KV_DTYPE, device="meta")
@@ -368,7 +368,7 @@ def test_query_rounding_of_the_fp8_dot_path():
     """quantize_q_fp8_reference: a power-of-two scale per head bringing its largest
     |value| to at most 448 (and to no less than 224), lossless on values it produced,
     and scale 1 for an all-zero head."""
-    from pagoda.kernels.paged_decode import quantize_q_fp8_reference
+    from pagoda.kernels.attention.paged_decode import quantize_q_fp8_reference
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(5, 4, 64, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 448.0])[:, None]
     q[0, 0] = 0.0
@@ -387,7 +387,7 @@ def test_fp8_default_tiles_and_the_qk_dot_switch(monkeypatch):
     """An FP8 cache's default is FP8_WORD_TILES ("words_qk8", query rows padded to 4, the
     word kernel's switches on) at every grid; with FP8_QK_DOT off, "words_cvt" on
     FP8_CVT_TILES, the module's switches deciding."""
-    from pagoda.kernels import paged_decode as pd
+    from pagoda.kernels.attention import paged_decode as pd
     bf16 = torch.bfloat16
     assert pd.decode_tile_config(bf16, True) == pd.FP8_WORD_TILES == dict(
         BLOCK_N=128, num_warps=4, num_stages=2, fp8_path="words_qk8", min_block_h=4,
@@ -412,7 +412,7 @@ def test_default_fp8_decode_matches_torch_ref(splits, num_heads, num_kv_heads):
     """The default FP8 decode, FP8_WORD_TILES (query rows padded to 4, not 16; whole K
     tiles read), against the reference with the queries rounded as that path rounds
     them."""
-    from pagoda.kernels import paged_decode as pd
+    from pagoda.kernels.attention import paged_decode as pd
     assert pd.FP8_QK_DOT and pd.FP8_WORD_TILES["min_block_h"] == 4
     contexts = [37, 20, 1, 130, 64, 200, 16, 9]
     case = fp8_decode_case(contexts, num_heads, num_kv_heads, 64, 16, quantized_q=True)
@@ -428,7 +428,7 @@ def test_default_fp8_decode_matches_torch_ref(splits, num_heads, num_kv_heads):
 
 
 def test_decode_words_path_refuses_what_it_cannot_read():
-    from pagoda.kernels.paged_decode import paged_attention_decode
+    from pagoda.kernels.attention.paged_decode import paged_attention_decode
     case = fp8_decode_case([20], 4, 1, 64, 16)
     args = (case["tables"].to(DEVICE), case["qsl"].to(DEVICE), case["seq"].to(DEVICE), 1, 0.125, 1)
     q = case["q"].to(DEVICE)
@@ -446,7 +446,7 @@ def test_decode_words_path_refuses_what_it_cannot_read():
 
 import triton.language as tl  # noqa: E402
 
-from pagoda.kernels.fp8_decode_words import word_planes  # noqa: E402  (after the reload above)
+from pagoda.kernels.attention.fp8_decode_words import word_planes  # noqa: E402  (after the reload above)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""FP8 weight quantization and matmul kernels (pagoda.kernels.fp8_quant, fp8_linear)
+"""FP8 weight quantization and matmul kernels (pagoda.kernels.fp8.quant, fp8_linear)
 against their torch references.
 
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set by conftest) on small
@@ -32,8 +32,8 @@ import triton.language as tl  # noqa: E402
 
 # Jit functions the test kernels below call: imported here, since a compiled kernel
 # cannot import (only the interpreter runs an import inside a kernel body).
-from pagoda.kernels.fp8_w8a16 import _e4m3_bits_f32, _e4m3_bits_to  # noqa: E402
-from pagoda.kernels.fp8_quant import round_to_e4m3  # noqa: E402
+from pagoda.kernels.fp8.w8a16 import _e4m3_bits_f32, _e4m3_bits_to  # noqa: E402
+from pagoda.kernels.fp8.quant import round_to_e4m3  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 FP8 = torch.float8_e4m3fn

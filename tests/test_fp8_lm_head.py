@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda.config import EngineArgs, ModelConfig
-from pagoda.kernels.fp8_quant import dequantize_per_channel
+from pagoda.kernels.fp8.quant import dequantize_per_channel
 from pagoda.model.quant import fp8 as fp8_module
 from pagoda.model.quant.registry import resolve_quant_config
 

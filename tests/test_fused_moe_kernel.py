@@ -1,4 +1,4 @@
-"""The fused MoE Triton kernel (pagoda.kernels.fused_moe) against its torch reference.
+"""The fused MoE Triton kernel (pagoda.kernels.moe.fused_moe) against its torch reference.
 
 Without CUDA it runs under TRITON_INTERPRET=1 (set by conftest) in float32 and float16
 on small shapes: several token counts including 1, uneven expert loads, experts with
@@ -109,7 +109,7 @@ def test_align_chunked_exact_by_hand(fm):
 def test_align_default_path_per_device(fm):
     """On the CPU the default takes the kernels (interpreted) only up to one program's
     pairs, torch ops above; the two agree, here at a prefill-sized count."""
-    from pagoda.kernels import moe_align
+    from pagoda.kernels.moe import align as moe_align
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 16, (3000, 2), generator=gen, dtype=torch.int32).to(DEVICE)
     default = fm.moe_align_block_size(ids, 64, 16)
@@ -216,7 +216,7 @@ def test_gemv_sum_is_deterministic_and_skips_foreign_choices(fm):
 def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
     """Small GEMV tiles, so both kernels loop over several reduction chunks and column
     blocks, the last ones partial (H = 40, I = 24: no multiple of 16 or 8)."""
-    from pagoda.kernels import fused_moe_decode as dec
+    from pagoda.kernels.moe import fused_moe_decode as dec
     monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
     monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
     monkeypatch.setattr(dec, "NARROW_DOWN", False)  # DOWN_CONFIG at every width
@@ -231,7 +231,7 @@ def test_down_config_by_intermediate_width(monkeypatch):
     """Narrow experts (Qwen3's 768) get the four-column one-warp down tile with six
     choices in flight, wider ones (DeepSeek-V2-Lite's 1408) DOWN_CONFIG; each with its
     whole row as one chunk."""
-    from pagoda.kernels import fused_moe_decode as dec
+    from pagoda.kernels.moe import fused_moe_decode as dec
     narrow, wide = dec.down_config(768), dec.down_config(1408)
     assert (narrow["BLOCK_N"], narrow["num_warps"], narrow["BLOCK_K"], narrow["ONE_CHUNK"],
             narrow["LOOP_STAGES"]) == (4, 1, 1024, True, 6)
@@ -269,7 +269,7 @@ def test_tiles_fit_shared_memory():
     with the gate/up epilogue) in shared memory: seen on the H200, where 32 x 128 x 128
     float32 tiles at 3 stages asked for 294,912 bytes of its 232,448. Every tier of
     pick_config, for 2- and 4-byte operands, must stay under it."""
-    from pagoda.kernels import fused_moe as fm_module
+    from pagoda.kernels.moe import fused_moe as fm_module
     for element_size in (2, 4):
         for pairs in (64, 2_000, 40_000):  # 8, 250 and 5,000 rows per expert of 8
             for gemm, b_tiles in (("gate_up", 2), ("down", 1)):
@@ -335,7 +335,7 @@ def test_gemv_adds_the_shared_mlp_in_its_launches(fm, monkeypatch, dtype, small_
     block); with small tiles both kernels loop over several chunks of each row; a token
     whose choices are all another rank's still gets the shared MLP."""
     if small_tiles:
-        from pagoda.kernels import fused_moe_decode as dec
+        from pagoda.kernels.moe import fused_moe_decode as dec
         monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
         monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
         monkeypatch.setattr(dec, "NARROW_DOWN", False)

@@ -1,4 +1,4 @@
-"""The fused Triton ops (pagoda.kernels.fused_ops) against the layers' torch code.
+"""The fused Triton ops (pagoda.kernels.norm.fused_ops) against the layers' torch code.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 in float32 and float16 (the
 interpreter gets bfloat16 wrong); triton reads the variable when a kernel is
@@ -204,7 +204,7 @@ def test_layers_on_cpu_never_import_triton():
         "RMSNorm(8)(x); RMSNorm(8)(x, x); SiluAndMul()(x)\n"
         "apply_rotary(x, x[:, 0, :4], x[:, 0, :4])\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
-        "assert 'pagoda.kernels.fused_ops' not in sys.modules\n"
+        "assert 'pagoda.kernels.norm.fused_ops' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine

@@ -1,4 +1,4 @@
-"""The decode GEMV (pagoda.kernels.gemv) against its torch reference, and its routing from
+"""The decode GEMV (pagoda.kernels.gemv.gemv) against its torch reference, and its routing from
 the unquantized linear method.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (set by conftest) in float16 and

@@ -21,7 +21,7 @@ def test_graph_replay_matches_eager_reference(llm):
     from pagoda.attention.metadata import build_attention_metadata
     from pagoda.attention.torch_ref import TorchRefBackend
     from pagoda.core.kv_cache_spec import FullAttentionSpec
-    from pagoda.worker.kv_pool import FullAttentionLayout
+    from pagoda.attention.kv_pool import FullAttentionLayout
     from kv_pool_helpers import pool_holding
 
     runner = llm.llm_engine.executor.runner
@@ -69,7 +69,7 @@ def test_mixed_step_graph_matches_eager_reference(llm):
     from pagoda.attention.metadata import build_attention_metadata
     from pagoda.attention.torch_ref import TorchRefBackend
     from pagoda.core.kv_cache_spec import FullAttentionSpec
-    from pagoda.worker.kv_pool import FullAttentionLayout
+    from pagoda.attention.kv_pool import FullAttentionLayout
     from kv_pool_helpers import pool_holding
 
     runner = llm.llm_engine.executor.runner

@@ -16,7 +16,7 @@ host ran. The run without them has all three off.
 import pytest
 import torch
 
-from pagoda.kernels import pending_fill
+from pagoda.kernels.sample import pending_fill
 from pagoda.worker import input_stream, step_output
 
 ON_GPU = torch.cuda.is_available()

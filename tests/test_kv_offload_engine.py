@@ -11,7 +11,7 @@ import pytest
 from pagoda.core.block_hash import hash_block_tokens
 from pagoda.entrypoints.llm import LLM
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.kv_disk_tier import HEADER_RESERVE
+from pagoda.kv_offload.disk_tier import HEADER_RESERVE
 
 GIB = 1 << 30
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

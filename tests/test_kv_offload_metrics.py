@@ -5,8 +5,8 @@ import pytest
 
 from pagoda.bench.server_metrics import parse_prometheus, summarize_server_metrics
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_offload import KVOffloadManager
-from pagoda.core.kv_tiers import KVTransferReport, TierIndex, TierIOStats, TierStack
+from pagoda.kv_offload.planning.manager import KVOffloadManager
+from pagoda.kv_offload.planning.tiers import KVTransferReport, TierIndex, TierIOStats, TierStack
 from pagoda.engine.llm_engine import EngineStats
 from pagoda.metrics.prometheus import ServerMetrics
 
@@ -56,7 +56,7 @@ def test_no_tiers_no_offload_summary():
 
 
 def test_cost_model_estimates_are_exposed():
-    from pagoda.core.kv_cost import LoadCostModel
+    from pagoda.kv_offload.planning.cost import LoadCostModel
     tiers = TierStack([TierIndex("cpu", 4, slotted=True), TierIndex("disk", 10, slotted=False)])
     cost = LoadCostModel(["cpu", "disk"], 1 << 20, 16, (4000, 0.5),
                          {"cpu": (20_000_000_000, 1.0)}, {"disk": 2e9})

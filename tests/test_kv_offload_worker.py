@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
-from pagoda.core.kv_tiers import KVTransferPlan, LoadJob, TierRead, TierWrite
-from pagoda.worker.kv_cpu_tier import BlockLayout, CpuTier
-from pagoda.worker.kv_disk_tier import LOCK_NAME, DiskTier, DiskTierError
-from pagoda.worker.kv_offload import KVCopyEngine, _runs
-from pagoda.worker.kv_pool import KVCachePool
-from pagoda.worker.kv_tier_api import KVBlockFormat, load_tier_plugin
+from pagoda.kv_offload.planning.tiers import KVTransferPlan, LoadJob, TierRead, TierWrite
+from pagoda.kv_offload.cpu_tier import BlockLayout, CpuTier
+from pagoda.kv_offload.disk_tier import LOCK_NAME, DiskTier, DiskTierError
+from pagoda.kv_offload.copy_engine import KVCopyEngine, _runs
+from pagoda.attention.kv_pool import KVCachePool
+from pagoda.kv_offload.tier_api import KVBlockFormat, load_tier_plugin
 
 SPECS = [FullAttentionSpec(4, 2, 8, "float32"), FullAttentionSpec(4, 2, 8, "float32")]
 BLOCK_BYTES = 2 * (2 * 4 * 2 * 8 * 4)
@@ -254,7 +254,7 @@ def test_cpu_tier_by_hash():
 
 
 def test_start_up_probes_measure_the_cpu_and_lower_tiers_without_binding_slots(tmp_path):
-    from pagoda.worker.kv_cost_probe import cpu_load_sample, lower_load_sample
+    from pagoda.kv_offload.cost_probe import cpu_load_sample, lower_load_sample
     disk = DiskTier(fmt(), str(tmp_path), 1 << 20)
     pool, cpu, engine = make_engine([disk])
     try:

@@ -1,4 +1,4 @@
-"""The KV pool (pagoda/worker/kv_pool.py): storage allocated from per-layer specs, the
+"""The KV pool (pagoda/attention/kv_pool.py): storage allocated from per-layer specs, the
 writes dispatched by spec kind, two kinds of layer in one pool; layers declaring their
 specs; and the backend's plan built once per step in an engine run."""
 
@@ -14,7 +14,7 @@ from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                        bytes_per_block)
 from pagoda.model.layers.attention import Attention, kv_cache_specs
-from pagoda.worker.kv_pool import KVCachePool, KVLayout, default_kv_layouts
+from pagoda.attention.kv_pool import KVCachePool, KVLayout, default_kv_layouts
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""pagoda.kernels.l2_prefetch: which launches prefetch, how a range is shared among a
+"""pagoda.kernels.launch.l2_prefetch: which launches prefetch, how a range is shared among a
 kernel's programs, and (on a Hopper GPU) that the tiny Qwen3-MoE decodes the same tokens and
 logprobs with the prefetch on as with it off: a prefetch is a hint to the
 memory system and may change timing only.
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import l2_prefetch
+from pagoda.kernels.launch import l2_prefetch
 from tests.tiny_models import greedy_dummy_run
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

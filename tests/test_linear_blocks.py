@@ -55,7 +55,7 @@ def test_fallbacks_are_f_linear():
 def test_rows_linear_matches_f_linear(rows):
     """2..SMALL_ROWS rows take the register-tile kernel (float32 rounding apart from
     F.linear); other row counts stay bit-identical to it."""
-    from pagoda.model.layers.matmul import SMALL_ROWS, rows_linear
+    from pagoda.model.quant.cpu_kernels import SMALL_ROWS, rows_linear
     from pagoda.model.quant.cpu_kernels import native_status
     if native_status() != "native":
         pytest.skip(f"the compiled CPU kernel is unavailable here: {native_status()}")

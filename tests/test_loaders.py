@@ -183,7 +183,7 @@ def count_params(arch: ArchConfig) -> int:
                                              ("qwen3-8b", 8_190_735_360),
                                              ("smollm2-135m", 134_515_008)])
 def test_preset_parameter_counts_on_meta(preset, expected):
-    arch = ArchConfig.from_preset(preset)
+    arch = get_preset(preset)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     assert count_params(arch) == expected

@@ -1,4 +1,4 @@
-"""The MLA absorbed-query kernel (pagoda.kernels.mla_absorb) against its torch reference
+"""The MLA absorbed-query kernel (pagoda.kernels.attention.mla_absorb) against its torch reference
 (pagoda.model.layers.mla.absorbed_query's bmm + rotary + cat), under TRITON_INTERPRET=1
 without CUDA, on the strided views the layer passes: q_nope / q_rope slices of the q
 projection's output, W_UK a slice of kv_b_proj's weight. Shapes leave partial blocks

@@ -192,7 +192,7 @@ def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
     from pagoda.core.kv_cache_spec import KVCacheConfig
     from pagoda.model.layers.attention import kv_cache_specs
     from pagoda.model.mla_config import mla_softmax_scale
-    from pagoda.worker.kv_pool import KVCachePool
+    from pagoda.attention.kv_pool import KVCachePool
 
     model, arch = _tiny_deepseek(tmp_path)
     mla = arch.mla

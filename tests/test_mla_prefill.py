@@ -1,4 +1,4 @@
-"""The MLA prefill kernel (pagoda/kernels/mla_prefill.py) against the reference
+"""The MLA prefill kernel (pagoda/kernels/attention/mla_prefill.py) against the reference
 (pagoda.attention.mla_backend.prefill_attention on q/k/v assembled as the torch backend
 assembles them).
 

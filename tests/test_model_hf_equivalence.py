@@ -25,7 +25,7 @@ from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.model.loader import load_model
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 torch.set_num_threads(1)
 

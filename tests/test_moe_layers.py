@@ -12,6 +12,8 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from pagoda.model.arch_config import ArchConfig
+
+from pagoda.model.presets import get_preset
 from pagoda.model.layers.linear import materialize_module
 from pagoda.model.layers.moe.deepseek_moe import DeepseekMoE, is_moe_layer
 from pagoda.model.layers.moe.fused_moe import FusedMoE, map_expert_weight_name
@@ -196,7 +198,7 @@ def test_fused_moe_refusals():
 
 
 def test_is_moe_layer():
-    dense = ArchConfig.from_preset("tiny-qwen3")
+    dense = get_preset("tiny-qwen3")
     assert not any(is_moe_layer(dense, i) for i in range(dense.num_hidden_layers))
     moe = MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                     mlp_only_layers=(0,))
@@ -220,7 +222,7 @@ def test_expert_parallel_config_flag_and_split_checks():
         ParallelConfig(enable_expert_parallel="yes")
     # 8 experts of 12: tp 8 splits the experts, not their 12 columns.
     moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12)
-    arch = ArchConfig.from_preset("tiny-qwen3").replace(architecture="Qwen3MoeForCausalLM",
+    arch = get_preset("tiny-qwen3").replace(architecture="Qwen3MoeForCausalLM",
                                                         moe=moe, num_key_value_heads=4)
     check_tensor_parallel(arch, 4, expert_parallel=True)
     check_tensor_parallel(arch, 4)  # 12 / 4
@@ -228,4 +230,4 @@ def test_expert_parallel_config_flag_and_split_checks():
         check_tensor_parallel(arch, 8)
     assert valid_tp_sizes(arch) == [1, 2, 4] and valid_tp_sizes(arch, expert_parallel=True) == [1, 2, 4]
     with pytest.raises(ValueError, match="has no experts"):
-        check_tensor_parallel(ArchConfig.from_preset("tiny-qwen3"), 1, expert_parallel=True)
+        check_tensor_parallel(get_preset("tiny-qwen3"), 1, expert_parallel=True)

@@ -1,4 +1,4 @@
-"""The fused MoE router (pagoda.kernels.moe_router_fused: router linear + routing in one
+"""The fused MoE router (pagoda.kernels.moe.router_fused: router linear + routing in one
 launch) against its reference, MoEGate's logits routed by select_experts_torch.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on small shapes, float32 and

@@ -1,4 +1,4 @@
-"""The one-kernel expert routing (pagoda.kernels.moe_routing) against select_experts'
+"""The one-kernel expert routing (pagoda.kernels.moe.routing) against select_experts'
 torch path (itself tested against transformers' routers in test_moe_routing.py).
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on small shapes: every routing

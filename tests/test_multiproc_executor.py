@@ -241,7 +241,7 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
 def test_the_executor_class_follows_the_parallel_config():
     from types import SimpleNamespace
 
-    from pagoda.executor.base import get_executor_class
+    from pagoda.executor.factory import get_executor_class
     from pagoda.executor.uniproc import UniProcExecutor
 
     def config(tp: int, backend=None):
@@ -262,7 +262,7 @@ def test_ray_is_chosen_at_any_size_and_its_absence_is_a_clear_error(tp, monkeypa
     from types import SimpleNamespace
 
     from pagoda.config import EngineArgs
-    from pagoda.executor.base import get_executor_class
+    from pagoda.executor.factory import get_executor_class
     config = SimpleNamespace(parallel=SimpleNamespace(tensor_parallel_size=tp,
                                                       distributed_executor_backend="ray"))
     if importlib.util.find_spec("ray") is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagoda.spec_decode.ngram import NgramProposer, find_ngram_match
+from pagoda.spec_decode.proposers.ngram import NgramProposer, find_ngram_match
 
 
 def reference_match(tokens: list[int], min_n: int, max_n: int) -> int:

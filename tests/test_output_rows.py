@@ -11,7 +11,7 @@ from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.model.loader import load_model
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 
 def _forward(model, arch, lens, ids, pos, tables, output_rows):

@@ -1,4 +1,4 @@
-"""pagoda.kernels.pdl: programmatic dependent launch of the decode kernels.
+"""pagoda.kernels.launch.pdl: programmatic dependent launch of the decode kernels.
 
 On the CPU (and wherever it is off) a launch gets USE_PDL=False and no launch_pdl, so
 the kernels compile and run exactly as before. On a Hopper GPU, whole models (the
@@ -10,7 +10,7 @@ for its predecessor before touching memory, so nothing may change but the timing
 import pytest
 import torch
 
-from pagoda.kernels import pdl
+from pagoda.kernels.launch import pdl
 from tests.tiny_models import greedy_dummy_run
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

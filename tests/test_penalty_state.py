@@ -23,7 +23,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
                                     uses_penalties)
-from pagoda.sample.verify import accept_draft_tokens
+from pagoda.spec_decode.verify import accept_draft_tokens
 from pagoda.worker.input_batch import apply_scheduler_output
 from pagoda.worker.penalty_state import PenaltyState
 

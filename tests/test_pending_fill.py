@@ -1,4 +1,4 @@
-"""The one-launch pending-token fill (pagoda.kernels.pending_fill) against its torch
+"""The one-launch pending-token fill (pagoda.kernels.sample.pending_fill) against its torch
 reference: compiled on CUDA, under the Triton interpreter on CPU tensors elsewhere."""
 
 import os

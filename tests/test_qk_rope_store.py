@@ -35,7 +35,7 @@ from pagoda.model.arch_config import ArchConfig  # noqa: E402
 from pagoda.model.layers.layernorm import RMSNorm  # noqa: E402
 from pagoda.model.layers.rotary import apply_rotary, rotary_tables  # noqa: E402
 from pagoda.model.llama import LlamaAttention  # noqa: E402
-from pagoda.worker.kv_pool import FullAttentionLayout  # noqa: E402
+from pagoda.attention.kv_pool import FullAttentionLayout  # noqa: E402
 from kv_pool_helpers import pool_holding  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -344,7 +344,7 @@ def test_tiny_model_on_the_fused_path_matches_transformers(kind, tmp_path, monke
     # K/V back), with every layer's q/k/v through the fused kernel.
     from test_model_hf_equivalence import PROMPT, PagedRunner, hf_logits, make_hf
     from pagoda.model.loader import load_model
-    from pagoda.worker.kv_pool import KVCachePool
+    from pagoda.attention.kv_pool import KVCachePool
     hf = make_hf(kind)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model, arch = load_model(str(tmp_path), dtype="float32")
@@ -378,7 +378,7 @@ def test_cpu_attention_never_imports_triton():
         "from pagoda.model.layers.attention import kv_cache_specs\n"
         "from pagoda.model.llama import LlamaAttention\n"
         "from pagoda.model.parallel import SINGLE_RANK\n"
-        "from pagoda.worker.kv_pool import KVCachePool\n"
+        "from pagoda.attention.kv_pool import KVCachePool\n"
         "arch = ArchConfig('Qwen3ForCausalLM', 32, 1, 2, 1, 16, 64, 32, qk_norm=True)\n"
         "layer = LlamaAttention(arch, 0, SINGLE_RANK)\n"
         "pool = KVCachePool(KVCacheConfig(2, kv_cache_specs(layer, 4, torch.float32)), 'cpu')\n"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.fp8_linear import fp8_block_linear_ref, fp8_linear_ref
-from pagoda.kernels.fp8_quant import (dequantize_blockwise, dequantize_per_channel,
+from pagoda.kernels.fp8.linear import fp8_block_linear_ref, fp8_linear_ref
+from pagoda.kernels.fp8.quant import (dequantize_blockwise, dequantize_per_channel,
                                       quantize_weight_blockwise, quantize_weight_per_channel)
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagoda.model.quant import fp8 as fp8_module
@@ -213,7 +213,7 @@ def test_gate_up_takes_the_fused_silu_step_where_the_method_has_one(monkeypatch)
     """MergedColumnParallelLinear.forward_silu_and_mul: per-channel and per-tensor FP8
     layers hand [gate | up] to the gated kernel's entry; a None from it (more rows, the
     CPU) and unquantized layers run the linear and the activation apart."""
-    from pagoda.kernels import fp8_linear as kernels
+    from pagoda.kernels.fp8 import linear as kernels
     from pagoda.model.layers.activation import SiluAndMul
     calls = []
 

@@ -34,7 +34,7 @@ kernel_modules("store_kv", "paged_attention", "paged_decode")
 
 
 def test_the_short_plan_exists_only_where_the_long_one_has_more_slices():
-    from pagoda.kernels.paged_decode import (SHORT_CONTEXT_SPLITS, SHORT_CONTEXT_TOKENS,
+    from pagoda.kernels.attention.paged_decode import (SHORT_CONTEXT_SPLITS, SHORT_CONTEXT_TOKENS,
                                              choose_num_splits, short_context_splits)
     assert (SHORT_CONTEXT_TOKENS, SHORT_CONTEXT_SPLITS) == (512, 8)
     # Batch 1 and 4 over Llama-8B's 8 KV heads, a 2304-token block table: 32 and 17 slices.

@@ -108,7 +108,7 @@ def test_cli_flag_refuses_bad_json(capsys, text, message):
 
 
 def test_planner_set_up_per_method():
-    from pagoda.engine.speculation import build_draft_planner
+    from pagoda.spec_decode.engine_setup import build_draft_planner
     assert build_draft_planner(None, "cpu", 128, 30) == (None, 0)
     ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
     planner, lookahead = build_draft_planner(ngram, "cpu", 128, 30)

@@ -5,7 +5,7 @@ length); absent when speculation is off."""
 from __future__ import annotations
 
 from pagoda.bench.server_metrics import parse_prometheus, summarize_server_metrics
-from pagoda.core.draft_planner import SpecDecodingStats
+from pagoda.spec_decode.planning.planner import SpecDecodingStats
 from pagoda.engine.llm_engine import EngineStats
 from pagoda.metrics.prometheus import ServerMetrics
 

@@ -1,5 +1,5 @@
 """Sampling exactness of verify steps: with drafts, the tokens a request keeps follow
-the target's processed distribution exactly (pagoda.sample.verify's argument).
+the target's processed distribution exactly (pagoda.spec_decode.verify's argument).
 
 A tiny random Llama with a vocabulary of 8, saved as safetensors, generates 3 tokens
 for each of NUM_REQUESTS copies of one prompt (unseeded: the engine's generator, from

@@ -114,7 +114,7 @@ def test_draft_needs_the_targets_vocabulary_and_context(checkpoints):
 def watch_schedules(llm) -> dict:
     """Counts, from here on, the steps scheduled with placeholder drafts (optimistic)
     and the schedule() calls that held the batch for drafts."""
-    from pagoda.core.optimistic_drafts import is_placeholder
+    from pagoda.spec_decode.planning.optimistic import is_placeholder
     scheduler = llm.llm_engine.scheduler
     planner = scheduler.draft_planner
     counts = {"optimistic": 0, "held": 0}

@@ -30,7 +30,7 @@ from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
 from pagoda.core.kv_cache_spec import FullAttentionSpec  # noqa: E402
-from pagoda.worker.kv_pool import FullAttentionLayout  # noqa: E402
+from pagoda.attention.kv_pool import FullAttentionLayout  # noqa: E402
 from kv_pool_helpers import pool_holding, store_and_attend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -138,7 +138,7 @@ def test_decode_metadata_preload_changes_no_bit(monkeypatch):
     """paged_decode.PRELOAD_METADATA only moves the query-start and context-length loads
     before the PDL wait: the decode and merge kernels give the same bits either way
     (a mixed batch: its prefill rows exit both kernels at the query-length check)."""
-    from pagoda.kernels import paged_decode
+    from pagoda.kernels.attention import paged_decode
     outs = []
     for preload in (False, True):
         monkeypatch.setattr(paged_decode, "PRELOAD_METADATA", preload)
@@ -315,7 +315,7 @@ def test_gpu_cuda_graph_capture_and_replay():
 
 
 def test_split_plan_uses_short_slices_only_when_the_grid_is_small():
-    from pagoda.kernels.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, SMALL_GRID_MIN_SPLIT,
+    from pagoda.kernels.attention.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, SMALL_GRID_MIN_SPLIT,
                                              choose_num_splits, min_split_tokens)
     sms = 132
     # Batch 1 over 4 KV heads: 4 programs unsplit, so slices of 32 tokens.

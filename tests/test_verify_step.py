@@ -16,7 +16,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.core.outputs import StepExtras
 from pagoda.sample.token_bitmask import bitmask_words
-from pagoda.sample.verify import accept_draft_tokens
+from pagoda.spec_decode.verify import accept_draft_tokens
 
 from drafting_helpers import DraftingExecutor
 

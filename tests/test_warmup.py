@@ -38,6 +38,6 @@ def test_warm_up_runs_on_a_model_and_leaves_requests_unaffected():
 
 
 def test_the_wide_prefill_compiles_the_wide_rotary_store_variant():
-    from pagoda.kernels.qk_rope_store import default_heads_per_program
+    from pagoda.kernels.attention.qk_rope_store import default_heads_per_program
     assert default_heads_per_program(WIDE_PREFILL_ROWS) == default_heads_per_program(16384)
     assert default_heads_per_program(WIDE_PREFILL_ROWS) != default_heads_per_program(512)

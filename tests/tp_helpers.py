@@ -20,7 +20,7 @@ from pagoda.attention.metadata import build_attention_metadata
 from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.layers.attention import Attention, kv_cache_specs
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 
 def free_port() -> int:

@@ -113,7 +113,7 @@ def preloaded_loads(ptx: str) -> str:
 
 
 def bulk_prefetches(ptx: str, name: str) -> str:
-    """How many L2 bulk prefetches the PTX issues (pagoda.kernels.l2_prefetch): none for a
+    """How many L2 bulk prefetches the PTX issues (pagoda.kernels.launch.l2_prefetch): none for a
     case named with prefetch off (`=False` / `=0`), some otherwise; RuntimeError if not."""
     count = ptx.count("cp.async.bulk.prefetch.L2.global")
     off = re.search(r"prefetch\w*=(False|0)\b", name) is not None
@@ -125,7 +125,7 @@ def bulk_prefetches(ptx: str, name: str) -> str:
 
 def check_pdl_order(ptx: str, trigger_first: bool) -> None:
     """The kernel waits on its predecessor (griddepcontrol.wait) and releases its
-    dependents (griddepcontrol.launch_dependents) in pagoda.kernels.pdl's order: the
+    dependents (griddepcontrol.launch_dependents) in pagoda.kernels.launch.pdl's order: the
     release first with TRIGGER_FIRST (USE_PDL == 2), else the wait first."""
     if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
         raise RuntimeError("USE_PDL but no griddepcontrol.wait / launch_dependents in the PTX")
@@ -143,9 +143,9 @@ def report(name: str, compiled) -> str:
 
 
 def _moe_cases():
-    """The expert sort (pagoda.kernels.moe_align) at decode and prefill sizes, and the
-    sum over the choices (pagoda.kernels.fused_moe.sum_choices)."""
-    from pagoda.kernels import moe_align as m
+    """The expert sort (pagoda.kernels.moe.align) at decode and prefill sizes, and the
+    sum over the choices (pagoda.kernels.moe.fused_moe.sum_choices)."""
+    from pagoda.kernels.moe import align as m
     for pairs, experts, block_m in ((2048, 128, 32), (131072, 128, 128)):
         flat = torch.zeros(pairs, dtype=torch.int32)
         max_padded = m.max_padded_rows(pairs, experts, block_m)
@@ -166,7 +166,7 @@ def _moe_cases():
             flat, before, totals, rank, sorted_ids, expert_ids, used, pairs, experts,
             expert_ids.numel()), dict(BLOCK_M=block_m, BUCKETS=buckets, CHUNK=m.ALIGN_CHUNK,
                                       num_warps=8)
-    from pagoda.kernels import fused_moe as fm
+    from pagoda.kernels.moe import fused_moe as fm
     rows, out = torch.empty(16384 * 8, 2048, dtype=torch.bfloat16), torch.empty(
         16384, 2048, dtype=torch.bfloat16)
     yield "sum_choices", fm._sum_choices_kernel, (rows, out, 16384, 2048), dict(
@@ -222,7 +222,7 @@ _HIDDEN, _QKV_ROWS, _EXPERTS, _EXPERT_INTER = 2048, 5120, 128, 768  # Qwen3-30B-
 
 
 def _pdl_cases():
-    """Batch-1 decode kernels of the Qwen3-30B-A3B shape with USE_PDL (pagoda.kernels.pdl),
+    """Batch-1 decode kernels of the Qwen3-30B-A3B shape with USE_PDL (pagoda.kernels.launch.pdl),
     in a layer's order: the wait on the predecessor grid must lower to griddepcontrol
     (checked in main)."""
     yield from _pdl_norm_gemv_cases()
@@ -234,8 +234,8 @@ def _pdl_cases():
 
 
 def _pdl_norm_gemv_cases():
-    from pagoda.kernels import fused_ops as fo
-    from pagoda.kernels import gemv
+    from pagoda.kernels.norm import fused_ops as fo
+    from pagoda.kernels.gemv.gemv import gemv
     x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
     norm_args = (x, x, torch.empty(_HIDDEN, dtype=_BF16), out, out, 1, _HIDDEN, _HIDDEN,
                  _HIDDEN, _HIDDEN, 1e-6)
@@ -259,8 +259,8 @@ def _pdl_norm_gemv_cases():
 def _pdl_router_gate_up_cases():
     import triton.language as tl
 
-    from pagoda.kernels import fused_moe_decode as fmd
-    from pagoda.kernels import moe_router_fused as mrf
+    from pagoda.kernels.moe import fused_moe_decode as fmd
+    from pagoda.kernels.moe import router_fused as mrf
     x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
     w13 = torch.empty(_EXPERTS, 2 * _EXPERT_INTER, _HIDDEN, dtype=_BF16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
@@ -281,7 +281,7 @@ def _pdl_router_gate_up_cases():
 
 
 def _pdl_w8a16_cases():
-    from pagoda.kernels import fp8_w8a16 as fl
+    from pagoda.kernels.fp8 import w8a16 as fl
     x = torch.empty(1, _HIDDEN, dtype=_BF16)
     w8 = torch.empty(2 * _EXPERT_INTER, _HIDDEN, dtype=torch.float8_e4m3fn)
     scale, y8 = torch.empty(2 * _EXPERT_INTER), torch.empty(1, 2 * _EXPERT_INTER, dtype=_BF16)
@@ -298,7 +298,7 @@ def _pdl_w8a16_cases():
 
 
 def _pdl_decode_cases():
-    from pagoda.kernels import paged_decode as pd
+    from pagoda.kernels.attention import paged_decode as pd
     q, attn_out = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 128, dtype=_BF16)
     part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
     i32 = torch.empty(64, dtype=torch.int32)
@@ -333,7 +333,7 @@ def _pdl_decode_cases():
 
 
 def _pdl_moe_down_cases():
-    from pagoda.kernels import fused_moe_decode as fmd
+    from pagoda.kernels.moe import fused_moe_decode as fmd
     out = torch.empty(1, _HIDDEN, dtype=_BF16)
     w2 = torch.empty(_EXPERTS, _HIDDEN, _EXPERT_INTER, dtype=_BF16)
     next_qkv = torch.empty(_QKV_ROWS, _HIDDEN, dtype=_BF16)
@@ -350,7 +350,7 @@ def _pdl_moe_down_cases():
 
 def _qk_rope_store_cases():
     """Qwen3-30B-A3B's q/k norm + rotary + KV store at batch 1, operands preloaded."""
-    from pagoda.kernels import qk_rope_store as qr
+    from pagoda.kernels.attention import qk_rope_store as qr
     bf16 = torch.bfloat16
     qkv, cos = torch.empty(1, (32 + 8) * 128, dtype=bf16), torch.empty(1, 64, dtype=bf16)
     norm_w, q = torch.empty(128, dtype=bf16), torch.empty(1, 4096, dtype=bf16)
@@ -366,13 +366,13 @@ def _qk_rope_store_cases():
 
 def _fp8_fused_quant_cases():
     """The RMSNorm and SiLU-and-mul producers with per-token FP8 output
-    (pagoda.kernels.fp8_fused_quant) at the Llama-3.1-8B widths, with USE_PDL (the
+    (pagoda.kernels.fp8.fused_quant) at the Llama-3.1-8B widths, with USE_PDL (the
     SiLU at its default BLOCK, the row in registers, and at a two-pass one)."""
     import triton.language as tl
 
-    from pagoda.kernels import fp8_fused_quant as fq
-    from pagoda.kernels.fp8_quant import FLOAT32_TINY, FP8_MAX
-    from pagoda.kernels.fused_ops import _num_warps
+    from pagoda.kernels.fp8 import fused_quant as fq
+    from pagoda.kernels.fp8.quant import FLOAT32_TINY, FP8_MAX
+    from pagoda.kernels.norm.fused_ops import _num_warps
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     x, w = torch.empty(256, 4096, dtype=bf16), torch.empty(4096, dtype=bf16)
     q, s = torch.empty(256, 4096, dtype=fp8), torch.empty(256, 1)
@@ -393,7 +393,7 @@ def _fp8_fused_quant_cases():
 def _mla_prefill_cases():
     """DeepSeek-V2-Lite's widths (16 heads, 128 + 64 query/key, 128 value) as the layer
     passes them: strided halves of kv_b_proj's output and of the latent entries."""
-    from pagoda.kernels import mla_prefill as mp
+    from pagoda.kernels.attention import mla_prefill as mp
     tokens, heads, ctx = 4096, 16, 4096
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.empty(tokens, heads, 192, dtype=dtype)

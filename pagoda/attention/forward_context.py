@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from pagoda.attention.backend import AttentionBackend, BackendMetadata
 
 if TYPE_CHECKING:  # the pool lives in the worker; attention only calls it
-    from pagoda.worker.kv_pool import KVCachePool
+    from pagoda.attention.kv_pool import KVCachePool
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
-from pagoda.host_copy import tensor_to_device
+from pagoda.kernels.launch.host_copy import tensor_to_device
 
 
 def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.torch_decode import host_lengths
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 
 LATENT_ROWS = ("decode", "all")
 
@@ -219,19 +219,3 @@ class MLATorchBackend(AttentionBackend):
         and k_rope [C, Dr] (shared by every head) the contexts, in metadata.prefill_slots
         order."""
         sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale, upcast=True)
-
-
-def make_mla_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:
-    """The MLA backend for this rank's heads: "triton" (CUDA default) or "torch_ref"."""
-    from pagoda.model.mla_config import mla_softmax_scale
-
-    mla = arch.mla
-    heads = arch.num_attention_heads // (1 if tp is None else tp.size)
-    args = (heads, mla.kv_lora_rank, mla.qk_rope_head_dim,
-            mla_softmax_scale(mla, arch.rope_scaling))
-    if name == "auto":
-        name = "triton" if device == "cuda" else "torch_ref"
-    if name == "triton":
-        from pagoda.attention.mla_triton import MLATritonBackend
-        return MLATritonBackend(*args)
-    return MLATorchBackend(*args)

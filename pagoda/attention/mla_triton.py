@@ -32,8 +32,8 @@ from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
 from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, sdpa_prefill
-from pagoda.host_copy import host_to_device
-from pagoda.kernels.capability import sm_count
+from pagoda.kernels.launch.host_copy import host_to_device
+from pagoda.kernels.launch.capability import sm_count
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -78,7 +78,7 @@ class MLATritonBackend(MLATorchBackend):
         """num_decode_splits fixes the latent kernel's context slices (tests, tuning);
         None chooses them per batch. prefill_config: keyword overrides of the prefill
         kernel's mla_prefill_config (tests, tuning)."""
-        from pagoda.kernels.mla_prefill import mla_prefill_config
+        from pagoda.kernels.attention.mla_prefill import mla_prefill_config
 
         super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
@@ -104,7 +104,7 @@ class MLATritonBackend(MLATorchBackend):
 
     def _prefill_plan(self, plan: MLAPlan) -> dict:
         """The prefill kernel's tile table for the plan's chunks (host lists, one copy)."""
-        from pagoda.kernels.mla_prefill import prefill_tile_table
+        from pagoda.kernels.attention.mla_prefill import prefill_tile_table
 
         if not plan.prefill_chunks:
             return {}
@@ -116,8 +116,8 @@ class MLATritonBackend(MLATorchBackend):
     def _split_plan(self, plan: MLAPlan, longest: int) -> dict:
         """num_splits and min_split of the latent kernel (a fixed split count spreads
         even short contexts over every slice)."""
-        from pagoda.kernels.mla_decode import mla_tile_config
-        from pagoda.kernels.paged_decode import choose_num_splits, min_split_tokens
+        from pagoda.kernels.attention.mla_decode import mla_tile_config
+        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens
 
         if self.num_decode_splits is not None:
             return {"num_splits": self.num_decode_splits, "min_split": 1}
@@ -128,7 +128,7 @@ class MLATritonBackend(MLATorchBackend):
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: MLATritonPlan) -> torch.Tensor:
-        from pagoda.kernels.mla_decode import mla_decode
+        from pagoda.kernels.attention.mla_decode import mla_decode
 
         if q.dtype not in _SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
             raise ValueError(f"q ({q.dtype}) and the latent cache ({kv_cache.dtype}) must share "
@@ -145,7 +145,7 @@ class MLATritonBackend(MLATorchBackend):
         """As the reference's (MLATorchBackend.forward_prefill), in one kernel launch;
         head widths the kernel does not take (not powers of two) go through torch's
         scaled_dot_product_attention per chunk, in the model's dtype."""
-        from pagoda.kernels.mla_prefill import mla_prefill_attention, supports_widths
+        from pagoda.kernels.attention.mla_prefill import mla_prefill_attention, supports_widths
 
         if not supports_widths(q_nope.shape[-1], q_rope.shape[-1], v.shape[-1]):
             sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale,

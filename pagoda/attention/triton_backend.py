@@ -41,7 +41,7 @@ import torch
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
-from pagoda.kernels.capability import sm_count
+from pagoda.kernels.launch.capability import sm_count
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -71,7 +71,7 @@ class TritonBackend(AttentionBackend):
         self._graph: Optional[GraphBuffers] = None
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
-        from pagoda.kernels.paged_decode import choose_num_splits, min_split_tokens
+        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens
 
         if common.has_host_copies:
             if common.max_query_len == 1:
@@ -97,8 +97,8 @@ class TritonBackend(AttentionBackend):
                 out: Optional[torch.Tensor] = None,
                 kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
-        from pagoda.kernels.paged_attention import paged_attention_chunks
-        from pagoda.kernels.paged_decode import paged_attention_decode
+        from pagoda.kernels.attention.paged_attention import paged_attention_chunks
+        from pagoda.kernels.attention.paged_decode import paged_attention_decode
 
         self._check_inputs(q, kv_cache, out)
         common = metadata.common
@@ -158,7 +158,7 @@ class TritonBackend(AttentionBackend):
         metadata = self.build_metadata(capture_metadata(g, batch_size, num_tokens))
         if max_context is None:
             return metadata
-        from pagoda.kernels.paged_decode import SHORT_CONTEXT_TOKENS
+        from pagoda.kernels.attention.paged_decode import SHORT_CONTEXT_TOKENS
         splits = self._short_context_splits(batch_size)
         if num_tokens is not None or splits is None or max_context != SHORT_CONTEXT_TOKENS:
             raise ValueError(f"no short-context decode graph of {batch_size} requests "
@@ -168,11 +168,11 @@ class TritonBackend(AttentionBackend):
     def short_context_graph(self, batch_size: int) -> Optional[int]:
         """paged_decode.SHORT_CONTEXT_TOKENS where its plan has fewer slices than the
         graph for the block table's longest context (small batches)."""
-        from pagoda.kernels.paged_decode import SHORT_CONTEXT_TOKENS
+        from pagoda.kernels.attention.paged_decode import SHORT_CONTEXT_TOKENS
         return None if self._short_context_splits(batch_size) is None else SHORT_CONTEXT_TOKENS
 
     def _short_context_splits(self, batch_size: int) -> Optional[int]:
-        from pagoda.kernels.paged_decode import short_context_splits
+        from pagoda.kernels.attention.paged_decode import short_context_splits
         if self._graph is None or self.num_decode_splits is not None:
             return None
         longest = self._graph.block_tables.shape[1] * self._graph.block_size

@@ -16,30 +16,10 @@ import math
 import sys
 from typing import Optional
 
+from pagoda.bench.arguments import (add_dataset_args, nonnegative_int, positive_float,
+                                    positive_int)
 from pagoda.bench.backends import ALIASES, resolve_backend
-from pagoda.bench.datasets import DATASETS
 from pagoda.bench.metrics import GOODPUT_METRICS, LATENCY_METRICS
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
 
 
 def parse_metric_names(text: str) -> list[str]:
@@ -98,43 +78,6 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
-    """Dataset flags; `with_seed=False` where the engine flags already define --seed."""
-    g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=DATASETS, default="random")
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON or custom JSONL file")
-    g.add_argument("--num-prompts", type=_positive_int, default=1000)
-    g.add_argument("--random-input-len", "--input-len", dest="random_input_len",
-                   type=_positive_int, default=1024)
-    g.add_argument("--random-output-len", "--output-len", dest="random_output_len",
-                   type=_positive_int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are drawn uniformly from len * [1 - r, 1 + r], 0 <= r < 1")
-    g.add_argument("--random-prefix-len", type=_nonnegative_int, default=0,
-                   help="tokens of one shared prefix before every random prompt")
-    g.add_argument("--prefix-repetition-prefix-len", type=_positive_int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=_positive_int, default=256)
-    g.add_argument("--prefix-repetition-num-prefixes", type=_positive_int, default=10)
-    g.add_argument("--prefix-repetition-output-len", type=_positive_int, default=128)
-    g.add_argument("--sharegpt-output-len", type=_positive_int, default=None,
-                   help="fix every output length instead of using the conversation's reply")
-    g.add_argument("--custom-output-len", type=_positive_int, default=256,
-                   help="output length of custom lines without 'output_tokens'")
-    g.add_argument("--multi-turn-num-conversations", type=_positive_int, default=16,
-                   help="conversations of the multi-turn dataset (requests go turn by turn "
-                        "over all of them, so each comes back after all the others)")
-    g.add_argument("--multi-turn-turns", type=_positive_int, default=4,
-                   help="turns per conversation")
-    g.add_argument("--multi-turn-first-len", type=_positive_int, default=1024,
-                   help="tokens of a conversation's first prompt")
-    g.add_argument("--multi-turn-turn-len", type=_positive_int, default=128,
-                   help="tokens of each later user message")
-    g.add_argument("--multi-turn-output-len", type=_positive_int, default=128,
-                   help="tokens asked per turn (and of the reply stand-in in the history)")
-    if with_seed:
-        g.add_argument("--seed", type=int, default=0)
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target (the only server this command talks to)")
     g.add_argument("--backend", type=_backend, default="openai", metavar="NAME",
@@ -148,17 +91,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="local tokenizer (HF directory or .gguf); default: the server's /tokenize")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    g.add_argument("--request-timeout", type=_positive_float, default=600.0,
+    g.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="seconds for one whole request, stream included")
     add_dataset_args(p)
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=_positive_float, default=math.inf,
+    g.add_argument("--request-rate", type=positive_float, default=math.inf,
                    help="requests per second (inf: all at once)")
-    g.add_argument("--burstiness", type=_positive_float, default=1.0,
+    g.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of the arrival gaps; 1.0 is Poisson, lower is burstier")
-    g.add_argument("--max-concurrency", type=_positive_int, default=None)
-    g.add_argument("--num-warmups", type=_nonnegative_int, default=0)
-    g.add_argument("--max-duration", type=_positive_float, default=None,
+    g.add_argument("--max-concurrency", type=positive_int, default=None)
+    g.add_argument("--num-warmups", type=nonnegative_int, default=0)
+    g.add_argument("--max-duration", type=positive_float, default=None,
                    help="seconds; stop sending and cancel what is in flight after this long")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--temperature", type=float, default=0.0)

@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 
 from pagoda.bench import metrics as m
+from pagoda.bench.arguments import add_dataset_args
 from pagoda.bench.datasets import SampleRequest, draw_lengths, samples_from_args
 from pagoda.bench.tokenizers import LocalTokenizer, corpus_token_pool
 
@@ -43,7 +44,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from pagoda.bench.cli import add_dataset_args
     _add_common(p)
     add_dataset_args(p, with_seed=False)  # the engine flags define --seed
 

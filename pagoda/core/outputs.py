@@ -7,11 +7,11 @@ what changed (CachedRequestData). Workers keep persistent per-request state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import numpy as np
 
-from pagoda.core.kv_tiers import KVTransferPlan, KVTransferReport
+from pagoda.kv_offload.planning.tiers import KVTransferPlan, KVTransferReport
 from pagoda.sampling_params import SamplingParams
 
 
@@ -136,3 +136,18 @@ class RunnerOutputFuture(Protocol):
 
     def result(self) -> ModelRunnerOutput:
         """Waits for this step's results (not for any later step) and returns them."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know of the loaded model (no torch, picklable)."""
+
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_id: Union[int, list[int], None]
+    # For the start-up log only: the weights' dtype and bytes this rank holds.
+    dtype: str = ""
+    weight_bytes: int = 0
+    num_hidden_layers: int = 0  # what a layer-skip drafter's cost is measured against
+    draft_weight_bytes: int = 0  # a draft model's (speculative decoding), this rank's share

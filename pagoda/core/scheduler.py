@@ -28,10 +28,10 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional, Union
 
-from pagoda.core.draft_planner import DraftPlanner
+from pagoda.spec_decode.planning.planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_offload import KVOffloadManager, LoadStart
-from pagoda.core.optimistic_drafts import DraftRollback
+from pagoda.kv_offload.planning.manager import KVOffloadManager, LoadStart
+from pagoda.spec_decode.planning.optimistic import DraftRollback
 from pagoda.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,

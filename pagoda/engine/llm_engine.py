@@ -27,7 +27,9 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine import trace
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.executor.base import Executor, ModelInfo, get_executor_class
+from pagoda.core.outputs import ModelInfo
+from pagoda.executor.base import Executor
+from pagoda.executor.factory import get_executor_class
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured.manager import StructuredOutputManager
@@ -48,7 +50,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
-    # Speculative decoding (None when off): pagoda.core.draft_planner.SpecDecodingStats.
+    # Speculative decoding (None when off): pagoda.spec_decode.planning.planner.SpecDecodingStats.
     spec_decode: Optional[object] = None
     structured: object = None  # pagoda.structured.stats.StructuredStatsSnapshot
     # Per KV offload tier (top first), KVOffloadManager.stats(); None: offloading is off.
@@ -134,7 +136,7 @@ class LLMEngine:
                                                enable_caching=config.cache.enable_prefix_caching)
         self.kv_offload = self._build_kv_offload(config)
         sched = config.scheduler
-        from pagoda.engine.speculation import build_draft_planner
+        from pagoda.spec_decode.engine_setup import build_draft_planner
         planner, lookahead = build_draft_planner(
             config.speculative, config.device.device, self.max_model_len,
             info.num_hidden_layers, info.draft_weight_bytes / max(info.weight_bytes, 1),
@@ -171,8 +173,8 @@ class LLMEngine:
         (a disk tier starts with the blocks it kept from an earlier run)."""
         if not config.cache.kv_offloading:
             return None
-        from pagoda.core.kv_offload import KVOffloadManager
-        from pagoda.core.kv_tiers import TierIndex, TierStack
+        from pagoda.kv_offload.planning.manager import KVOffloadManager
+        from pagoda.kv_offload.planning.tiers import TierIndex, TierStack
         inventory = self.executor.collective_rpc("kv_offload_inventory")[0]
         tiers = [TierIndex(inventory.tiers[0].name, inventory.tiers[0].capacity, slotted=True)]
         for entry in inventory.tiers[1:]:
@@ -183,7 +185,7 @@ class LLMEngine:
             tiers.append(tier)
         logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
         from pagoda.config import parse_tier_bandwidths
-        from pagoda.core.kv_cost import LoadCostModel
+        from pagoda.kv_offload.planning.cost import LoadCostModel
         bandwidth = config.cache.kv_offloading_bandwidth
         cost = LoadCostModel([t.name for t in tiers], inventory.block_bytes,
                              self.kv_cache_manager.block_size, inventory.prefill_sample,

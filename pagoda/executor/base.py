@@ -5,7 +5,7 @@ initialise, size and build the KV cache, launch a step's forward, launch its sam
 and get a future for its output, call a method on every worker, check health, shut
 down. The in-process executor (`uniproc`) runs tp size 1; `multiproc` runs one worker
 process per GPU (tensor parallelism); `ray_executor` one Ray actor per rank, placed on
-the machines of a Ray cluster. Everything goes through `collective_rpc`-like calls
+the machines of a Ray cluster (`factory.get_executor_class` picks one). Everything goes through `collective_rpc`-like calls
 whose arguments (SchedulerOutput, StepExtras) are plain picklable data.
 
 A worker is any object with the methods named below (`ModelRunner` is the one the
@@ -18,27 +18,11 @@ share of the model (`TensorParallel(rank, size)`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig
-from pagoda.core.outputs import RunnerOutputFuture, SchedulerOutput, StepExtras
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine needs to know of the loaded model (no torch, picklable)."""
-
-    architecture: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_id: Union[int, list[int], None]
-    # For the start-up log only: the weights' dtype and bytes this rank holds.
-    dtype: str = ""
-    weight_bytes: int = 0
-    num_hidden_layers: int = 0  # what a layer-skip drafter's cost is measured against
-    draft_weight_bytes: int = 0  # a draft model's (speculative decoding), this rank's share
+from pagoda.core.outputs import ModelInfo, RunnerOutputFuture, SchedulerOutput, StepExtras
 
 
 class ExecutorDeadError(RuntimeError):
@@ -94,26 +78,3 @@ class Executor(ABC):
     def sample_tokens(self, step_extras: Optional[StepExtras] = None) -> RunnerOutputFuture:
         """Launches the step's sampling; rank 0's output is the step's."""
         return self.collective_rpc("sample_tokens", (step_extras or StepExtras(),))[0]
-
-
-def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor for the parallel config: one in-process worker at tp size 1, one
-    worker process per rank above ("mp", the default distributed_executor_backend);
-    one Ray actor per rank, at any tp size, with "ray" (an optional dependency: a
-    ValueError saying how to install it when it is missing)."""
-    backend = getattr(config.parallel, "distributed_executor_backend", None) or "mp"
-    if backend == "ray":
-        from pagoda.executor.ray_executor import RayExecutor, require_ray
-        require_ray()
-        return RayExecutor
-    if backend not in ("mp", "uni"):
-        raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'uni', "
-                         f"got {backend!r}")
-    if config.parallel.tensor_parallel_size == 1:
-        from pagoda.executor.uniproc import UniProcExecutor
-        return UniProcExecutor
-    if backend == "uni":
-        raise ValueError("distributed_executor_backend='uni' runs one worker in process: "
-                         "it needs tensor_parallel_size 1")
-    from pagoda.executor.multiproc import MultiprocExecutor
-    return MultiprocExecutor

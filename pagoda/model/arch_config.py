@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig
+from pagoda.attention.selector import AttentionShape
+from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_softmax_scale
 from pagoda.model.moe_config import MOE_ARCHITECTURES, MoEConfig
 
 # Architecture name -> flags the Llama-family model code switches on. Qwen2 always has
@@ -136,6 +137,17 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def attention_shape(self, tp_size: int = 1) -> AttentionShape:
+        """What one of tp_size ranks' attention backend computes: its share of the heads."""
+        heads = self.num_attention_heads // tp_size
+        if self.mla is not None:
+            return AttentionShape(heads, heads, self.mla.kv_lora_rank,
+                                  mla_softmax_scale(self.mla, self.rope_scaling),
+                                  kv_lora_rank=self.mla.kv_lora_rank,
+                                  qk_rope_head_dim=self.mla.qk_rope_head_dim)
+        return AttentionShape(heads, max(1, self.num_key_value_heads // tp_size),
+                              self.head_dim, self.head_dim ** -0.5)
+
     def replace(self, **changes: Any) -> "ArchConfig":
         return dataclasses.replace(self, **changes)
 
@@ -179,11 +191,6 @@ class ArchConfig:
     def from_gguf_metadata(cls, reader) -> "ArchConfig":
         """From a gguf.GGUFReader's metadata (llama.* keys) and its tensor list."""
         return _from_gguf(cls, reader)
-
-    @classmethod
-    def from_preset(cls, name: str) -> "ArchConfig":
-        from pagoda.model.presets import get_preset
-        return get_preset(name)
 
 
 def _hf_architecture(config: dict) -> str:

@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 
 from pagoda.attention.forward_context import ForwardContext, get_forward_context
+from pagoda.attention.kv_pool import FullAttentionLayout
+from pagoda.model.layers.mlp import LlamaMLP
 from pagoda.model.quant import cpu_kernels
 from pagoda.model.quant.cpu_kernels import native_kernel, native_status
 
@@ -93,8 +95,6 @@ def _f32(t: torch.Tensor) -> bool:
 
 
 def _layer_blocker(layer, index: int, first) -> Optional[str]:
-    from pagoda.model.llama import LlamaMLP  # llama imports this module
-
     attn = layer.self_attn
     if attn.qk_norm:
         return f"layer {index} has qk_norm"
@@ -183,8 +183,6 @@ class FusedDecode:
 
     def _bind_pool(self, pool) -> bool:
         """Points every layer at its cache in pool; False when a cache does not qualify."""
-        from pagoda.worker.kv_pool import FullAttentionLayout  # the worker's, read only
-
         self.pool, self.pool_ok = pool, False
         slots = set()
         for slot, layer in zip(self.layers, self.model.layers):

@@ -37,7 +37,7 @@ from pagoda.model.layers.mla import MLAAttention
 from pagoda.model.layers.moe.deepseek_moe import DeepseekMoE, is_moe_layer
 from pagoda.model.layers.moe.fused_moe import map_expert_weight_name
 from pagoda.model.layers.rotary import RotaryEmbedding, interleaved_to_half
-from pagoda.model.llama import LlamaMLP
+from pagoda.model.layers.mlp import LlamaMLP
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 logger = logging.getLogger(__name__)

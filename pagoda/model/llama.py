@@ -39,6 +39,7 @@ from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention, load_kv_scale
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.mlp import LlamaMLP
 from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                         RowParallelLinear, ShardId, default_weight_loader,
                                         materialize_module)
@@ -124,7 +125,8 @@ class LlamaAttention(nn.Module):
         target = self.attn.kv_store_target()
         if target is None:  # also the CPU: no triton imported below
             return None
-        from pagoda.kernels import fused_ops, qk_rope_store  # imports triton
+        from pagoda.kernels.norm import fused_ops  # imports triton
+        from pagoda.kernels.attention import qk_rope_store
         if not fused_ops.FUSED_OPS_ENABLED:
             return None
         q_weight = k_weight = None
@@ -149,29 +151,6 @@ class LlamaAttention(nn.Module):
                                       self.head_dim)
         qk = rotate(heads, cos, sin).view(num_tokens, qk_size)
         return qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:]
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], bias=False,
-            tp_rank=tp.rank, tp_size=tp.size)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False,
-                                           tp_rank=tp.rank, tp_size=tp.size)
-        self.act = SiluAndMul()
-
-    def takes_fp8_input(self, num_rows: int) -> bool:
-        """Whether forward wants x as an Fp8Activation (its gate_up_proj's choice)."""
-        return self.gate_up_proj.takes_fp8_input(num_rows)
-
-    def forward(self, x) -> torch.Tensor:
-        """x [T, hidden] (a tensor, or an Fp8Activation where takes_fp8_input) -> [T,
-        hidden]. The activation is quantized on its way to down_proj where that asks for
-        it; otherwise gate_up's fused SiLU step (the one-row FP8 GEMV) may run."""
-        if self.down_proj.takes_fp8_input(x.shape[0]):
-            return self.down_proj(self.act(self.gate_up_proj(x), fp8_out=True))
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -23,7 +23,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.sampling_params import SamplingParams
 
 

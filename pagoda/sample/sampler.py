@@ -5,7 +5,7 @@ take the argmax; random rows go through temperature, min-p, top-k, top-p and are
 sampled. Logprobs are taken from the raw logits (before any of this). On CUDA an
 all-greedy batch that nothing else touches (no bias, bans, penalties or logprobs) takes
 the argmax of the model's logits as they are, without the float32 copy; greedy argmaxes
-on CUDA go through pagoda.kernels.argmax (greedy_argmax).
+on CUDA go through pagoda.kernels.sample.argmax (greedy_argmax).
 
 Sampling is exact per row: token = argmax(probs / q) with q ~ Exp(1) i.i.d. per
 token (the exponential-race form of categorical sampling). A seeded row draws its
@@ -142,11 +142,11 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> int64 [B]: torch.argmax's tokens (the lowest index among ties, the
-    first NaN before any number). On CUDA through pagoda.kernels.argmax where it takes
+    first NaN before any number). On CUDA through pagoda.kernels.sample.argmax where it takes
     the shape: torch's reduction picks a slow launch configuration at some vocabulary
     sizes (Llama-3's among them)."""
     if logits.is_cuda:
-        from pagoda.kernels.argmax import argmax_covers, argmax_rows  # imports triton: CUDA only
+        from pagoda.kernels.sample.argmax import argmax_covers, argmax_rows  # imports triton: CUDA only
         if argmax_covers(logits):
             return argmax_rows(logits)
     return logits.argmax(dim=-1)

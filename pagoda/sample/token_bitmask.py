@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 
 _BITS = 32
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 
 
 class DeviceBlockTable:

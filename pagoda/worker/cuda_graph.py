@@ -31,7 +31,7 @@ import torch
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.forward_context import forward_context
 from pagoda.progress import progress
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ import torch
 
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.metadata import build_attention_metadata
-from pagoda.core.optimistic_drafts import is_placeholder
+from pagoda.spec_decode.planning.optimistic import is_placeholder
 from pagoda.core.outputs import SchedulerOutput
-from pagoda.host_copy import tensor_to_device
+from pagoda.kernels.launch.host_copy import tensor_to_device
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.staging import StagingRing
@@ -295,9 +295,9 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
 def fill_pending_tokens(input_ids: torch.Tensor, pending_index: torch.Tensor,
                         prev: PrevSampled) -> None:
     """input_ids[rows] = prev.token_ids[sources] for pending_index = [rows, sources], on
-    the device (no host sync; one launch on CUDA: pagoda.kernels.pending_fill)."""
+    the device (no host sync; one launch on CUDA: pagoda.kernels.sample.pending_fill)."""
     if input_ids.device.type == "cuda":
-        from pagoda.kernels.pending_fill import fill_pending
+        from pagoda.kernels.sample.pending_fill import fill_pending
         fill_pending(input_ids, pending_index, prev.token_ids)
     else:
         input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))

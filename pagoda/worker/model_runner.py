@@ -11,7 +11,7 @@ returning without waiting for the device:
   apply what the engine learned after the launch (grammar bitmasks), sample, and queue
   one device-to-host copy of the results (`AsyncRunnerOutput.result()` waits for it).
 A request verifying draft tokens samples one row per draft plus one; the host keeps
-the longest matching prefix (pagoda.sample.verify).
+the longest matching prefix (pagoda.spec_decode.verify).
 
 The penalties' history lives on the device between steps (worker/penalty_state.py):
 created when a request enters, counted on the device after each single-row sample,
@@ -31,17 +31,17 @@ import torch
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.kv_quant import resolve_kv_cache_dtype
+from pagoda.attention.selector import make_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
-from pagoda.core.outputs import SchedulerOutput, StepExtras
-from pagoda.executor.base import ModelInfo
+from pagoda.core.outputs import ModelInfo, SchedulerOutput, StepExtras
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
                                     make_generator, token_seed)
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
@@ -52,27 +52,10 @@ from pagoda.worker.penalty_state import PenaltyState, StepPenalties
 from pagoda.worker.staging import StagingRing
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.step_output import AsyncRunnerOutput
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.spec_decode.drafting import draft_starts, load_draft, make_drafter, record_kept
+from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
-
-def make_attention_backend(name: str, device: str, arch, tp=None) -> AttentionBackend:
-    """The backend for this rank's heads (tp: its TensorParallel; None for all heads)."""
-    if arch.mla is not None:  # DeepSeek: latent attention (pagoda/attention/mla_backend.py)
-        from pagoda.attention.mla_backend import make_mla_backend
-        return make_mla_backend(name, device, arch, tp)
-    scale = arch.head_dim ** -0.5
-    size = 1 if tp is None else tp.size
-    args = (arch.num_attention_heads // size, max(1, arch.num_key_value_heads // size),
-            arch.head_dim, scale)
-    if name == "auto":
-        name = "triton" if device == "cuda" else "torch_ref"
-    if name == "triton":
-        from pagoda.attention.triton_backend import TritonBackend
-        return TritonBackend(*args)
-    from pagoda.attention.torch_ref import TorchRefBackend
-    return TorchRefBackend(*args)
-
 
 @dataclass
 class _LaunchedForward:
@@ -109,8 +92,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype,
                                                self.device, is_mla=self.arch.mla is not None)
         self.backend = make_attention_backend(config.device.attention_backend,
-                                              config.device.device, self.arch, self.tp)
-        from pagoda.worker.drafting import load_draft
+                                              config.device.device,
+                                              self.arch.attention_shape(self.tp.size))
         # A draft model (speculative decoding): loaded before the KV cache is sized,
         # since its layers take their share of every block.
         self.draft = load_draft(self)
@@ -172,10 +155,9 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
         self.num_blocks = kv_config.num_blocks
         self.kv_pool = KVCachePool(kv_config, self.device)
-        from pagoda.worker.drafting import make_drafter
         self.drafter = make_drafter(self, max_model_len)
         if self.config.cache.kv_offloading:
-            from pagoda.worker.kv_offload import build_kv_offload
+            from pagoda.kv_offload.copy_engine import build_kv_offload
             self.kv_offload, self._kv_offload_inventory = build_kv_offload(
                 self.config, self.kv_pool, self._model_id(), self.kv_dtype, self.device)
         if self.device.type == "cuda":
@@ -204,7 +186,7 @@ class ModelRunner:
         the start-up measurements of the tiers' cost model."""
         if self.kv_offload is None:
             return None
-        from pagoda.worker.kv_cost_probe import measure_start_rates
+        from pagoda.kv_offload.cost_probe import measure_start_rates
         return measure_start_rates(self, self._kv_offload_inventory)
 
     def shutdown_kv_offload(self) -> None:
@@ -329,7 +311,6 @@ class ModelRunner:
             sampled, single_row_index(inputs.sample_req_ids))
         proposals = None
         if self.drafter is not None and launched.to_propose and sampled is not None:
-            from pagoda.worker.drafting import draft_starts, record_kept
             starts = draft_starts(self.states, inputs, sampled, launched.to_propose)
             proposals = self.drafter.propose(starts)
             record_kept(self.states, inputs, starts, proposals)

@@ -12,7 +12,7 @@ Life of a row:
   the device (`StepPenalties.record_sampled`): the host never waits for it, so under
   async scheduling a token the host does not know yet is already counted;
 - a verify step (several rows for one request) adds nothing: which of its tokens
-  are kept is decided on the host after the step (pagoda.sample.verify). The kept
+  are kept is decided on the host after the step (pagoda.spec_decode.verify). The kept
   tokens reach the worker's host list with a later step's diff, and `apply` adds
   the tokens the row has not counted yet from there (an upload, no sync);
 - dropped when the request finishes or is preempted.
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from pagoda.core.outputs import SchedulerOutput
-from pagoda.host_copy import host_to_device
+from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.sample.metadata import uses_penalties
 from pagoda.worker.input_batch import CachedRequestState
 

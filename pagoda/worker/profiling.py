@@ -14,7 +14,7 @@ from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.layers.attention import kv_cache_specs
-from pagoda.worker.kv_pool import KVCachePool
+from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """StagingRing: reused pinned host buffers for the uploads of each step's inputs.
 
 A host-to-device copy that does not make the host wait must read pinned memory
-(pagoda/host_copy.py). Pinning a fresh tensor per upload costs a pinned allocation
+(pagoda/kernels/launch/host_copy.py). Pinning a fresh tensor per upload costs a pinned allocation
 per call; the ring keeps a few sets of pinned buffers instead and each step's
 uploads (token ids and positions, the attention metadata's slot mapping,
 query_start_loc and seq_lens) are staged in one set, in call order.
@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from pagoda.host_copy import tensor_to_device
+from pagoda.kernels.launch.host_copy import tensor_to_device
 
 NUM_SETS = 2
 _MIN_BYTES = 4096

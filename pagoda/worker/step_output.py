@@ -19,10 +19,10 @@ from typing import Optional
 
 import torch
 
-from pagoda.core.kv_tiers import KVTransferReport
+from pagoda.kv_offload.planning.tiers import KVTransferReport
 from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.sample.logprobs import unpack_token_logprobs
-from pagoda.sample.verify import accept_draft_tokens
+from pagoda.spec_decode.verify import accept_draft_tokens
 
 
 # False: the copies on the current (main) stream (benchmarks' A/B switch, --d2h-stream).

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.core.draft_planner import DraftPlanner
-from pagoda.core.spec_budget import SpecBudget
+from pagoda.spec_decode.planning.planner import DraftPlanner
+from pagoda.spec_decode.planning.budget import SpecBudget
 
 from scheduler_harness import VOCAB, make_request, make_scheduler, next_token
 from test_spec_scheduling import VerifyingRunner, check_outputs, run

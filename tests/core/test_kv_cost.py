@@ -10,10 +10,10 @@ import pytest
 
 from pagoda.core.block_hash import extend_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_cost import (DEFAULT_LOAD_BYTES_PER_S, DEFAULT_PREFILL_TOKENS_PER_S,
+from pagoda.kv_offload.planning.cost import (DEFAULT_LOAD_BYTES_PER_S, DEFAULT_PREFILL_TOKENS_PER_S,
                                  PREFILL_SAMPLE_MIN_TOKENS, LoadCostModel, RunningRate)
-from pagoda.core.kv_offload import KVOffloadManager
-from pagoda.core.kv_tiers import KVTransferReport, TierIndex, TierIOStats, TierStack
+from pagoda.kv_offload.planning.manager import KVOffloadManager
+from pagoda.kv_offload.planning.tiers import KVTransferReport, TierIndex, TierIOStats, TierStack
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ def test_start_load_plans_only_the_blocks_worth_loading(caplog):
         cpu.reserve(block_hash, ready=True)
         cpu.unpin(block_hash)
     disk.add_ready(r.block_hashes[2:4])
-    with caplog.at_level("DEBUG", logger="pagoda.core.kv_offload"):
+    with caplog.at_level("DEBUG", logger="pagoda.kv_offload.planning.manager"):
         assert offload.start_load(r, [])
     assert caplog.messages == ["request r: 2 of 4 tier hits recomputed (disk 2): a block loads in "
                                "cpu 62.50 ms, disk 312.50 ms, recomputes in 100.00 ms"]

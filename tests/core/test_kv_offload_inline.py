@@ -8,8 +8,8 @@ import pytest
 
 from pagoda.core.block_hash import extend_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_offload import KVOffloadManager, LoadStart
-from pagoda.core.kv_tiers import KVTransferReport, TierIndex, TierStack
+from pagoda.kv_offload.planning.manager import KVOffloadManager, LoadStart
+from pagoda.kv_offload.planning.tiers import KVTransferReport, TierIndex, TierStack
 from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.core.request import Request
 from pagoda.core.scheduler import Scheduler

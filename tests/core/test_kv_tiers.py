@@ -1,9 +1,9 @@
-"""The offload tiers' bookkeeping (pagoda/core/kv_tiers.py), with exact assertions."""
+"""The offload tiers' bookkeeping (pagoda/kv_offload/planning/tiers.py), with exact assertions."""
 
 import pytest
 
 from pagoda.core.block_hash import BlockHash
-from pagoda.core.kv_tiers import (KVTransferPlan, LatencyHistogram, TierIndex, TierIOStats,
+from pagoda.kv_offload.planning.tiers import (KVTransferPlan, LatencyHistogram, TierIndex, TierIOStats,
                                   TierStack, TierIOTotals, accumulate_io)
 
 
@@ -109,7 +109,7 @@ def test_plan_emptiness_and_histogram():
 
 
 def test_reports_merge_without_losing_anything():
-    from pagoda.core.kv_tiers import KVTransferReport
+    from pagoda.kv_offload.planning.tiers import KVTransferReport
     first = KVTransferReport(stores_done=[1], loads_done={4: 2}, io=TierIOStats(bytes_loaded={"cpu": 8}))
     first.merge(KVTransferReport(stores_done=[2], writes_done={5: False},
                                  io=TierIOStats(bytes_loaded={"cpu": 8, "disk": 1})))

@@ -10,10 +10,10 @@ point (after the update of step N and the scheduling of step N + 1).
 
 from __future__ import annotations
 
-from pagoda.core.draft_planner import DraftPlanner
-from pagoda.core.optimistic_drafts import PLACEHOLDER_DRAFT
+from pagoda.spec_decode.planning.planner import DraftPlanner
+from pagoda.spec_decode.planning.optimistic import PLACEHOLDER_DRAFT
 from pagoda.core.outputs import ModelRunnerOutput
-from pagoda.core.spec_budget import SpecBudget
+from pagoda.spec_decode.planning.budget import SpecBudget
 
 from scheduler_harness import BLOCK_SIZE, alone, make_request, make_scheduler, next_token
 import test_spec_scheduling

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.core.spec_budget import SpecBudget
+from pagoda.spec_decode.planning.budget import SpecBudget
 
 
 def test_estimate_counts_successes_and_the_first_failure():

@@ -1,6 +1,6 @@
 """SpecBudget's price of a drafting step under async scheduling (a held step for the
 whole batch) and its probe steps, asserted exactly: the schedules below follow from
-the rules in pagoda/core/spec_budget.py."""
+the rules in pagoda/spec_decode/planning/budget.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from pagoda.core.spec_budget import SpecBudget
+from pagoda.spec_decode.planning.budget import SpecBudget
 
 # The arithmetic of these trajectories (comments below) takes drafts down to a gain of
 # .25: pinned here, independent of spec_budget.MIN_GAIN's default.

@@ -1,7 +1,7 @@
 """Speculative decoding in the scheduler (DraftPlanner + SpecBudget), on a fake worker.
 
 The fake worker verifies drafts the way the real one does: one sampled row per draft
-plus one, the kept tokens the matching prefix and the next row (pagoda.sample.verify).
+plus one, the kept tokens the matching prefix and the next row (pagoda.spec_decode.verify).
 Its tokens are a function of the whole sequence (test_scheduler.next_token), so
 outputs must equal plain decoding whatever the drafts, under chunked prefill,
 preemption and async scheduling; and its KV check catches a wrong rollback. Drafts
@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pagoda.core.draft_planner import DraftPlanner
-from pagoda.core.optimistic_drafts import PLACEHOLDER_DRAFT
+from pagoda.spec_decode.planning.planner import DraftPlanner
+from pagoda.spec_decode.planning.optimistic import PLACEHOLDER_DRAFT
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagoda.core.spec_budget import SpecBudget
-from pagoda.sample.verify import accept_draft_tokens
+from pagoda.spec_decode.planning.budget import SpecBudget
+from pagoda.spec_decode.verify import accept_draft_tokens
 
 from scheduler_harness import (BLOCK_SIZE, FakeRunner, alone, make_request, make_scheduler,
                                next_token)

@@ -106,7 +106,7 @@ class Attention(nn.Module):
         FullAttentionLayout, use_triton: CUDA, or the interpreter in tests), so that a
         kernel writing the same [2, blocks, block_size, Hkv, D] bytes may stand in for
         it. None otherwise (torch stores, other layouts, subclasses): call forward."""
-        from pagoda.worker.kv_pool import FullAttentionLayout  # the worker's, read only
+        from pagoda.attention.kv_pool import FullAttentionLayout  # the worker's, read only
         if not self.pool_stores_with_triton(FullAttentionLayout):
             return None
         ctx = get_forward_context()

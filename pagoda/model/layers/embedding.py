@@ -24,7 +24,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from pagoda.model.layers.linear import (ColumnParallelLinear, LayerWeightLoader, ShardId,
                                         check_tp, check_tp_group, copy_checked)
-from pagoda.model.layers.matmul import rows_linear
+from pagoda.model.quant.cpu_kernels import rows_linear
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -2,7 +2,7 @@
 
 HF order of operations (kept exactly): add the residual in the input dtype, normalise
 in float32, cast back to the input dtype, then multiply by the weight. On CUDA (unless
-PAGODA_FUSED_OPS=0) the Triton kernels of pagoda.kernels.fused_ops do the same in one
+PAGODA_FUSED_OPS=0) the Triton kernels of pagoda.kernels.norm.fused_ops do the same in one
 launch; the torch code here is their reference and the CPU path. On the CPU, float32
 takes ``torch.rms_norm`` (F.rms_norm without its Python wrapper): ATen's composite
 runs the very same ops in the same order (pow, mean, add eps, rsqrt, multiply,
@@ -12,7 +12,7 @@ tests/test_cpu_fused_ops.py asserts the equality.
 
 ``forward(..., fp8_out=True)`` gives the normed rows quantized per token as an
 ``Fp8Activation`` (what an FP8 linear that asked for it multiplies): on CUDA one kernel
-of pagoda.kernels.fp8_fused_quant (the same bytes as the norm kernel followed by
+of pagoda.kernels.fp8.fused_quant (the same bytes as the norm kernel followed by
 per_token_quant_fp8), elsewhere that composition.
 """
 
@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
         if fp8_out:
             return self._forward_fp8(x, residual)
         if x.is_cuda:
-            from pagoda.kernels import fused_ops  # imports triton: CUDA only
+            from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
             if fused_ops.FUSED_OPS_ENABLED:
                 if residual is None:
                     return fused_ops.rms_norm(x, self.weight, self.eps)
@@ -75,7 +75,8 @@ class RMSNorm(nn.Module):
     def _forward_fp8(self, x: torch.Tensor, residual: Optional[torch.Tensor]
                      ) -> Union[Fp8Activation, tuple[Fp8Activation, torch.Tensor]]:
         if x.device.type in FUSED_FP8_DEVICES:
-            from pagoda.kernels import fp8_fused_quant, fused_ops  # imports triton: CUDA only
+            from pagoda.kernels.fp8 import fused_quant as fp8_fused_quant  # imports triton: CUDA only
+            from pagoda.kernels.norm import fused_ops
             if fused_ops.FUSED_OPS_ENABLED:
                 data, scale, summed = fp8_fused_quant.rms_norm_fp8(x, self.weight, self.eps,
                                                                    residual)

@@ -12,13 +12,6 @@ same kernel; only which thread computes which columns changes. The result is
 bit-identical to F.linear (asserted by tests/test_linear_blocks.py), so greedy outputs
 stay identical to Hugging Face's, which calls F.linear. CUDA tensors, other dtypes and
 weights without a suitable split take F.linear unchanged.
-
-``rows_linear`` is what the model's float layers call: for steps of 2 to SMALL_ROWS
-rows on the CPU (small batches, speculative verify steps) it takes the compiled
-register-tile kernel (pagoda/model/quant/cpu_kernels.c), which reads the weight once
-for all rows: MKL's small-M GEMM costs 2-3x its one-row GEMV for the same weight bytes
-(docs/performance.md). Those steps are then not bit-identical to F.linear (another
-summation order); one-row steps, and larger ones, stay exactly F.linear's.
 """
 
 from __future__ import annotations
@@ -35,10 +28,6 @@ _BLOCK_BYTES = 1 << 20
 _MIN_BLOCKS = 4
 # Blocks narrower than this many output columns are not worth a split.
 _MIN_BLOCK_COLS = 64
-# rows_linear's register-tile kernel runs for 2 to this many rows (it measured 1.1-3x
-# faster than MKL from 1 to 32 rows on the 2-core AVX2 machine, mixed at 64:
-# docs/performance.md).
-SMALL_ROWS = 32
 
 
 def num_blocks(out_features: int, in_features: int, element_size: int, threads: int) -> int:
@@ -72,15 +61,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     else:  # beta * bias + x @ w, as F.linear's addmm: the add rounds the same way
         y = torch.baddbmm(bias.view(blocks, 1, cols), xb, w)
     return y.transpose(0, 1).reshape(x.shape[0], out_features)  # [P, M, cols] -> [M, N]
-
-
-def rows_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """linear(), except that 2 to SMALL_ROWS float32 rows on the CPU go through the
-    register-tile kernel when it is available (see the module docstring)."""
-    if x.device.type == "cpu" and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_ROWS:
-        from pagoda.model.quant.cpu_kernels import float_small_mm
-        y = float_small_mm(x, weight)
-        if y is not None:
-            return y if bias is None else y.add_(bias)
-    return linear(x, weight, bias)

@@ -6,21 +6,21 @@ compressed KV c and the shared rotary key k_rope), kv_a_layernorm (on c), kv_b_p
 (c -> per head k_nope and v) and o_proj. ``MLALatentAttention`` is its Attention
 layer: it declares the latent KV spec (one entry of kv_lora_rank + qk_rope_head_dim
 values per token), stores [norm(c), rope(k_rope)] (one kernel on CUDA:
-pagoda.kernels.mla_store.norm_rope_store_latent) and runs the
+pagoda.kernels.attention.mla_store.norm_rope_store_latent) and runs the
 rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
 
 - latent rows (decodes; every row in a CUDA graph): q_lat = q_nope W_UK per head,
   attention over the cached entries, o = o_lat W_UV^T; W_UK / W_UV are views of
   kv_b_proj's weight ([H, qk_nope + v, kv_lora_rank] per rank), never copied. The query
   [q_lat, rope(q_rope)] and the value projection are one Triton kernel each on CUDA
-  (pagoda.kernels.mla_absorb, unless PAGODA_FUSED_OPS=0) for up to a few rows, bmm +
+  (pagoda.kernels.attention.mla_absorb, unless PAGODA_FUSED_OPS=0) for up to a few rows, bmm +
   rotary + cat and a bmm otherwise (their references), so q_rope reaches this layer
   un-rotated with the step's cos / sin;
 - prefill rows: the contexts' latents gathered from the cache (the cached prefix and
   this step's rows alike), decompressed by kv_b_proj into k_nope and V (views of its
   output), then causal attention with keys [k_nope, k_rope]: the backend gets the
   pieces, k_rope once for every head (the Triton backend reads them in place with
-  one kernel, pagoda.kernels.mla_prefill; the reference backend concatenates them).
+  one kernel, pagoda.kernels.attention.mla_prefill; the reference backend concatenates them).
 
 Tensor parallelism: heads split across ranks (q_proj / q_b_proj and kv_b_proj
 column-parallel by head, o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the
@@ -50,14 +50,14 @@ _LORA_NORM_EPS = 1e-6
 
 
 def _per_token_kernels_take(rows: torch.Tensor) -> bool:
-    """Whether the per-token Triton kernels of pagoda.kernels.mla_absorb run: on CUDA,
+    """Whether the per-token Triton kernels of pagoda.kernels.attention.mla_absorb run: on CUDA,
     unless PAGODA_FUSED_OPS=0, for at most PER_TOKEN_MAX_ROWS rows. Each program reads
     its head's weights again, so a batch of hundreds of rows goes to the bmm (one read
     per head)."""
     if not rows.is_cuda:
         return False
-    from pagoda.kernels import fused_ops  # imports triton: CUDA only
-    from pagoda.kernels.mla_absorb import PER_TOKEN_MAX_ROWS
+    from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
+    from pagoda.kernels.attention.mla_absorb import PER_TOKEN_MAX_ROWS
     return fused_ops.FUSED_OPS_ENABLED and rows.shape[0] <= PER_TOKEN_MAX_ROWS
 
 
@@ -66,7 +66,7 @@ def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tenso
     """[q_nope W_UK per head, rope(q_rope)] -> [N, H, kv_lora_rank + qk_rope]: one
     Triton kernel on CUDA for a few rows, this torch code (its reference) elsewhere."""
     if _per_token_kernels_take(q_nope):
-        from pagoda.kernels.mla_absorb import absorb_q
+        from pagoda.kernels.attention.mla_absorb import absorb_q
         return absorb_q(q_nope, q_rope, w_uk, cos, sin)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
     return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
@@ -77,7 +77,7 @@ def value_projection(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     Triton kernel on CUDA with a contiguous result for a few rows, this bmm (its
     reference) elsewhere."""
     if _per_token_kernels_take(o_lat):
-        from pagoda.kernels.mla_absorb import project_v
+        from pagoda.kernels.attention.mla_absorb import project_v
         return project_v(o_lat, w_uv)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -127,15 +127,15 @@ class MLALatentAttention(Attention):
         return out.reshape(num_tokens, heads * mla.v_head_dim)
 
     def _store_latents(self, kv_a, kv_a_layernorm, cos, sin, cache, ctx) -> None:
-        """One Triton launch (pagoda.kernels.mla_store.norm_rope_store_latent) where the
+        """One Triton launch (pagoda.kernels.attention.mla_store.norm_rope_store_latent) where the
         pool itself would store with its Triton kernel (CUDA), unless
         PAGODA_FUSED_OPS=0; the torch code here is its reference."""
-        from pagoda.worker.kv_pool import MLALatentLayout  # the worker's, read only
+        from pagoda.attention.kv_pool import MLALatentLayout  # the worker's, read only
         plan, rank = ctx.metadata, self.mla.kv_lora_rank
         if self.pool_stores_with_triton(MLALatentLayout):
-            from pagoda.kernels import fused_ops  # imports triton
+            from pagoda.kernels.norm import fused_ops  # imports triton
             if fused_ops.FUSED_OPS_ENABLED:
-                from pagoda.kernels.mla_store import norm_rope_store_latent
+                from pagoda.kernels.attention.mla_store import norm_rope_store_latent
                 norm_rope_store_latent(kv_a, kv_a_layernorm.weight, kv_a_layernorm.eps,
                                        cos, sin, cache, plan.common.slot_mapping)
                 return

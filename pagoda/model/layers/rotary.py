@@ -160,7 +160,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     and second halves of each head form the pairs); returns x's dtype. On CUDA (unless
     PAGODA_FUSED_OPS=0) a Triton kernel does it; this torch code is its reference."""
     if x.is_cuda:
-        from pagoda.kernels import fused_ops  # imports triton: CUDA only
+        from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
         if fused_ops.FUSED_OPS_ENABLED:
             return fused_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2

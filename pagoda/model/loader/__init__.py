@@ -31,27 +31,16 @@ from torch import nn
 
 from pagoda.config import LOAD_FORMATS
 from pagoda.model.arch_config import ArchConfig
-from pagoda.model.layers.attention import reset_kv_scales
-from pagoda.model.parallel import SINGLE_RANK, TensorParallel, check_tensor_parallel
+from pagoda.model.loader.build import build_model, find_gguf_file, is_safetensors_dir
+from pagoda.model.loader.dummy import dummy_arch_config, load_dummy_model
+from pagoda.model.loader.gguf import load_gguf_model, read_gguf_arch_config
+from pagoda.model.loader.safetensors import load_safetensors_model, read_arch_config
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
-from pagoda.model.registry import get_model_class
+from pagoda.model.quant.registry import process_loaded_weights
 
-
-def find_gguf_file(path: Path) -> Path | None:
-    """The .gguf file at path (a file, or a directory holding exactly one), else None."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir():
-        files = sorted(path.glob("*.gguf"))
-        if len(files) > 1:
-            raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in files)}); "
-                             f"pass the file itself")
-        return files[0] if files else None
-    return None
-
-
-def is_safetensors_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+__all__ = ["build_model", "detect_load_format", "find_gguf_file", "is_safetensors_dir",
+           "load_arch_config", "load_model"]
 
 
 def detect_load_format(model: str) -> str:
@@ -69,24 +58,6 @@ def detect_load_format(model: str) -> str:
                      f"({', '.join(PRESET_NAMES)}) with load_format='dummy'")
 
 
-def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device],
-                tp: TensorParallel = SINGLE_RANK, quant_config=None) -> nn.Module:
-    """The model for arch, this rank's share of it (tp), with uninitialised weights of
-    dtype on device (built on meta, so nothing is allocated or initialised twice); with
-    quant_config (a pagoda.model.quant QuantConfig) its linear layers take their
-    methods' parameters. Call process_loaded_weights once the weights are in."""
-    from pagoda.model.quant.registry import attach_quant_methods
-
-    cls = get_model_class(arch.architecture)
-    check_tensor_parallel(arch, tp.size, tp.expert_parallel)  # a clear message before any layer's own check
-    with torch.device("meta"):
-        model = cls(arch, tp)
-    attach_quant_methods(model, arch, quant_config, torch.device(device), dtype)
-    model.materialize(device, dtype)
-    reset_kv_scales(model)  # buffers come out of materialize uninitialised
-    return model.eval()
-
-
 def _resolve_format(model_path_or_preset, load_format: str) -> tuple[str, str]:
     """(the model as a string, its concrete format); "auto" is detected from the path."""
     if load_format not in LOAD_FORMATS:
@@ -101,12 +72,9 @@ def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> Ar
     checks made before workers start, e.g. check_tensor_parallel)."""
     name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
-        from pagoda.model.loader.gguf import read_gguf_arch_config
         return read_gguf_arch_config(Path(name))
     if fmt == "safetensors":
-        from pagoda.model.loader.safetensors import read_arch_config
         return read_arch_config(Path(name))
-    from pagoda.model.loader.dummy import dummy_arch_config
     return dummy_arch_config(name)
 
 
@@ -117,19 +85,14 @@ def load_model(model_path_or_preset: str, load_format: str = "auto",
                quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     """The model (this rank's share: loaders shard while loading) and its ArchConfig.
     quantize_lm_head: the quantization scheme covers the LM head too (FP8 only)."""
-    from pagoda.model.quant.registry import process_loaded_weights
-
     name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
-        from pagoda.model.loader.gguf import load_gguf_model
         model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization,
                                       quantize_lm_head)
     elif fmt == "safetensors":
-        from pagoda.model.loader.safetensors import load_safetensors_model
         model, arch = load_safetensors_model(Path(name), dtype, device, tp, quantization,
                                              quantize_lm_head)
     else:
-        from pagoda.model.loader.dummy import load_dummy_model
         model, arch = load_dummy_model(name, dtype, device, seed, tp, quantization,
                                        quantize_lm_head)
     process_loaded_weights(model)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
+
+from pagoda.model.presets import get_preset
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.layers.layernorm import RMSNorm
@@ -45,14 +47,14 @@ def dummy_arch_config(name: str) -> ArchConfig:
     if path.is_dir():
         from pagoda.model.loader.safetensors import read_arch_config
         return read_arch_config(path)
-    return ArchConfig.from_preset(name)
+    return get_preset(name)
 
 
 def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
                      seed: int, tp: TensorParallel = SINGLE_RANK,
                      quantization: str | None = None,
                      quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model
+    from pagoda.model.loader.build import build_model
     from pagoda.model.quant.registry import resolve_quant_config
 
     arch = dummy_arch_config(name)

@@ -127,7 +127,7 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig, rank: int = 0,
 
 def read_gguf_arch_config(path: Path) -> ArchConfig:
     """The ArchConfig in the metadata of the .gguf file at path (no tensor is read)."""
-    from pagoda.model.loader import find_gguf_file
+    from pagoda.model.loader.build import find_gguf_file
 
     file = find_gguf_file(path)
     if file is None:
@@ -140,7 +140,7 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     tp: TensorParallel = SINGLE_RANK,
                     quantization: str | None = None,
                     quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader import build_model, find_gguf_file
+    from pagoda.model.loader.build import build_model, find_gguf_file
     from pagoda.model.quant.registry import resolve_quant_config
 
     file = find_gguf_file(path)

@@ -72,7 +72,7 @@ def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
                            quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     """The model with its weights loaded (quantized layers not yet processed: the
     caller, pagoda.model.loader.load_model, does that)."""
-    from pagoda.model.loader import build_model
+    from pagoda.model.loader.build import build_model
     from pagoda.model.quant.registry import resolve_quant_config
 
     arch = read_arch_config(model_dir)

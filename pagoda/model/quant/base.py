@@ -18,7 +18,7 @@ A method may also take its input already quantized: ``takes_fp8_input(layer, row
 says that, for this many rows, it wants an ``Fp8Activation`` (per-token FP8 rows and
 their scales) rather than the float activation, so that the kernel producing the
 activation (an RMSNorm, the SiLU-and-mul) quantizes it on the way out
-(pagoda.kernels.fp8_fused_quant); ``apply_fp8`` then multiplies it. Every other method
+(pagoda.kernels.fp8.fused_quant); ``apply_fp8`` then multiplies it. Every other method
 refuses such an input with a clear error.
 """
 
@@ -175,7 +175,7 @@ class Fp8Activation:
     def quantize(cls, x: torch.Tensor) -> "Fp8Activation":
         """x [..., K] quantized per token by per_token_quant_fp8 (the unfused path: what
         an FP8 linear does to its float input)."""
-        from pagoda.kernels.fp8_quant import per_token_quant_fp8  # imports triton
+        from pagoda.kernels.fp8.quant import per_token_quant_fp8  # imports triton
         data, scale = per_token_quant_fp8(x.reshape(-1, x.shape[-1]))
         return cls(data, scale, x.dtype)
 

@@ -20,6 +20,13 @@ slower; ``native_status()`` says which runs.
 
 Numerics: the weights the kernel dequantizes are bit-identical to the reference's (and
 to gguf.quants.dequantize); only float32 rounding of the sums differs (cpu_kernels.c).
+
+``rows_linear`` is what the model's float layers call: for steps of 2 to SMALL_ROWS
+rows on the CPU (small batches, speculative verify steps) it takes the compiled
+register-tile kernel, which reads the weight once for all rows: MKL's small-M GEMM
+costs 2-3x its one-row GEMV for the same weight bytes (docs/performance.md). Those
+steps are then not bit-identical to F.linear (another summation order); one-row
+steps, and larger ones, stay exactly F.linear's (``pagoda.model.layers.matmul.linear``).
 """
 
 from __future__ import annotations
@@ -300,3 +307,20 @@ def float_small_mm(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tens
     so.pagoda_f32_mm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
                      y.data_ptr(), torch.get_num_threads())
     return y
+
+
+# rows_linear's register-tile kernel runs for 2 to this many rows (it measured 1.1-3x
+# faster than MKL from 1 to 32 rows on the 2-core AVX2 machine, mixed at 64:
+# docs/performance.md).
+SMALL_ROWS = 32
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """linear(), except that 2 to SMALL_ROWS float32 rows on the CPU go through the
+    register-tile kernel when it is available (see the module docstring)."""
+    if x.device.type == "cpu" and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_ROWS:
+        y = float_small_mm(x, weight)
+        if y is not None:
+            return y if bias is None else y.add_(bias)
+    return linear(x, weight, bias)

@@ -17,9 +17,9 @@ static per-tensor ``input_scale`` (the largest of merged shards', as vLLM does).
 Where a dynamic per-token method would quantize the activation itself (more than
 W8A16_MAX_M rows, on CUDA), it asks for it already quantized (``takes_fp8_input``):
 the RMSNorm or SiLU-and-mul producing it then writes the FP8 rows and scales directly
-(pagoda.kernels.fp8_fused_quant, the same bytes), and ``apply_fp8`` runs the W8A8 GEMM
+(pagoda.kernels.fp8.fused_quant, the same bytes), and ``apply_fp8`` runs the W8A8 GEMM
 on them. Block-scaled and static-input methods quantize differently and never ask.
-The matmuls themselves live in pagoda.kernels.fp8_linear. On the CPU the engine
+The matmuls themselves live in pagoda.kernels.fp8.linear. On the CPU the engine
 refuses FP8 (``check_device``); the methods' apply still runs there through the
 kernels' torch references, which is how CI checks the layers.
 """
@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pagoda.kernels import fp8_linear as kernels
-from pagoda.kernels.fp8_quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
+from pagoda.kernels.fp8 import linear as kernels
+from pagoda.kernels.fp8.quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
 from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, Fp8Activation,
                                      LinearMethod, QuantConfig, ShardDims, checkpoint_layers,
                                      replace_parameter)

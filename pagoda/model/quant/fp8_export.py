@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagoda.kernels.fp8_quant import quantize_weight_blockwise, quantize_weight_per_channel
+from pagoda.kernels.fp8.quant import quantize_weight_blockwise, quantize_weight_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCHEMES = ("channel", "block")

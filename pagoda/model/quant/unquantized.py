@@ -1,7 +1,7 @@
 """The default linear method: one float weight [out, in] in the model's dtype, multiplied
-by ``pagoda.model.layers.matmul.rows_linear`` (F.linear, split into column blocks on the
+by ``pagoda.model.quant.cpu_kernels.rows_linear`` (F.linear, split into column blocks on the
 CPU; a register-tile kernel for steps of a few rows there). On CUDA, steps of a few bf16 /
-fp16 rows whose shape pagoda.kernels.gemv.GEMV_CONFIGS lists take that Triton GEMV
+fp16 rows whose shape pagoda.kernels.gemv.gemv.GEMV_CONFIGS lists take that Triton GEMV
 instead (PAGODA_TRITON_GEMV=0 turns it off)."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagoda.model.layers.matmul import rows_linear
+from pagoda.model.quant.cpu_kernels import rows_linear
 from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod
 
 # Devices whose steps may take the Triton GEMV. Its module is imported on first use there,
 # so CPU-only runs never load triton. (Tests add "cpu": the kernel's interpreter.)
 GEMV_DEVICES = ("cuda",)
-_maybe_gemv = None  # pagoda.kernels.gemv.maybe_gemv once imported (no import per call)
+_maybe_gemv = None  # pagoda.kernels.gemv.gemv.maybe_gemv once imported (no import per call)
 
 
 def _gemv_router():
     global _maybe_gemv
     if _maybe_gemv is None:
-        from pagoda.kernels.gemv import maybe_gemv
+        from pagoda.kernels.gemv.gemv import maybe_gemv
         _maybe_gemv = maybe_gemv
     return _maybe_gemv
 

@@ -20,7 +20,7 @@ and the parameter's ``weight_loader(param, full_tensor, shard_id)`` copies this 
 slice (nothing for another rank's expert). ``expected_shard_ids`` lists every shard id a
 complete checkpoint provides, for the model's completeness check.
 
-Compute: the Triton kernel (pagoda.kernels.fused_moe) on CUDA, the torch reference on
+Compute: the Triton kernel (pagoda.kernels.moe.fused_moe) on CUDA, the torch reference on
 the CPU (it never imports triton there).
 """
 
@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce
-from pagoda.kernels.fused_moe_ref import fused_moe_reference
+from pagoda.kernels.moe.reference import fused_moe_reference
 from pagoda.model.layers.linear import (LayerWeightLoader, check_tp_group, copy_checked,
                                         default_weight_loader)
+from pagoda.model.layers.matmul import linear
 from pagoda.model.layers.moe.routing import select_experts
 from pagoda.model.moe_config import MoEConfig
 from pagoda.model.parallel import TensorParallel
@@ -165,15 +166,15 @@ class FusedMoE(nn.Module):
             topk_ids = self._local_ids(topk_ids)
         shared_weights = self._shared_weights(shared, hidden_states, topk_ids.numel())
         if hidden_states.is_cuda:
-            from pagoda.kernels import l2_prefetch  # imports triton: CUDA only
-            from pagoda.kernels.fused_moe import fused_moe
+            from pagoda.kernels.launch import l2_prefetch  # imports triton: CUDA only
+            from pagoda.kernels.moe.fused_moe import fused_moe
             following = (l2_prefetch.weight_of(self._next_linear[0])
                          if self._next_linear and l2_prefetch.NEXT_QKV_IN_MOE_DOWN else None)
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
                             topk_ids, shared=shared_weights, prefetch_after=following)
         else:
             out = fused_moe_reference(hidden_states, self.w13_weight, self.w2_weight,
-                                      topk_weights, topk_ids)
+                                      topk_weights, topk_ids, linear=linear)
         if shared is not None and shared_weights is None:
             out = out + shared(hidden_states)
         if self.reduce_results and self.tp.size > 1:
@@ -188,8 +189,8 @@ class FusedMoE(nn.Module):
         whole number of this rank's expert intermediates; else None."""
         if shared is None or not hidden.is_cuda:
             return None
-        from pagoda.kernels.fused_moe import gemv_path_takes  # imports triton: CUDA only
-        from pagoda.kernels.fused_moe_decode import shared_chunks_of
+        from pagoda.kernels.moe.fused_moe import gemv_path_takes  # imports triton: CUDA only
+        from pagoda.kernels.moe.fused_moe_decode import shared_chunks_of
         if not gemv_path_takes(num_pairs):
             return None
         weights = (getattr(shared.gate_up_proj, "weight", None),

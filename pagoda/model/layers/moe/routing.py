@@ -16,13 +16,13 @@ routers compute (Qwen3MoeTopKRouter, DeepseekV2TopkRouter, DeepseekV3TopkRouter)
 Everything stays on the device with fixed shapes (no host sync): CUDA-graph capturable.
 The order of the k choices within a row is topk's; it does not change the MoE output.
 
-On CUDA the same computation runs as one Triton kernel (pagoda.kernels.moe_routing; this
+On CUDA the same computation runs as one Triton kernel (pagoda.kernels.moe.routing; this
 torch code is its reference) at every batch size: at decode sizes it saves the dozen
 launches, at prefill sizes the torch ops' passes over the scores (softmax, topk, gather).
 
 ``route(hidden, gate, cfg, correction_bias)`` is what an MoE block calls: the router
 gate's logits then select_experts, or on CUDA, up to FUSED_ROUTER_MAX_TOKENS rows, the
-router linear and the routing in one launch (pagoda.kernels.moe_router_fused).
+router linear and the routing in one launch (pagoda.kernels.moe.router_fused).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def route(hidden: torch.Tensor, gate: "MoEGate", cfg: MoEConfig,
     select_experts(gate(hidden), cfg, correction_bias), in one kernel launch on CUDA for
     up to FUSED_ROUTER_MAX_TOKENS rows when the kernel covers the shapes and dtypes."""
     if hidden.is_cuda and hidden.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
-        from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+        from pagoda.kernels.moe import router_fused as mrf  # imports triton: CUDA only
         if mrf.fused_router_covers(hidden, gate.weight, gate.fp32):
             _check_bias(cfg, correction_bias)
             return mrf.fused_route(hidden, gate.weight, cfg, correction_bias, gate.fp32,
@@ -91,7 +91,7 @@ def route(hidden: torch.Tensor, gate: "MoEGate", cfg: MoEConfig,
 def router_scratch(gate: "MoEGate", device: torch.device):
     """The gate's fused-router scratch on device, made on first use (which must be
     outside CUDA-graph capture: RouterScratch.create says so)."""
-    from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+    from pagoda.kernels.moe import router_fused as mrf  # imports triton: CUDA only
     scratch = gate.router_scratch
     if scratch is None or scratch.logits.device != device:
         scratch = gate.router_scratch = mrf.RouterScratch.create(gate.weight.shape[0], device)
@@ -111,7 +111,7 @@ def route_after_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: "RMSNor
     route)."""
     if hidden.device.type not in FUSED_NORM_DEVICES:  # (covers checks the shapes)
         return None
-    from pagoda.kernels import moe_router_fused as mrf  # imports triton: CUDA only
+    from pagoda.kernels.moe import router_fused as mrf  # imports triton: CUDA only
     if not mrf.fused_route_norm_covers(hidden, residual, norm.weight, gate.weight, gate.fp32):
         return None
     _check_bias(cfg, None)
@@ -133,7 +133,7 @@ def select_experts(router_logits: torch.Tensor, cfg: MoEConfig,
                          f"{tuple(router_logits.shape)}")
     _check_bias(cfg, correction_bias)
     if router_logits.is_cuda:
-        from pagoda.kernels.moe_routing import MAX_KERNEL_EXPERTS, route_topk  # triton
+        from pagoda.kernels.moe.routing import MAX_KERNEL_EXPERTS, route_topk  # triton
         if cfg.num_experts <= MAX_KERNEL_EXPERTS:
             return route_topk(router_logits, cfg, correction_bias)
     return select_experts_torch(router_logits, cfg, correction_bias)

@@ -1,0 +1,48 @@
+"""Choosing a rank's attention backend: `make_attention_backend(name, device, shape)`.
+
+`AttentionShape` is what a backend needs of the model (heads on this rank, head size,
+softmax scale, and MLA's latent sizes); the model builds it (`ArchConfig.attention_shape`),
+so attention never reads a model config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.mla_backend import MLATorchBackend
+from pagoda.attention.torch_ref import TorchRefBackend
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One rank's attention heads. MLA (DeepSeek latent attention) when kv_lora_rank is set."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    kv_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+
+def make_attention_backend(name: str, device: str, shape: AttentionShape) -> AttentionBackend:
+    """The backend named ("auto": Triton on CUDA, the torch reference elsewhere)."""
+    if name == "auto":
+        name = "triton" if device == "cuda" else "torch_ref"
+    if shape.is_mla:
+        args = (shape.num_heads, shape.kv_lora_rank, shape.qk_rope_head_dim, shape.scale)
+        if name == "triton":
+            from pagoda.attention.mla_triton import MLATritonBackend  # Triton: CUDA only
+            return MLATritonBackend(*args)
+        return MLATorchBackend(*args)
+    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
+    if name == "triton":
+        from pagoda.attention.triton_backend import TritonBackend  # Triton: CUDA only
+        return TritonBackend(*args)
+    return TorchRefBackend(*args)

@@ -1,0 +1,1 @@
+"""pagoda.kv_offload.planning."""

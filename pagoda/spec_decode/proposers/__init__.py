@@ -1,0 +1,1 @@
+"""pagoda.spec_decode.proposers."""
