@@ -2,7 +2,8 @@
 # `make serve` installs what serving needs; `make test` adds the test extras
 # (pytest, openai, schemathesis, ... and Triton, whose kernels the tests run under its
 # interpreter on CPU). Each step leaves a stamp file in .venv, so `make test` after
-# `make serve` only adds the extras.
+# `make serve` only adds the extras. `make lint` (ruff, mypy, the import contract) is
+# what CI runs before the tests; `make install-dev` adds its tools and the hooks.
 # torch is installed first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve test bench clean
+.PHONY: install install-test install-dev serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,15 +25,28 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-dev: $(VENV)/.installed-test
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
+
+install-dev: $(VENV)/.installed-dev
+	$(VENV)/bin/pre-commit install
 
 serve: install
 	$(VENV)/bin/pagoda serve --host $(HOST) --port $(PORT)
 
 test: install-test
 	$(PY) -m pytest
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check pagoda tests benchmarks tools
+	$(VENV)/bin/ruff format --check pagoda tests benchmarks tools
+	$(VENV)/bin/mypy
+	$(PY) tools/check_imports.py
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

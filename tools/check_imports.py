@@ -25,8 +25,9 @@ import ast
 import sys
 from pathlib import Path
 
-# Top first. A module belongs to the first entry whose prefix matches it (longest
-# prefix wins); `pagoda` itself (the package's __init__) is the top.
+# Top first. A module belongs to the entry whose prefix matches it (longest prefix
+# wins); `pagoda` itself (the package's __init__) is the top, and a new top-level
+# module must be placed here explicitly.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("front doors", ("pagoda", "pagoda.__main__", "pagoda.entrypoints", "pagoda.bench")),
     ("engine", ("pagoda.engine", "pagoda.metrics", "pagoda.spec_decode.engine_setup")),
@@ -37,7 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("pagoda.distributed",)),
     ("attention", ("pagoda.attention",)),
     ("kernels", ("pagoda.kernels", "pagoda.progress")),
-    ("core", ("pagoda.core", "pagoda.config", "pagoda.sampling_params", "pagoda.outputs",
+    ("core", ("pagoda.core", "pagoda.config", "pagoda.engine_flags", "pagoda.sampling_params",
+              "pagoda.outputs",
               "pagoda.structured", "pagoda.spec_decode.planning",
               "pagoda.spec_decode.proposers.ngram", "pagoda.kv_offload.planning")),
 ]
@@ -103,7 +105,8 @@ def layer_of(module: str) -> int:
     best, best_len = None, -1
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+            covers = module == prefix or (prefix != "pagoda" and module.startswith(prefix + "."))
+            if covers and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     if best is None:
         raise SystemExit(f"{module}: in no layer of tools/check_imports.py's LAYERS")

@@ -103,15 +103,6 @@ class ServerTokenizer:
         return reply["prompt"]
 
 
-def server_has_tokenizer(base_url: str, model: str, api_key: Optional[str] = None) -> Optional[str]:
-    """None when the server's /tokenize works for `model`, else the reason it does not."""
-    try:
-        ServerTokenizer(base_url, model, api_key, timeout=10.0)
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
 class LocalTokenizer:
     """A tokenizer from local files (no hub access), loaded the way Pagoda's engine
     loads it, so local and server prompt lengths agree; or wrap one already loaded."""

@@ -12,7 +12,7 @@ taken from its head, and taking a cached block from there evicts its hash.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, cast
 
 from pagoda.core.block_hash import BlockHash
 
@@ -62,14 +62,14 @@ class FreeBlockQueue:
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         node = self._head.next_free
-        while node is not self._tail:
+        while node is not self._tail and node is not None:
             yield node
             node = node.next_free
 
     def append(self, block: KVCacheBlock) -> None:
         if block.prev_free is not None:
             raise ValueError(f"{block} is already on the free list")
-        last = self._tail.prev_free
+        last = cast(KVCacheBlock, self._tail.prev_free)  # the sentinels are always linked
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -79,7 +79,7 @@ class FreeBlockQueue:
     def appendleft(self, block: KVCacheBlock) -> None:
         if block.prev_free is not None:
             raise ValueError(f"{block} is already on the free list")
-        first = self._head.next_free
+        first = cast(KVCacheBlock, self._head.next_free)
         self._head.next_free = block
         block.prev_free = self._head
         block.next_free = first
@@ -89,15 +89,16 @@ class FreeBlockQueue:
     def popleft(self) -> KVCacheBlock:
         if self._len == 0:
             raise IndexError("pop from an empty free block queue")
-        block = self._head.next_free
+        block = cast(KVCacheBlock, self._head.next_free)
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None:
             raise ValueError(f"{block} is not on the free list")
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        after = cast(KVCacheBlock, block.next_free)  # a listed block has both links
+        block.prev_free.next_free = after
+        after.prev_free = block.prev_free
         block.prev_free = block.next_free = None
         self._len -= 1
 

@@ -516,8 +516,10 @@ class Scheduler:
             self.draft_planner.observe(request, drafts, sampled)
         new_token_ids = append_until_stop(request, sampled, self.max_model_len)
         new_logprobs = None
-        if index is not None and index < len(runner.logprobs) and runner.logprobs[index] is not None:
-            new_logprobs = runner.logprobs[index][:len(new_token_ids)]
+        row_logprobs = (runner.logprobs[index]
+                        if index is not None and index < len(runner.logprobs) else None)
+        if row_logprobs is not None:
+            new_logprobs = row_logprobs[:len(new_token_ids)]
         prompt_logprobs = None
         if not preempted:  # else they come again when its prompt is recomputed
             prompt_logprobs = self._new_prompt_logprobs(request, runner.prompt_logprobs.get(rid))

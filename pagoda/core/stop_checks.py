@@ -32,7 +32,7 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None  # as vLLM: eos is not a stop_reason
             return True
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
             return True

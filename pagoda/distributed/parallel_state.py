@@ -70,10 +70,6 @@ def destroy_distributed() -> None:
     _world_size, _rank = 1, 0
 
 
-def fast_all_reduce_enabled() -> bool:
-    return _fast_all_reduce is not None
-
-
 def tp_world_size() -> int:
     return _world_size
 

@@ -88,6 +88,18 @@ def test_metrics_public_flag_opens_only_metrics():
         assert client.get("/version").status_code == 401
 
 
+def test_refused_api_requests_are_counted_by_status():
+    with TestClient(_in_process_app(metrics_public=True)) as client:
+        assert client.post("/v1/completions", json={}).status_code == 401
+        assert client.post("/v1/completions", json={}, headers={"Authorization": "Bearer wrong"}
+                           ).status_code == 401
+        client.get("/version")  # not an API path: not counted
+        text = client.get("/metrics").text
+        name = "pagoda:http_rejected_requests_total"
+        assert metric_value(text, name, 'status="401"') == 2
+        assert metric_value(text, name, 'status="413"') == 0
+
+
 def test_route_table_is_fully_guarded_on_real_server(main_server):
     calls = _route_calls(_in_process_app())
     with httpx.Client(base_url=main_server.url, timeout=30) as client:

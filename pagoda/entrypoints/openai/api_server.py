@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: `build_app(engine_client, args)` and `run_server(args)`.
 
 Owns the route table and the process lifecycle. Middlewares, outermost first:
-API key (every route but /health, the web UI's static pages and files, and /metrics
-with --metrics-public) -> server state (503 while draining, in-flight count) ->
+rejection count (4xx and 503 answers to /v1/ requests) -> API key (every route but
+/health, the web UI's static pages and files, and /metrics with --metrics-public) ->
+server state (503 while draining, in-flight count) ->
 request-body size limit -> routes. The web UI (/ and /dashboard, see web_ui.py) and
 its statistics stream (stats_stream.py) are registered here too.
 
@@ -39,7 +40,8 @@ from pagoda.entrypoints.openai.auth import APIKeyMiddleware
 from pagoda.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from pagoda.entrypoints.openai.generation import SSEStream
 from pagoda.entrypoints.openai.ignored_fields import note_ignored
-from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware, ServerState,
+from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware,
+                                                  RejectionMetricsMiddleware, ServerState,
                                                   ServerStateMiddleware)
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
@@ -130,6 +132,7 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
     if settings.enable_web_ui:
         public |= public_paths()  # static files only: they hold no data and no secret
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
+    app.add_middleware(RejectionMetricsMiddleware, observe=metrics.observe_rejection)
     if trace.ENABLED:  # outermost, so the arrival is stamped before any other work
         app.add_middleware(TTFTTraceMiddleware)
     return app

@@ -1,4 +1,5 @@
-"""ASGI middlewares for server state: request-body size limit, draining, in-flight count.
+"""ASGI middlewares for server state: request-body size limit, draining, in-flight count,
+and the count of refused API requests.
 
 `BodySizeLimitMiddleware` reads the request body up front (bounded by the limit)
 and answers 413 when it is too large, whether the client declared the size in
@@ -8,6 +9,10 @@ app, and later `receive()` calls reach the server again so disconnects are seen.
 `ServerStateMiddleware` counts HTTP requests in flight (the drain on SIGTERM waits
 for them) and answers 503 to new requests once draining started. /health and
 /metrics stay reachable: /health reports the drain itself.
+
+`RejectionMetricsMiddleware` counts every API request (`/v1/...`) answered with a
+4xx status or 503 (`pagoda:http_rejected_requests`, by status): refused by auth,
+the size limit, the drain, admission or validation, before the engine ran it.
 """
 
 from __future__ import annotations
@@ -117,3 +122,25 @@ class ServerStateMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.state.num_http_in_flight -= 1
+
+
+class RejectionMetricsMiddleware:
+    """Counts API requests answered 4xx or 503 (refused before the engine ran them)."""
+
+    def __init__(self, app, observe) -> None:
+        self.app = app
+        self.observe = observe  # ServerMetrics.observe_rejection
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def observing_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                if 400 <= status < 500 or status == 503:
+                    self.observe(status)
+            await send(message)
+
+        await self.app(scope, receive, observing_send)

@@ -160,10 +160,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sub_request_id(base_id: str, prompt_index: int, num_prompts: int) -> str:
-    return base_id if num_prompts == 1 else f"{base_id}-{prompt_index}"
-
-
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 

@@ -149,10 +149,6 @@ class TierIndex:
                 added += 1
         return added
 
-    @property
-    def num_pinned(self) -> int:
-        return sum(1 for entry in self.entries.values() if entry.pins)
-
     def audit(self, expected_pins: dict[BlockHash, int]) -> None:
         """Raises AssertionError unless capacity, slots and pins are consistent; every
         pin must be one a transfer in flight accounts for (expected_pins)."""
@@ -290,15 +286,15 @@ class TierIOStats:
     invalid_files: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: "TierIOStats") -> None:
-        for mine, theirs in ((self.bytes_stored, other.bytes_stored),
+        for counts, more in ((self.bytes_stored, other.bytes_stored),
                              (self.bytes_loaded, other.bytes_loaded),
                              (self.invalid_files, other.invalid_files)):
-            for name, value in theirs.items():
-                mine[name] = mine.get(name, 0) + value
-        for mine, theirs in ((self.store_seconds, other.store_seconds),
+            for name, value in more.items():
+                counts[name] = counts.get(name, 0) + value
+        for times, later in ((self.store_seconds, other.store_seconds),
                              (self.load_seconds, other.load_seconds)):
-            for name, values in theirs.items():
-                mine.setdefault(name, []).extend(values)
+            for name, values in later.items():
+                times.setdefault(name, []).extend(values)
 
 
 @dataclass

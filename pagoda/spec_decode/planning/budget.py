@@ -237,7 +237,7 @@ class SpecBudget:
         request, then the earlier draft), as a count per request."""
         if sum(wanted.values()) <= spare:
             return dict(wanted)
-        gains = []
+        gains: list[tuple[float, int, int, str]] = []
         for order, (rid, k) in enumerate(wanted.items()):
             gains.extend((-alphas[rid] ** i, order, i, rid) for i in range(1, k + 1))
         gains.sort()

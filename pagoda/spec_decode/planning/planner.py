@@ -126,7 +126,7 @@ class DraftPlanner:
         this step's budget and beyond what the request may still produce once its
         steps in flight are done; called before the request's tokens are counted."""
         if self.optimistic(request):
-            request.spec_token_ids = [PLACEHOLDER_DRAFT] * self._asked[request.request_id][-1]
+            request.spec_token_ids = [PLACEHOLDER_DRAFT] * (self._asked[request.request_id][-1] or 0)
         k = min(self._k.get(request.request_id, 0),
                 self._room(request, request.num_output_placeholders))
         if len(request.spec_token_ids) > k:
