@@ -1,9 +1,11 @@
 """Engine configuration: frozen dataclasses with vLLM-compatible field names.
 
-Owns validation: an invalid value fails at construction with a message that names
-the field and the allowed range. Values that depend on the machine ("auto" device,
-dtype, batch-token budget) are resolved by `EngineArgs.create_engine_config()`.
-Stdlib only.
+Owns validation: an invalid value fails at construction with a ConfigError (a
+ValueError) that names the field (EngineArgs' name, which the CLI shows as its flag)
+and the allowed range. Values that depend on the machine ("auto" device, dtype,
+batch-token budget) are resolved by `EngineArgs.create_engine_config()`. The flags
+themselves (names, defaults, help) are defined once in pagoda.engine_flags; the nested
+configs' fields take their defaults from there (`_from_flag`). Stdlib only.
 """
 
 from __future__ import annotations
@@ -12,34 +14,40 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-# --quantization, vLLM's names (pagoda.model.quant.registry says what each means). A
-# checkpoint's own quantization_config ("fp8", "compressed-tensors") needs no flag.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "int8", "int4", "gguf")
-DEVICES = ("auto", "cpu", "cuda")
-POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
-BLOCK_SIZES = (8, 16, 32, 64)
-# KV cache storage (vLLM's --kv-cache-dtype): "auto" = the model's dtype; "fp8" and
-# "fp8_e4m3" = float8 e4m3 with a per-layer K and V scale. fp8_e5m2 is named so it can
-# be refused with a reason rather than as an unknown value.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-# "mp": one worker process per GPU on this host; "ray" is vLLM's name for workers placed
-# by Ray (several hosts): accepted here, refused when the engine starts (not available).
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# The value sets live with the flags; they stay importable from here too.
+from pagoda.engine_flags import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
+                                 DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, ENGINE_FLAGS,
+                                 KV_CACHE_DTYPES, LOAD_FORMATS, POLICIES,
+                                 QUANTIZATION_METHODS, REASONING_PARSERS, EngineFlags,
+                                 flag_default)
+
 SPEC_METHODS = ("ngram", "layer_skip", "draft_model")
 # n-gram sizes tried when speculative_config gives neither bound.
 NGRAM_LOOKUP_MIN, NGRAM_LOOKUP_MAX = 2, 5
-# pagoda.structured.reasoning.REASONING_PARSERS holds what each one means.
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_KV_CACHE_MEMORY = 1 << 30
 
 
-def _fail(name: str, rule: str, value) -> ValueError:
-    return ValueError(f"{name} must be {rule}, got {value!r}")
+class ConfigError(ValueError):
+    """An invalid engine argument; `fields` are the EngineArgs names the message uses
+    (the CLI prints them as flags: pagoda.entrypoints.cli_args.cli_error_message)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+def _fail(name: str, rule: str, value) -> ConfigError:
+    return ConfigError(f"{name} must be {rule}, got {value!r}", name.split()[0])
+
+
+def _from_flag(name: str, *, resolved: bool = False, **default):
+    """A nested config field set from engine flag `name`, defaulting to the flag's
+    default (or to default=..., for a value EngineArgs resolves, e.g. "auto" to a
+    device). resolved: create_engine_config may change the flag's value on the way."""
+    value = default["default"] if "default" in default else flag_default(name)
+    return dataclasses.field(default=value, metadata={"flag": name, "resolved": resolved})
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -54,26 +62,26 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: Optional[str] = None  # None: the embedded SmolLM2 GGUF
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None  # None: the model's own limit
-    seed: int = 0
-    load_format: str = "auto"
-    served_model_name: Optional[str] = None
-    chat_template: Optional[str] = None
-    skip_tokenizer_init: bool = False  # token ids in, token ids out
+    model: Optional[str] = _from_flag("model")  # None: the embedded SmolLM2 GGUF
+    tokenizer: Optional[str] = _from_flag("tokenizer")
+    dtype: str = _from_flag("dtype")
+    max_model_len: Optional[int] = _from_flag("max_model_len")  # None: the model's own limit
+    seed: int = _from_flag("seed")
+    load_format: str = _from_flag("load_format")
+    served_model_name: Optional[str] = _from_flag("served_model_name")
+    chat_template: Optional[str] = _from_flag("chat_template")
+    skip_tokenizer_init: bool = _from_flag("skip_tokenizer_init")  # token ids in, token ids out
     # For a Hugging Face hub id: the branch, tag or commit (None: main), and the cache
     # directory to find or download it in (None: HF_HUB_CACHE / $HF_HOME/hub).
-    revision: Optional[str] = None
-    download_dir: Optional[str] = None
+    revision: Optional[str] = _from_flag("revision")
+    download_dir: Optional[str] = _from_flag("download_dir")
     # None: as the checkpoint says (unquantized unless its config.json has a
     # quantization_config); else one of QUANTIZATION_METHODS.
-    quantization: Optional[str] = None
+    quantization: Optional[str] = _from_flag("quantization")
     # The LM head quantized too (FP8 only: --quantization fp8 or an FP8 checkpoint,
     # whose head stays in bf16 otherwise, as in vLLM); checked against the resolved
     # scheme when the model loads.
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool = _from_flag("quantize_lm_head")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -83,9 +91,9 @@ class ModelConfig:
         if not isinstance(self.quantize_lm_head, bool):
             raise _fail("quantize_lm_head", "a bool", self.quantize_lm_head)
         if self.quantize_lm_head and self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantize_lm_head quantizes the LM head to FP8: it needs "
-                             f"--quantization fp8 (or an FP8 checkpoint), not "
-                             f"{self.quantization}")
+            raise ConfigError(f"quantize_lm_head quantizes the LM head to FP8: it needs "
+                              f"--quantization fp8 (or an FP8 checkpoint), not "
+                              f"{self.quantization}", "quantize_lm_head")
         _check_positive_int("max_model_len", self.max_model_len, 2)
         if not isinstance(self.seed, int):
             raise _fail("seed", "an integer", self.seed)
@@ -93,32 +101,35 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: Optional[int] = None  # bytes; sizes the pool directly (CPU default 1 GiB)
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: Optional[int] = None
+    block_size: int = _from_flag("block_size")
+    gpu_memory_utilization: float = _from_flag("gpu_memory_utilization")
+    # Bytes; sizes the pool directly (None: from gpu_memory_utilization; resolved to
+    # 1 GiB on CPU).
+    kv_cache_memory: Optional[int] = _from_flag("kv_cache_memory", resolved=True)
+    enable_prefix_caching: bool = _from_flag("enable_prefix_caching")
+    num_gpu_blocks_override: Optional[int] = _from_flag("num_gpu_blocks_override")
     # KV offloading (vLLM's flag names): GiB of host memory for the CPU tier (None: off);
     # a directory and its size cap in GiB for a disk tier below it; an out-of-tree tier
-    # "module.path:ClassName" (pagoda/worker/kv_tier_api.py). The lower tiers stage
+    # "module.path:ClassName" (pagoda/kv_offload/tier_api.py). The lower tiers stage
     # through the CPU tier, so they need it.
-    kv_offloading_size: Optional[float] = None
-    kv_offloading_disk_path: Optional[str] = None
-    kv_offloading_disk_size: Optional[float] = None
-    kv_offloading_tier: Optional[str] = None
+    kv_offloading_size: Optional[float] = _from_flag("kv_offloading_size")
+    kv_offloading_disk_path: Optional[str] = _from_flag("kv_offloading_disk_path")
+    kv_offloading_disk_size: Optional[float] = _from_flag("kv_offloading_disk_size")
+    kv_offloading_tier: Optional[str] = _from_flag("kv_offloading_tier")
     # "tier=GB/s,...": load bandwidths the cost model takes as given instead of measuring
     # them ("inf": always load that tier's hits; core/kv_cost.py). None: all measured.
-    kv_offloading_bandwidth: Optional[str] = None
+    kv_offloading_bandwidth: Optional[str] = _from_flag("kv_offloading_bandwidth")
     # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 entries, one K and one
     # V scale per layer (the GPU needs FP8: compute capability >= 8.9; checked by the worker).
-    cache_dtype: str = "auto"
+    cache_dtype: str = _from_flag("kv_cache_dtype")
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
         _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         if self.cache_dtype == "fp8_e5m2":
-            raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Pagoda stores FP8 KV "
-                             "as e4m3 with per-layer scales; use kv_cache_dtype fp8 (or fp8_e4m3)")
+            raise ConfigError("kv_cache_dtype fp8_e5m2 is not supported: Pagoda stores FP8 KV "
+                              "as e4m3 with per-layer scales; use kv_cache_dtype fp8 (or "
+                              "fp8_e4m3)", "kv_cache_dtype")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise _fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check_positive_int("kv_cache_memory", self.kv_cache_memory)
@@ -156,32 +167,36 @@ def _check_offloading(cache: "CacheConfig") -> None:
                                   or not value > 0):
             raise _fail(name, "a number of GiB > 0", value)
     if (cache.kv_offloading_disk_path is None) != (cache.kv_offloading_disk_size is None):
-        raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together: "
-                         "the disk tier needs a directory and a size cap")
+        raise ConfigError("kv_offloading_disk_path and kv_offloading_disk_size go together: "
+                          "the disk tier needs a directory and a size cap",
+                          "kv_offloading_disk_path", "kv_offloading_disk_size")
     if cache.kv_offloading_tier is not None and (
             not isinstance(cache.kv_offloading_tier, str) or ":" not in cache.kv_offloading_tier):
         raise _fail("kv_offloading_tier", "'module.path:ClassName'", cache.kv_offloading_tier)
     if cache.kv_offloading_bandwidth is not None:
         parse_tier_bandwidths(cache.kv_offloading_bandwidth)
         if cache.kv_offloading_size is None:
-            raise ValueError("kv_offloading_bandwidth tunes the KV offload tiers: set "
-                             "kv_offloading_size too")
+            raise ConfigError("kv_offloading_bandwidth tunes the KV offload tiers: set "
+                              "kv_offloading_size too", "kv_offloading_bandwidth",
+                              "kv_offloading_size")
     lower = cache.kv_offloading_disk_path is not None or cache.kv_offloading_tier is not None
     if lower and cache.kv_offloading_size is None:
-        raise ValueError("the disk and plugin KV tiers stage blocks through host memory: "
-                         "set kv_offloading_size (GiB of CPU tier) too")
+        raise ConfigError("the disk and plugin KV tiers stage blocks through host memory: "
+                          "set kv_offloading_size (the CPU tier's size) too", "kv_offloading_size")
     if cache.kv_offloading_size is not None and not cache.enable_prefix_caching:
-        raise ValueError("KV offloading keeps prefix-cache blocks: it needs enable_prefix_caching")
+        raise ConfigError("KV offloading keeps prefix-cache blocks: it needs "
+                          "enable_prefix_caching", "enable_prefix_caching")
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None  # None: 16384 on GPU, 4096 on CPU
-    policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = _from_flag("max_num_seqs")
+    # None: resolved to 16384 on GPU, 4096 on CPU.
+    max_num_batched_tokens: Optional[int] = _from_flag("max_num_batched_tokens", resolved=True)
+    policy: str = _from_flag("scheduling_policy")
+    enable_chunked_prefill: bool = _from_flag("enable_chunked_prefill")
     # Schedule step N+1 while step N runs on the device (resolved: never None here).
-    async_scheduling: bool = False
+    async_scheduling: bool = _from_flag("async_scheduling", resolved=True, default=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -196,14 +211,14 @@ class ParallelConfig:
     (pagoda.model.parallel.check_tensor_parallel); whether the machine has that many
     GPUs, by EngineArgs.create_engine_config."""
 
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
+    tensor_parallel_size: int = _from_flag("tensor_parallel_size")
+    distributed_executor_backend: str = _from_flag("distributed_executor_backend")
     # Small all-reduces on CUDA go one-shot over peer-mapped symmetric memory unless
     # this is set (then NCCL carries every size), as vLLM's flag of the same name.
-    disable_custom_all_reduce: bool = False
+    disable_custom_all_reduce: bool = _from_flag("disable_custom_all_reduce")
     # MoE models: experts split whole across the tensor-parallel ranks (refused, once
     # the model is known, for a model without experts).
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = _from_flag("enable_expert_parallel")
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_expert_parallel, bool):
@@ -219,9 +234,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    device: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    device: str = _from_flag("device", resolved=True)
+    attention_backend: str = _from_flag("attention_backend")
+    enforce_eager: bool = _from_flag("enforce_eager")
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
@@ -238,7 +253,7 @@ class SpeculativeConfig:
     draft greedily; "draft_model": a second model (`model`) with the target's vocabulary.
     num_speculative_tokens: drafts proposed per step at most (k).
     adaptive: pick each request's k per step from its acceptance and the step's load
-    (pagoda.core.spec_budget); compute_bound_tokens: tokens per step from which the
+    (pagoda.spec_decode.planning.budget); compute_bound_tokens: tokens per step from which the
     forward is compute-bound and drafts stop paying (None: per device, resolved at start).
     draft_confidence_threshold: a model drafter (layer_skip, draft_model) stops once its
     own probability of its next guess falls below this.
@@ -349,16 +364,17 @@ class StructuredOutputsConfig:
     grammars start after it and thinking budgets can end it; thinking_token_budget: the
     budget of requests that set none (None: unlimited)."""
 
-    reasoning_parser: Optional[str] = None
-    thinking_token_budget: Optional[int] = None
+    reasoning_parser: Optional[str] = _from_flag("reasoning_parser")
+    thinking_token_budget: Optional[int] = _from_flag("thinking_token_budget")
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_positive_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.thinking_token_budget is not None and self.reasoning_parser is None:
-            raise ValueError("thinking_token_budget needs a reasoning_parser "
-                             f"({', '.join(REASONING_PARSERS)})")
+            raise ConfigError("thinking_token_budget needs a reasoning_parser "
+                              f"({', '.join(REASONING_PARSERS)})", "thinking_token_budget",
+                              "reasoning_parser")
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,60 +406,19 @@ def _check_gpus_for_tp(tensor_parallel_size: int) -> None:
     if tensor_parallel_size > 1:
         present = _cuda_device_count()
         if tensor_parallel_size > present:
-            raise ValueError(f"tensor_parallel_size is {tensor_parallel_size} but only "
-                             f"{present} CUDA GPU(s) are visible (one GPU per rank)")
+            raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but only "
+                              f"{present} CUDA GPU(s) are visible (one GPU per rank)",
+                              "tensor_parallel_size")
 
 
 @dataclass
-class EngineArgs:
-    """Flat keyword arguments (vLLM's names), turned into an EngineConfig."""
-
-    model: Optional[str] = None
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None
-    seed: int = 0
-    load_format: str = "auto"
-    served_model_name: Optional[str] = None
-    chat_template: Optional[str] = None
-    skip_tokenizer_init: bool = False
-    revision: Optional[str] = None
-    download_dir: Optional[str] = None
-    quantization: Optional[str] = None
-    quantize_lm_head: bool = False
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: Optional[int] = None
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: Optional[int] = None
-    kv_offloading_size: Optional[float] = None
-    kv_offloading_disk_path: Optional[str] = None
-    kv_offloading_disk_size: Optional[float] = None
-    kv_offloading_tier: Optional[str] = None
-    kv_offloading_bandwidth: Optional[str] = None
-    kv_cache_dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    scheduling_policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
-    disable_custom_all_reduce: bool = False
-    enable_expert_parallel: bool = False
-    device: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    # Overlap the host's scheduling and output processing with the device's forward
-    # (vLLM's async scheduling). None: on for CUDA, off for CPU (no overlap to win).
-    async_scheduling: Optional[bool] = None
-    # Speculative decoding, vLLM's JSON keys (SpeculativeConfig.from_dict); None: off.
-    speculative_config: Optional[dict] = None
-    reasoning_parser: Optional[str] = None
-    thinking_token_budget: Optional[int] = None
+class EngineArgs(EngineFlags):
+    """Flat keyword arguments (vLLM's names; their defaults and help are EngineFlags'
+    fields, pagoda.engine_flags), turned into an EngineConfig."""
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
+        return set(ENGINE_FLAGS)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -454,46 +429,61 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        device = self.device
+        values = self._resolved_values()
+        parallel = _build(ParallelConfig, values)
+        if values["device"] == "cuda" and parallel.distributed_executor_backend != "ray":
+            # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
+            _check_gpus_for_tp(parallel.tensor_parallel_size)
+        if values["kv_offloading_size"] is not None and parallel.tensor_parallel_size > 1:
+            raise ConfigError("KV offloading supports tensor_parallel_size 1 for now (each rank "
+                              "would need its own tiers, and the scheduler every rank's "
+                              "reports)", "kv_offloading_size", "tensor_parallel_size")
+        speculative = values["speculative_config"]
+        return EngineConfig(
+            model=_build(ModelConfig, values),
+            cache=_build(CacheConfig, values),
+            scheduler=_build(SchedulerConfig, values),
+            parallel=parallel,
+            device=_build(DeviceConfig, values),
+            speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
+            structured_outputs=_build(StructuredOutputsConfig, values),
+        )
+
+    def _resolved_values(self) -> dict:
+        """The flags' values, text parsed (sizes, JSON) and "auto" / None resolved for
+        this machine (device, batch-token budget, async scheduling, CPU KV memory)."""
+        values = {name: _parsed(name, getattr(self, name)) for name in ENGINE_FLAGS}
+        device = values["device"]
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
         elif device == "cuda" and not _cuda_available():
-            raise ValueError("device is 'cuda' but no CUDA GPU is available; use device='cpu'")
-        budget = self.max_num_batched_tokens or (
-            GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS)
-        if self.async_scheduling not in (None, True, False):
+            raise ConfigError("device is 'cuda' but no CUDA GPU is available; use device='cpu'",
+                              "device")
+        if values["async_scheduling"] not in (None, True, False):
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
-        async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                  disable_custom_all_reduce=self.disable_custom_all_reduce,
-                                  enable_expert_parallel=self.enable_expert_parallel)
-        if device == "cuda" and parallel.distributed_executor_backend != "ray":
-            # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
-            _check_gpus_for_tp(parallel.tensor_parallel_size)
-        if self.kv_offloading_size is not None and parallel.tensor_parallel_size > 1:
-            raise ValueError("KV offloading supports tensor_parallel_size 1 for now (each rank "
-                             "would need its own tiers, and the scheduler every rank's reports)")
-        kv_memory = self.kv_cache_memory
-        if kv_memory is None and device == "cpu":
-            kv_memory = CPU_KV_CACHE_MEMORY
-        return EngineConfig(
-            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.max_model_len,
-                              self.seed, self.load_format, self.served_model_name,
-                              self.chat_template, self.skip_tokenizer_init, self.revision,
-                              self.download_dir, quantization=self.quantization,
-                              quantize_lm_head=self.quantize_lm_head),
-            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, kv_memory,
-                              self.enable_prefix_caching, self.num_gpu_blocks_override,
-                              self.kv_offloading_size, self.kv_offloading_disk_path,
-                              self.kv_offloading_disk_size, self.kv_offloading_tier,
-                              kv_offloading_bandwidth=self.kv_offloading_bandwidth,
-                              cache_dtype=self.kv_cache_dtype),
-            scheduler=SchedulerConfig(self.max_num_seqs, budget, self.scheduling_policy,
-                                      self.enable_chunked_prefill, async_scheduling),
-            parallel=parallel,
-            device=DeviceConfig(device, self.attention_backend, self.enforce_eager),
-            speculative=(None if self.speculative_config is None
-                         else SpeculativeConfig.from_dict(self.speculative_config)),
-            structured_outputs=StructuredOutputsConfig(self.reasoning_parser,
-                                                       self.thinking_token_budget),
-        )
+        if values["async_scheduling"] is None:
+            values["async_scheduling"] = device == "cuda"
+        values["max_num_batched_tokens"] = values["max_num_batched_tokens"] or (
+            GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS)
+        if values["kv_cache_memory"] is None and device == "cpu":
+            values["kv_cache_memory"] = CPU_KV_CACHE_MEMORY
+        values["device"] = device
+        return values
+
+
+def _parsed(name: str, value):
+    """A flag's value given as text (LLM(kv_cache_memory="2GiB")) read by the flag's
+    parser; any other value as given (the config that takes it validates it)."""
+    parse = ENGINE_FLAGS[name].metadata["parse"]
+    if parse is None or not isinstance(value, str):
+        return value
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}", name) from None
+
+
+def _build(cls, values: dict):
+    """A nested config from the flags' values, each field from the flag it names."""
+    return cls(**{f.name: values[f.metadata["flag"]] for f in dataclasses.fields(cls)
+                  if "flag" in f.metadata})

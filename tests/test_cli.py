@@ -59,8 +59,10 @@ def test_help_shows_defaults(capsys):
 def test_mistyped_flag_names_the_subcommand_and_suggests(capsys, argv, usage, suggestion):
     code, _, err = _run(capsys, *argv)
     assert code == 2
-    assert err.startswith(usage)
-    assert f"did you mean {suggestion}?" in err
+    hint, usage_line = err.strip().splitlines()  # the hint first, then one usage line
+    assert hint.startswith(usage[len("usage: "):] + ": error: unrecognized arguments")
+    assert hint.endswith(f"did you mean {suggestion}?")
+    assert usage_line.startswith(usage + " [options]")
 
 
 def test_unknown_flag_without_a_close_match_has_no_suggestion(capsys):

@@ -287,7 +287,8 @@ def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys):
                  "--distributed-executor-backend", "ray"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.endswith("error: distributed_executor_backend='ray' needs Ray, which is not "
+    # The engine's distributed_executor_backend='ray', as the CLI user typed it.
+    assert err.endswith("error: --distributed-executor-backend ray needs Ray, which is not "
                         "installed: pip install 'pagoda[ray]'\n"), err
 
 

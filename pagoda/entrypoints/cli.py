@@ -12,7 +12,7 @@ import importlib.util
 import sys
 
 import pagoda
-from pagoda.entrypoints.cli_args import (add_engine_args, add_sampling_args,
+from pagoda.entrypoints.cli_args import (add_engine_args, add_sampling_args, cli_error_message,
                                          engine_args_from_namespace, sampling_params_from_namespace)
 from pagoda.entrypoints.cli_parser import (PagodaArgumentParser, add_log_level_everywhere,
                                            configure_logging)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     try:
         return int(ns.func(ns) or 0)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {cli_error_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: no traceback
         print("interrupted", file=sys.stderr)

@@ -1,161 +1,99 @@
-"""Engine flags shared by every CLI subcommand, with vLLM's names, and sampling flags."""
+"""Engine flags shared by every CLI subcommand (vLLM's names), sampling flags, and the
+CLI's spelling of engine errors.
+
+Owns turning EngineFlags' fields (pagoda.engine_flags, where each engine flag is
+defined once: name, type, default, help, choices, alias, group) into argparse flags,
+the parsed flags back into EngineArgs, and rewriting an engine error's Python names
+(`load_format='dummy'`, `max_model_len`) as the flags a CLI user types
+(`--load-format dummy`, `--max-model-len`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
+import typing
 
-from pagoda.config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
-                           DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
-                           LOAD_FORMATS, POLICIES, QUANTIZATION_METHODS,
-                           REASONING_PARSERS, EngineArgs, _cuda_available)
+from pagoda.config import EngineArgs, _cuda_available
+from pagoda.engine_flags import ENGINE_FLAGS, FLAG_GROUPS, EngineFlags, cli_flag
 from pagoda.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (EngineArgs' fields), in groups by what they set."""
-    _add_model_args(parser.add_argument_group("model and weights"))
-    _add_kv_cache_args(parser.add_argument_group("KV cache"))
-    _add_scheduling_args(parser.add_argument_group("scheduling"))
-    _add_parallel_args(parser.add_argument_group("parallelism"))
-    _add_runtime_args(parser.add_argument_group("runtime"))
-    _add_api_model_args(parser.add_argument_group("model in the API"))
+    groups = {title: parser.add_argument_group(title) for title in FLAG_GROUPS}
+    hints = typing.get_type_hints(EngineFlags)
+    for field in dataclasses.fields(EngineFlags):
+        alias = field.metadata["alias"]
+        names = (cli_flag(field.name),) + ((alias,) if alias else ())
+        groups[field.metadata["group"]].add_argument(
+            *names, **_argparse_options(field, hints[field.name]))
 
 
-def _add_model_args(g) -> None:
-    g.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face directory or hub id (org/name), or a preset "
-                        "name with --load-format dummy (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    g.add_argument("--revision", default=None,
-                   help="branch, tag or commit of a hub model (default: main)")
-    g.add_argument("--download-dir", default=None,
-                   help="cache directory for hub models (default: $HF_HUB_CACHE, else "
-                        "$HF_HOME/hub, else ~/.cache/huggingface/hub)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer path or hub id (default: the model's)")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer: prompts and outputs are token ids only")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="maximum context length, prompt plus output (default: the model's)")
-    g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="how to load weights; dummy makes random weights of the model's shape")
-    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                   help="quantize the weights: fp8 (W8A8 on Hopper/Ada GPUs, from a float "
-                        "checkpoint at load time), int8 or int4 (CPU), gguf (CPU: keep the "
-                        "GGUF file's Q4_0/Q4_1/Q8_0 blocks); default: as the checkpoint says "
-                        "(an FP8 or compressed-tensors checkpoint is read as such)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with fp8: quantize the LM head too (per-channel FP8, at load time); "
-                        "by default it stays in bf16, as in vLLM. Faster small-batch decode "
-                        "(the head is the largest single weight read per step), at some "
-                        "logprob error (docs/performance.md)")
+def _argparse_options(field: dataclasses.Field, annotation) -> dict:
+    """add_argument's keywords for one EngineFlags field (see engine_flags.flag)."""
+    meta = field.metadata
+    options = {"default": field.default, "help": meta["help"]}
+    if meta["choices"] is not None:
+        options["choices"] = meta["choices"]
+    if meta["metavar"] is not None:
+        options["metavar"] = meta["metavar"]
+    value_type = _value_type(annotation)
+    if meta["parse"] is not None:
+        options["type"] = _argparse_type(meta["parse"])
+    elif value_type is bool:
+        options["action"] = ("store_true" if field.default is False
+                             else argparse.BooleanOptionalAction)
+    elif value_type is None:
+        raise TypeError(f"engine flag {field.name} ({annotation}) needs flag(..., parse=...) "
+                        f"to be read from the command line")
+    elif value_type is not str:
+        options["type"] = value_type
+    return options
 
 
-def _add_kv_cache_args(g) -> None:
-    g.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
-                   help="tokens per KV cache block")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and KV cache")
-    g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache (sizes the pool directly; CPU default 1 GiB)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 "
-                        "(float8 e4m3 with a per-layer K and V scale, 1.0 unless the "
-                        "checkpoint has k_scale / v_scale: twice the tokens in the same "
-                        "memory; GPUs with FP8, compute capability >= 8.9, or the CPU). "
-                        "fp8_e5m2 is refused")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="number of KV blocks, overriding the memory-based sizing")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of identical prompt prefixes")
-    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                   help="GiB of host memory for a CPU tier of the KV cache: blocks evicted "
-                        "from the GPU are kept there and loaded back on a prefix hit")
-    g.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
-                   help="directory of a disk tier below the CPU tier (kept across restarts; "
-                        "one server per directory)")
-    g.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
-                   help="size cap of the disk tier in GiB (least recently used blocks go first)")
-    g.add_argument("--kv-offloading-tier", default=None, metavar="MODULE:CLASS",
-                   help="an out-of-tree KV tier below the CPU tier, a subclass of "
-                        "pagoda.worker.kv_tier_api.KVTier")
-    g.add_argument("--kv-offloading-bandwidth", default=None, metavar="TIER=GBPS,...",
-                   help="load bandwidths (GB/s) the KV tiers' cost model takes as given "
-                        "instead of measuring, e.g. disk=2 ('inf': always load that tier's "
-                        "hits); a hit is loaded only when that beats recomputing it")
+def _value_type(annotation):
+    """int for int or Optional[int], and so on; None for anything else."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else None
 
 
-def _add_scheduling_args(g) -> None:
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="maximum number of sequences running in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default 16384 on GPU, 4096 on CPU)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
-                   help="order of service: first come first served, or by request priority")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True, help="split long prompts across steps")
+def _argparse_type(parse):
+    """A flag parser whose ValueError argparse prints as "argument --flag: message"."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
-def _add_parallel_args(g) -> None:
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="number of GPUs (one process each) the model is split across; the "
-                        "model's attention heads must split evenly over them")
-    g.add_argument("--distributed-executor-backend", default="mp",
-                   choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                   help="how tensor-parallel workers are started: mp (one process per GPU "
-                        "on this machine), or ray (one Ray actor per GPU, on the machines of "
-                        "the Ray cluster at $RAY_ADDRESS, else a local one; needs "
-                        "pip install 'pagoda[ray]')")
-    g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="send every tensor-parallel all-reduce through NCCL (by default "
-                        "small ones on CUDA go one-shot over peer-mapped GPU memory)")
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: split the experts whole across the tensor-parallel "
-                        "ranks instead of splitting every expert (refused for dense models)")
+# name='value', name="value", name=value or a bare name= (Python's spelling of an argument).
+_ASSIGNMENT = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)'\"]*))")
 
 
-def _add_runtime_args(g) -> None:
-    g.add_argument("--device", default="auto", choices=DEVICES, help="where to run")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention implementation (auto: triton on GPU, torch_ref on CPU)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="never use CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the device runs this one "
-                        "(default: on with CUDA, off on CPU)")
-    g.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, '
-                        '"num_speculative_tokens": 4}\' (methods: ngram, layer_skip, '
-                        'draft_model; default: off)')
+def cli_error_message(exc: BaseException) -> str:
+    """An engine error as a CLI user should read it: engine arguments spelled as flags.
 
+    `load_format='dummy'` becomes `--load-format dummy`, `tokenizer=` `--tokenizer`; a
+    bare name with an underscore (`max_model_len`), or one the ConfigError names in its
+    `fields` (`device`), becomes its flag. Quoted names, paths and dotted names stay.
+    """
+    def assignment(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in ENGINE_FLAGS:
+            return match.group(0)
+        value = next((v for v in match.group(2, 3, 4) if v is not None), "")
+        return f"{cli_flag(name)} {value}" if value else cli_flag(name)
 
-def _add_api_model_args(g) -> None:
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: --model as given, e.g. its hub id)")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (file path or inline) instead of the model's")
-    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="the model thinks in <think>...</think>: reasoning_content apart from "
-                        "content, grammars start after the thinking, thinking budgets apply")
-    g.add_argument("--thinking-token-budget", type=int, default=None,
-                   help="thinking tokens after which </think> is forced, for requests that "
-                        "set no thinking_token_budget (needs --reasoning-parser; default: none)")
-
-
-def _json_object(text: str) -> dict:
-    """A flag's JSON object (argparse reports the ValueError as an invalid value)."""
-    import json
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object ({...})")
-    return value
+    text = _ASSIGNMENT.sub(assignment, str(exc))
+    names = {name for name in ENGINE_FLAGS if "_" in name}
+    names.update(name for name in getattr(exc, "fields", ()) if name in ENGINE_FLAGS)
+    alternatives = "|".join(sorted(names, key=len, reverse=True))
+    bare = re.compile(rf"(?<![\w.'\"/-])({alternatives})(?![\w'\"/-])")
+    return bare.sub(lambda match: cli_flag(match.group(1)), text)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

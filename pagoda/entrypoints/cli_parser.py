@@ -2,8 +2,10 @@
 
 `PagodaArgumentParser` shows every flag's default in `--help`, and turns an unknown
 flag into an error from the subcommand that was typed (its usage line, not the top
-level's) with the closest known flag suggested. `add_log_level_everywhere` lets
-`--log-level` go before or after any subcommand; `configure_logging` applies it.
+level's) with the closest known flag suggested; a usage error is printed as the error
+line first, then a one-line usage pointing at --help (not every flag).
+`add_log_level_everywhere` lets `--log-level` go before or after any subcommand;
+`configure_logging` applies it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ class PagodaArgumentParser(argparse.ArgumentParser):
         if extras and (self._subparsers is None or not _is_nested(self)):
             self.error(self._unknown_message(extras))
         return ns, extras
+
+    def error(self, message: str):
+        """The error (with its "did you mean" hint) first, then a one-line usage that
+        points at --help, rather than argparse's usage listing every flag."""
+        self.exit(2, f"{self.prog}: error: {message}\n{self.short_usage()}\n")
+
+    def short_usage(self) -> str:
+        """`usage: PROG [options] POSITIONALS (PROG --help lists the options)`, one line."""
+        formatter = self._get_formatter()
+        positionals = [a for a in self._actions if not a.option_strings]
+        formatter.add_usage(None, positionals, [], prefix="")
+        words = formatter.format_help().split()[len(self.prog.split()):]
+        return " ".join(["usage:", self.prog, "[options]", *words,
+                         f"({self.prog} --help lists the options)"])
 
     def _unknown_message(self, extras: list[str]) -> str:
         message = f"unrecognized arguments: {' '.join(extras)}"
