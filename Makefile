@@ -49,7 +49,7 @@ lint: $(VENV)/.installed-dev
 	$(PY) tools/check_imports.py
 
 bench: install
-	$(PY) benchmarks/offline_throughput.py
+	$(PY) -m benchmarks.cpu_compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,8 +11,8 @@ logprob error of the float model's greedy tokens, teacher-forced (max and mean |
 --kernels adds per-layer matmul timings: float32 linear vs the block kernel vs torch's
 own weight-packed int8/int4 CPU kernels.
 
-    python benchmarks/cpu_quant.py --threads 2 --out benchmarks/results/cpu-quant.json
-    python benchmarks/cpu_quant.py --smoke      # a quick check that everything runs
+    python -m benchmarks.cpu_quant --threads 2
+    python -m benchmarks.cpu_quant --smoke      # a quick check that everything runs
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
+
+from benchmarks.harness.results import write_result
+from benchmarks.harness.timing import min_seconds
 
 QUALITY_PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
@@ -45,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--quality-prompts", type=int, default=len(QUALITY_PROMPTS))
     p.add_argument("--kernels", action="store_true", help="also time each layer's matmul")
     p.add_argument("--smoke", action="store_true", help="tiny lengths: check that it runs")
-    p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--out", "--output", dest="out", default="bench_results/cpu-quant.json",
+                   help="JSON result file")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompt_len, args.output_len, args.batch, args.repeats = 8, 8, 4, 1
@@ -61,15 +64,7 @@ def prompts(args, count):
 
 def best_rate(run, tokens, repeats):
     """Output tokens per second of the best of repeats runs (after one warm-up run)."""
-    run()
-    best = min(_timed(run) for _ in range(repeats))
-    return tokens / best
-
-
-def _timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return tokens / min_seconds(run, repeats, warmup=1)
 
 
 # --- Pagoda ---------------------------------------------------------------------------
@@ -198,6 +193,7 @@ def run_llama_cpp(args, path):
 
 def run_kernels(args):
     import torch
+
     from pagoda.model.layers.matmul import linear
     from pagoda.model.quant import cpu_kernels as ck
 
@@ -223,8 +219,8 @@ def run_kernels(args):
             row = {}
             for label, fn in fns.items():
                 fn()
-                row[label] = round(min(_timed(lambda: [fn() for _ in range(reps)])
-                                       for _ in range(3)) / reps * 1e6, 1)
+                row[label] = round(min_seconds(lambda: [fn() for _ in range(reps)], 3, 0)
+                                   / reps * 1e6, 1)
             out[f"{name} M={m}"] = row
             print(f"  {name} M={m} us: {row}", flush=True)
     return out
@@ -239,8 +235,7 @@ def main(argv=None):
     from pagoda.model.tokenizer import embedded_model_path
 
     path = embedded_model_path()
-    report = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-              "cpus": os.cpu_count(), "torch": torch.__version__,
+    report = {"benchmark": "cpu_quant", "machine": {"threads": args.threads},
               "kernel": native_status(), "workload": {
                   "prompt_len": args.prompt_len, "output_len": args.output_len,
                   "batch": args.batch, "repeats": args.repeats}, "model": path.name}
@@ -258,9 +253,7 @@ def main(argv=None):
             report[peer] = {"skipped": f"not importable: {e}"}
         print(f"  {json.dumps(report[peer])}", flush=True)
     print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_result(args.out, report, indent=1)
     return report
 
 

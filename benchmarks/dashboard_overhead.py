@@ -11,38 +11,30 @@ to /v1/engine/stats/stream, plus the cost of one statistics sample measured dire
    the StatsHub's own sample(): microseconds per sample, its share of one core at the
    stream's 4 samples/s, and what it holds the engine thread for (one get_stats()).
 
-    .venv/bin/python benchmarks/dashboard_overhead.py            # CPU, embedded SmolLM2
-    .venv/bin/python benchmarks/dashboard_overhead.py --smoke    # a tiny run: checks it works
-    python benchmarks/dashboard_overhead.py --device cuda --model llama-3.1-8b \
+    python -m benchmarks.dashboard_overhead            # CPU, embedded SmolLM2
+    python -m benchmarks.dashboard_overhead --smoke    # a tiny run: checks it works
+    python -m benchmarks.dashboard_overhead --device cuda --model llama-3.1-8b \
         --load-format dummy --max-model-len 2048 --server-args "--tokenizer SMOLLM2.gguf" \
         --num-prompts 512 --input-len 1024 --output-len 128 --max-concurrency 256 \
         --rounds 3                                               # a GPU (a preset shape
                                                                  # has no tokenizer of its own)
 
-Writes JSON to benchmarks/results/dashboard_overhead[_smoke].json (or --output).
+Writes JSON to bench_results/dashboard-overhead.json (or --output).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
-
-from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
-from result_file import write_json  # noqa: E402  (benchmarks/)
+from benchmarks.harness.results import write_result
+from benchmarks.harness.server import bench_serve, serve
 
 STREAM_PATH = "/v1/engine/stats/stream"
 
@@ -72,18 +64,14 @@ class Dashboard(threading.Thread):
             self.error = exc
 
 
-def bench_serve(url: str, args, result_dir: str, name: str) -> float:
+def serve_throughput(url: str, args, result_dir: str, name: str) -> float:
     """One `pagoda bench serve` run; its output throughput (tokens/s)."""
-    command = [sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "serve", "--base-url", url,
-               "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
-               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-               "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(args.max_concurrency),
-               "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
-               "--result-filename", name, "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
-    subprocess.run(command, check=True, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL)
-    with open(os.path.join(result_dir, name)) as f:
-        return float(json.load(f)["output_throughput"])
+    report = bench_serve(url, [
+        "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(args.max_concurrency),
+        "--num-warmups", "0", "--log-level", "WARNING"], result_dir, name)
+    return float(report["output_throughput"])
 
 
 def _model_flags(args) -> list[str]:
@@ -94,29 +82,26 @@ def run_ab(args) -> dict:
     flags = ["--device", args.device, "--max-model-len", str(args.max_model_len), *_model_flags(args),
              *shlex.split(args.server_args)]
     log = os.path.join(tempfile.gettempdir(), "pagoda-dashboard-overhead-server.log")
-    proc, url = start_server(flags, log)
     runs: dict[str, list[float]] = {"without": [], "with": []}
     samples = []
-    try:
-        with tempfile.TemporaryDirectory() as result_dir:
-            bench_serve(url, args, result_dir, "warmup.json")  # first-request costs, caches
-            order = ["without", "with", "with", "without"] * args.rounds
-            for i, arm in enumerate(order):
-                dashboards = [Dashboard(url) for _ in range(args.dashboards if arm == "with" else 0)]
-                for d in dashboards:
-                    d.start()
-                tok_s = bench_serve(url, args, result_dir, f"run{i}.json")
-                for d in dashboards:
-                    d.stopping.set()
-                    d.join(timeout=5)
-                    if d.error is not None:
-                        raise RuntimeError(f"the dashboard stream failed: {d.error!r}")
-                    samples.append(d.samples)
-                runs[arm].append(tok_s)
-                print(f"  run {i + 1:2d} {arm:>7} dashboard: {tok_s:8.1f} output tok/s"
-                      + (f"  ({dashboards[0].samples} samples read)" if dashboards else ""), flush=True)
-    finally:
-        stop_server(proc)
+    with serve(flags, log) as server, tempfile.TemporaryDirectory() as result_dir:
+        url = server.url
+        serve_throughput(url, args, result_dir, "warmup.json")  # first-request costs, caches
+        order = ["without", "with", "with", "without"] * args.rounds
+        for i, arm in enumerate(order):
+            dashboards = [Dashboard(url) for _ in range(args.dashboards if arm == "with" else 0)]
+            for d in dashboards:
+                d.start()
+            tok_s = serve_throughput(url, args, result_dir, f"run{i}.json")
+            for d in dashboards:
+                d.stopping.set()
+                d.join(timeout=5)
+                if d.error is not None:
+                    raise RuntimeError(f"the dashboard stream failed: {d.error!r}")
+                samples.append(d.samples)
+            runs[arm].append(tok_s)
+            print(f"  run {i + 1:2d} {arm:>7} dashboard: {tok_s:8.1f} output tok/s"
+                  + (f"  ({dashboards[0].samples} samples read)" if dashboards else ""), flush=True)
     summary = {arm: {"median": statistics.median(v), "best": max(v), "runs": v} for arm, v in runs.items()}
     summary["median_change"] = summary["with"]["median"] / summary["without"]["median"] - 1
     summary["best_change"] = summary["with"]["best"] / summary["without"]["best"] - 1
@@ -184,13 +169,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (4 runs each)")
     ap.add_argument("--sample-calls", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="a tiny run that checks the script works")
-    ap.add_argument("--output", default=None)
+    ap.add_argument("--output", "--out", dest="output", default="bench_results/dashboard-overhead.json")
     args = ap.parse_args()
     if args.smoke:
         args.num_prompts, args.input_len, args.output_len, args.max_concurrency = 4, 16, 4, 4
         args.rounds, args.sample_calls = 1, 10
-    output = args.output or os.path.join(REPO_ROOT, "benchmarks", "results",
-                                         "dashboard_overhead" + ("_smoke" if args.smoke else "") + ".json")
     print(f"A/B: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
           f"concurrency {args.max_concurrency}, {args.dashboards} dashboard(s) in B", flush=True)
     ab = run_ab(args)
@@ -202,11 +185,10 @@ def main() -> None:
           f"{sample['engine_thread_get_stats_us_median']:.0f} us); percentiles over a full window "
           f"{sample['percentiles_full_window_us_median']:.0f} us once a second; worst case "
           f"{sample['one_core_share_worst_case'] * 100:.3f}% of one core")
-    result = {"benchmark": "dashboard_overhead", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device},
+    result = {"benchmark": "dashboard_overhead", "device": args.device,
               "args": {k: v for k, v in vars(args).items() if k != "output"},
               "throughput": ab, "sample": sample}
-    write_json(output, result)
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,29 @@
-"""One-command GPU benchmark: Pagoda vs Hugging Face transformers on the same dummy model.
+"""Pagoda vs Hugging Face transformers on the same dummy model, on one GPU, with the
+rooflines measured in the same run.
 
-    python benchmarks/gpu_compare.py --out results.json            # both engines, all workloads
-    python benchmarks/gpu_compare.py --engine pagoda --preset tiny-llama --device cpu --small
+    python -m benchmarks.gpu_compare --out results.json            # both engines, all workloads
+    python -m benchmarks.gpu_compare --engine pagoda --preset tiny-llama --device cpu --small
 
 Each engine runs in its own subprocess (so one's memory never crowds the other), then
 the parent prints one table with the rooflines: a decode step can be no faster than
 (weight bytes + KV bytes read) / measured copy bandwidth, nor than FLOPs / measured
 bf16 matmul rate. Workloads (Llama-3.1-8B shape, bf16, random weights):
-  latency     batch-1 decode, 128 prompt tokens: ms per output token (median step)
+  latency     batch-1 decode, 128 prompt tokens: ms per output token (median gap
+              between tokens reaching the host)
   static      256 requests, 1024 in / 128 out: output tok/s
   nanovllm    256 requests, input and output lengths uniform in [100, 1024]: output tok/s
   decode256   decode step at batch 256 with ~1k context: ms per step vs roofline
+  profile     host time per engine stage (batch 1 and full batch) and a torch.profiler
+              table of one prefill step, after the figures above
 
 Quantized variants run beside bf16 in the same run (each its own subprocess):
-    python benchmarks/gpu_compare.py --variants bf16,fp8,fp8kv,fp8+fp8kv \
+    python -m benchmarks.gpu_compare --variants bf16,fp8,fp8kv,fp8+fp8kv \
         --workloads latency,static,decode256
 ("fp8": --quantization fp8 weights; "fp8+head": and --quantize-lm-head; "fp8kv":
---kv-cache-dtype fp8.)
+--kv-cache-dtype fp8.) `--ab-sync` adds Pagoda with async scheduling off.
+
+Nothing syncs the device between engine steps: with async scheduling a sync would
+serialise host and device again. Step times are host wall time between `step()` returns.
 """
 
 from __future__ import annotations
@@ -29,124 +36,23 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernel_switches import add_kernel_switches, apply_kernel_switches  # noqa: E402
-from result_file import write_json  # noqa: E402  (benchmarks/)
-
-
-def measure_ceilings(device) -> dict:
-    import torch
-    if device.type != "cuda":
-        return {}
-    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
-    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); b.copy_(a); e.record(); e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    bw = 2 * a.numel() * 2 / statistics.median(times)
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-    y = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        x @ y
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); x @ y; e.record(); e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    flops = 2 * m ** 3 / statistics.median(times)
-    torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": bw, "bf16_matmul_flops": flops}
-
-
-def model_bytes_and_flops(arch, dtype_bytes: int = 2) -> dict:
-    h, i, L, v = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers, arch.vocab_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
-    params = L * per_layer + 2 * v * h  # embedding + lm_head (untied)
-    return {"params": params, "weight_bytes": params * dtype_bytes,
-            "embedding_bytes": v * h * dtype_bytes,  # only looked up, not streamed per step
-            "kv_bytes_per_token": 2 * L * kv * dtype_bytes,
-            "flops_per_token": 2 * (L * per_layer + v * h)}
-
-
-def roofline_decode_ms(info: dict, ceilings: dict, batch: int, context: int) -> dict:
-    if not ceilings:
-        return {}
-    read = (info["weight_bytes"] - info["embedding_bytes"]
-            + batch * context * info["kv_bytes_per_token"])
-    mem_ms = read / ceilings["copy_bytes_per_s"] * 1e3
-    flop_ms = batch * info["flops_per_token"] / ceilings["bf16_matmul_flops"] * 1e3
-    return {"bytes_read": read, "memory_ms": mem_ms, "compute_ms": flop_ms,
-            "roofline_ms": max(mem_ms, flop_ms)}
-
-
-def uniform_lengths(rng, n, lo, hi):
-    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
-
-
-def random_prompts(rng, lengths, vocab):
-    return [[int(t) for t in rng.integers(10, vocab - 10, size=n)] for n in lengths]
+from benchmarks.harness.compiles import CompileLog
+from benchmarks.harness.processes import env_with_repo, module_command
+from benchmarks.harness.results import write_result
+from benchmarks.harness.rooflines import measure_ceilings, model_bytes_and_flops, roofline_decode_ms
+from benchmarks.harness.timing import engine_stage_timer
+from benchmarks.harness.workloads import random_prompts, token_arrival_times, uniform_lengths
 
 
 # ---------------------------------------------------------------- pagoda ----------
-class StageTimer:
-    """Wraps the engine's stages to say where a step's host time goes. Nothing here
-    syncs the device (that would undo async scheduling's overlap): the forward and
-    sampling figures are launch times, and `wait_device` is the time the host waits
-    for a step's sampled ids (AsyncRunnerOutput.result) - near 0 when host-bound."""
-
-    def __init__(self, engine) -> None:
-        from pagoda.worker import model_runner, step_output
-        self.totals: dict[str, float] = {}
-        self.steps = 0
-        runner = engine.executor.runner
-        self._patch(engine.scheduler, "schedule")
-        self._patch(engine.scheduler, "update_from_output")
-        self._patch(engine.output_processor, "process_outputs")
-        self._patch(model_runner, "build_step_inputs")
-        self._patch(runner, "_sample")
-        if runner.graph_runner is not None:
-            self._patch(runner.graph_runner, "run")
-        self._patch(step_output.AsyncRunnerOutput, "result", label="wait_device")
-        forward = runner.model.forward
-
-        def timed_forward(*a, **k):
-            start = time.perf_counter()
-            out = forward(*a, **k)
-            self.totals["forward_eager"] = self.totals.get("forward_eager", 0) + time.perf_counter() - start
-            return out
-        runner.model.forward = timed_forward
-
-    def _patch(self, owner, name, label=None) -> None:
-        fn = getattr(owner, name)
-        label = label or name
-
-        def wrapped(*a, **k):
-            start = time.perf_counter()
-            out = fn(*a, **k)
-            self.totals[label] = self.totals.get(label, 0) + time.perf_counter() - start
-            return out
-        setattr(owner, name, wrapped)
-
-    def per_step_ms(self) -> dict:
-        return {k: v / max(self.steps, 1) * 1e3 for k, v in self.totals.items()}
-
-
 def run_pagoda(args) -> dict:
     import numpy as np
     import torch
-    from pagoda import LLM, SamplingParams
 
-    apply_kernel_switches(args)
+    from pagoda import LLM
+
     t0 = time.perf_counter()
     quant = {}
     if args.quantization:
@@ -213,7 +119,6 @@ def pagoda_static(llm, engine, rng, vocab, sync, args, profile: bool) -> dict:
     params = SamplingParams(max_tokens=args.static_out, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"s{i}", p, params, output_kind="final_only")
-    from triton_compiles import CompileLog  # benchmarks/
     step_log, toks = [], 0
     sync(); s = time.perf_counter()
     with CompileLog() as compiles:  # kernels the warm-up missed compile inside the steps
@@ -275,18 +180,10 @@ def pagoda_decode256(engine, rng, vocab, args) -> tuple[dict, list]:
             "context": args.static_in, "batch": args.batch}, prompts
 
 
-def token_arrival_times(engine) -> list[float]:
-    """Steps the engine to the end; the host time at which each new token arrived."""
-    arrivals = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            arrivals.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
-    return arrivals
-
-
 def profile_prefill_step(engine, rng, vocab, args) -> str:
     """torch.profiler table of one fresh 16-request prefill step (top kernels)."""
     import torch
+
     from pagoda import SamplingParams
     prompts = random_prompts(rng, [args.static_in] * 16, vocab)
     for i, p in enumerate(prompts):
@@ -303,14 +200,13 @@ def profile_prefill_step(engine, rng, vocab, args) -> str:
 def profile_stages(engine, prompts, sync) -> dict:
     """Where a decode step's time goes, at batch 1 and at full batch (after prefill)."""
     from pagoda import SamplingParams
-    timer = StageTimer(engine)
+    timer = engine_stage_timer(engine)
     out = {}
     for label, batch in (("batch1", prompts[:1]), ("batch_full", prompts)):
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for i, p in enumerate(batch):
             engine.add_request(f"p{label}{i}", p, params)
-        timer.totals.clear()
-        timer.steps = 0
+        timer.reset()
         start = time.perf_counter()
         while engine.scheduler.num_waiting or any(
                 r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
@@ -321,8 +217,7 @@ def profile_stages(engine, prompts, sync) -> dict:
         prefill["step_total"] = (time.perf_counter() - start) / max(timer.steps, 1) * 1e3
         prefill["steps"] = timer.steps
         out[label + "_prefill"] = prefill
-        timer.totals.clear()
-        timer.steps = 0
+        timer.reset()
         start = time.perf_counter()
         for _ in range(16):
             engine.step()
@@ -341,6 +236,7 @@ def run_transformers(args) -> dict:
     import numpy as np
     import torch
     import transformers
+
     from pagoda.model.presets import get_preset
 
     arch = get_preset(args.preset)
@@ -491,7 +387,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="Pagoda --quantize-lm-head (with --quantization fp8)")
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
-    add_kernel_switches(p)
     p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
                    help="comma list of latency, static, nanovllm, decode256, profile")
     p.add_argument("--variants", default=None,
@@ -514,9 +409,10 @@ def main() -> None:
         return child_main(args)
 
     import torch
+
     from pagoda.model.presets import get_preset
     device = torch.device(args.device)
-    report = {"benchmark": "gpu_compare", "date": datetime.now(timezone.utc).isoformat(),
+    report = {"benchmark": "gpu_compare", "date": datetime.now(UTC).isoformat(),
               "machine": {"platform": platform.platform(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
               "args": vars(args), "engines": []}
@@ -539,16 +435,16 @@ def main() -> None:
     for engine, flags in engines:
         tag = engine if not flags else f"{engine}.{flags[-1]}"
         child_out = f"{args.out}.{tag.replace('+', '_')}.json"
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--engine", engine, *flags,
-               "--child-out", child_out]
+        cmd = module_command("benchmarks.gpu_compare", [*sys.argv[1:], "--engine", engine, *flags,
+                                                        "--child-out", child_out])
         print(f"running {engine} ...", flush=True)
-        proc = subprocess.run(cmd)
+        proc = subprocess.run(cmd, env=env_with_repo())
         if proc.returncode != 0:
             report["engines"].append({"engine": engine, "error": f"exit code {proc.returncode}"})
             continue
         with open(child_out) as f:
             report["engines"].append(json.load(f))
-    write_json(args.out, report)
+    write_result(args.out, report)
     print(json.dumps(report["ceilings"]))
     print_table(report)
 

@@ -1,122 +1,93 @@
-"""KV offloading through a real `pagoda serve`: a multi-turn chat workload whose working
-set is several times the GPU KV pool, run with offloading off (recompute), to a CPU
-tier, and to a small CPU tier over a disk tier, in one run; then a server restarted
-on the warm disk directory against one started on an empty one (first-request TTFT).
+"""KV offloading: a multi-turn chat workload whose working set is several times the GPU KV
+pool (conversations visited turn by turn: each comes back after all the others pushed it
+out of GPU memory), with offloading off (recompute) and on, in one run.
 
-Each configuration starts its own server and runs `pagoda bench serve --dataset-name
-multi-turn` (conversations visited turn by turn: every conversation comes back after
-all the others pushed it out of GPU memory). Reported per configuration: TTFT P50/P99
-of the first turns and of the revisited turns (turn >= 2), output throughput, and the
-server's per-tier figures (hit rate, hits skipped because recompute was expected to be
-faster, bytes, load GB/s: bytes over device-timed copies). Before the runs, the disk's
-own read ceiling is measured in the work directory (benchmarks/disk_ceiling.py: a file
-written, then read back with its cached pages dropped, and again from the page cache),
-so the disk tier's load figure is stated against it.
+    python -m benchmarks.kv_offload serve                # H200: Llama-3.1-8B shape, 2,048 blocks
+    python -m benchmarks.kv_offload steps
+    python -m benchmarks.kv_offload disk --dir /tmp --size-gib 2
+    python -m benchmarks.kv_offload serve --smoke        # CPU, embedded SmolLM2, small scale
+    # serve split under a time limit: the three runs, then the restart probe on the same workdir
+    python -m benchmarks.kv_offload serve --workdir /tmp/kvo --no-restart --out a.json
+    python -m benchmarks.kv_offload serve --workdir /tmp/kvo --restart-only --out b.json
 
-The restart probe reports which path each server's first request took: blocks loaded
-from the disk tier, or disk hits recomputed because the cost model expected recompute
-to be faster (pagoda/kv_offload/planning/cost.py), and the estimates it weighed.
-
-    # H200, Llama-3.1-8B shape (dummy bf16 weights), GPU pool capped at 32k tokens:
-    python benchmarks/kv_offload.py --output benchmarks/results/h200-kv-offload.json
-    # split under a 10-minute limit: the three runs, then the restart probe on the same workdir
-    python benchmarks/kv_offload.py --workdir /tmp/kvo --no-restart --output a.json
-    python benchmarks/kv_offload.py --workdir /tmp/kvo --restart-only --output b.json
-    # the disk's read ceiling alone: python benchmarks/disk_ceiling.py --dir /tmp --size-gib 2
-    # CPU smoke test, embedded SmolLM2 at a small scale:
-    python benchmarks/kv_offload.py --smoke --output benchmarks/results/cpu-kv-offload-smoke.json
-
-The prompts are regenerated here with the same generator, tokenizer and seed as the
-bench run, so the restart probe sends exactly the last turn of conversation 0.
+serve   Through a real `pagoda serve` per configuration (off, a CPU tier, a small CPU tier
+        over a disk tier), each measured by `pagoda bench serve --dataset-name multi-turn`:
+        TTFT P50/P99 of the first turns and of the revisited turns (turn >= 2), output
+        throughput, and the server's per-tier figures (hit rate, hits skipped because
+        recompute was expected to be faster, bytes, load GB/s: bytes over device-timed
+        copies). Before the runs the disk's read ceiling is measured in the work directory
+        (the disk mode), so the disk tier's load figure is stated against it. Then a
+        server restarted on the warm disk directory against one on an empty one: the
+        first request's TTFT and which path it took (loaded from disk, or disk hits
+        recomputed because the cost model, pagoda/kv_offload/planning/cost.py, expected
+        recompute to be faster) with the estimates it weighed. The probe's prompt is the
+        bench run's last turn of conversation 0 (same generator, tokenizer and seed).
+steps   In-process, one engine per mode in a process of its own: offloading off, CPU-tier
+        loads asynchronous only, and inline (the default: a load that fits the step's
+        budget is copied before the step's forward and its request admitted in that step).
+        Token ids drawn at random. Over the revisited turns: TTFT P50/P99 (arrival to the
+        step that hands out the first token), the steps on that path (P50, mean,
+        histogram), and for each request that loaded from the CPU tier the step of each
+        milestone after its arrival (load planned, ready, scheduled, first token); output
+        tok/s and the CPU tier's hits and load GB/s.
+disk    The disk's own read ceiling: a file written, read back cold (its pages dropped from
+        the page cache) one stream at a time and with the disk tier's reader threads, then
+        hot, and crc32 (the tier's checksum) on one thread (harness/rooflines.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime, timezone
+from collections import Counter
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
+from benchmarks.harness.processes import run_json_child, write_child_result
+from benchmarks.harness.results import write_result
+from benchmarks.harness.rooflines import describe_disk_ceiling, disk_read_ceiling
+from benchmarks.harness.server import bench_serve, get_json, serve
 
-from disk_ceiling import describe as describe_ceiling  # noqa: E402  (benchmarks/)
-from disk_ceiling import measure as measure_disk_ceiling  # noqa: E402
-from serve_process import start_server, stop_server  # noqa: E402
-from result_file import write_json  # noqa: E402  (benchmarks/)
-
-GPU = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype", "bfloat16",
-                  "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
-           conversations=48, turns=4, first_len=2048, turn_len=256, output_len=128,
-           concurrency=8, cpu_gib=32.0, small_cpu_gib=4.0, disk_gib=40.0,
-           pool_tokens=2048 * 16, kv_bytes_per_token=32 * 8 * 128 * 2 * 2, ceiling_gib=2.0,
-           env={})
-SMOKE = dict(model=["--device", "cpu", "--max-model-len", "512",
-                    "--num-gpu-blocks-override", "48"],
-             conversations=10, turns=3, first_len=256, turn_len=32, output_len=16,
-             concurrency=2, cpu_gib=0.25, small_cpu_gib=0.04, disk_gib=0.5,
-             pool_tokens=48 * 16, kv_bytes_per_token=30 * 3 * 64 * 2 * 4, ceiling_gib=0.0625,
-             # one intra-op thread per server: on a small shared CPU a spinning thread
-             # pool only loses time
-             env={"OMP_NUM_THREADS": "1"})
+WORKLOAD = dict(conversations=48, turns=4, first_len=2048, turn_len=256, output_len=128,
+                concurrency=8, cpu_gib=32.0)
+SMOKE_WORKLOAD = dict(conversations=10, turns=3, first_len=256, turn_len=32, output_len=16,
+                      concurrency=2, cpu_gib=0.25)
+SERVE = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype", "bfloat16",
+                    "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
+             small_cpu_gib=4.0, disk_gib=40.0, pool_tokens=2048 * 16,
+             kv_bytes_per_token=32 * 8 * 128 * 2 * 2, ceiling_gib=2.0, env={})
+SMOKE_SERVE = dict(model=["--device", "cpu", "--max-model-len", "512",
+                          "--num-gpu-blocks-override", "48"],
+                   small_cpu_gib=0.04, disk_gib=0.5, pool_tokens=48 * 16,
+                   kv_bytes_per_token=30 * 3 * 64 * 2 * 4, ceiling_gib=0.0625,
+                   # one intra-op thread per server: on a small shared CPU a spinning
+                   # thread pool only loses time
+                   env={"OMP_NUM_THREADS": "1"})
+STEPS = dict(engine=dict(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16",
+                         max_model_len=8192, num_gpu_blocks_override=2048), vocab=128000)
+SMOKE_STEPS = dict(engine=dict(device="cpu", max_model_len=512, num_gpu_blocks_override=48),
+                   vocab=49000)
+STEP_MODES = ("off", "async", "inline")
 
 
 def percentile(values: list[float], q: float):
     if not values:
         return None
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-_TOKENIZER: list[str] = []  # --tokenizer, once parsed
-
-
-def tokenizer_path() -> str:
-    if _TOKENIZER:
-        return _TOKENIZER[0]
+# ================================================================ serve ============
+def tokenizer_path(args) -> str:
     from pagoda.model.tokenizer import embedded_model_path
-    return str(embedded_model_path())
+    return args.tokenizer or str(embedded_model_path())
 
 
-def configurations(p: dict, disk_dir: str) -> dict[str, list[str]]:
-    return {
-        "off": [],
-        "cpu": ["--kv-offloading-size", str(p["cpu_gib"])],
-        "cpu+disk": ["--kv-offloading-size", str(p["small_cpu_gib"]),
-                     "--kv-offloading-disk-path", disk_dir,
-                     "--kv-offloading-disk-size", str(p["disk_gib"])],
-    }
-
-
-def run_bench(url: str, p: dict, result_dir: str, name: str) -> dict:
-    filename = f"{name.replace('+', '-')}.json"
-    command = [sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "serve", "--base-url", url,
-               "--dataset-name", "multi-turn", "--multi-turn-num-conversations", str(p["conversations"]),
-               "--multi-turn-turns", str(p["turns"]), "--multi-turn-first-len", str(p["first_len"]),
-               "--multi-turn-turn-len", str(p["turn_len"]),
-               "--multi-turn-output-len", str(p["output_len"]),
-               "--num-prompts", str(p["conversations"] * p["turns"]),
-               "--max-concurrency", str(p["concurrency"]), "--tokenizer", tokenizer_path(),
-               "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
-               "--metrics-interval", "1", "--save-result", "--result-dir", result_dir,
-               "--result-filename", filename, "--label", name]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        x for x in (REPO_ROOT, os.environ.get("PYTHONPATH")) if x)}
-    subprocess.run(command, check=True, cwd=REPO_ROOT, env=env)
-    with open(os.path.join(result_dir, filename)) as f:
-        return json.load(f)
-
-
-def summarize(report: dict, p: dict) -> dict:
+def summarize_serve(report: dict, p: dict) -> dict:
     ttfts = report["requests"]["ttft_ms"]
     n = p["conversations"]
     first = [t for i, t in enumerate(ttfts) if t is not None and i < n]
@@ -130,15 +101,14 @@ def summarize(report: dict, p: dict) -> dict:
         "output_throughput": report["output_throughput"],
         "request_throughput": report.get("request_throughput"),
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
-        "preemptions": server.get("preemptions"),
-        "kv_offload": server.get("kv_offload"),
+        "preemptions": server.get("preemptions"), "kv_offload": server.get("kv_offload"),
     }
 
 
 def probe_ttft(url: str, prompt: str) -> float:
     """Seconds from sending one streamed completion to its first token."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
-        model = json.loads(response.read())["data"][0]["id"]
+    import json
+    model = get_json(f"{url}/v1/models")["data"][0]["id"]
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                        "stream": True}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body,
@@ -152,14 +122,6 @@ def probe_ttft(url: str, prompt: str) -> float:
     raise RuntimeError("the probe's stream ended without a token")
 
 
-def probe_prompt(p: dict) -> str:
-    from pagoda.bench.datasets import multi_turn_requests
-    from pagoda.bench.tokenizers import LocalTokenizer
-    samples = multi_turn_requests(LocalTokenizer(tokenizer_path()), p["conversations"], p["turns"],
-                                  p["first_len"], p["turn_len"], p["output_len"], seed=0)
-    return samples[(p["turns"] - 1) * p["conversations"]].prompt  # conversation 0, last turn
-
-
 def probe_path(url: str) -> dict:
     """What the server's tiers did so far (after its one probe request): the disk tier's
     hits, blocks loaded and skipped, and the cost model's estimates."""
@@ -171,114 +133,79 @@ def probe_path(url: str) -> dict:
         return values.get(f"pagoda:{base}{TIER_SEP}disk")
 
     hits, skipped = disk("kv_offload_hits_total") or 0.0, disk("kv_offload_skipped_blocks_total") or 0.0
-    if not hits:
-        path = "recompute (no disk hit)"
-    elif skipped >= hits:
-        path = "recompute (disk hits skipped: recompute expected faster)"
-    elif skipped:
-        path = "partly loaded from disk"
-    else:
-        path = "loaded from disk"
+    path = ("recompute (no disk hit)" if not hits else
+            "recompute (disk hits skipped: recompute expected faster)" if skipped >= hits else
+            "partly loaded from disk" if skipped else "loaded from disk")
     return {"path": path, "disk_hits": hits, "disk_skipped_blocks": skipped,
             "disk_bytes_loaded": disk("kv_offload_loaded_bytes_total") or 0.0,
             "est_disk_load_gb_per_s": (disk("kv_offload_est_load_bytes_per_second") or 0.0) / 1e9,
             "est_prefill_tokens_per_s": values.get("pagoda:kv_offload_est_prefill_tokens_per_second")}
 
 
-def restart_probe(p: dict, flags: list[str], warm_dir: str, workdir: str) -> dict:
+def restart_probe(args, p: dict, flags: list[str], warm_dir: str, workdir: str) -> dict:
     """First-request TTFT of a server on the warm disk directory vs on an empty one, and
     the path each took."""
-    prompt = probe_prompt(p)
+    from pagoda.bench.datasets import multi_turn_requests
+    from pagoda.bench.tokenizers import LocalTokenizer
+    samples = multi_turn_requests(LocalTokenizer(tokenizer_path(args)), p["conversations"],
+                                  p["turns"], p["first_len"], p["turn_len"], p["output_len"], seed=0)
+    prompt = samples[(p["turns"] - 1) * p["conversations"]].prompt  # conversation 0, last turn
     result = {}
     cold_dir = os.path.join(workdir, "cold-disk")
     shutil.rmtree(cold_dir, ignore_errors=True)
     for name, directory in (("warm", warm_dir), ("cold", cold_dir)):
         disk = ["--kv-offloading-size", str(p["small_cpu_gib"]), "--kv-offloading-disk-path",
                 directory, "--kv-offloading-disk-size", str(p["disk_gib"])]
-        proc, url = start_server(flags + disk, os.path.join(workdir, f"server-restart-{name}.log"),
-                                 extra_env=p["env"])
-        try:
-            result[f"{name}_first_request_ttft_s"] = probe_ttft(url, prompt)
-            result[f"{name}_path"] = probe_path(url)
-        finally:
-            stop_server(proc)
+        with serve(flags + disk, os.path.join(workdir, f"server-restart-{name}.log"),
+                   extra_env=p["env"]) as server:
+            result[f"{name}_first_request_ttft_s"] = probe_ttft(server.url, prompt)
+            result[f"{name}_path"] = probe_path(server.url)
     result["speedup"] = result["cold_first_request_ttft_s"] / result["warm_first_request_ttft_s"]
     return result
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
-    parser.add_argument("--output", default=None, help="JSON file to write")
-    parser.add_argument("--workdir", default=None, help="logs, bench results, disk tier")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer for the dummy preset (default: the embedded SmolLM2's)")
-    parser.add_argument("--configs", default="off,cpu,cpu+disk",
-                        help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
-    parser.add_argument("--no-restart", action="store_true",
-                        help="skip the warm-vs-cold restart probe")
-    parser.add_argument("--no-ceiling", action="store_true",
-                        help="skip measuring the disk's read ceiling")
-    parser.add_argument("--restart-only", action="store_true",
-                        help="only the restart probe, on --workdir's disk tier left by an "
-                             "earlier cpu+disk run")
-    return parser.parse_args()
-
-
-def run_configurations(p: dict, flags: list[str], disk_dir: str, workdir: str,
-                       wanted: list[str]) -> dict:
-    """One server per wanted configuration (off, cpu, cpu+disk), each benchmarked and summarized."""
+def serve_configurations(args, p: dict, flags: list[str], disk_dir: str, workdir: str) -> dict:
+    """One server per wanted configuration (off, cpu, cpu+disk), each benchmarked."""
+    configurations = {
+        "off": [],
+        "cpu": ["--kv-offloading-size", str(p["cpu_gib"])],
+        "cpu+disk": ["--kv-offloading-size", str(p["small_cpu_gib"]),
+                     "--kv-offloading-disk-path", disk_dir,
+                     "--kv-offloading-disk-size", str(p["disk_gib"])]}
+    wanted = [] if args.restart_only else args.configs.split(",")
+    bench_flags = [
+        "--dataset-name", "multi-turn", "--multi-turn-num-conversations", str(p["conversations"]),
+        "--multi-turn-turns", str(p["turns"]), "--multi-turn-first-len", str(p["first_len"]),
+        "--multi-turn-turn-len", str(p["turn_len"]), "--multi-turn-output-len", str(p["output_len"]),
+        "--num-prompts", str(p["conversations"] * p["turns"]),
+        "--max-concurrency", str(p["concurrency"]), "--tokenizer", tokenizer_path(args),
+        "--ignore-eos", "--temperature", "0", "--seed", "0", "--metrics-interval", "1"]
     runs = {}
-    for name, extra in configurations(p, disk_dir).items():
+    for name, extra in configurations.items():
         if name not in wanted:
             continue
-        proc, url = start_server(flags + extra, os.path.join(workdir, f"server-{name.replace('+', '-')}.log"),
-                                 extra_env=p["env"])
-        try:
-            runs[name] = summarize(run_bench(url, p, workdir, name), p)
-        finally:
-            stop_server(proc)
-        print(f"{name}: revisited TTFT p50 {runs[name]['revisited_ttft_ms']['p50']:.1f} ms, "
-              f"p99 {runs[name]['revisited_ttft_ms']['p99']:.1f} ms, "
-              f"{runs[name]['output_throughput']:.1f} output tok/s", flush=True)
-        for tier, row in (runs[name]["kv_offload"] or {}).items():
-            print(f"  tier {tier}: hits {row.get('hits')}, skipped (recompute faster) "
-                  f"{row.get('skipped_blocks')}, hit rate {row.get('hit_rate')}, "
-                  f"load {row.get('load_gb_per_s')} GB/s", flush=True)
+        slug = name.replace("+", "-")
+        with serve(flags + extra, os.path.join(workdir, f"server-{slug}.log"),
+                   extra_env=p["env"]) as server:
+            report = bench_serve(server.url, [*bench_flags, "--label", name], workdir,
+                                 f"{slug}.json", quiet=False)
+        runs[name] = row = summarize_serve(report, p)
+        print(f"{name}: revisited TTFT p50 {row['revisited_ttft_ms']['p50']:.1f} ms, "
+              f"p99 {row['revisited_ttft_ms']['p99']:.1f} ms, "
+              f"{row['output_throughput']:.1f} output tok/s", flush=True)
+        for tier, t in (row["kv_offload"] or {}).items():
+            print(f"  tier {tier}: hits {t.get('hits')}, skipped (recompute faster) "
+                  f"{t.get('skipped_blocks')}, hit rate {t.get('hit_rate')}, "
+                  f"load {t.get('load_gb_per_s')} GB/s", flush=True)
     return runs
 
 
-def print_summary(result: dict, disk_tier: dict) -> None:
-    """The run's headline figures; disk_tier: the cpu+disk run's disk-tier row (or {})."""
-    ratios, ceiling, restart = (result["revisited_p50_speedup_vs_off"], result["disk_ceiling"],
-                                result["restart"])
-    print(f"revisited-turn P50 TTFT speedup vs recompute: "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    print(f"CPU tier load bandwidth: {result['cpu_load_gb_per_s']} GB/s")
-    if disk_tier:
-        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
-              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
-    if ceiling is not None:
-        print(describe_ceiling(ceiling))
-    if restart is not None:
-        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
-              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
-              f"({restart['speedup']:.2f}x); warm path: {restart['warm_path']['path']} "
-              f"(disk hits {restart['warm_path']['disk_hits']:.0f}, skipped "
-              f"{restart['warm_path']['disk_skipped_blocks']:.0f}, est. disk "
-              f"{restart['warm_path']['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
-              f"{restart['warm_path']['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
-
-
-def main() -> int:
-    args = parse_args()
+def run_serve(args) -> dict:
     from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
-    p = SMOKE if args.smoke else GPU
+    p = {**(SMOKE_WORKLOAD if args.smoke else WORKLOAD), **(SMOKE_SERVE if args.smoke else SERVE)}
     flags = list(p["model"])
     if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
-        if args.tokenizer:
-            _TOKENIZER.append(args.tokenizer)
-        flags += ["--tokenizer", tokenizer_path()]
+        flags += ["--tokenizer", tokenizer_path(args)]
     workdir = args.workdir or tempfile.mkdtemp(prefix="pagoda-kv-offload-")
     os.makedirs(workdir, exist_ok=True)
     disk_dir = os.path.join(workdir, "disk")
@@ -287,33 +214,260 @@ def main() -> int:
     final_len = p["first_len"] + (p["turns"] - 1) * (p["turn_len"] + p["output_len"])
     working_set = p["conversations"] * final_len
     print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
-          f"pool ({p['pool_tokens']} tokens, {p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
+          f"pool ({p['pool_tokens']} tokens, "
+          f"{p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
     ceiling = None
     if not args.no_ceiling and not args.restart_only:
-        ceiling = measure_disk_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
-                                       p["kv_bytes_per_token"] * 16)
-        print(describe_ceiling(ceiling), flush=True)
-    wanted = [] if args.restart_only else args.configs.split(",")
-    runs = run_configurations(p, flags, disk_dir, workdir, wanted)
-    restart = None if args.no_restart else restart_probe(p, flags, disk_dir, workdir)
+        ceiling = disk_read_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
+                                    p["kv_bytes_per_token"] * 16)
+        print(describe_disk_ceiling(ceiling), flush=True)
+    runs = serve_configurations(args, p, flags, disk_dir, workdir)
+    restart = None if args.no_restart else restart_probe(args, p, flags, disk_dir, workdir)
     off = runs["off"]["revisited_ttft_ms"]["p50"] if "off" in runs else None
     ratios = {name: off / run["revisited_ttft_ms"]["p50"] for name, run in runs.items()
               if off and run["revisited_ttft_ms"]["p50"]}
     cpu_tier = ((runs.get("cpu") or {}).get("kv_offload") or {}).get("cpu") or {}
     disk_tier = ((runs.get("cpu+disk") or {}).get("kv_offload") or {}).get("disk") or {}
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(), "machine": platform.node(),
-        "mode": "smoke" if args.smoke else "gpu", "params": p,
-        "working_set_tokens": working_set, "working_set_over_pool": working_set / p["pool_tokens"],
-        "runs": runs, "revisited_p50_speedup_vs_off": ratios,
-        "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
-        "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart,
+    print("revisited-turn P50 TTFT speedup vs recompute: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(f"CPU tier load bandwidth: {cpu_tier.get('load_gb_per_s')} GB/s")
+    if disk_tier:
+        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
+              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
+    if ceiling is not None:
+        print(describe_disk_ceiling(ceiling))
+    if restart is not None:
+        warm = restart["warm_path"]
+        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
+              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
+              f"({restart['speedup']:.2f}x); warm path: {warm['path']} (disk hits "
+              f"{warm['disk_hits']:.0f}, skipped {warm['disk_skipped_blocks']:.0f}, est. disk "
+              f"{warm['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
+              f"{warm['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
+    return {"mode": "smoke" if args.smoke else "gpu", "params": p,
+            "working_set_tokens": working_set, "working_set_over_pool": working_set / p["pool_tokens"],
+            "runs": runs, "revisited_p50_speedup_vs_off": ratios,
+            "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
+            "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart}
+
+
+# ================================================================ steps ============
+def workload(p: dict) -> list[tuple[int, list[int]]]:
+    """(turn, prompt token ids) in visiting order: every conversation's turn 1, then
+    every conversation's turn 2, ..."""
+    rng = random.Random(0)
+
+    def draw(n):
+        return [rng.randrange(100, p["vocab"]) for _ in range(n)]
+
+    prompts = [draw(p["first_len"]) for _ in range(p["conversations"])]
+    order = [(1, list(prompt)) for prompt in prompts]
+    for turn in range(2, p["turns"] + 1):
+        for index in range(p["conversations"]):
+            prompts[index] = prompts[index] + draw(p["output_len"]) + draw(p["turn_len"])
+            order.append((turn, list(prompts[index])))
+    return order
+
+
+class Milestones:
+    """Engine step of each milestone of each request (instrumenting the scheduler's
+    offload calls; the engine's own code is unchanged)."""
+
+    def __init__(self, engine) -> None:
+        self.step = 0
+        self.at: dict[str, dict[str, int]] = {}
+        self.inline_jobs = self.async_jobs = 0
+        offload, scheduler = engine.kv_offload, engine.scheduler
+        if offload is not None:
+            start_load, take_ready, take_plan = offload.start_load, offload.take_ready, offload.take_plan
+
+            def traced_start(request, hits):
+                started = start_load(request, hits)
+                if started:
+                    self.mark(request.request_id, "load_planned")
+                return started
+
+            def traced_ready():
+                ready = take_ready()
+                for request in ready:
+                    self.mark(request.request_id, "ready")
+                return ready
+
+            def traced_plan():
+                plan = take_plan()
+                for job in plan.loads if plan is not None else ():
+                    self.inline_jobs += job.inline
+                    self.async_jobs += not job.inline
+                return plan
+
+            offload.start_load, offload.take_ready, offload.take_plan = traced_start, traced_ready, traced_plan
+        schedule = scheduler.schedule
+
+        def traced_schedule():
+            out = schedule()
+            for rid in out.num_scheduled_tokens:
+                self.mark(rid, "scheduled")
+            return out
+
+        scheduler.schedule = traced_schedule
+
+    def mark(self, request_id: str, name: str) -> None:
+        self.at.setdefault(request_id, {}).setdefault(name, self.step)
+
+
+def steps_mode_row(mode: str, p: dict) -> dict:
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+    llm = LLM(**p["engine"], **({} if mode == "off" else {"kv_offloading_size": p["cpu_gib"]}))
+    engine = llm.llm_engine
+    try:
+        if mode == "async":
+            engine.kv_offload.max_inline_blocks_per_step = 0
+        trace = Milestones(engine)
+        params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True)
+        queue = workload(p)
+        turn_of, added, first = {}, {}, {}
+        in_flight = next_index = num_tokens = 0
+        start = time.perf_counter()
+        while next_index < len(queue) or engine.has_unfinished_requests():
+            while in_flight < p["concurrency"] and next_index < len(queue):
+                rid = f"r{next_index}"
+                turn_of[rid], prompt = queue[next_index]
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params, output_kind="delta")
+                added[rid] = (trace.step, time.perf_counter())
+                trace.mark(rid, "added")
+                next_index += 1
+                in_flight += 1
+            trace.step += 1
+            for out in engine.step():
+                num_tokens += len(out.outputs[0].token_ids)
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = (trace.step, time.perf_counter())
+                    trace.mark(out.request_id, "first_token")
+                if out.finished:
+                    in_flight -= 1
+        tokens_per_s = num_tokens / (time.perf_counter() - start)
+        tiers = engine.get_stats().kv_offload
+    finally:
+        engine.shutdown()
+    revisits = [rid for rid, turn in turn_of.items() if turn >= 2]
+    ttft = [(first[r][1] - added[r][1]) * 1e3 for r in revisits]
+    steps = [first[r][0] - added[r][0] for r in revisits]
+    paths = Counter()  # milestone steps after arrival, of the requests that loaded
+    for rid in revisits:
+        at = trace.at.get(rid, {})
+        if "load_planned" in at:
+            paths[tuple((name, at[name] - at["added"]) for name in
+                        ("load_planned", "ready", "scheduled", "first_token") if name in at)] += 1
+    cpu = None if tiers is None else next(t for t in tiers if t["tier"] == "cpu")
+    return {
+        "mode": mode,
+        "revisited_ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99),
+                              "mean": statistics.fmean(ttft)},
+        "revisited_steps_to_first_token": {"p50": percentile(steps, 50), "mean": statistics.fmean(steps),
+                                           "histogram": dict(sorted(Counter(steps).items()))},
+        "loaded_request_paths": [{"steps_after_arrival": dict(path), "requests": n}
+                                 for path, n in paths.most_common(6)],
+        "load_jobs": {"inline": trace.inline_jobs, "async": trace.async_jobs},
+        "output_tokens_per_s": tokens_per_s,
+        "cpu_tier": None if cpu is None else {
+            "hits": cpu["hits"], "bytes_loaded": cpu["bytes_loaded"],
+            # bytes over the timed copies (device events on CUDA, wall time on CPU)
+            "load_gb_per_s": (cpu["bytes_loaded"] / cpu["load_seconds"]["sum"] / 1e9
+                              if cpu["load_seconds"]["sum"] else None)},
     }
-    print_summary(result, disk_tier)
-    if args.output:
-        write_json(args.output, result)
-    return 0
+
+
+def run_steps(args) -> dict:
+    p = {**(SMOKE_WORKLOAD if args.smoke else WORKLOAD), **(SMOKE_STEPS if args.smoke else STEPS)}
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in STEP_MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {STEP_MODES}")
+    if args.child:
+        write_child_result(args.child_out, steps_mode_row(args.child, p))
+        return {}
+    if args.smoke:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children
+    results = {}
+    for mode in modes:  # each engine in a process of its own: its memory is gone after
+        row = run_json_child("benchmarks.kv_offload",
+                             ["steps", "--child", mode] + (["--smoke"] if args.smoke else []))
+        if "error" in row:
+            raise SystemExit(f"mode {mode} failed: {row['error']}")
+        results[mode] = row
+        ttft, steps = row["revisited_ttft_ms"], row["revisited_steps_to_first_token"]
+        print(f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
+              f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
+              f"{steps['histogram']}; {row['output_tokens_per_s']:.1f} output tok/s; "
+              f"loads {row['load_jobs']}; CPU tier {row['cpu_tier']}", flush=True)
+        for path in row["loaded_request_paths"]:
+            print(f"        {path['requests']:4d} x {path['steps_after_arrival']}")
+    if "off" in results:
+        base = results["off"]["revisited_ttft_ms"]["p50"]
+        print("revisited P50 TTFT vs recompute: " + ", ".join(
+            f"{m} {base / r['revisited_ttft_ms']['p50']:.2f}x" for m, r in results.items()))
+    return {"mode": "smoke" if args.smoke else "gpu", "params": p, "results": results}
+
+
+# ================================================================ disk =============
+def run_disk(args) -> dict:
+    ceiling = disk_read_ceiling(args.dir, int(args.size_gib * 2**30), args.threads,
+                                int(args.piece_mib * 2**20))
+    print(describe_disk_ceiling(ceiling))
+    return ceiling
+
+
+# ================================================================ command line =====
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = parser.add_subparsers(dest="mode", required=True)
+
+    def mode(name: str, help_text: str):
+        p = modes.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--out", "--output", dest="out",
+                       default=f"bench_results/kv-offload-{name}.json", help="JSON result file")
+        return p
+
+    p = mode("serve", "through `pagoda serve`: off, CPU tier, CPU + disk tiers; restart probe")
+    p.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
+    p.add_argument("--workdir", default=None, help="logs, bench results, disk tier")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for the dummy preset (default: the embedded SmolLM2's)")
+    p.add_argument("--configs", default="off,cpu,cpu+disk",
+                   help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
+    p.add_argument("--no-restart", action="store_true", help="skip the warm-vs-cold restart probe")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip measuring the disk's read ceiling")
+    p.add_argument("--restart-only", action="store_true",
+                   help="only the restart probe, on --workdir's disk tier left by an earlier "
+                        "cpu+disk run")
+    p = mode("steps", "in-process: steps and ms from arrival to load, schedule, first token")
+    p.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
+    p.add_argument("--modes", default=",".join(STEP_MODES), help=f"some of {','.join(STEP_MODES)}")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    p = mode("disk", "the disk's read ceiling (cold, parallel, hot) and crc32's rate")
+    p.add_argument("--dir", default=".", help="a directory on the disk to measure")
+    p.add_argument("--size-gib", type=float, default=2.0)
+    p.add_argument("--piece-mib", type=float, default=2.0, help="bytes per parallel read")
+    p.add_argument("--threads", type=int, default=None,
+                   help="reader threads (default: the disk tier's)")
+    args = parser.parse_args(argv)
+    if args.mode == "disk" and args.threads is None:
+        from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
+        args.threads = DEFAULT_IO_THREADS
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    result = {"serve": run_serve, "steps": run_steps, "disk": run_disk}[args.mode](args)
+    if getattr(args, "child", None):
+        return
+    write_result(args.out, {"benchmark": f"kv_offload {args.mode}", "args": vars(args), **result})
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -17,12 +17,12 @@ the end, the KV audit is clean after the load settles (no block in use, nothing
 running, waiting or in flight), /health answers 200, and the server stops cleanly.
 The server is always stopped, also on Ctrl-C or an error.
 
-    .venv/bin/python benchmarks/soak.py                        # the 10-minute soak
-    .venv/bin/python benchmarks/soak.py --duration 90 --calibration-seconds 20
+    python -m benchmarks.soak                        # the 10-minute soak
+    python -m benchmarks.soak --duration 90 --calibration-seconds 20
 
 Unknown flags go to `pagoda serve` after the soak's own defaults (so they win),
 e.g. `--max-num-seqs 16 --max-num-queued-requests 8`. Prints a summary table and
-writes JSON (default benchmarks/results/soak-<device>-<date>.json).
+writes JSON (default bench_results/soak-<device>-<date>.json).
 """
 
 from __future__ import annotations
@@ -32,28 +32,26 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import random
 import signal
 import sys
 import tempfile
 import time
 from collections import Counter
-from datetime import datetime, timezone
-from typing import Optional
+from datetime import UTC, datetime
 
 import aiohttp
 import numpy as np
-from result_file import write_json  # noqa: E402  (benchmarks/)
 
-from serve_process import REPO_ROOT  # noqa: E402  (benchmarks/)
-from soak_server import PROBE_TIMEOUT, ServerProcess  # noqa: E402  (benchmarks/)
+from benchmarks.harness.results import write_result
+from benchmarks.harness.server import ServerProcess
+
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30)  # /health and /debug/kv_audit calls
 # Server flags the soak sets; flags passed through come after them and win. A small
 # running batch and queue cap make 2x overload reach admission control (429) quickly.
 SERVER_DEFAULTS = ("--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "32",
                    "--max-num-queued-requests", "32", "--shutdown-timeout", "30",
-                   "--enable-debug-routes", "--disable-log-requests",
-                   "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
+                   "--enable-debug-routes")
 OWNED_FLAGS = ("--host", "--port", "--api-key")
 PROMPTS = ("Name three colours.", "What is the capital of France?", "Write a haiku about rain.",
            "Count from one to five.", "Why is the sky blue?", "Describe a cat in one sentence.",
@@ -86,8 +84,8 @@ class Result:
     outcome: str = ""  # completed | rejected | aborted | one of FAILURES
     detail: str = ""
     end: float = 0.0
-    ttft: Optional[float] = None
-    tokens: Optional[int] = None
+    ttft: float | None = None
+    tokens: int | None = None
 
 
 def make_spec(rng: random.Random, disconnect_share: float, abort_share: float,
@@ -201,7 +199,7 @@ async def run_request(session: aiohttp.ClientSession, url: str, spec: Spec, time
                 res.detail = "before the first token" if res.ttft is None else "after the first token"
         if not res.outcome:
             await asyncio.wait_for(task, max(0.0, timeout_s - (time.monotonic() - res.start)))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         res.outcome, res.detail = "hung", f"no end within {timeout_s:.0f} s"
     except (aiohttp.ClientError, OSError) as exc:
         res.outcome, res.detail = "connection_error", f"{type(exc).__name__}: {exc}"[:200]
@@ -249,7 +247,7 @@ async def sample_rss(server: ServerProcess, t0: float, samples: list, interval_s
             samples.append((time.monotonic() - t0, rss))
         try:
             await asyncio.wait_for(stop.wait(), interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -279,7 +277,7 @@ async def settle(session, url: str, timeout_s: float) -> dict:
         try:
             async with session.get(f"{url}/debug/kv_audit", timeout=PROBE_TIMEOUT) as r:
                 audit = await r.json() if r.status == 200 else {"status": r.status, "body": await r.text()}
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             audit = {"error": f"{type(exc).__name__}: {exc}"}
         clean = (audit.get("in_use") == 0 and audit.get("num_running") == 0
                  and audit.get("num_waiting") == 0 and audit.get("num_in_flight") == 0
@@ -290,7 +288,7 @@ async def settle(session, url: str, timeout_s: float) -> dict:
     try:
         async with session.get(f"{url}/health", timeout=PROBE_TIMEOUT) as r:
             health = r.status
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         health = f"{type(exc).__name__}: {exc}"
     return {"audit": audit, "audit_clean": clean, "settle_s": time.monotonic() - start,
             "health_status": health}
@@ -301,7 +299,7 @@ async def run_soak(server: ServerProcess, args) -> dict:
     connector = aiohttp.TCPConnector(limit=args.max_connections, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        startup_s = await server.wait_ready(session, args.startup_timeout)
+        startup_s = await asyncio.to_thread(server.wait_ready, args.startup_timeout)
         print(f"server ready in {startup_s:.1f} s at {server.url} (pid {server.proc.pid})", flush=True)
         for chat in (False, True):  # warm-up, not measured
             spec = Spec("normal", chat, False, 4, True, 0.0, PROMPTS[0])
@@ -338,7 +336,7 @@ async def run_soak(server: ServerProcess, args) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
-def _pct(values: list[float], q: float) -> Optional[float]:
+def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None  # linear, as pagoda bench
 
 
@@ -354,7 +352,7 @@ def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
     to the end of the load and to the final sample, after settling. Under load RSS moves
     by a few % between samples, so each figure under load is the median of the samples
     in the `baseline_s / 2` before it."""
-    def median(lo: float, hi: float) -> Optional[int]:
+    def median(lo: float, hi: float) -> int | None:
         values = [rss for t, rss in samples[:-1] if lo <= t <= hi]
         return int(np.median(values)) if values else None
 
@@ -450,7 +448,8 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
     add("--startup-timeout", type=float, default=600.0, help="wait for /health (600 s)")
     add("--max-connections", type=int, default=1000, help="client connection cap (1000)")
     add("--seed", type=int, default=0, help="workload and arrivals seed (0)")
-    add("--output", help="JSON path (default benchmarks/results/soak-<device>-<date>.json)")
+    add("--output", "--out", dest="output",
+        help="JSON path (default bench_results/soak-<device>-<date>.json)")
     add("--server-log", help="the server's log file (default: a temp file)")
     args, server_args = ap.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
@@ -479,7 +478,7 @@ def _raise_interrupt(signum, frame) -> None:
 def main(argv=None) -> int:
     args, server_args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so `finally` stops the server
-    date = datetime.now(timezone.utc)
+    date = datetime.now(UTC)
     log_path = args.server_log or tempfile.NamedTemporaryFile(
         prefix="pagoda-soak-server-", suffix=".log", delete=False).name
     server = ServerProcess(server_args, log_path)
@@ -490,7 +489,7 @@ def main(argv=None) -> int:
         print("interrupted: stopping the server", file=sys.stderr)
         return 130
     finally:
-        stopped = server.stop()
+        stopped = server.stop(timeout=60.0)
         print(f"server stopped: exit code {stopped['exit_code']}"
               f"{' (killed)' if stopped['killed'] else ''}", flush=True)
     summary = summarize(run, stopped, args)
@@ -498,8 +497,6 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "soak", "date": date.isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
         "config": vars(args), "server_args": server_args,
         "startup_s": run.get("startup_s"), "calibration": run.get("calibration"),
         **summary, "audit": run.get("audit"), "settle_s": run.get("settle_s"),
@@ -507,9 +504,8 @@ def main(argv=None) -> int:
         "server_log": {"path": log_path, **server.log_problems()},
         "rss_samples": [[round(t, 1), rss] for t, rss in run.get("rss_samples", [])],
     }
-    output = args.output or os.path.join(
-        REPO_ROOT, "benchmarks", "results", f"soak-{args.device}-{date:%Y-%m-%d}.json")
-    write_json(output, report)
+    output = args.output or f"bench_results/soak-{args.device}-{date:%Y-%m-%d}.json"
+    write_result(output, report)
     print(f"{'PASS' if summary['passed'] else 'FAIL'}; JSON: {output}")
     return 0 if summary["passed"] else 1
 

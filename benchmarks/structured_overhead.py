@@ -14,28 +14,23 @@ Validity: tests/structured_schemas.py's 32 schemas at temperature 0 and 1 (one
 batch); valid = finished by the grammar ("stop") and validates with jsonschema.
 
     # CPU, embedded SmolLM2 (a few minutes on 2 cores):
-    .venv/bin/python benchmarks/structured_overhead.py --batches 1,32 --max-tokens 64
+    python -m benchmarks.structured_overhead --batches 1,32 --max-tokens 64
     # H200, Llama-3.1-8B shape with random weights, the SmolLM2 tokenizer:
-    python benchmarks/structured_overhead.py --model llama-3.1-8b --load-format dummy \\
+    python -m benchmarks.structured_overhead --model llama-3.1-8b --load-format dummy \\
         --tokenizer "$(python -c 'from pagoda.model.tokenizer import embedded_model_path as p; print(p())')" \\
-        --batches 1,32,128 --max-tokens 256 --out benchmarks/results/h200-structured.json
+        --batches 1,32,128 --max-tokens 256 --out bench_results/h200-structured.json
     # a quick check that it runs:
-    .venv/bin/python benchmarks/structured_overhead.py --smoke
+    python -m benchmarks.structured_overhead --smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from result_file import write_json  # noqa: E402  (benchmarks/)
+from benchmarks.harness.results import write_result
 
 # Never finishes within the benchmark's max_tokens: at least 64 records of a few fields.
 LONG_SCHEMA = {"type": "object", "properties": {"records": {
@@ -125,10 +120,10 @@ def throughput(runner: Runner, args) -> list[dict]:
 
 def validity(runner: Runner, args) -> dict:
     import jsonschema
-    from structured_schemas import SCHEMAS
 
     from pagoda import SamplingParams
     from pagoda.structured.params import StructuredOutputsParams
+    from tests.structured_schemas import SCHEMAS
     schemas = SCHEMAS[:4] if args.smoke else SCHEMAS
     params = [SamplingParams(temperature=t, seed=i, max_tokens=args.validity_max_tokens,
                              structured_outputs=StructuredOutputsParams(json=s))
@@ -162,7 +157,8 @@ def main() -> None:
     parser.add_argument("--validity-max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument("--out", "--output", dest="out", default=None,
+                        help="JSON path (default bench_results/<device>-structured-overhead.json)")
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.max_tokens, args.repeats, args.validity_max_tokens = "1,4", 8, 1, 48
@@ -170,15 +166,12 @@ def main() -> None:
     runner = Runner(args)
     device = runner.engine.config.device.device
     result = {
-        "benchmark": "structured_overhead", "date": datetime.now(timezone.utc).isoformat(),
-        "machine": platform.node(), "device": device, "model": args.model or "embedded SmolLM2",
+        "benchmark": "structured_overhead", "device": device, "model": args.model or "embedded SmolLM2",
         "load_format": args.load_format, "max_tokens": args.max_tokens, "smoke": args.smoke,
         "async_scheduling": runner.engine.async_scheduling,
         "throughput": throughput(runner, args), "validity": validity(runner, args),
     }
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"{device}-structured-overhead{'-smoke' if args.smoke else ''}.json")
-    write_json(out, result)
+    write_result(args.out or f"bench_results/{device}-structured-overhead.json", result)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ each server stage from HTTP arrival (pagoda/engine/trace.py names the stages).
 Writes everything (every trace included) to --output.
 
     # GPU (no network needed):
-    python benchmarks/ttft.py --output results/ttft-h200.json -- \
+    python -m benchmarks.ttft --output bench_results/ttft-h200.json -- \
         --model llama-3.1-8b --load-format dummy
     # CPU, a tiny random model with the embedded tokenizer:
-    python benchmarks/ttft.py --tiny-cpu --output results/ttft-cpu.json
+    python -m benchmarks.ttft --tiny-cpu --output bench_results/ttft-cpu.json
 
 A preset model has no tokenizer; unless `--tokenizer` is among the server flags, the
 embedded SmolLM2 GGUF's tokenizer is used (its ids fit any preset's vocabulary).
@@ -27,17 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-from datetime import datetime, timezone
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing the package
-
-from serve_process import start_server, stop_server  # noqa: E402  (benchmarks/)
-from result_file import write_json  # noqa: E402  (benchmarks/)
+from benchmarks.harness.results import write_result
+from benchmarks.harness.server import serve
+from benchmarks.harness.workloads import config_dir
 
 # name -> (random input len, shared prefix len); prompt length = input + prefix
 WORKLOADS = {"short": (64, 0), "long": (2112, 0), "cached": (64, 2048)}
@@ -50,14 +46,10 @@ TINY_CONFIG = {  # ~1 ms forward on CPU, so the host-side overheads show
     "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 
 
-def server_flags(args, workdir: str) -> list[str]:
+def server_flags(args) -> list[str]:
     flags = list(args.server_args)
     if args.tiny_cpu:
-        model_dir = os.path.join(workdir, "tiny-llama")
-        os.makedirs(model_dir, exist_ok=True)
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(TINY_CONFIG, f)
-        flags = ["--model", model_dir, "--load-format", "dummy", "--device", "cpu",
+        flags = ["--model", config_dir(TINY_CONFIG, "tiny-llama-"), "--load-format", "dummy", "--device", "cpu",
                  "--max-model-len", "4096", *flags]
     if "--tokenizer" not in flags and "--load-format" in flags:
         from pagoda.model.tokenizer import embedded_model_path
@@ -147,7 +139,7 @@ def print_summary(results: list[dict]) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", default="bench_results/ttft.json")
+    p.add_argument("--output", "--out", dest="output", default="bench_results/ttft.json")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--num-prompts", type=int, default=30)
@@ -174,21 +166,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     workdir = tempfile.mkdtemp(prefix="pagoda-ttft-")
     trace_path, log_path = os.path.join(workdir, "trace.jsonl"), os.path.join(workdir, "serve.log")
-    flags = server_flags(args, workdir)
-    proc, url = start_server(flags, log_path, {"PAGODA_TTFT_TRACE": trace_path})
+    flags = server_flags(args)
     results, seen = [], 0
-    try:
+    with serve(flags, log_path, {"PAGODA_TTFT_TRACE": trace_path}) as server:
         for name in names:
-            result, seen = run_workload(args, url, trace_path, seen, name)
+            result, seen = run_workload(args, server.url, trace_path, seen, name)
             results.append(result)
-    finally:
-        stop_server(proc)
     print_summary(results)
-    out = {"date": datetime.now(timezone.utc).isoformat(), "machine": platform.node(),
-           "python": platform.python_version(), "server_flags": flags,
+    out = {"benchmark": "ttft", "server_flags": flags,
            "config": {k: v for k, v in vars(args).items() if k != "server_args"},
            "results": results}
-    write_json(args.output, out, indent=1)
+    write_result(args.output, out, indent=1)
     print(f"\nsaved {args.output} (server log: {log_path})")
     return 0
 

@@ -1,12 +1,10 @@
-"""benchmarks/triton_compiles.CompileLog: it installs Triton's compile hooks for the
+"""benchmarks.harness.compiles.CompileLog: it installs Triton's compile hooks for the
 region, pairs the before/after calls Triton makes around a compilation, never asks
 Triton to skip one, and puts the previous hooks back."""
 
 from triton import knobs
 
-from benchmark_modules import load_benchmark
-
-triton_compiles = load_benchmark("triton_compiles")
+from benchmarks.harness.compiles import CompileLog
 
 
 class _Info:  # what Triton passes as fn= (triton.runtime.jit.JitFunctionInfo)
@@ -18,7 +16,7 @@ def test_pairs_the_hooks_and_restores_them():
         return None
     knobs.runtime.jit_cache_hook = previous
     try:
-        with triton_compiles.CompileLog() as log:
+        with CompileLog() as log:
             before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
             variant = "_moe_gemm_kernel[num_warps=8](a: *bf16, N: i32)"
             # Triton calls both by keyword, and compiles only when the first returns falsy.

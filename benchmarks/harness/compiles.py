@@ -1,6 +1,6 @@
 """Which Triton kernels compile during a region of a benchmark, and how long each took.
 
-    from triton_compiles import CompileLog
+    from benchmarks.harness.compiles import CompileLog
     with CompileLog() as log:
         llm.generate(...)
     log.summary()   # {"count": n, "seconds": s, "kernels": [{"kernel", "seconds"}, ...]}
@@ -38,7 +38,7 @@ class CompileLog:
                              "seconds": None if start is None else time.perf_counter() - start})
         return None
 
-    def __enter__(self) -> "CompileLog":
+    def __enter__(self) -> CompileLog:
         try:
             from triton import knobs
             runtime = knobs.runtime

@@ -1,9 +1,8 @@
-"""benchmarks/step_timeline: the critical-path increments of a device timeline, exactly,
-on a made-up trace where the second kernel starts before the first ends (as with PDL)."""
+"""benchmarks.harness.traces.increments (profile_step's timeline mode): the critical-path
+increments of a device timeline, exactly, on a made-up trace where the second kernel
+starts before the first ends (as with PDL)."""
 
-from benchmark_modules import load_benchmark
-
-step_timeline = load_benchmark("step_timeline")
+from benchmarks.harness.traces import increments
 
 
 def test_increments_add_up_to_the_span_and_name_the_predecessor():
@@ -11,7 +10,7 @@ def test_increments_add_up_to_the_span_and_name_the_predecessor():
     spans = []
     for t in (0.0, 100.0):
         spans += [(t, t + 5, "norm"), (t + 3, t + 12, "gemv"), (t + 12, t + 16, "attn")]
-    rows = step_timeline.increments(spans, steps=2)
+    rows = increments(spans, steps=2)
     by_kernel = {(r["after"], r["kernel"]): r for r in rows}
     gemv = by_kernel[("norm", "gemv")]
     assert (gemv["per_step"], gemv["increment_us"], gemv["duration_us"],
