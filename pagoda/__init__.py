@@ -15,6 +15,6 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 def __getattr__(name: str):
     # LLM pulls in torch; import it on first use so `pagoda.sampling_params` stays light.
     if name == "LLM":
-        from pagoda.entrypoints.llm import LLM
+        from pagoda.entrypoints.llm import LLM  # per command: start-up time
         return LLM
     raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

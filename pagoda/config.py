@@ -390,14 +390,14 @@ class EngineConfig:
 
 def _cuda_available() -> bool:
     try:
-        import torch
+        import torch  # the machine probe: config itself is torch-free
     except ImportError:  # pragma: no cover - torch is a hard dependency
         return False
     return torch.cuda.is_available()
 
 
 def _cuda_device_count() -> int:
-    import torch
+    import torch  # the machine probe
     return torch.cuda.device_count()
 
 

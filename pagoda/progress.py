@@ -24,6 +24,6 @@ def progress(iterable: Iterable[T], desc: str, total: Optional[int] = None, unit
     """`iterable` itself, or wrapped in a tqdm bar on stderr when progress_enabled(rank)."""
     if not progress_enabled(rank):
         return iter(iterable)
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # progress bars only
     return iter(tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr,
                      leave=False, dynamic_ncols=True))

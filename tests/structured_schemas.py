@@ -1,7 +1,7 @@
 """JSON schemas the structured-output tests and benchmark generate against: small, and
 bounded (string lengths, item counts, number ranges) so that a 135M model at any
 temperature finishes them within a few dozen tokens. (A unique module name, so test
-files and benchmarks/structured_overhead.py can import it.)"""
+files and benchmarks.structured_overhead can import it.)"""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.fixture(scope="module")
 def am():
-    return kernel_modules("argmax")[0]
+    return kernel_modules("sample.argmax")[0]
 
 
 def _randn(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

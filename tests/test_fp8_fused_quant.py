@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def k():
     """(fp8_quant, fused_ops, fp8_fused_quant), interpreted where there is no GPU."""
-    return kernel_modules("fp8_quant", "fused_ops", "fp8_fused_quant")
+    return kernel_modules("fp8.quant", "norm.fused_ops", "fp8.fused_quant")
 
 
 def _rand(*shape, dtype, seed=0, scale=1.0):

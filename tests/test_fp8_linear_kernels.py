@@ -41,17 +41,17 @@ FP8 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module")
 def kq():
-    return kernel_modules("fp8_quant")[0]
+    return kernel_modules("fp8.quant")[0]
 
 
 @pytest.fixture(scope="module")
 def kw(kq):
-    return kernel_modules("fp8_w8a16")[0]
+    return kernel_modules("fp8.w8a16")[0]
 
 
 @pytest.fixture(scope="module")
 def kl(kw):
-    return kernel_modules("fp8_linear")[0]
+    return kernel_modules("fp8.linear")[0]
 
 
 def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -248,7 +248,7 @@ def test_gated_w8a16_is_linear_then_silu_and_mul(kq, kl, kw, dtype, n, k, config
     """One row of [gate; up] weights through the gated kernel equals the plain W8A16
     GEMV followed by silu_and_mul (the kernel the engine ran after it): the same sums,
     roundings and activation, so the same bits interpreted; compiled, within one ulp."""
-    fused_ops = kernel_modules("fused_ops")[0]
+    fused_ops = kernel_modules("norm.fused_ops")[0]
     w, s = _weights(kq, 2 * n, k, seed=n)
     x = _rand(1, k, dtype=dtype, seed=k)
     plain_cfg = None if config is None else dict(config, BLOCK_N=2 * config["BLOCK_N"])
@@ -440,7 +440,7 @@ def test_w8a16_rejects_unknown_decode(kq, kw):
                                                           num_warps=4, DECODE="lut"))
 
 
-def test_w8a16_one_row_tiles_by_shape(kw, monkeypatch):
+def test_w8a16_one_row_tiles_by_shape(kw):
     """One row: 16-column tiles for qkv / o sized projections (K <= 4096, N <= 8192),
     the 8-column rule for long K (down) and wide N (gate/up), 32 x 256 for a vocabulary."""
     short = kw.w8a16_config(1, 4096, 4096)
@@ -450,5 +450,3 @@ def test_w8a16_one_row_tiles_by_shape(kw, monkeypatch):
     assert (down["BLOCK_N"], down["BLOCK_K"], down["LOOP_STAGES"]) == (8, 1024, 4)
     assert (gate_up["BLOCK_N"], gate_up["BLOCK_K"], gate_up["LOOP_STAGES"]) == (8, 512, 3)
     assert kw.w8a16_config(1, 128256, 4096)["BLOCK_N"] == 32
-    monkeypatch.setattr(kw, "SHORT_K_GEMV_TILE", False)
-    assert kw.w8a16_config(1, 4096, 4096)["BLOCK_N"] == 8

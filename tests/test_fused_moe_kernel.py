@@ -3,7 +3,7 @@
 Without CUDA it runs under TRITON_INTERPRET=1 (set by conftest) in float32 and float16
 on small shapes: several token counts including 1, uneven expert loads, experts with
 no tokens, choices of another rank's experts (-1), and every tile configuration; each
-path (GEMV decode kernels, grouped GEMMs with the SiLU-and-mul epilogue, unfused). The
+path (GEMV decode kernels, grouped GEMMs with the SiLU-and-mul epilogue). The
 block alignment is checked exactly against a plain Python sort. With CUDA the same
 cases run compiled, plus bfloat16 at the Qwen3-30B-A3B layer shape and a CUDA graph.
 """
@@ -27,7 +27,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def fm():
-    return kernel_modules("moe_align", "fused_moe_decode", "fused_moe")[2]
+    return kernel_modules("moe.align", "moe.fused_moe_decode", "moe.fused_moe")[2]
 
 
 def _case(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
@@ -47,6 +47,38 @@ def _case(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype:
     to = dict(device=DEVICE)
     return (x.to(dtype).to(**to), w13.to(dtype).to(**to), w2.to(dtype).to(**to),
             weights.float().to(**to), ids.to(**to))
+
+
+def _small_gemv_tiles():
+    """The default MoE config with small GEMV tiles (both kernels loop over several
+    reduction chunks and column blocks) and the wide down tiles at every width."""
+    from dataclasses import replace
+
+    from pagoda.kernels.moe.config import DownTiles, GateUpTiles, MoEKernelConfig
+    return replace(MoEKernelConfig.for_capability((9, 0)),
+                   gate_up=GateUpTiles(block_n=8, block_k=16, num_warps=1, num_stages=2),
+                   down=DownTiles(block_n=16, block_k=8, num_warps=1, loop_stages=1),
+                   narrow_down_max=0)
+
+
+def _unfused_moe(fm, hidden, w13, w2, topk_weights, topk_ids):
+    """The grouped GEMMs without the SiLU-and-mul epilogue: gate/up to [pairs, 2I],
+    fused_ops.silu_and_mul, down, the sum over the choices (the epilogue's reference
+    composition of kernels)."""
+    from pagoda.kernels.norm.fused_ops import silu_and_mul
+    num_pairs = topk_ids.numel()
+    gate_up_tiles = fm.pick_config(num_pairs, w13.shape[0], w13.element_size())
+    down_tiles = fm.pick_config(num_pairs, w13.shape[0], w13.element_size(), gemm="down")
+    sorted_ids, expert_ids, used = fm.moe_align_block_size(topk_ids, gate_up_tiles["BLOCK_M"],
+                                                           w13.shape[0])
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
+    fm._grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids, used,
+                     topk_ids.shape[1], False, gate_up_tiles)
+    act = silu_and_mul(gate_up)
+    rows = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    fm._grouped_gemm(act, w2, rows, weights, sorted_ids, expert_ids, used, 1, True, down_tiles)
+    return fm.sum_choices(rows, topk_ids.shape[1])
 
 
 def _align_by_hand(ids: torch.Tensor, block_m: int, experts: int):
@@ -145,11 +177,11 @@ CASES = [(1, 8, 2, False, False), (7, 6, 3, True, False), (33, 4, 2, True, True)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("path,tokens,experts,top_k,skew,foreign", [
-    (path, *case) for path in ("gemv", "fused", "unfused") for case in CASES
+    (path, *case) for path in ("gemv", "fused") for case in CASES
     if path != "gemv" or case[0] < 33])  # GEMV: decode sizes (and the interpreter is slow)
 def test_fused_moe_matches_reference(fm, path, dtype, tokens, experts, top_k, skew, foreign):
-    """Every path: the GEMV decode kernels, the grouped GEMMs with the SiLU-and-mul in
-    the epilogue, and the unfused first version."""
+    """Every path: the GEMV decode kernels, and the grouped GEMMs with the SiLU-and-mul
+    in the epilogue."""
     args = _case(tokens, experts, 32, 48, top_k, dtype, skew=skew, foreign=foreign)
     got = fm.fused_moe(*args, path=path)
     expected = fm.fused_moe_reference(*args)
@@ -158,15 +190,14 @@ def test_fused_moe_matches_reference(fm, path, dtype, tokens, experts, top_k, sk
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
 
 
-@pytest.mark.parametrize("path", ["fused", "unfused"])
-def test_prefill_tiles_float16_match_reference(fm, path):
+def test_prefill_tiles_float16_match_reference(fm):
     """600 rows per expert: pick_config's prefill tier as it is, B tiles by tensor
     descriptor, the down GEMM's 256 columns over a hidden size of 32 (one partial block
     whose descriptor rows run into the next expert's)."""
     assert fm.pick_config(1200, 2, 2, "down")["B_TMA"]
     args = _case(600, 2, 32, 48, 2, torch.float16, seed=11, skew=True)
     expected = fm.fused_moe_reference(*args)
-    got = fm.fused_moe(*args, path=path)
+    got = fm.fused_moe(*args, path="fused")
     scale = expected.float().abs().max().item()
     assert (got.float() - expected.float()).abs().max().item() <= 2e-3 * max(scale, 1)
 
@@ -177,7 +208,7 @@ def test_fused_epilogue_equals_unfused(fm, dtype):
     storage dtype, silu before the multiply): float16 results are the same bits; float32
     ones differ only by the float32 summation order of differently shaped tiles."""
     args = _case(9, 4, 32, 40, 2, dtype, seed=3, skew=True, foreign=True)
-    fused, unfused = fm.fused_moe(*args, path="fused"), fm.fused_moe(*args, path="unfused")
+    fused, unfused = fm.fused_moe(*args, path="fused"), _unfused_moe(fm, *args)
     if dtype == torch.float16:
         assert torch.equal(fused, unfused)
     else:
@@ -185,17 +216,20 @@ def test_fused_epilogue_equals_unfused(fm, dtype):
 
 
 def test_default_path_choice(fm, monkeypatch):
+    from dataclasses import replace
+
+    from pagoda.kernels.moe.config import MoEKernelConfig
     calls = []
     real = fm.fused_moe_gemv
     monkeypatch.setattr(fm, "fused_moe_gemv", lambda *a: calls.append(a[3].shape) or real(*a))
-    small = _case(fm.DECODE_GEMV_MAX_PAIRS // 2, 4, 16, 16, 2, torch.float32)
-    large = _case(fm.DECODE_GEMV_MAX_PAIRS // 2 + 1, 4, 16, 16, 2, torch.float32)
+    config = MoEKernelConfig.for_capability((9, 0))
+    small = _case(config.gemv_max_pairs // 2, 4, 16, 16, 2, torch.float32)
+    large = _case(config.gemv_max_pairs // 2 + 1, 4, 16, 16, 2, torch.float32)
     fm.fused_moe(*small)
     fm.fused_moe(*large)
     assert calls == [small[3].shape]  # decode-sized only
-    monkeypatch.setattr(fm, "FUSED_EPILOGUES", False)
-    fm.fused_moe(*small)
-    assert len(calls) == 1  # the unfused comparison path takes no GEMV either
+    fm.fused_moe(*small, config=replace(config, gemv_max_pairs=0))
+    assert len(calls) == 1  # a config without the GEMV path
     with pytest.raises(ValueError, match="unknown fused_moe path"):
         fm.fused_moe(*small, path="atomic")
 
@@ -213,48 +247,49 @@ def test_gemv_sum_is_deterministic_and_skips_foreign_choices(fm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_tiles_smaller_than_the_rows(fm, monkeypatch, dtype):
+def test_gemv_tiles_smaller_than_the_rows(fm, dtype):
     """Small GEMV tiles, so both kernels loop over several reduction chunks and column
     blocks, the last ones partial (H = 40, I = 24: no multiple of 16 or 8)."""
-    from pagoda.kernels.moe import fused_moe_decode as dec
-    monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
-    monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
-    monkeypatch.setattr(dec, "NARROW_DOWN", False)  # DOWN_CONFIG at every width
     args = _case(2, 5, 40, 24, 3, dtype, seed=11, foreign=True)
     expected = fm.fused_moe_reference(*args)
-    got = fm.fused_moe(*args, path="gemv")
+    got = fm.fused_moe(*args, path="gemv", config=_small_gemv_tiles())
     scale = expected.float().abs().max().item()
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
 
 
-def test_down_config_by_intermediate_width(monkeypatch):
+def test_down_tiles_by_intermediate_width():
     """Narrow experts (Qwen3's 768) get the four-column one-warp down tile with six
-    choices in flight, wider ones (DeepSeek-V2-Lite's 1408) DOWN_CONFIG; each with its
-    whole row as one chunk."""
-    from pagoda.kernels.moe import fused_moe_decode as dec
-    narrow, wide = dec.down_config(768), dec.down_config(1408)
+    choices in flight, wider ones (DeepSeek-V2-Lite's 1408) two warps and three; each
+    with its whole row as one chunk, up to 2048 columns."""
+    from pagoda.kernels.moe.config import MoEKernelConfig
+    config = MoEKernelConfig.for_capability((9, 0))
+    narrow = config.down_tiles(768).launch(768)
+    wide = config.down_tiles(1408).launch(1408)
     assert (narrow["BLOCK_N"], narrow["num_warps"], narrow["BLOCK_K"], narrow["ONE_CHUNK"],
             narrow["LOOP_STAGES"]) == (4, 1, 1024, True, 6)
-    assert (wide["BLOCK_N"], wide["num_warps"], wide["BLOCK_K"], wide["ONE_CHUNK"]) == \
-        (4, 2, 2048, True)
-    monkeypatch.setattr(dec, "NARROW_DOWN", False)
-    assert dec.down_config(768)["BLOCK_N"] == 4
+    assert (wide["BLOCK_N"], wide["num_warps"], wide["BLOCK_K"], wide["ONE_CHUNK"],
+            wide["LOOP_STAGES"]) == (4, 2, 2048, True, 3)
+    chunked = config.down_tiles(4096).launch(4096)
+    assert (chunked["BLOCK_K"], chunked["ONE_CHUNK"]) == (256, False)
 
 
 @pytest.mark.parametrize("b_tma", [False, True])
 @pytest.mark.parametrize("num_pairs", [8, 200, 1000, 5000])
-def test_every_tile_config_matches_reference(fm, monkeypatch, num_pairs, b_tma):
-    """Each of pick_config's configurations, with B tiles by pointer loads and by tensor
+def test_every_tile_config_matches_reference(fm, num_pairs, b_tma):
+    """Each of the grouped GEMMs' tiers, with B tiles by pointer loads and by tensor
     descriptor (TMA), forced on one small case (the interpreter is slow, so the shape
     stays small while the tiles change). N = 24 and 40 leave a partial column block: the
     descriptor's rows past N must not leak into the stored columns."""
-    configs = {gemm: {**fm.pick_config(num_pairs, 4, 4, gemm), "B_TMA": b_tma}
-               for gemm in ("gate_up", "down")}
-    monkeypatch.setattr(fm, "pick_config", lambda *_, gemm="gate_up": configs[gemm])
+    from dataclasses import replace
+
+    from pagoda.kernels.moe.config import GroupedTier, MoEKernelConfig
+    config = MoEKernelConfig.for_capability((9, 0))
+    gate_up, down = (replace(config.grouped_tiles(num_pairs, 4, 4, gemm), b_tma=b_tma)
+                     for gemm in ("gate_up", "down"))
+    forced = replace(config, grouped_tiers=(GroupedTier(None, gate_up, down, gate_up, down),))
     args = _case(9, 4, 24, 40, 2, torch.float32, seed=num_pairs, skew=True, foreign=True)
-    for path in ("fused", "unfused"):
-        torch.testing.assert_close(fm.fused_moe(*args, path=path),
-                                   fm.fused_moe_reference(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fm.fused_moe(*args, path="fused", config=forced),
+                               fm.fused_moe_reference(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_tma_needs_a_contiguous_aligned_weight(fm):
@@ -296,7 +331,7 @@ def test_bfloat16_qwen3_30b_layer_shape_and_cuda_graph(fm):
         args = _case(tokens, 128, 2048, 768, 8, torch.bfloat16, seed=tokens)
         expected = fm.fused_moe_reference(*args)
         scale = expected.float().abs().max().item()
-        for path in fm.PATHS if tokens <= 64 else ("fused", "unfused"):
+        for path in fm.PATHS if tokens <= 64 else ("fused",):
             got = fm.fused_moe(*args, path=path)
             assert (got.float() - expected.float()).abs().max().item() <= 2e-2 * scale
     for tokens in (1, 4):  # the GEMV path, then the grouped GEMMs
@@ -329,26 +364,23 @@ def _shared_reference(x, gate_up, down):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("small_tiles", [False, True])
-def test_gemv_adds_the_shared_mlp_in_its_launches(fm, monkeypatch, dtype, small_tiles):
+def test_gemv_adds_the_shared_mlp_in_its_launches(fm, dtype, small_tiles):
     """A shared MLP of two expert-sized chunks rides along the GEMV kernels: the result is
     the routed sum plus the shared MLP, each rounded on its own, then added (DeepSeek's
     block); with small tiles both kernels loop over several chunks of each row; a token
     whose choices are all another rank's still gets the shared MLP."""
-    if small_tiles:
-        from pagoda.kernels.moe import fused_moe_decode as dec
-        monkeypatch.setattr(dec, "GATE_UP_CONFIG", dict(BLOCK_N=8, BLOCK_K=16, num_warps=1))
-        monkeypatch.setattr(dec, "DOWN_CONFIG", dict(BLOCK_N=16, BLOCK_K=8, num_warps=1))
-        monkeypatch.setattr(dec, "NARROW_DOWN", False)
+    config = _small_gemv_tiles() if small_tiles else None
     x, w13, w2, weights, ids = _case(3, 5, 40, 24, 2, dtype, seed=13)
     ids[1] = -1
     gate_up, down = _shared_mlp(40, 24, 2, dtype, seed=14)
-    got = fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down))
+    got = fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down), config=config)
     expected = (fm.fused_moe_reference(x, w13, w2, weights, ids)
                 + _shared_reference(x, gate_up, down))
     assert got.dtype == dtype and got.shape == (3, 40)
     scale = expected.float().abs().max().item()
     assert (got.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1)
-    assert torch.equal(got, fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down)))
+    assert torch.equal(got, fm.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, down),
+                                         config=config))
 
 
 def test_shared_mlp_refusals(fm):

@@ -33,7 +33,7 @@ TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3}
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 
-(fused_ops,) = kernel_modules("fused_ops")
+(fused_ops,) = kernel_modules("norm.fused_ops")
 
 
 def _rand(*shape, dtype, seed=0, scale=1.0):
@@ -94,21 +94,32 @@ def test_fused_add_rms_norm_matches_torch(dtype, rows, hidden):
     assert new_residual.data_ptr() != residual.data_ptr()  # inputs left untouched
 
 
+def _norm_kernel(x, residual, weight, preload: bool):
+    """fused_ops' RMSNorm kernel on contiguous 2-D rows of one chunk, its weight loaded
+    before the PDL wait (preload, what the wrapper does for such rows) or after it:
+    (out, new residual)."""
+    rows, hidden = x.shape
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    block = fused_ops.triton.next_power_of_2(hidden)
+    fused_ops._rms_norm_kernel[(rows,)](
+        x, residual, weight, out, new_residual, 1, hidden, 0, hidden, 0, 1e-6,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
+        num_warps=fused_ops._num_warps(block))
+    return out, new_residual
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_with_preloaded_weight_is_bitwise_the_same(monkeypatch, dtype):
+def test_norm_with_preloaded_weight_is_bitwise_the_same(dtype):
     """The weight loaded before the PDL wait (one-chunk rows, 96 padded to 128): the
-    same bits as the kernel that loads it after, with and without a residual."""
+    same bits as the kernel that loads it after, and the wrapper's result."""
     x = _rand(3, 96, dtype=dtype)
     residual = _rand(3, 96, dtype=dtype, seed=2, scale=4.0)
     weight = _rand(96, dtype=dtype, seed=1)
-    monkeypatch.setattr(fused_ops, "PRELOAD_NORM_WEIGHT", False)  # the default is on
-    plain = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6), \
-        fused_ops.rms_norm(x, weight, 1e-6)
-    monkeypatch.setattr(fused_ops, "PRELOAD_NORM_WEIGHT", True)
-    (out, new_residual), alone = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6), \
-        fused_ops.rms_norm(x, weight, 1e-6)
-    assert torch.equal(out, plain[0][0]) and torch.equal(new_residual, plain[0][1])
-    assert torch.equal(alone, plain[1])
+    plain = _norm_kernel(x, residual, weight, preload=False)
+    preloaded = _norm_kernel(x, residual, weight, preload=True)
+    wrapper = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    for got in (preloaded, wrapper):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
 def test_rms_norm_chunked_row_and_3d_strided_input():

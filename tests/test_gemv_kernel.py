@@ -6,7 +6,7 @@ float32 on small shapes. Covered: every inner product (one row, FMA rows, tl.dot
 1..GEMV_MAX_ROWS rows, N and K that are not multiples of the tiles (masks), bias, rows
 of x with a stride, split-K in one launch (deterministic: two calls bitwise equal, the
 counters back at zero), the rejected arguments, and the linear layers taking the kernel
-exactly when the table lists their shape and the switch is on.
+exactly when their GemvConfig's table lists their shape and the switch is on.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
 
 @pytest.fixture(scope="module")
 def kg():
-    return kernel_modules("gemv")[0]
+    return kernel_modules("gemv.gemv")[0]
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):
@@ -37,8 +37,15 @@ def _rand(*shape, dtype=torch.float32, seed=0):
 
 
 def _cfg(block_n=8, block_k=32, split=1, stages=2, dot=False, warps=4):
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, LOOP_STAGES=stages,
-                num_warps=warps, DOT=dot)
+    from pagoda.kernels.gemv.config import GemvTiles
+    return GemvTiles(block_n=block_n, block_k=block_k, split_k=split, loop_stages=stages,
+                     num_warps=warps, dot=dot)
+
+
+def _config(*entries):
+    """A GemvConfig routing these ((N, K, rows bucket), tiles) entries."""
+    from pagoda.kernels.gemv.config import GemvConfig
+    return GemvConfig(dict(entries))
 
 
 def _check_close(kg, x, w, b, cfg):
@@ -139,15 +146,21 @@ def test_strided_rows_and_leading_dims(kg, dtype):
     torch.testing.assert_close(y.float(), kg.gemv_ref(x4, w, b).float(), **TOL[dtype])
 
 
-def test_default_and_table_configs(kg, monkeypatch):
-    """No config: the table's entry for (N, K, rows bucket) when present, else
-    default_config; both compute the same product."""
+def test_default_and_table_configs(kg):
+    """No tiles: the device table's entry for (N, K, rows bucket) when present, else
+    default_tiles; both compute the same product."""
+    from pagoda.kernels.gemv.config import GemvConfig, rows_bucket
     x, w = _rand(3, 96, seed=41), _rand(40, 96, seed=42)
     ref = kg.gemv_ref(x, w)
     torch.testing.assert_close(kg.gemv(x, w), ref, **TOL[torch.float32])
-    monkeypatch.setitem(kg.GEMV_CONFIGS, (40, 96, 4), _cfg(block_n=16, block_k=32, split=2))
-    torch.testing.assert_close(kg.gemv(x, w), ref, **TOL[torch.float32])
-    assert kg.rows_bucket(1) == 1 and kg.rows_bucket(3) == 4 and kg.rows_bucket(8) == 8
+    tiles = _cfg(block_n=16, block_k=32, split=2)
+    assert _config(((40, 96, 4), tiles)).lookup(40, 96, 3) is tiles
+    torch.testing.assert_close(kg.gemv(x, w, None, tiles), ref, **TOL[torch.float32])
+    assert rows_bucket(1) == 1 and rows_bucket(3) == 4 and rows_bucket(8) == 8
+    hopper = GemvConfig.for_capability((9, 0))
+    assert hopper.lookup(4096, 4096, 1) == _cfg(block_n=4, block_k=512, split=1, stages=4)
+    assert hopper.lookup(4096, 4096, 3) is None  # bucket 4: cuBLAS keeps it
+    assert GemvConfig.for_device(torch.device("cpu")) == hopper
 
 
 def test_rejects_bad_arguments(kg):
@@ -164,9 +177,9 @@ def test_rejects_bad_arguments(kg):
         kg.gemv(x, _rand(32, 16).t())
     with pytest.raises(ValueError, match="power of two"):
         kg.gemv(x, w, None, _cfg(block_n=6))
-    with pytest.raises(ValueError, match="DOT"):
+    with pytest.raises(ValueError, match="dot product"):
         kg.gemv(x[:1], w, None, _cfg(block_n=16, dot=True))
-    with pytest.raises(ValueError, match="keys"):
+    with pytest.raises(ValueError, match="GemvTiles"):
         kg.gemv(x, w, None, dict(BLOCK_N=8))
 
 
@@ -198,9 +211,9 @@ def _layers(dtype):
     return col, row
 
 
-def test_linear_takes_gemv_when_table_lists_shape(kg, routed, monkeypatch):
+def test_linear_takes_gemv_when_table_lists_shape(kg, routed):
     col, row = _layers(torch.float16)
-    monkeypatch.setitem(kg.GEMV_CONFIGS, (40, 48, 2), _cfg(block_n=8, block_k=16))
+    col.gemv_config = row.gemv_config = _config(((40, 48, 2), _cfg(block_n=8, block_k=16)))
     x = _rand(2, 48, dtype=torch.float16, seed=61)
     y = col(x)
     assert routed == [(40, 48)]
@@ -214,8 +227,8 @@ def test_linear_takes_gemv_when_table_lists_shape(kg, routed, monkeypatch):
 def test_linear_keeps_torch_path_otherwise(kg, routed, monkeypatch):
     """Not routed: the switch off, float32 weights, too many rows, an empty table."""
     col, _ = _layers(torch.float16)
-    for m in (1, 2, 4, 8, 16, 32):
-        monkeypatch.setitem(kg.GEMV_CONFIGS, (40, 48, m), _cfg(block_n=8, block_k=16))
+    col.gemv_config = _config(*(((40, 48, m), _cfg(block_n=8, block_k=16))
+                                for m in (1, 2, 4, 8, 16, 32)))
     x = _rand(2, 48, dtype=torch.float16, seed=71)
     monkeypatch.setenv(kg.ENV_SWITCH, "0")
     y = col(x)
@@ -225,11 +238,12 @@ def test_linear_keeps_torch_path_otherwise(kg, routed, monkeypatch):
     monkeypatch.setenv(kg.ENV_SWITCH, "1")
     col(_rand(kg.GEMV_MAX_ROWS + 1, 48, dtype=torch.float16, seed=72))
     col32, _ = _layers(torch.float32)
+    col32.gemv_config = col.gemv_config
     col32(_rand(2, 48, seed=73))
     assert routed == []
     col(x)
     assert routed == [(40, 48)]
-    monkeypatch.setattr(kg, "GEMV_CONFIGS", {})
+    col.gemv_config = _config()
     col(x)
     assert routed == [(40, 48)]
 
@@ -240,7 +254,7 @@ def test_cpu_layers_are_not_routed_by_default(kg, monkeypatch):
     assert unquantized.GEMV_DEVICES == ("cuda",)
     calls = []
     monkeypatch.setattr(kg, "gemv", lambda *a, **k: calls.append(a))
-    monkeypatch.setitem(kg.GEMV_CONFIGS, (40, 48, 2), _cfg())
     col = _layers(torch.float16)[0].cpu()
+    col.gemv_config = _config(((40, 48, 2), _cfg()))
     col(torch.randn(2, 48, dtype=torch.float16))
     assert calls == []

@@ -1,6 +1,6 @@
 """Graph steps' inputs built on a side stream (pagoda.worker.input_stream), with the
-step outputs' copies on their own stream (step_output.COPY_STREAM) and the pending
-tokens filled by one kernel (kernels.pending_fill).
+step outputs' copies on their own stream (pagoda.worker.step_output) and the pending
+tokens filled by one kernel (kernels.sample.pending_fill).
 
 On the CPU there is no side stream (make_input_stream gives None) and steps are built
 as before. On a GPU, whole runs must give the same greedy tokens and logprobs with the
@@ -10,25 +10,30 @@ prefill chunks, mixed graphs and decode graphs), different prompt and output len
 ids), async scheduling on. A race between the streams (the next step's inputs written
 before a graph read them, or a sampled token filled in before its ids are staged)
 would change tokens, as would the sampled ids' memory reused before their copy to the
-host ran. The run without them has all three off.
+host ran. The run without them has all three taken out (the test patches them off).
 """
 
 import pytest
 import torch
 
 from pagoda.kernels.sample import pending_fill
-from pagoda.worker import input_stream, step_output
+from pagoda.worker import input_stream, model_runner, step_output
 
 ON_GPU = torch.cuda.is_available()
-SWITCHES = ((input_stream, "ENABLED"), (step_output, "COPY_STREAM"), (pending_fill, "ENABLED"))
 
 
-def test_no_side_stream_without_graphs_or_on_the_cpu(monkeypatch):
+def test_no_side_stream_without_graphs_or_on_the_cpu():
     assert input_stream.make_input_stream(torch.device("cpu"), True) is None
     if ON_GPU:
         assert input_stream.make_input_stream(torch.device("cuda"), False) is None
-        monkeypatch.setattr(input_stream, "ENABLED", False)
-        assert input_stream.make_input_stream(torch.device("cuda"), True) is None
+        assert input_stream.make_input_stream(torch.device("cuda"), True) is not None
+
+
+def _take_out_the_side_streams(monkeypatch) -> None:
+    """Inputs and output copies on the main stream, the pending fill by torch ops."""
+    monkeypatch.setattr(model_runner, "make_input_stream", lambda device, has_graphs: None)
+    monkeypatch.setattr(step_output, "_copy_stream", lambda device: None)
+    monkeypatch.setattr(pending_fill, "MAX_KERNEL_ROWS", 0)
 
 
 def _greedy(preset: str, prompts, max_tokens):
@@ -52,12 +57,10 @@ def test_runs_unchanged_with_the_input_stream(monkeypatch, preset):
     prompts = [[11, 42, 7, 99, 3], [5] * 40, list(range(60, 90)), [8] * 100, [3, 1],
                list(range(200, 217))]
     max_tokens = [30, 12, 25, 7, 40, 18]
-    for module, switch in SWITCHES:
-        monkeypatch.setattr(module, switch, False)
-    stream, off = _greedy(preset, prompts, max_tokens)
-    assert stream is None
-    for module, switch in SWITCHES:
-        monkeypatch.setattr(module, switch, True)
     stream, on = _greedy(preset, prompts, max_tokens)
     assert stream is not None
+    with monkeypatch.context() as patches:
+        _take_out_the_side_streams(patches)
+        stream, off = _greedy(preset, prompts, max_tokens)
+    assert stream is None
     assert on == off

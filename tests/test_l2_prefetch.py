@@ -67,15 +67,14 @@ def test_shares_tile_the_range_in_whole_units(nbytes, parts):
 
 @pytest.mark.skipif(not SM90, reason="bulk L2 prefetch needs a CUDA GPU of compute capability 9.0+")
 def test_qwen3_moe_unchanged_with_prefetch(monkeypatch):
-    preset = "tiny-qwen3-moe"  # the model the switch reaches
-    monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", False)
-    off = greedy_dummy_run(preset)
-    monkeypatch.setattr(l2_prefetch, "NEXT_QKV_IN_MOE_DOWN", True)
-    assert greedy_dummy_run(preset) == off
+    preset = "tiny-qwen3-moe"  # the model whose MoE blocks prefetch
+    on = greedy_dummy_run(preset)
+    monkeypatch.setattr(l2_prefetch, "available", lambda device: False)  # no prefetch
+    assert greedy_dummy_run(preset) == on
 
 
 def test_qwen3_moe_blocks_know_the_next_layers_qkv():
-    """The wiring NEXT_QKV_IN_MOE_DOWN uses: every MoE block holds the next layer's qkv
+    """The wiring the prefetch uses: every MoE block holds the next layer's qkv
     projection (the last layer's none), and not as a submodule (no extra parameters)."""
     from pagoda.model.presets import get_preset
     from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM

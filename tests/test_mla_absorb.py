@@ -24,7 +24,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 @pytest.fixture(scope="module")
 def ab():
-    return kernel_modules("mla_absorb")[0]
+    return kernel_modules("attention.mla_absorb")[0]
 
 
 def _case(tokens, heads, nope, rope, rank, v, dtype, seed=0):

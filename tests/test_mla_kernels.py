@@ -27,7 +27,7 @@ from pagoda.attention.mla_triton import MLATritonBackend, row_context  # noqa: E
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-MLA_DECODE, MLA_STORE, _ = kernel_modules("mla_decode", "mla_store", "mla_prefill")
+MLA_DECODE, MLA_STORE, _ = kernel_modules("attention.mla_decode", "attention.mla_store", "attention.mla_prefill")
 BLOCK_SIZE = 4
 
 

@@ -26,9 +26,22 @@ from pagoda.attention.mla_backend import (PrefillChunk, assemble_prefill_qk,  # 
                                           plan_eager, prefill_attention)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
-(MLA_PREFILL,) = kernel_modules("mla_prefill")
+(MLA_PREFILL,) = kernel_modules("attention.mla_prefill")
 KV_LORA_RANK = 12  # the width before k_rope in a latent entry: makes k_rope's stride odd
 GAP = 3  # NaN context rows after each chunk's context
+
+
+def _small_prefill_tiles(block_m=16, block_n=16, num_warps=None):
+    """The default MLA config with the prefill tiles block_m x block_n (and num_warps)
+    for both dtypes, their stages as the default's."""
+    from dataclasses import replace
+
+    from pagoda.kernels.attention.mla_config import MLAKernelConfig
+    config = MLAKernelConfig.for_capability((9, 0))
+    tiles = {name: replace(getattr(config, name), block_m=block_m, block_n=block_n,
+                           num_warps=num_warps or getattr(config, name).num_warps)
+             for name in ("prefill_16bit", "prefill_fp32")}
+    return replace(config, **tiles)
 
 
 class PrefillCase:
@@ -86,12 +99,12 @@ LAYOUTS = {
 }
 # (tile rows, kernel config): tiles filling BLOCK_M, tiles shorter than BLOCK_M, and a
 # diagonal wider than one key tile.
-TILINGS = [(16, dict(BLOCK_M=16, BLOCK_N=16)), (8, dict(BLOCK_M=16, BLOCK_N=16)),
-           (32, dict(BLOCK_M=32, BLOCK_N=16, num_warps=4))]
+TILINGS = [(16, dict(block_m=16, block_n=16)), (8, dict(block_m=16, block_n=16)),
+           (32, dict(block_m=32, block_n=16, num_warps=4))]
 
 
 def _check(case, tile_rows, config, dtype):
-    out = case.run(tile_rows, config)
+    out = case.run(tile_rows, _small_prefill_tiles(**config))
     expected = case.reference()
     written = torch.zeros(out.shape[0], dtype=torch.bool)
     written[case.q_rows] = True
@@ -115,7 +128,7 @@ def test_prefill_kernel_matches_reference(dtype, layout, tiling):
 def test_prefill_kernel_pads_narrow_widths(dtype):
     """Dr 8 (padded to tl.dot's 16) and Dv wider than Dn."""
     case = PrefillCase(LAYOUTS["cached_prefix"], 16, 8, 32, dtype, num_heads=2, seed=7)
-    _check(case, 16, dict(BLOCK_M=16, BLOCK_N=16), dtype)
+    _check(case, 16, dict(block_m=16, block_n=16), dtype)
 
 
 def test_tile_table_covers_every_row_once_longest_first():
@@ -140,9 +153,12 @@ def test_prefill_kernel_rejects_mismatched_inputs():
     out = torch.empty(case.q_nope.shape[0], 3, 16)
     args = (case.q_nope, case.q_rope, case.k_nope, case.k_rope, case.v, case.q_rows)
     with pytest.raises(ValueError, match="do not fit BLOCK_M"):
-        MLA_PREFILL.mla_prefill_attention(out, *args, tiles, 32, 1.0, config=dict(BLOCK_M=16))
-    with pytest.raises(ValueError, match="unknown MLA prefill options"):
-        MLA_PREFILL.mla_prefill_attention(out, *args, tiles, 16, 1.0, config=dict(BLOCK=16))
+        MLA_PREFILL.mla_prefill_attention(out, *args, tiles, 32, 1.0,
+                                          config=_small_prefill_tiles(block_m=16))
+    with pytest.raises(ValueError, match="one block_m for every dtype"):
+        from dataclasses import replace
+        config = _small_prefill_tiles()
+        replace(config, prefill_fp32=replace(config.prefill_fp32, block_m=32))
     with pytest.raises(ValueError, match="share one of"):
         MLA_PREFILL.mla_prefill_attention(out.half(), *args, tiles, 16, 1.0)
 
@@ -161,7 +177,7 @@ def test_triton_backend_prefill_matches_the_torch_backend(dtype, dn):
     tables = [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     md = build_attention_metadata(query_lens, seq_lens, tables, 4, DEVICE)
     args = (3, KV_LORA_RANK, 8, 0.3)
-    triton_backend = MLATritonBackend(*args, prefill_config=dict(BLOCK_M=16, BLOCK_N=16))
+    triton_backend = MLATritonBackend(*args, config=_small_prefill_tiles())
     plan = triton_backend.build_metadata(md)
     assert plan.prefill_tile_rows == 16 and plan.prefill_tiles.shape == (4, 4)
     case = PrefillCase([(21, 21), (18, 40)], dn, 8, 16, dtype)

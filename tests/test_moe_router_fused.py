@@ -35,7 +35,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def mrf():
-    return kernel_modules("moe_routing", "moe_router_fused")[1]
+    return kernel_modules("moe.routing", "moe.router_fused")[1]
 
 
 # name -> (MoEConfig, hidden size, float32 gate)
@@ -258,12 +258,11 @@ def test_real_shapes_and_cuda_graph(mrf):
 
 
 @pytest.mark.parametrize("name", ["qwen3_softmax_norm", "softmax_e24_k5_h80", "v3_noaux_tc"])
-def test_fused_router_preloaded_weights(mrf, monkeypatch, name):
+def test_fused_router_preloaded_weights(mrf, name):
     """One token, each program's expert row loaded in one chunk before the PDL wait (the
     hidden size 80 padded to 128): the same routing as the reference, counter back at 0."""
-    monkeypatch.setattr(mrf, "PRELOAD_WEIGHTS", True)
     cfg, hidden_size, fp32 = CASES[name]
-    tiles = mrf.default_tiles(1, cfg.num_experts, hidden_size, cfg, preload=True)
+    tiles = mrf.default_tiles(1, cfg.num_experts, hidden_size, cfg)
     assert tiles.block_h >= hidden_size
     gate = _gate(cfg.num_experts, hidden_size, fp32, torch.float32, seed=11)
     hidden, bias = _inputs(cfg, hidden_size, 1, torch.float32, 21)
@@ -274,12 +273,11 @@ def test_fused_router_preloaded_weights(mrf, monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_softmax_norm", "softmax_e24_k5_h80"])
-def test_fused_router_with_the_input_norm(mrf, monkeypatch, name):
+def test_fused_router_with_the_input_norm(mrf, name):
     """fused_route_norm at one row: the new residual is x + residual rounded (bitwise),
     the normed row RMSNorm's (float32 order of the sum of squares aside), and the
     routing exactly select_experts' on the normed row's logits; counter back at 0."""
     from pagoda.model.layers.layernorm import RMSNorm
-    monkeypatch.setattr(mrf, "FUSE_NORM", True)
     cfg, hidden_size, fp32 = CASES[name]
     dtype = torch.float16
     gate = _gate(cfg.num_experts, hidden_size, fp32, dtype, seed=5)
@@ -316,7 +314,6 @@ def test_decoder_layer_takes_the_fused_norm_with_the_same_result(mrf, monkeypatc
     from tiny_models import save_tiny_hf_model
     from pagoda.model.loader import load_model
     monkeypatch.setattr(routing, "FUSED_NORM_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(mrf, "FUSE_NORM", True)
     save_tiny_hf_model(tmp_path, "qwen3_moe")
     model, _ = load_model(str(tmp_path), dtype="float16", device=DEVICE)
     layer = model.model.layers[0]

@@ -32,7 +32,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.fixture(scope="module")
 def mr():
-    return kernel_modules("moe_routing")[0]
+    return kernel_modules("moe.routing")[0]
 
 
 CONFIGS = {

@@ -17,7 +17,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 @pytest.fixture(scope="module")
 def pf():
-    return kernel_modules("pending_fill")[0]
+    return kernel_modules("sample.pending_fill")[0]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 261])  # 261: two programs, the last partial

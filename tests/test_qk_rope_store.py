@@ -42,8 +42,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 FP8_POISON = 0x7E  # e4m3 448 (the interpreter cannot read the NaN bytes)
 
 
-store_kv_module, fused_ops, qk_rope_store = kernel_modules("store_kv", "fused_ops",
-                                                           "qk_rope_store")
+store_kv_module, fused_ops, qk_rope_store = kernel_modules("attention.store_kv", "norm.fused_ops",
+                                                           "attention.qk_rope_store")
 
 
 def _rand(*shape, dtype, gen, scale=1.0):
@@ -204,18 +204,6 @@ def test_every_grouping_gives_the_same_bits(per_program):
     ref_q, ref_cache = case.fused(4)
     _agree(q, ref_q)
     _agree(cache, ref_cache)
-
-
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_preloaded_operands_give_the_same_bits(qk_norm, monkeypatch):
-    """cos / sin, the slots and the norm weights loaded before the PDL wait: the same
-    q and cache bits as loading them after it (padding rows included)."""
-    case = Case(4, 8, 2, 64, torch.float16, qk_norm=qk_norm, pad_rows=(0, 3))
-    monkeypatch.setattr(qk_rope_store, "PRELOAD_OPERANDS", False)
-    ref_q, ref_cache = case.fused(1)
-    monkeypatch.setattr(qk_rope_store, "PRELOAD_OPERANDS", True)
-    q, cache = case.fused(1)
-    assert _same(q, ref_q) and _same(cache, ref_cache)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])

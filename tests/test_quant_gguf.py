@@ -110,7 +110,7 @@ def test_gguf_row_layer_slices_the_input_in_blocks():
 # fraction of all generated, over the prompts. Measured on this machine (4 prompts x 16
 # tokens): 1.00 for gguf, int4 and int8 (at 24 tokens int8 diverged on one prompt at
 # token 17). int4 re-quantizes the file's own Q4_1 weights almost exactly, so its figure
-# here says little about int4 on a genuinely float model (benchmarks/cpu_quant.py
+# here says little about int4 on a genuinely float model (benchmarks.cpu_quant
 # reports logprob errors). Thresholds sit below the measured figures, with margin for
 # another CPU's float32 summation order.
 PROMPTS = ["The capital of France is", "def fibonacci(n):",

@@ -30,19 +30,29 @@ from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
 DEVICE = "cuda" if ON_GPU else "cpu"
 SMS = 132  # an H200's, so the plans below are the GPU's
 
-kernel_modules("store_kv", "paged_attention", "paged_decode")
+kernel_modules("attention.store_kv", "attention.paged_attention",
+               "attention.fp8_decode_words", "attention.paged_decode")
 
 
 def test_the_short_plan_exists_only_where_the_long_one_has_more_slices():
-    from pagoda.kernels.attention.paged_decode import (SHORT_CONTEXT_SPLITS, SHORT_CONTEXT_TOKENS,
-                                             choose_num_splits, short_context_splits)
-    assert (SHORT_CONTEXT_TOKENS, SHORT_CONTEXT_SPLITS) == (512, 8)
+    from dataclasses import replace
+
+    from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
+    from pagoda.kernels.attention.paged_decode import choose_num_splits, short_context_splits
+    config = DecodeAttentionConfig.for_capability((9, 0))
+    assert (config.short_context_tokens, config.short_context_splits) == (512, 8)
     # Batch 1 and 4 over Llama-8B's 8 KV heads, a 2304-token block table: 32 and 17 slices.
-    assert choose_num_splits(1, 8, 2304, SMS) == 32 and short_context_splits(1, 8, 2304, SMS) == 8
-    assert choose_num_splits(4, 8, 2304, SMS) == 17 and short_context_splits(4, 8, 2304, SMS) == 8
+    assert choose_num_splits(1, 8, 2304, SMS) == 32
+    assert short_context_splits(1, 8, 2304, SMS, config) == 8
+    assert choose_num_splits(4, 8, 2304, SMS) == 17
+    assert short_context_splits(4, 8, 2304, SMS, config) == 8
     # 64 requests fill the GPU with 2 slices already; a table of 512 tokens is short itself.
-    assert short_context_splits(64, 8, 2304, SMS) is None
-    assert short_context_splits(1, 8, 512, SMS) is None
+    assert short_context_splits(64, 8, 2304, SMS, config) is None
+    assert short_context_splits(1, 8, 512, SMS, config) is None
+    # A variant with 4 slices for contexts up to 1024 tokens.
+    variant = replace(config, short_context_tokens=1024, short_context_splits=4)
+    assert short_context_splits(1, 8, 2304, SMS, variant) == 4
+    assert short_context_splits(1, 8, 1024, SMS, variant) is None
 
 
 def _backend(monkeypatch, max_batch=8, max_blocks=144, block_size=16, **kwargs):
@@ -63,6 +73,11 @@ def test_backend_plans_the_short_graph_and_refuses_other_bounds(monkeypatch):
         backend.metadata_for_capture(1, None, 1024)
     with pytest.raises(ValueError, match="short-context"):
         backend.metadata_for_capture(1, 4, 512)  # mixed graphs have one plan
+    from dataclasses import replace
+    variant = _backend(monkeypatch, config=replace(backend.config, short_context_tokens=256,
+                                                   short_context_splits=2))
+    assert variant.short_context_graph(1) == 256
+    assert variant.metadata_for_capture(1, None, 256).num_splits == 2
     fixed = _backend(monkeypatch, num_decode_splits=4)  # a fixed split count: one graph
     assert fixed.short_context_graph(1) is None
     short_table = _backend(monkeypatch, max_blocks=32)  # 512 tokens: every context short

@@ -34,7 +34,7 @@ def _ptxas_present() -> bool:
 
 @pytest.mark.skipif(not _ptxas_present(),
                     reason="needs Triton with its CUDA backend (pip install 'pagoda[test]')")
-@pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant"])
+@pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant", "defaults"])
 def test_kernels_compile_for_sm90(group, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     sass = ["--sass", str(tmp_path)] if group == "fp8_fused_quant" else []

@@ -73,7 +73,8 @@ def tiny(tmp_path_factory):
                                           "num_speculative_tokens": 2, "adaptive": False})
     drafter = FixedDrafter()
     llm.llm_engine.executor.runner.drafter = drafter
-    return llm, drafter, (after_prompt, after_one, after_two)
+    yield llm, drafter, (after_prompt, after_one, after_two)
+    llm.shutdown()
 
 
 def processed(logits: list[float], params: SamplingParams, outputs: list[int],

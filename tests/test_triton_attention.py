@@ -36,7 +36,8 @@ from kv_pool_helpers import pool_holding, store_and_attend  # noqa: E402
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-kernel_modules("store_kv", "paged_attention", "paged_decode")
+kernel_modules("attention.store_kv", "attention.paged_attention",
+               "attention.fp8_decode_words", "attention.paged_decode")
 
 # The reference stores with torch's index_copy, the case under test with the kernel.
 TORCH_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=False)}
@@ -132,20 +133,6 @@ def test_split_k_decode_head_dim_128():
     case = Case(shapes, 8, 2, 128, 32, torch.float16, seed=1)
     backend = TritonBackend(8, 2, 128, 1 / math.sqrt(128), num_decode_splits=4)
     run_and_compare(case, backend, atol=3e-3, rtol=3e-3)
-
-
-def test_decode_metadata_preload_changes_no_bit(monkeypatch):
-    """paged_decode.PRELOAD_METADATA only moves the query-start and context-length loads
-    before the PDL wait: the decode and merge kernels give the same bits either way
-    (a mixed batch: its prefill rows exit both kernels at the query-length check)."""
-    from pagoda.kernels.attention import paged_decode
-    outs = []
-    for preload in (False, True):
-        monkeypatch.setattr(paged_decode, "PRELOAD_METADATA", preload)
-        case = Case(MIXED, 8, 2, 64, 16, torch.float16, seed=3)
-        backend = TritonBackend(8, 2, 64, 1 / 8, num_decode_splits=3)
-        outs.append(run_and_compare(case, backend, atol=3e-3, rtol=3e-3)[0])
-    assert torch.equal(outs[0], outs[1])
 
 
 def test_graph_buffers_replay_a_smaller_batch():

@@ -4,24 +4,29 @@
     python tools/compile_sm90.py moe        # the cases of one group
     python tools/compile_sm90.py --loops pdl   # and each kernel's loops in SASS
     python tools/compile_sm90.py --sass DIR pdl   # and each case's SASS into DIR
+    python tools/compile_sm90.py defaults   # the decode kernels the engine runs by default
 
 The Triton interpreter (what the CPU tests run) executes a kernel's Python, so it
 cannot see what the GPU compiler rejects (an op a layout cannot lower, shared memory
 or registers over the limit, a constexpr used as a runtime value). This tool binds
 each case's arguments (CPU tensors stand in for device pointers: only dtype and
 alignment matter), builds the kernel with Triton's own compiler for
-GPUTarget("cuda", 90, 32) through ptxas (shipped in Triton's wheel) and prints its
+GPUTarget("cuda", 90, 32) through ptxas (shipped with Triton) and prints its
 registers, spills and shared memory. A compile error is raised, and the run exits 1.
 With --sass DIR it writes each case's whole SASS to DIR/<group>.<case>.sass: run it
 before and after a change that should not alter the compiled code (a kernel split into
 helpers, say) and diff the two folders.
 With --loops it also disassembles the cubin (cuobjdump -sass) and prints each loop
 (a backward branch) with its instruction count and commonest opcodes: for a kernel
-bound by instruction issue, the count of its main loop is a first measure of a change
-(docs/performance.md, 2026-12-03). It says nothing about speed or results. The local Triton may be newer than the
-GPU machine's: a kernel that compiles here is likely, not certain, to compile there, and
+bound by instruction issue, the count of its main loop is a first measure of a change.
+It says nothing about speed or results. The local Triton may be newer than the GPU
+machine's: a kernel that compiles here is likely, not certain, to compile there, and
 its pipelining (buffers, copy waits) and counts can differ: for those, run this tool
 under the GPU's Triton (pip install triton==3.6.0 into a scratch venv with torch).
+
+The cases take their tiles and launch options from the kernel families' configs for
+Hopper (`for_capability(HOPPER)`), as the engine's wrappers pass them on an H100 or
+H200, with programmatic dependent launch on (USE_PDL).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+HOPPER = (9, 0)
 
 
 def compile_for_sm90(kernel, *args, **kwargs):
@@ -84,7 +90,7 @@ def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter, list[int]
     SASS text (cuobjdump -sass): the instructions from a backward branch's target to the
     branch itself. Copy waits: each DEPBAR.LE SB0, N in the loop, N the cp.async groups
     left in flight (a loop that waits with 0 at its top has no copy in flight during its
-    math: Triton's pipelining did not overlap the loads, docs/performance.md, 2026-12-06)."""
+    math: Triton's pipelining did not overlap the loads)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for m in
                     map(_SASS_LINE.match, sass.splitlines()) if m]
     index = {address: i for i, (address, _) in enumerate(instructions)}
@@ -123,17 +129,13 @@ def bulk_prefetches(ptx: str, name: str) -> str:
     return f"{count} L2 bulk prefetches"
 
 
-def check_pdl_order(ptx: str, trigger_first: bool) -> None:
-    """The kernel waits on its predecessor (griddepcontrol.wait) and releases its
-    dependents (griddepcontrol.launch_dependents) in pagoda.kernels.launch.pdl's order: the
-    release first with TRIGGER_FIRST (USE_PDL == 2), else the wait first."""
+def check_pdl_order(ptx: str) -> None:
+    """The kernel waits on its predecessor (griddepcontrol.wait), then releases its
+    dependents (griddepcontrol.launch_dependents), pagoda.kernels.launch.pdl's order."""
     if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
         raise RuntimeError("USE_PDL but no griddepcontrol.wait / launch_dependents in the PTX")
-    released_first = (ptx.index("griddepcontrol.launch_dependents")
-                      < ptx.index("griddepcontrol.wait"))
-    if released_first != trigger_first:
-        raise RuntimeError(f"griddepcontrol order: release first {released_first}, "
-                           f"expected {trigger_first}")
+    if ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"):
+        raise RuntimeError("griddepcontrol order: the release comes before the wait")
 
 
 def report(name: str, compiled) -> str:
@@ -234,8 +236,10 @@ def _pdl_cases():
 
 
 def _pdl_norm_gemv_cases():
+    """RMSNorm with its weight loaded before the wait (a row of one chunk) and after it
+    (wider rows), and the one-row GEMV at default_tiles."""
+    from pagoda.kernels.gemv import gemv
     from pagoda.kernels.norm import fused_ops as fo
-    from pagoda.kernels.gemv.gemv import gemv
     x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
     norm_args = (x, x, torch.empty(_HIDDEN, dtype=_BF16), out, out, 1, _HIDDEN, _HIDDEN,
                  _HIDDEN, _HIDDEN, 1e-6)
@@ -243,17 +247,15 @@ def _pdl_norm_gemv_cases():
         yield f"rms_norm{'[preload]' if preload else ''}", fo._rms_norm_kernel, norm_args, dict(
             HIDDEN=_HIDDEN, BLOCK=_HIDDEN, HAS_RESIDUAL=True, PRELOAD_WEIGHT=preload,
             num_warps=4, USE_PDL=True)
-    # pdl.TRIGGER_FIRST: the release comes before the wait.
-    yield "rms_norm[preload, trigger first]", fo._rms_norm_kernel, norm_args, dict(
-        HIDDEN=_HIDDEN, BLOCK=_HIDDEN, HAS_RESIDUAL=True, PRELOAD_WEIGHT=True, num_warps=4,
-        USE_PDL=2)
     w = torch.empty(_QKV_ROWS, _HIDDEN, dtype=_BF16)
     y = torch.empty(1, _QKV_ROWS, dtype=_BF16)
-    cfg = dict(gemv.default_config(1, _QKV_ROWS, _HIDDEN))
+    tiles = gemv.default_tiles(1, _QKV_ROWS, _HIDDEN)
     yield "gemv[qkv]", gemv._gemv_kernel, (
         x, w, y, y, y, y, 1, _QKV_ROWS, _HIDDEN, _HIDDEN, _HIDDEN, _HIDDEN, _QKV_ROWS), dict(
         HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=1, EVEN_M=True, EVEN_N=True,
-        EVEN_K=True, **cfg, USE_PDL=True)
+        EVEN_K=True, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        LOOP_STAGES=tiles.loop_stages, num_warps=tiles.num_warps, DOT=tiles.dot,
+        USE_PDL=True)
 
 
 def _pdl_router_gate_up_cases():
@@ -261,6 +263,7 @@ def _pdl_router_gate_up_cases():
 
     from pagoda.kernels.moe import fused_moe_decode as fmd
     from pagoda.kernels.moe import router_fused as mrf
+    from pagoda.kernels.moe.config import MoEKernelConfig
     x, out = torch.empty(1, _HIDDEN, dtype=_BF16), torch.empty(1, _HIDDEN, dtype=_BF16)
     w13 = torch.empty(_EXPERTS, 2 * _EXPERT_INTER, _HIDDEN, dtype=_BF16)
     ids, weights = torch.empty(1, 8, dtype=torch.int32), torch.empty(1, 8)
@@ -277,7 +280,9 @@ def _pdl_router_gate_up_cases():
             BLOCK_K=8, PRELOAD_W=True, HAS_NORM=norm, num_warps=1, USE_PDL=True)
     yield "moe_gemv_gate_up", fmd._gemv_gate_up_kernel, (
         x, w13, ids, act, w13, _HIDDEN, _EXPERT_INTER, _HIDDEN, w13.stride(0), w13.stride(1), 8,
-        0, _HIDDEN), dict(TOP_K=8, SHARED_CHUNKS=0, **fmd.GATE_UP_CONFIG, USE_PDL=True)
+        0, _HIDDEN), dict(TOP_K=8, SHARED_CHUNKS=0,
+                          **MoEKernelConfig.for_capability(HOPPER).gate_up.launch(),
+                          USE_PDL=True)
 
 
 def _pdl_w8a16_cases():
@@ -297,43 +302,51 @@ def _pdl_w8a16_cases():
             GATED=gated, **cfg, USE_PDL=True)
 
 
-def _pdl_decode_cases():
+def _decode_case(heads: int, kv_heads: int, fp8: bool, direct: bool,
+                 dtype: torch.dtype = _BF16, dim: int = 128):
+    """(kernel, args, kwargs) of paged_attention_decode's launch for one query row of
+    heads query heads over kv_heads KV heads, 8 context slices (direct: one), as the
+    wrapper chooses its kernel and tiles from DecodeAttentionConfig for Hopper."""
     from pagoda.kernels.attention import paged_decode as pd
-    q, attn_out = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 128, dtype=_BF16)
-    part, lse = torch.empty(1, 32, 8, 128), torch.empty(1, 32, 8)
+    from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
+    config = DecodeAttentionConfig.for_capability(HOPPER)
+    q, attn_out = torch.empty(1, heads, dim, dtype=dtype), torch.empty(1, heads, dim, dtype=dtype)
+    part, lse = torch.empty(1, heads, 8, dim), torch.empty(1, heads, 8)
     i32 = torch.empty(64, dtype=torch.int32)
-    # The defaults for a bf16 and an FP8 cache, the FP8 tiles without the q.K dot
-    # ("cvt": FP8_CVT_TILES), and the FP8 path benchmarks may switch to on those tiles.
-    for fp8, cvt, path_override in ((False, False, None), (True, False, None),
-                                    (True, True, None), (True, True, "words_kq8")):
-        cache = torch.empty(2, 64, 16, 4, 128, dtype=torch.float8_e4m3fn if fp8 else _BF16)
-        cfg = (dict(pd.FP8_CVT_TILES, fp8_path="words_cvt") if cvt
-               else pd.decode_tile_config(_BF16, fp8))
-        num_heads, group = q.shape[1], q.shape[1] // cache.shape[3]
-        path, switches, block_h = pd.split_decode_config(cfg, group)
-        path = path_override or path
-        kernel = pd._decode_words_kernel if path != "tile" else pd._decode_kernel
-        extra = (dict(BITS=path == "words_bits", QK_FP8=path in pd.QUERY_ROUNDING_PATHS,
-                      KEYS_AS_A=path == "words_kq8", **switches) if fp8
-                 else dict(IEEE_DOT=False, KV_FP8=False))
-        name = f"fp8={fp8}{', cvt tiles' if cvt else ''}{', ' + path_override if path_override else ''}"
-        if pd.PRELOAD_METADATA:
-            name += ", preload"
-        yield f"decode[{name}]", kernel, (
-            attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
+    cache = torch.empty(2, 64, 16, kv_heads, dim, dtype=torch.float8_e4m3fn if fp8 else dtype)
+    words = fp8 and pd.words_kernel_reads(q, cache)
+    tiles = config.tiles_for(dtype, fp8, words)
+    group = heads // kv_heads
+    if words:
+        kernel, extra = pd._decode_words_kernel, dict(OFFSETS_32=True,
+                                                      PTX_PAIRS=config.e4m3_pairs_ptx)
+    else:
+        kernel, extra = pd._decode_kernel, dict(IEEE_DOT=dtype == torch.float32, KV_FP8=fp8)
+    args = (attn_out, part, lse, q, cache[0], cache[1], torch.empty(2), i32, i32, i32,
             0.1, 8, 32, q.stride(0), q.stride(1), attn_out.stride(0), attn_out.stride(1), 64,
-            cache.stride(1), cache.stride(2), cache.stride(3)), dict(
-            NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h, PAGE_SIZE=16, HEAD_DIM=128,
-            DIRECT_OUT=False,
-            **extra, **cfg, PRELOAD_METADATA=pd.PRELOAD_METADATA, USE_PDL=True)
-    yield f"decode_merge{'[preload]' if pd.PRELOAD_METADATA else ''}", pd._merge_kernel, (
+            cache.stride(1), cache.stride(2), cache.stride(3))
+    return kernel, args, dict(NUM_HEADS=heads, GROUP=group, BLOCK_H=tiles.block_h(group),
+                              PAGE_SIZE=16, HEAD_DIM=dim, DIRECT_OUT=direct, **extra,
+                              **tiles.launch(), USE_PDL=True)
+
+
+def _pdl_decode_cases():
+    """Decode attention over a bf16 and an FP8 cache at the Qwen3 grouping, and the
+    merge of 8 slices; all load the query start and context length before the wait."""
+    from pagoda.kernels.attention import paged_decode as pd
+    for fp8 in (False, True):
+        yield (f"decode[fp8={fp8}, preload]", *_decode_case(32, 4, fp8, direct=False))
+    attn_out, part = torch.empty(1, 32, 128, dtype=_BF16), torch.empty(1, 32, 8, 128)
+    lse, i32 = torch.empty(1, 32, 8), torch.empty(64, dtype=torch.int32)
+    yield "decode_merge[preload]", pd._merge_kernel, (
         attn_out, part, lse, i32, 8, attn_out.stride(0), attn_out.stride(1)), dict(
-        NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, PRELOAD_METADATA=pd.PRELOAD_METADATA,
-        USE_PDL=True)
+        NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=8, USE_PDL=True)
 
 
 def _pdl_moe_down_cases():
     from pagoda.kernels.moe import fused_moe_decode as fmd
+    from pagoda.kernels.moe.config import MoEKernelConfig
+    down = MoEKernelConfig.for_capability(HOPPER).down_tiles(_EXPERT_INTER).launch(_EXPERT_INTER)
     out = torch.empty(1, _HIDDEN, dtype=_BF16)
     w2 = torch.empty(_EXPERTS, _HIDDEN, _EXPERT_INTER, dtype=_BF16)
     next_qkv = torch.empty(_QKV_ROWS, _HIDDEN, dtype=_BF16)
@@ -344,8 +357,7 @@ def _pdl_moe_down_cases():
         yield f"moe_gemv_down[prefetch_next={prefetch}]", fmd._gemv_down_sum_kernel, (
             act, w2, ids, weights, out, w2, next_qkv, _HIDDEN, _EXPERT_INTER, w2.stride(0),
             w2.stride(1), _HIDDEN, 8, _EXPERT_INTER, _QKV_ROWS * _HIDDEN * 2), dict(
-            TOP_K=8, SHARED_CHUNKS=0, **fmd.down_config(_EXPERT_INTER), PREFETCH_NEXT=prefetch,
-            USE_PDL=True)
+            TOP_K=8, SHARED_CHUNKS=0, **down, PREFETCH_NEXT=prefetch, USE_PDL=True)
 
 
 def _qk_rope_store_cases():
@@ -360,7 +372,7 @@ def _qk_rope_store_cases():
         qkv.stride(0), 64, 64, cache.stride(0), cache.stride(1), cache.stride(2),
         cache.stride(3), 1e-6), dict(
         NUM_HEADS=32, NUM_KV_HEADS=4, HEAD_DIM=128, PAGE_SIZE=16, HEADS_PER_PROGRAM=1,
-        BLOCK_DIM=128, BLOCK_HALF=64, HAS_QK_NORM=True, KV_FP8=False, PRELOAD=True,
+        BLOCK_DIM=128, BLOCK_HALF=64, HAS_QK_NORM=True, KV_FP8=False,
         num_warps=1, USE_PDL=True)
 
 
@@ -394,6 +406,8 @@ def _mla_prefill_cases():
     """DeepSeek-V2-Lite's widths (16 heads, 128 + 64 query/key, 128 value) as the layer
     passes them: strided halves of kv_b_proj's output and of the latent entries."""
     from pagoda.kernels.attention import mla_prefill as mp
+    from pagoda.kernels.attention.mla_config import MLAKernelConfig
+    config = MLAKernelConfig.for_capability(HOPPER)
     tokens, heads, ctx = 4096, 16, 4096
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.empty(tokens, heads, 192, dtype=dtype)
@@ -409,11 +423,39 @@ def _mla_prefill_cases():
             k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1)), dict(
             NUM_HEADS=heads, DN=128, DR=64, DV=128, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128,
-            IEEE_DOT=False, **mp.mla_prefill_config(dtype))
+            IEEE_DOT=False, **config.prefill_tiles(dtype).launch())
+
+
+def _default_decode_cases():
+    """The decode kernels the engine launches by default at the Llama-8B (4 query heads
+    a KV head) and Qwen3 (8) groupings, over 8 slices and one (direct output); an FP8
+    cache the word kernel cannot read (float32 queries, head_dim 32); and the W8A16
+    one-row GEMVs of the Llama-8B shapes at w8a16_config's tiles."""
+    from pagoda.kernels.fp8 import w8a16 as fl
+    for heads, kv_heads in ((32, 8), (32, 4)):
+        for fp8 in (False, True):
+            for direct in (False, True):
+                yield (f"decode[{heads}/{kv_heads}, fp8={fp8}, direct={direct}]",
+                       *_decode_case(heads, kv_heads, fp8, direct))
+    yield ("decode[fp8, fp32 q]", *_decode_case(32, 8, True, False, dtype=torch.float32))
+    yield ("decode[fp8, head_dim 32]", *_decode_case(32, 8, True, False, dim=32))
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        x = torch.empty(1, k, dtype=_BF16)
+        w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        scale, y8 = torch.empty(n), torch.empty(1, n, dtype=_BF16)
+        cfg = dict(fl.w8a16_config(1, n, k))
+        cfg.pop("SPLIT_K")
+        stages = cfg.pop("LOOP_STAGES", 1)
+        yield f"w8a16[{n}x{k}]", fl._w8a16_kernel, (
+            x, w8, scale, y8, y8, y8, 1, n, k, k, k, k, n, 1, 0), dict(
+            SCALE_BLOCKED=False, GROUP_N=1, GROUP_K=1, HAS_BIAS=False, SPLIT_K=1,
+            DOT_PRECISION="tf32", BLOCK_M=1, EVEN_K=True, EVEN_N=n % cfg["BLOCK_N"] == 0,
+            LOOP_STAGES=stages, DECODE="cvt", GATED=False, **cfg, USE_PDL=True)
 
 
 CASES = {"moe": _moe_cases, "mla_prefill": _mla_prefill_cases, "pdl": _pdl_cases,
-         "fp8_fused_quant": _fp8_fused_quant_cases}
+         "fp8_fused_quant": _fp8_fused_quant_cases,
+         "defaults": _default_decode_cases}
 
 
 def write_sass(directory: str, case: str, sass: str) -> None:
@@ -441,7 +483,7 @@ def main(argv: list[str]) -> int:
                 compiled = compile_for_sm90(kernel, *args, **kwargs)
                 ptx = compiled.asm["ptx"]
                 if kwargs.get("USE_PDL"):
-                    check_pdl_order(ptx, trigger_first=kwargs["USE_PDL"] == 2)
+                    check_pdl_order(ptx)
                 print(report(f"{module}.{name}", compiled))
                 # Disassembled once for both --sass and --loops.
                 sass = _cuobjdump(compiled, "-sass") if loops or sass_dir else ""

@@ -6,10 +6,10 @@
 # not finish in 100 s on the H200. pytest-xdist spreads the files' tests over N
 # processes sharing the GPU (the tests size their KV caches explicitly).
 #
-#   tools/gpu_tests.sh --fetch          here, with the package registries: downloads
-#                                       pytest-xdist and execnet wheels into .whl/
-#                                       (add /.whl/ to .git/info/exclude; carry .whl)
-#   tools/gpu_tests.sh [-n N] [FILES]   there: installs them from .whl/ into /tmp/site
+#   tools/gpu_tests.sh --fetch          where a package index is reachable: downloads
+#                                       pytest-xdist and execnet into .whl/ (add /.whl/
+#                                       to .git/info/exclude; copy it to the GPU machine)
+#   tools/gpu_tests.sh [-n N] [FILES]   on the GPU machine: installs them from .whl/ into /tmp/site
 #                                       and runs FILES (default: the kernel and MoE/MLA
 #                                       model tests) with N processes (default 8)
 set -euo pipefail
@@ -37,6 +37,8 @@ if [ "$#" -eq 0 ]; then
     tests/test_mla_prefill.py tests/test_mla_kernels.py tests/test_mla_absorb.py \
     tests/test_pdl.py tests/test_fused_ops.py tests/test_gemv_kernel.py \
     tests/test_qk_rope_store.py tests/test_triton_attention.py \
+    tests/test_fp8_kv_kernels.py tests/test_short_context_graphs.py \
+    tests/test_l2_prefetch.py tests/test_input_stream.py tests/test_fp8_linear_kernels.py \
     tests/test_deepseek.py tests/test_qwen3_moe.py
 fi
 exec python3 -m pytest -q -p xdist -n "$workers" "$@"

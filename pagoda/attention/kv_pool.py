@@ -80,7 +80,7 @@ class FullAttentionLayout(KVLayout):
     def __init__(self, use_triton: bool) -> None:
         self.use_triton = use_triton
         if use_triton:  # imported here, not at module level: the CPU path needs no Triton
-            from pagoda.kernels.attention.store_kv import store_kv
+            from pagoda.kernels.attention.store_kv import store_kv  # Triton: CUDA only
             self._store_kv_triton = store_kv
 
     def allocate(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -105,7 +105,7 @@ class MLALatentLayout(KVLayout):
     def __init__(self, use_triton: bool) -> None:
         self.use_triton = use_triton
         if use_triton:
-            from pagoda.kernels.attention.mla_store import store_latent
+            from pagoda.kernels.attention.mla_store import store_latent  # Triton: CUDA only
             self._store_triton = store_latent
 
     def allocate(self, spec: MLAAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:

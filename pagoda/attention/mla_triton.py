@@ -32,6 +32,7 @@ from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
 from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, sdpa_prefill
+from pagoda.kernels.attention.mla_config import MLAKernelConfig
 from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.kernels.launch.capability import sm_count
 
@@ -74,20 +75,18 @@ class MLATritonBackend(MLATorchBackend):
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  scale: float, *, num_decode_splits: Optional[int] = None,
-                 prefill_config: Optional[dict] = None) -> None:
+                 config: Optional[MLAKernelConfig] = None) -> None:
         """num_decode_splits fixes the latent kernel's context slices (tests, tuning);
-        None chooses them per batch. prefill_config: keyword overrides of the prefill
-        kernel's mla_prefill_config (tests, tuning)."""
-        from pagoda.kernels.attention.mla_prefill import mla_prefill_config
-
+        None chooses them per batch. config: the kernels' tiles on this backend's
+        device (the selector builds it; None: MLAKernelConfig.for_device of the CPU,
+        Hopper's tiles, as the interpreter tests run them)."""
         super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
-        self.prefill_config = dict(prefill_config or {})
-        # BLOCK_M is the same for every dtype (mla_prefill_config): the plan tiles by it.
-        self.prefill_tile_rows = mla_prefill_config(torch.bfloat16,
-                                                    **self.prefill_config)["BLOCK_M"]
+        self.config = config or MLAKernelConfig.for_device(torch.device("cpu"))
+        # The same for every dtype (MLAKernelConfig): the plan tiles by it.
+        self.prefill_tile_rows = self.config.prefill_tile_rows
         self._graph: Optional[_MLAGraphBuffers] = None
 
     def build_metadata(self, common: AttentionMetadata) -> MLATritonPlan:
@@ -104,7 +103,7 @@ class MLATritonBackend(MLATorchBackend):
 
     def _prefill_plan(self, plan: MLAPlan) -> dict:
         """The prefill kernel's tile table for the plan's chunks (host lists, one copy)."""
-        from pagoda.kernels.attention.mla_prefill import prefill_tile_table
+        from pagoda.kernels.attention.mla_prefill import prefill_tile_table  # Triton: CUDA only
 
         if not plan.prefill_chunks:
             return {}
@@ -116,19 +115,18 @@ class MLATritonBackend(MLATorchBackend):
     def _split_plan(self, plan: MLAPlan, longest: int) -> dict:
         """num_splits and min_split of the latent kernel (a fixed split count spreads
         even short contexts over every slice)."""
-        from pagoda.kernels.attention.mla_decode import mla_tile_config
-        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens
+        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens  # Triton: CUDA only
 
         if self.num_decode_splits is not None:
             return {"num_splits": self.num_decode_splits, "min_split": 1}
         sms = self._sm_count(plan.common.query_start_loc.device)
-        head_blocks = -(-self.num_heads // mla_tile_config(torch.bfloat16)["BLOCK_H"])
+        head_blocks = -(-self.num_heads // self.config.decode_tiles(torch.bfloat16).block_h)
         return {"num_splits": choose_num_splits(plan.num_latent_rows, head_blocks, longest, sms),
                 "min_split": min_split_tokens(plan.num_latent_rows, head_blocks, sms)}
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: MLATritonPlan) -> torch.Tensor:
-        from pagoda.kernels.attention.mla_decode import mla_decode
+        from pagoda.kernels.attention.mla_decode import mla_decode  # Triton: CUDA only
 
         if q.dtype not in _SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
             raise ValueError(f"q ({q.dtype}) and the latent cache ({kv_cache.dtype}) must share "
@@ -136,7 +134,7 @@ class MLATritonBackend(MLATorchBackend):
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
         mla_decode(out, q, kv_cache, metadata.common.block_tables, metadata.row_req,
                    metadata.row_len, self.scale, self.kv_lora_rank, metadata.num_splits,
-                   min_split_tokens=metadata.min_split)
+                   min_split_tokens=metadata.min_split, config=self.config)
         return out
 
     def forward_prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
@@ -145,7 +143,7 @@ class MLATritonBackend(MLATorchBackend):
         """As the reference's (MLATorchBackend.forward_prefill), in one kernel launch;
         head widths the kernel does not take (not powers of two) go through torch's
         scaled_dot_product_attention per chunk, in the model's dtype."""
-        from pagoda.kernels.attention.mla_prefill import mla_prefill_attention, supports_widths
+        from pagoda.kernels.attention.mla_prefill import mla_prefill_attention, supports_widths  # Triton: CUDA only
 
         if not supports_widths(q_nope.shape[-1], q_rope.shape[-1], v.shape[-1]):
             sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale,
@@ -153,7 +151,7 @@ class MLATritonBackend(MLATorchBackend):
             return
         mla_prefill_attention(out, q_nope, q_rope, k_nope, k_rope, v, metadata.prefill_rows,
                               metadata.prefill_tiles, metadata.prefill_tile_rows, self.scale,
-                              config=self.prefill_config)
+                              config=self.config)
 
     def _sm_count(self, device: torch.device) -> int:
         return sm_count(device)

@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.mla_backend import MLATorchBackend
 from pagoda.attention.torch_ref import TorchRefBackend
+from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
+from pagoda.kernels.attention.mla_config import MLAKernelConfig
 
 
 @dataclass(frozen=True)
@@ -31,18 +35,24 @@ class AttentionShape:
         return self.kv_lora_rank is not None
 
 
-def make_attention_backend(name: str, device: str, shape: AttentionShape) -> AttentionBackend:
-    """The backend named ("auto": Triton on CUDA, the torch reference elsewhere)."""
+def make_attention_backend(name: str, device: str, shape: AttentionShape, *,
+                           decode_config: Optional[DecodeAttentionConfig] = None,
+                           mla_config: Optional[MLAKernelConfig] = None) -> AttentionBackend:
+    """The backend named ("auto": Triton on CUDA, the torch reference elsewhere). The
+    Triton backends take their kernels' config (decode_config, mla_config; default:
+    the family's config for device)."""
     if name == "auto":
         name = "triton" if device == "cuda" else "torch_ref"
     if shape.is_mla:
         args = (shape.num_heads, shape.kv_lora_rank, shape.qk_rope_head_dim, shape.scale)
         if name == "triton":
             from pagoda.attention.mla_triton import MLATritonBackend  # Triton: CUDA only
-            return MLATritonBackend(*args)
+            return MLATritonBackend(
+                *args, config=mla_config or MLAKernelConfig.for_device(torch.device(device)))
         return MLATorchBackend(*args)
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
     if name == "triton":
         from pagoda.attention.triton_backend import TritonBackend  # Triton: CUDA only
-        return TritonBackend(*args)
+        return TritonBackend(*args, config=decode_config or DecodeAttentionConfig.for_device(
+            torch.device(device)))
     return TorchRefBackend(*args)

@@ -27,6 +27,10 @@ for steps whose contexts are all short (`short_context_graph`: fewer slices, as
 paged_decode.short_context_splits says); the graph runner picks it by the step's
 longest context.
 
+The decode kernels' tiles and the short-context plan come from the backend's
+DecodeAttentionConfig (pagoda.kernels.attention.decode_config), built for its device
+by the selector and passed to every decode launch.
+
 The kernels are imported on first use, so importing this module needs no GPU and
 does not fix TRITON_INTERPRET for the process.
 """
@@ -41,6 +45,7 @@ import torch
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
                                             checked_graph_buffers, copy_batch_into_graph)
+from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
 from pagoda.kernels.launch.capability import sm_count
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,19 +64,29 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
-                 num_decode_splits: Optional[int] = None) -> None:
+                 num_decode_splits: Optional[int] = None,
+                 config: Optional[DecodeAttentionConfig] = None) -> None:
         """num_decode_splits fixes the decode kernel's context slices (tests, tuning);
-        None chooses them per batch."""
+        None chooses them per batch. config: the decode kernels' tiles and graph plan
+        on this backend's device (the selector builds it; None: for_device of the first
+        step's device)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernels, got {head_dim}")
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
+        self.config = config
         self._graph: Optional[GraphBuffers] = None
 
+    def decode_config(self, device: torch.device) -> DecodeAttentionConfig:
+        """The backend's DecodeAttentionConfig (built for device when none was given)."""
+        if self.config is None:
+            self.config = DecodeAttentionConfig.for_device(device)
+        return self.config
+
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
-        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens
+        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens  # Triton: CUDA only
 
         if common.has_host_copies:
             if common.max_query_len == 1:
@@ -97,7 +112,7 @@ class TritonBackend(AttentionBackend):
                 out: Optional[torch.Tensor] = None,
                 kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
-        from pagoda.kernels.attention.paged_attention import paged_attention_chunks
+        from pagoda.kernels.attention.paged_attention import paged_attention_chunks  # Triton: CUDA only
         from pagoda.kernels.attention.paged_decode import paged_attention_decode
 
         self._check_inputs(q, kv_cache, out)
@@ -116,7 +131,8 @@ class TritonBackend(AttentionBackend):
             paged_attention_decode(out, q, kv_cache, common.block_tables,
                                    common.query_start_loc, common.seq_lens,
                                    common.num_reqs, self.scale, metadata.num_splits,
-                                   min_split_tokens=metadata.min_split, kv_scales=kv_scales)
+                                   min_split_tokens=metadata.min_split,
+                                   config=self.decode_config(q.device), kv_scales=kv_scales)
         return out
 
     def _check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -158,26 +174,28 @@ class TritonBackend(AttentionBackend):
         metadata = self.build_metadata(capture_metadata(g, batch_size, num_tokens))
         if max_context is None:
             return metadata
-        from pagoda.kernels.attention.paged_decode import SHORT_CONTEXT_TOKENS
         splits = self._short_context_splits(batch_size)
-        if num_tokens is not None or splits is None or max_context != SHORT_CONTEXT_TOKENS:
+        short_tokens = self.decode_config(g.block_tables.device).short_context_tokens
+        if num_tokens is not None or splits is None or max_context != short_tokens:
             raise ValueError(f"no short-context decode graph of {batch_size} requests "
                              f"(rows {num_tokens}) for contexts up to {max_context}")
         return replace(metadata, num_splits=splits)
 
     def short_context_graph(self, batch_size: int) -> Optional[int]:
-        """paged_decode.SHORT_CONTEXT_TOKENS where its plan has fewer slices than the
+        """The config's short_context_tokens where its plan has fewer slices than the
         graph for the block table's longest context (small batches)."""
-        from pagoda.kernels.attention.paged_decode import SHORT_CONTEXT_TOKENS
-        return None if self._short_context_splits(batch_size) is None else SHORT_CONTEXT_TOKENS
+        if self._short_context_splits(batch_size) is None:
+            return None
+        return self.decode_config(self._graph.block_tables.device).short_context_tokens
 
     def _short_context_splits(self, batch_size: int) -> Optional[int]:
-        from pagoda.kernels.attention.paged_decode import short_context_splits
+        from pagoda.kernels.attention.paged_decode import short_context_splits  # Triton: CUDA only
         if self._graph is None or self.num_decode_splits is not None:
             return None
+        device = self._graph.block_tables.device
         longest = self._graph.block_tables.shape[1] * self._graph.block_size
         return short_context_splits(batch_size, self.num_kv_heads, longest,
-                                    self._sm_count(self._graph.block_tables.device))
+                                    self._sm_count(device), self.decode_config(device))
 
     def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
                        num_tokens: Optional[int] = None) -> None:

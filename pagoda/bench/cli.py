@@ -140,10 +140,10 @@ def build_bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.set_defaults(bench_func=_run_serve)
     p = sub.add_parser("sweep", help="bench serve at several request rates or concurrencies")
     add_serve_args(p)
-    from pagoda.bench.sweep import add_sweep_args
+    from pagoda.bench.sweep import add_sweep_args  # per subcommand: start-up time
     add_sweep_args(p)
     p.set_defaults(bench_func=_run_sweep)
-    from pagoda.bench.offline import add_latency_args, add_throughput_args
+    from pagoda.bench.offline import add_latency_args, add_throughput_args  # per subcommand: start-up time
     p = sub.add_parser("throughput", help="offline engine throughput (LLM.generate)")
     add_throughput_args(p)
     p.set_defaults(bench_func=_run_throughput)
@@ -151,11 +151,11 @@ def build_bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     add_latency_args(p)
     p.set_defaults(bench_func=_run_latency)
     p = sub.add_parser("compare", help="A/B table of result JSON files")
-    from pagoda.bench.compare import add_compare_args
+    from pagoda.bench.compare import add_compare_args  # per subcommand: start-up time
     add_compare_args(p)
     p.set_defaults(bench_func=_run_compare)
     p = sub.add_parser("plot", help="PNG plots from result JSON files")
-    from pagoda.bench.plot import add_plot_args
+    from pagoda.bench.plot import add_plot_args  # per subcommand: start-up time
     add_plot_args(p)
     p.set_defaults(bench_func=_run_plot)
     return parser
@@ -174,34 +174,34 @@ def _finish_serve_args(args) -> None:
 
 
 def _run_serve(args):
-    from pagoda.bench.serve import main_serve
+    from pagoda.bench.serve import main_serve  # per subcommand: start-up time
     _finish_serve_args(args)
     return main_serve(args)
 
 
 def _run_sweep(args):
-    from pagoda.bench.sweep import main_sweep
+    from pagoda.bench.sweep import main_sweep  # per subcommand: start-up time
     _finish_serve_args(args)
     return main_sweep(args)
 
 
 def _run_throughput(args):
-    from pagoda.bench.offline import main_throughput
+    from pagoda.bench.offline import main_throughput  # per subcommand: start-up time
     return main_throughput(args)
 
 
 def _run_latency(args):
-    from pagoda.bench.offline import main_latency
+    from pagoda.bench.offline import main_latency  # per subcommand: start-up time
     return main_latency(args)
 
 
 def _run_compare(args):
-    from pagoda.bench.compare import main_compare
+    from pagoda.bench.compare import main_compare  # per subcommand: start-up time
     return main_compare(args)
 
 
 def _run_plot(args):
-    from pagoda.bench.plot import main_plot
+    from pagoda.bench.plot import main_plot  # per subcommand: start-up time
     return main_plot(args)
 
 

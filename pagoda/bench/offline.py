@@ -30,12 +30,17 @@ from pagoda.bench import metrics as m
 from pagoda.bench.arguments import add_dataset_args
 from pagoda.bench.datasets import SampleRequest, draw_lengths, samples_from_args
 from pagoda.bench.tokenizers import LocalTokenizer, corpus_token_pool
+from pagoda.entrypoints.cli_args import add_engine_args
+from pagoda import LLM
+from pagoda.entrypoints.cli_args import engine_args_from_namespace
+from pagoda.bench.report import validate_report
+from pagoda import SamplingParams
+from pagoda.bench.report import header
 
 LATENCY_PERCENTILES = (50, 90, 99)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from pagoda.entrypoints.cli_args import add_engine_args
     add_engine_args(p)
     g = p.add_argument_group("report")
     g.add_argument("--output-json", default=None, help="write the result JSON here")
@@ -59,8 +64,6 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args):
-    from pagoda import LLM
-    from pagoda.entrypoints.cli_args import engine_args_from_namespace
     return LLM(**vars(engine_args_from_namespace(args)))
 
 
@@ -118,7 +121,6 @@ def engine_info(llm) -> dict:
 
 
 def _write(result: dict, path: Optional[str]) -> None:
-    from pagoda.bench.report import validate_report
     validate_report(result)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -128,8 +130,6 @@ def _write(result: dict, path: Optional[str]) -> None:
 
 
 def main_throughput(args) -> dict:
-    from pagoda import SamplingParams
-    from pagoda.bench.report import header
 
     llm = _make_llm(args)
     samples = offline_samples(args, llm)
@@ -199,8 +199,6 @@ def _check_latency_args(args, llm) -> None:
 
 
 def main_latency(args) -> dict:
-    from pagoda import SamplingParams
-    from pagoda.bench.report import header
 
     llm = _make_llm(args)
     _check_latency_args(args, llm)

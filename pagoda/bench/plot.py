@@ -65,7 +65,7 @@ def _line_name(report: dict, reports: list[dict]) -> str:
 
 
 def plot_latency_cdf(reports: list[dict], path: str, dpi: int = 120) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: plots only
 
     fig, axes = plt.subplots(1, len(CDF_METRICS), figsize=(5 * len(CDF_METRICS), 4), squeeze=False)
     for ax, (key, title) in zip(axes[0], CDF_METRICS):
@@ -87,7 +87,7 @@ def plot_latency_cdf(reports: list[dict], path: str, dpi: int = 120) -> str:
 
 
 def plot_vs_load(reports: list[dict], key: str, ylabel: str, path: str, dpi: int = 120) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: plots only
 
     xlabel, xs, ticks = load_axis(reports)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -109,7 +109,7 @@ def plot_vs_load(reports: list[dict], key: str, ylabel: str, path: str, dpi: int
 
 
 def write_plots(reports: list[dict], output_dir: str, dpi: int = 120) -> list[str]:
-    import matplotlib
+    import matplotlib  # matplotlib: plots only
 
     matplotlib.use("Agg")
     os.makedirs(output_dir, exist_ok=True)

@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+from importlib.metadata import version
 from typing import Iterable, Optional
 
 from pagoda.bench import metrics as m
@@ -51,7 +52,6 @@ _KIND_KEYS = {
 
 def _pagoda_version() -> str:
     try:
-        from importlib.metadata import version
         return version("pagoda")
     except Exception:  # noqa: BLE001 - not installed as a distribution: report unknown
         return "unknown"

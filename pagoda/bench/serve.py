@@ -31,6 +31,7 @@ from pagoda.bench.client import BACKENDS, Target, stream_request
 from pagoda.bench.datasets import SampleRequest, samples_from_args
 from pagoda.bench.server_metrics import MetricsWatcher
 from pagoda.bench.tokenizers import LocalTokenizer, ServerTokenizer
+from pagoda.bench import report as rep
 
 
 @dataclass
@@ -88,7 +89,7 @@ def resolve_url(base_url: str, endpoint: str) -> str:
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # progress bars only
     return tqdm(total=total, unit="req")
 
 
@@ -242,7 +243,6 @@ def prepare(args) -> tuple[str, Target, list[SampleRequest], str]:
 def measure(args, base_url: str, target: Target, samples: list[SampleRequest], tokenizer_name: str,
             plan: LoadPlan) -> dict:
     """One measured run -> its report (printed, and saved with --save-result)."""
-    from pagoda.bench import report as rep
 
     outcome = asyncio.run(run_load(target, samples, plan, base_url))
     summary = m.summarize(outcome.results, outcome.duration, args.percentile_metrics,

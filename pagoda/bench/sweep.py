@@ -13,6 +13,11 @@ import argparse
 import json
 import math
 import os
+from pagoda.bench import report as rep
+from pagoda.bench.serve import measure
+from pagoda.bench.serve import plan_from_args
+from pagoda.bench.serve import prepare
+from pagoda.bench.plot import write_plots
 
 
 SUMMARY_KEYS = ("request_rate", "max_concurrency", "completed", "failed", "request_throughput",
@@ -52,8 +57,6 @@ def sweep_points(args) -> list[tuple[str, float, object]]:
 
 
 def main_sweep(args) -> list[dict]:
-    from pagoda.bench import report as rep
-    from pagoda.bench.serve import measure, plan_from_args, prepare
 
     points = sweep_points(args)
     base_url, target, samples, tokenizer_name = prepare(args)
@@ -75,7 +78,6 @@ def main_sweep(args) -> list[dict]:
         json.dump(summary, f, indent=2)
     print(f"saved {summary_path} and {len(paths)} result files")
     if args.plot:
-        from pagoda.bench.plot import write_plots
         for path in write_plots(reports, result_dir):
             print(f"wrote {path}")
     return reports

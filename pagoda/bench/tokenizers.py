@@ -26,6 +26,7 @@ import urllib.request
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
+from pagoda.model.tokenizer import load_tokenizer
 
 CORPUS = (
     "The river keeps its own calendar, rising with the snow melt in spring and falling "
@@ -114,7 +115,6 @@ class LocalTokenizer:
             return
         if not os.path.exists(path):
             raise ValueError(f"--tokenizer {path!r} does not exist (only local files are used)")
-        from pagoda.model.tokenizer import load_tokenizer  # GGUF files or HF directories
 
         self._tok = load_tokenizer(path)
 

@@ -27,6 +27,7 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def _reduce_function(group_name: str) -> Callable[[torch.Tensor, torch.Tensor, t
 
 def _build(group, device: torch.device, dtype: torch.dtype, buffer_bytes: int,
            max_bytes: int) -> SymmMemAllReduce:
-    import torch.distributed._symmetric_memory as symm_mem
+    import torch.distributed._symmetric_memory as symm_mem  # CUDA builds of torch only
 
     group_name = group.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
@@ -138,7 +139,6 @@ def _build(group, device: torch.device, dtype: torch.dtype, buffer_bytes: int,
 def _check_against_nccl(fast: SymmMemAllReduce, group, device: torch.device,
                         dtype: torch.dtype) -> None:
     """One reduction both ways at start-up; a disagreement refuses the fast path."""
-    import torch.distributed as dist
 
     rank = dist.get_rank(group)
     generator = torch.Generator(device="cpu").manual_seed(1234 + rank)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from pagoda.distributed.fast_all_reduce import SymmMemAllReduce
 
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                      "NVSHMEM_DISABLE_NVLS": "1"}
@@ -57,7 +58,6 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
                                 world_size=world_size)
     _world_size, _rank = world_size, rank
     if world_size > 1 and backend == "nccl" and custom_all_reduce:
-        from pagoda.distributed.fast_all_reduce import SymmMemAllReduce
         device = torch.device("cuda", torch.cuda.current_device())
         _fast_all_reduce = SymmMemAllReduce.create(dist.group.WORLD, device, dtype)
 

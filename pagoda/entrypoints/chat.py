@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 from typing import Optional
+from pagoda.model.tokenizer import apply_chat_template
 
 BANNER = "pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits."
 STOPPED = "[reply stopped; the conversation is kept]"
@@ -57,7 +58,6 @@ def stream_reply(llm, token_ids: list[int], params) -> tuple[str, bool]:
 
 def run_chat(llm, params, system: Optional[str]) -> int:
     """The REPL loop; returns the exit status."""
-    from pagoda.model.tokenizer import apply_chat_template
     tokenizer = llm.get_tokenizer()
     template = llm.llm_engine.config.model.chat_template
     history: list[dict] = [{"role": "system", "content": system}] if system else []

@@ -19,7 +19,7 @@ from pagoda.entrypoints.cli_parser import (PagodaArgumentParser, add_log_level_e
 
 
 def _make_llm(ns):
-    from pagoda.entrypoints.llm import LLM
+    from pagoda.entrypoints.llm import LLM  # per command: start-up time
     args = engine_args_from_namespace(ns)
     return LLM(**vars(args))
 
@@ -56,7 +56,7 @@ def check_context(engine, prompt, max_tokens) -> None:
 
 def cmd_chat(ns) -> int:
     """An interactive REPL that streams the reply token by token (entrypoints/chat.py)."""
-    from pagoda.entrypoints.chat import run_chat
+    from pagoda.entrypoints.chat import run_chat  # per command: start-up time
     llm = _make_llm(ns)
     return run_chat(llm, sampling_params_from_namespace(ns), ns.system)
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The server stack (fastapi, uvicorn, pydantic) is optional on GPU machines: check for
     # it by name, so that a real import error inside Pagoda's server code still surfaces.
     if importlib.util.find_spec("fastapi") is not None:
-        from pagoda.entrypoints.openai.cli import add_serve_parser
+        from pagoda.entrypoints.openai.cli import add_serve_parser  # per command: start-up time
         add_serve_parser(sub)
 
     from pagoda.bench.cli import add_bench_subparsers  # imports no server stack

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import typing
 
@@ -104,7 +105,6 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
                          "use --device cpu (or leave --device out to pick automatically)")
     chat_template = ns.chat_template
     if chat_template is not None:
-        import os
         if os.path.isfile(chat_template):
             with open(chat_template, encoding="utf-8") as f:
                 chat_template = f.read()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.config import ModelConfig
+from pagoda.model.presets import is_preset
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,13 @@ def hub_cache_dir(download_dir: Optional[str] = None) -> str:
         return os.path.expanduser(os.environ["HF_HUB_CACHE"])
     if os.environ.get("HF_HOME"):
         return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # hub ids only
     return constants.HF_HUB_CACHE
 
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now, or as huggingface_hub read it."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # hub ids only
     flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return flag.strip().upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
 
@@ -83,7 +84,6 @@ def resolve_hub_model(model: str, revision: Optional[str] = None,
             raise HubModelError(f"revision {revision!r} applies to Hugging Face hub ids only, "
                                 f"and {model!r} is not one")
         return model
-    from pagoda.model.presets import is_preset
     if is_preset(model):
         return model
     cache = hub_cache_dir(download_dir)
@@ -114,7 +114,7 @@ def resolve_tokenizer(config: ModelConfig) -> Optional[str]:
 
 def _snapshot(repo_id: str, revision: Optional[str], cache: str, files: tuple[str, ...]) -> str:
     """snapshot_download, its exceptions turned into one clear line each."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # hub ids only
     from huggingface_hub import errors as hub_errors
     offline = hub_offline()
     what = repo_id if revision is None else f"{repo_id} (revision {revision})"

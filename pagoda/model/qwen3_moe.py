@@ -60,7 +60,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise ValueError("Qwen3MoeForCausalLM needs an MoE config and qk_norm")
         super().__init__(arch, tp)
         # Each MoE block's decode down GEMV may prefetch the next layer's qkv weight
-        # (pagoda.kernels.launch.l2_prefetch.NEXT_QKV_IN_MOE_DOWN).
+        # (pagoda.kernels.launch.l2_prefetch).
         layers = list(self.model.layers)
         for layer, following in zip(layers, layers[1:]):
             if isinstance(layer.mlp, Qwen3MoeSparseBlock):

@@ -22,6 +22,9 @@ import torch
 from pagoda.attention.selector import make_attention_backend
 from pagoda.spec_decode.verify import accept_draft_tokens
 from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter
+from pagoda.spec_decode.proposers.draft_model import load_draft_model
+from pagoda.spec_decode.proposers.draft_model import DraftModelProposer
+from pagoda.spec_decode.proposers.layer_skip import LayerSkipProposer
 
 
 def load_draft(runner):
@@ -29,7 +32,6 @@ def load_draft(runner):
     spec = runner.config.speculative
     if spec is None or spec.method != "draft_model":
         return None
-    from pagoda.spec_decode.proposers.draft_model import load_draft_model
     return load_draft_model(spec.model, runner.arch, runner.config.model.load_format,
                             runner.dtype, runner.device,
                             runner.config.model.seed, runner.tp, runner.block_size,
@@ -43,7 +45,6 @@ def make_drafter(runner, max_model_len: int) -> Optional[GreedyDrafter]:
     if spec is None or spec.method == "ngram":
         return None
     if spec.method == "layer_skip":
-        from pagoda.spec_decode.proposers.layer_skip import LayerSkipProposer
         return LayerSkipProposer(runner.model, spec.num_layers, runner.backend,
                                  runner.kv_pool, runner.block_size, runner.device,
                                  max_model_len, spec.draft_confidence_threshold)
@@ -54,7 +55,6 @@ def make_drafter(runner, max_model_len: int) -> Optional[GreedyDrafter]:
 
 
 def _draft_model_proposer(runner, spec, max_model_len: int):
-    from pagoda.spec_decode.proposers.draft_model import DraftModelProposer
 
     config = runner.config
     backend = make_attention_backend(config.device.attention_backend, config.device.device,

@@ -13,6 +13,7 @@ from typing import Optional
 from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.planning.planner import DraftPlanner
 from pagoda.spec_decode.planning.budget import MIN_GAIN, SpecBudget
+from pagoda.spec_decode.proposers.ngram import NgramProposer
 
 # Tokens per step from which drafts stop paying, when speculative_config does not say
 # (compute_bound_tokens). GPU: an 8B model's decode GEMMs on an H200 reach the ridge
@@ -55,7 +56,6 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_mode
                                                        draft_weight_fraction),
                         drafting_holds=async_scheduling and spec.method == "ngram")
     if spec.method == "ngram":
-        from pagoda.spec_decode.proposers.ngram import NgramProposer
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max)
         return DraftPlanner(budget, max_model_len, proposer.propose), 0

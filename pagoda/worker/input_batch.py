@@ -297,7 +297,7 @@ def fill_pending_tokens(input_ids: torch.Tensor, pending_index: torch.Tensor,
     """input_ids[rows] = prev.token_ids[sources] for pending_index = [rows, sources], on
     the device (no host sync; one launch on CUDA: pagoda.kernels.sample.pending_fill)."""
     if input_ids.device.type == "cuda":
-        from pagoda.kernels.sample.pending_fill import fill_pending
+        from pagoda.kernels.sample.pending_fill import fill_pending  # Triton: CUDA only
         fill_pending(input_ids, pending_index, prev.token_ids)
     else:
         input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))

@@ -35,6 +35,7 @@ from pagoda.attention.selector import make_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
 from pagoda.core.outputs import ModelInfo, SchedulerOutput, StepExtras
+from pagoda.model.kernel_configs import KernelConfigs
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
 from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
@@ -57,6 +58,14 @@ from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
+# ModelRunner attributes holding device or pinned memory (or what references it),
+# dropped by shutdown(); the graphs go before the pool and buffers they captured.
+_RELEASED_ON_SHUTDOWN = (
+    "graph_runner", "input_stream", "drafter", "draft", "_launched", "_prev_sampled",
+    "_kv_report", "_kv_offload_inventory", "block_table", "staging", "penalty_state",
+    "kv_pool", "sampler", "generator", "backend", "model")
+
+
 @dataclass
 class _LaunchedForward:
     """A step between its two calls: inputs None for an empty step."""
@@ -69,8 +78,11 @@ class _LaunchedForward:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0) -> None:
-        """rank: this worker's tensor-parallel rank; it builds and loads that share."""
+    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0,
+                 kernel_configs: Optional[KernelConfigs] = None) -> None:
+        """rank: this worker's tensor-parallel rank; it builds and loads that share.
+        kernel_configs: the kernels' configs (default: KernelConfigs.for_device of this
+        worker's device; benchmarks pass named variants)."""
         from pagoda.model.loader import load_model
         from pagoda.model.parallel import TensorParallel
 
@@ -91,12 +103,14 @@ class ModelRunner:
         # What the KV pool stores: the model's dtype, or float8 e4m3 (kv_cache_dtype fp8).
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype,
                                                self.device, is_mla=self.arch.mla is not None)
-        self.backend = make_attention_backend(config.device.attention_backend,
-                                              config.device.device,
-                                              self.arch.attention_shape(self.tp.size))
+        self.kernel_configs = kernel_configs or KernelConfigs.for_device(self.device)
+        self.kernel_configs.install(self.model)
+        self.backend = self._make_backend()
         # A draft model (speculative decoding): loaded before the KV cache is sized,
         # since its layers take their share of every block.
         self.draft = load_draft(self)
+        if self.draft is not None:
+            self.kernel_configs.install(self.draft.model)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
@@ -128,6 +142,24 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.arch.vocab_size
+
+    def _make_backend(self) -> AttentionBackend:
+        """The model's attention backend, with this runner's kernel configs."""
+        return make_attention_backend(self.config.device.attention_backend,
+                                      self.config.device.device,
+                                      self.arch.attention_shape(self.tp.size),
+                                      decode_config=self.kernel_configs.decode,
+                                      mla_config=self.kernel_configs.mla)
+
+    def use_kernel_configs(self, kernel_configs: KernelConfigs) -> None:
+        """Switches the model and a new attention backend to kernel_configs (an A/B of
+        kernel variants in one engine). CUDA graphs captured before keep the kernels
+        they captured: capture them again (capture_cuda_graphs) before the next step."""
+        self.kernel_configs = kernel_configs
+        kernel_configs.install(self.model)
+        if self.draft is not None:
+            kernel_configs.install(self.draft.model)
+        self.backend = self._make_backend()
 
     # ---- start-up -------------------------------------------------------------------
     def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
@@ -194,6 +226,23 @@ class ModelRunner:
         if self.kv_offload is not None:
             self.kv_offload.close()
             self.kv_offload = None
+
+    def shutdown(self) -> None:
+        """Releases what this worker holds (idempotent): the offload tiers (threads, disk
+        lock, pinned slots), then, once the device is idle, the CUDA graphs and their
+        pool, the KV pool, the draft model, the staging and penalty buffers and the
+        weights. Device memory goes back to torch's caching allocator; the engine
+        empties it (engine/release.py). Mostly for the in-process executor: a worker
+        process frees all of it by exiting."""
+        self.shutdown_kv_offload()
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            try:
+                torch.cuda.synchronize(self.device)  # no kernel still reads what goes
+            except Exception:  # noqa: BLE001 - a failed device: release what we can
+                logger.exception("synchronizing before the worker's release failed")
+        for name in _RELEASED_ON_SHUTDOWN:
+            setattr(self, name, None)
+        self.states = {}
 
     def capture_cuda_graphs(self, model, backend, max_model_len: int):
         """CUDA graphs of model's steps over this worker's KV pool (the target's, or a

@@ -5,10 +5,11 @@ device-to-host copies of the sampled ids and logprobs are queued right behind th
 step's kernels into pinned buffers, with an event after them. `result()` waits for
 that event only, so the host can schedule and launch the next step first: the
 copies were queued before the next step's kernels, so they never wait for them.
-With COPY_STREAM (the default) the copies run on a stream of their own that waits for
-the sampling, so the main stream's next step (the pending-token fill, the next graph)
-does not queue behind them either; the device tensors are marked as used by that
-stream (record_stream) so their memory is not reused before the copies end.
+The copies run on a stream of their own that waits for the sampling, so the main
+stream's next step (the pending-token fill, the next graph) does not queue behind them
+either (FP8 batch 1 2.618 -> 2.607 ms with the one-launch pending fill, H200;
+docs/performance.md, "Measured reasons: Launch"); the device tensors are marked as used
+by that stream (record_stream) so their memory is not reused before the copies end.
 On CPU the work is already done and `result()` only converts.
 """
 
@@ -24,9 +25,6 @@ from pagoda.core.outputs import ModelRunnerOutput
 from pagoda.sample.logprobs import unpack_token_logprobs
 from pagoda.spec_decode.verify import accept_draft_tokens
 
-
-# False: the copies on the current (main) stream (benchmarks' A/B switch, --d2h-stream).
-COPY_STREAM = True
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -71,7 +69,7 @@ class AsyncRunnerOutput:
         self._event: Optional[torch.cuda.Event] = None
         cuda = [t for t in (sampled, packed_logprobs, *packed_prompt_logprobs.values())
                 if t is not None and t.device.type == "cuda"]
-        stream = _copy_stream(cuda[0].device) if cuda and COPY_STREAM else None
+        stream = _copy_stream(cuda[0].device) if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the sampling
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -24,6 +24,7 @@ import torch
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.worker.shape_buckets import logits_row_buckets
+from pagoda.sample.sampler import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +111,13 @@ def warm_up_logits(runner, max_rows: int) -> float:
     for rows in logits_row_buckets(max_rows):
         logits = runner.model.compute_logits(hidden[:rows], float32=False)
     if runner.device.type == "cuda" and logits is not None:
-        from pagoda.kernels.sample.argmax import argmax_covers
-        from pagoda.sample.sampler import greedy_argmax
+        from pagoda.kernels.sample.argmax import argmax_covers  # Triton: CUDA only
         for table in {logits.dtype: logits, torch.float32: logits.float()}.values():
             for rows in range(1, table.shape[0] + 1):
                 if not argmax_covers(table[:rows]):
                     break
                 greedy_argmax(table[:rows])
-        from pagoda.kernels.sample.pending_fill import fill_pending
+        from pagoda.kernels.sample.pending_fill import fill_pending  # Triton: CUDA only
         ids = torch.zeros(2, dtype=torch.long, device=runner.device)
         fill_pending(ids, torch.zeros(2, 1, dtype=torch.long, device=runner.device), ids)
         torch.cuda.synchronize(runner.device)

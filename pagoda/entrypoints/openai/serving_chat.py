@@ -35,6 +35,8 @@ from pagoda.entrypoints.openai.serving_common import (ServingContext, build_samp
                                                       check_caps, check_prompt, check_room,
                                                       new_request_id, now, reject_unsupported, usage)
 from pagoda.outputs import Logprob, RequestOutput
+from pagoda.model.tokenizer import apply_chat_template
+from pagoda.model.tokenizer import check_template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,6 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
                 template_kwargs: Optional[dict[str, Any]] = None,
                 tools: Optional[list[dict]] = None) -> list[int]:
     """Token ids of the conversation; a template that fails on these messages -> 400."""
-    from pagoda.model.tokenizer import apply_chat_template, check_template_kwargs
     engine = ctx.require_ready()
     tokenizer = ctx.tokenizer()
     try:

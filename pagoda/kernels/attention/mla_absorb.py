@@ -30,8 +30,8 @@ import triton.language as tl
 
 # Latent columns per program (kv_lora_rank 512 -> 16 programs per head and token) and
 # the qk_nope chunk reduced per step.
-# (the fastest tiles of benchmarks/batch1_kernel_sweep.py on the H200 at DeepSeek-V2-
-# Lite's shape: absorb_q 2.40 us, project_v 2.16 us at one token.)
+# (the fastest tiles of the batch-1 kernel sweep on the H200 at DeepSeek-V2-Lite's
+# shape: absorb_q 2.40 us, project_v 2.16 us at one token.)
 BLOCK_R = 32
 BLOCK_D = 64
 ABSORB_WARPS = 2

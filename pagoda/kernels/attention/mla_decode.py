@@ -1,7 +1,7 @@
 """Triton split-K paged MLA attention in latent space (the absorbed path).
 
-Owns `mla_decode` and `mla_tile_config`. Reference: pagoda.attention.mla_backend.
-latent_attention_ref.
+Owns `mla_decode`; its tiles come from an MLAKernelConfig (mla_config.py). Reference:
+pagoda.attention.mla_backend.latent_attention_ref.
 
 Row n of q ([N, H, kv_lora_rank + rope]: the latent query q_nope W_UK then the rotated
 q_rope) attends to the first row_len[n] tokens of request row_req[n] in the latent
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.attention.mla_config import MLAKernelConfig
 from pagoda.kernels.attention.paged_attention import LOG2_E
 from pagoda.kernels.attention.paged_decode import MIN_SPLIT_TOKENS
 
@@ -129,23 +130,14 @@ def _mla_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dc < KV_RANK)
 
 
-def mla_tile_config(dtype: torch.dtype) -> dict:
-    """Head block, key tile and launch options. The accumulator is BLOCK_H x kv_lora_rank
-    float32 (16 x 512 at DeepSeek's shape), the key tile BLOCK_N x kv_lora_rank: kept
-    small so both fit on chip."""
-    if dtype == torch.float32:
-        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
-
-
 def mla_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
                block_tables: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
                scale: float, kv_lora_rank: int, num_splits: int,
                min_split_tokens: int = MIN_SPLIT_TOKENS,
-               config: Optional[dict] = None) -> None:
+               config: Optional[MLAKernelConfig] = None) -> None:
     """Latent attention of every row of q into out [N, H, kv_lora_rank] (see the module
     docstring). num_splits is a runtime argument (no recompilation when it changes);
-    config overrides mla_tile_config (benchmarks sweep it)."""
+    config: the tiles (default: MLAKernelConfig.for_device(q.device))."""
     num_rows, num_heads, entry = q.shape
     if cache.dim() != 3 or cache.shape[2] != entry or not 0 < kv_lora_rank < entry:
         raise ValueError(f"cache must be [num_blocks, block_size, {entry}] with kv_lora_rank "
@@ -161,8 +153,8 @@ def mla_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
     if num_rows == 0:
         return
-    cfg = dict(config) if config is not None else mla_tile_config(q.dtype)
-    block_h = cfg.pop("BLOCK_H")
+    tiles = (config or MLAKernelConfig.for_device(q.device)).decode_tiles(q.dtype)
+    block_h = tiles.block_h
     rope = entry - kv_lora_rank
     if num_splits > 1:
         partial_out = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
@@ -180,7 +172,7 @@ def mla_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
         NUM_HEADS=num_heads, BLOCK_H=block_h, PAGE_SIZE=cache.shape[1],
         KV_RANK=kv_lora_rank, BLOCK_C=block_c, ROPE=rope,
         BLOCK_R=max(16, triton.next_power_of_2(rope)),
-        DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32, **cfg,
+        DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32, **tiles.launch(),
     )
     if num_splits > 1:
         _mla_merge_kernel[(num_rows, num_heads)](

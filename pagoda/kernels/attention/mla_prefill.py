@@ -1,7 +1,7 @@
 """Triton flash attention for MLA's decompressed path (prefill chunks), forward only.
 
-Owns `mla_prefill_attention`, its tile table `prefill_tile_table` and its launch
-options `mla_prefill_config`. Reference: pagoda.attention.mla_backend.prefill_attention
+Owns `mla_prefill_attention` and its tile table `prefill_tile_table`; its tiles and
+launch options come from an MLAKernelConfig (mla_config.py). Reference: pagoda.attention.mla_backend.prefill_attention
 on the assembled q = [q_nope, q_rope], k = [k_nope, k_rope expanded over heads], v.
 
 The inputs are the pieces the layer (pagoda/model/layers/mla.py) already holds, read in
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.attention.mla_config import MLAKernelConfig
 from pagoda.kernels.attention.paged_attention import LOG2_E
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -164,26 +165,6 @@ def _mla_prefill_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def mla_prefill_config(dtype: torch.dtype, **overrides) -> dict:
-    """Tile sizes and launch options; any of them overridden by keyword (tuning).
-
-    BLOCK_M is also the granularity of the plan's tile table, which is built before
-    the layer's dtype is known: it is the same for every dtype. 16-bit inputs: 128
-    query rows x 64 keys, 8 warps, 3 stages (per stage the K_nope, K_rope and V tiles
-    of DeepSeek's 128/64/128 widths take 40 KiB of shared memory). float32 (IEEE dots
-    on CUDA cores, used for fidelity, not speed): smaller key tiles, 1 stage.
-    """
-    if dtype == torch.float32:
-        cfg = dict(BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=1)
-    else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    unknown = set(overrides) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown MLA prefill options {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(overrides)
-    return cfg
-
-
 def prefill_tile_table(chunks: Sequence[tuple[int, int, int, int]],
                        block_m: int) -> list[list[int]]:
     """The tile rows [q_start, q_end, ctx_start, first_pos] of chunks given as
@@ -231,15 +212,16 @@ def _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v) -> None:
 def mla_prefill_attention(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
                           k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                           q_rows: torch.Tensor, tiles: torch.Tensor, tile_rows: int,
-                          scale: float, config: Optional[dict] = None) -> None:
+                          scale: float, config: Optional[MLAKernelConfig] = None) -> None:
     """Causal attention of the prefill rows into out's rows q_rows (see the module
     docstring). tiles: prefill_tile_table(chunks, tile_rows) on the device (int32
-    [num_tiles, 4]); config: keyword overrides of mla_prefill_config, whose BLOCK_M
-    must hold tile_rows rows."""
+    [num_tiles, 4]); config: the kernel's tiles (default: MLAKernelConfig.for_device),
+    whose block_m must hold tile_rows rows."""
     _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v)
-    cfg = mla_prefill_config(q_nope.dtype, **(config or {}))
-    if tile_rows > cfg["BLOCK_M"]:
-        raise ValueError(f"tiles of {tile_rows} rows do not fit BLOCK_M {cfg['BLOCK_M']}")
+    launch = (config or MLAKernelConfig.for_device(q_nope.device)).prefill_tiles(
+        q_nope.dtype).launch()
+    if tile_rows > launch["BLOCK_M"]:
+        raise ValueError(f"tiles of {tile_rows} rows do not fit BLOCK_M {launch['BLOCK_M']}")
     if tiles.dim() != 2 or tiles.shape[1] != TILE_FIELDS or tiles.dtype != torch.int32:
         raise ValueError(f"tiles must be int32 [num_tiles, {TILE_FIELDS}], got "
                          f"{tiles.dtype} {tuple(tiles.shape)}")
@@ -254,5 +236,5 @@ def mla_prefill_attention(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, dn),
         BLOCK_DR=max(16, dr), BLOCK_DV=max(16, dv), IEEE_DOT=q_nope.dtype == torch.float32,
-        **cfg,
+        **launch,
     )

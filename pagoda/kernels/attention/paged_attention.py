@@ -185,7 +185,7 @@ def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes and launch options of the chunk kernel: BLOCK_Q * GROUP_PAD query rows.
 
     16-bit heads up to 128: 256 query rows x 64 keys, 8 warps, 3 stages, the fastest of
-    the tiles swept on the H200 (docs/performance.md, "measured reasons").
+    the tiles swept on the H200 (docs/performance.md, "Measured reasons: Decode attention").
     """
     group_pad = triton.next_power_of_2(group)
     if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: smaller tiles

@@ -33,14 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.attention.store_kv import check_kv_scales, quantize_e4m3
-
-
-# The kernel loads cos / sin, the slot mapping and the q/k norm weights before its PDL
-# wait (all are written before the kernel ahead of it: pdl.py), its qkv row after it.
-# On: Qwen3-30B-A3B batch 1 2.618 -> 2.595 ms in one lease (docs/performance.md).
-PRELOAD_OPERANDS = True
 
 
 @triton.jit
@@ -92,7 +86,6 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     # Program (token, group): groups [0, q_groups) are q heads, the next kv_groups k
@@ -104,19 +97,15 @@ def _qk_norm_rope_store_kernel(
     kv_groups = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     row = qkv_ptr + token * stride_qkv_t
     weight_ptr = tl.where(group < q_groups, q_weight_ptr, k_weight_ptr)
-    if PRELOAD:
-        # cos / sin (the forward's first kernels wrote them), the slot mapping (the
-        # step's input copies) and the norm weights, all written before the kernel
-        # ahead of this one (pdl.py), are loaded before the wait; qkv after it.
-        cos, sin, w1, w2, slot = _row_operands(
-            cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
-            slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
-        pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
-    else:
-        pdl_wait_and_release(USE_PDL)  # before any load or store
-        cos, sin, w1, w2, slot = _row_operands(
-            cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
-            slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
+    # cos / sin (the forward's first kernels wrote them), the slot mapping (the step's
+    # input copies) and the norm weights, all written before the kernel ahead of this
+    # one (pdl.py), are loaded before the wait; qkv after it. Loaded before the wait,
+    # they took Qwen3-30B-A3B's batch-1 step from 2.618 to 2.595 ms (H200;
+    # docs/performance.md, "Measured reasons: Launch").
+    cos, sin, w1, w2, slot = _row_operands(
+        cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
+        slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
+    pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
     if group < q_groups:
         _norm_rope_heads(row, group * HEADS_PER_PROGRAM, w1, w2, cos, sin, eps,
                          q_out_ptr + token * (NUM_HEADS * HEAD_DIM), HEAD_DIM, kv_scales_ptr,
@@ -214,7 +203,8 @@ def default_heads_per_program(num_tokens: int) -> int:
     4 around 256 rows, 16 for prefill steps, where the count of (token, head group)
     programs, not bytes, bounds the launch: at 16,384 rows 4 heads per program took
     237 / 198 us (Llama-8B / Qwen3-30B-A3B), 16 took 126 / 130 (docs/performance.md,
-    2026-12-02); benchmarks/qk_rope_store.py sweeps it."""
+    "Measured reasons: Decode attention"); `python -m benchmarks.kernels rope-store`
+    sweeps it."""
     if num_tokens <= 16:
         return 1
     if num_tokens <= 64:
@@ -277,7 +267,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     groups = 2 * triton.cdiv(num_kv_heads, per_program) + triton.cdiv(num_heads, per_program)
     has_norm = q_norm_weight is not None
     block_dim = triton.next_power_of_2(head_dim)
-    launched(_qk_norm_rope_store_kernel[(num_tokens, groups)](
+    _qk_norm_rope_store_kernel[(num_tokens, groups)](
         qkv, cos, sin,
         q_norm_weight.contiguous() if has_norm else qkv,
         k_norm_weight.contiguous() if has_norm else qkv,
@@ -288,8 +278,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], HEADS_PER_PROGRAM=per_program,
         BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        HAS_QK_NORM=has_norm, KV_FP8=kv_fp8, PRELOAD=PRELOAD_OPERANDS,
+        HAS_QK_NORM=has_norm, KV_FP8=kv_fp8,
         # rms_norm's warps for a row of block_dim: the same reduction order.
         num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
-    ))
+    )
     return q

@@ -35,7 +35,7 @@ over chunks (wider rows, or a smaller ``block``) recomputes each chunk from its 
 in the second pass; those re-reads hit L2 only while the rows in flight fit in it, and
 with many small programs per SM (each 14336-wide bf16 [gate | up] row is 57 KB) they
 would not: the two-pass kernel could read nearly as much as the unfused pair.
-benchmarks/fp8_act_quant.py times both (fused_us_by_block).
+`python -m benchmarks.kernels fp8-quant` times both (fused_us_by_block).
 
 Wrappers allocate from shapes alone and launch one kernel (no host sync, nothing data
 dependent): CUDA-graph capturable. Kernels take part in PDL (pagoda.kernels.launch.pdl).
@@ -55,7 +55,7 @@ from pagoda.kernels.fp8.quant import (FLOAT32_TINY, FP8_DTYPE, FP8_MAX, per_toke
 # The unfused norm's chunk size and warps: the fused norm must reduce its sum of squares
 # over the same BLOCK with the same layout to round inv_rms the same way.
 from pagoda.kernels.norm.fused_ops import _MAX_NORM_BLOCK, _num_warps, check_norm_args
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # silu_and_mul_fp8 holds rows up to this width in registers (one read of every byte);
 # wider rows are walked in chunks of _ACT_CHUNK, twice.
@@ -219,14 +219,14 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return q, scale, residual_out
     r_rows = x_rows if residual is None else _rows(residual, hidden)
     block = min(triton.next_power_of_2(hidden), _MAX_NORM_BLOCK)
-    launched(_rms_norm_fp8_kernel[(num_rows,)](
+    _rms_norm_fp8_kernel[(num_rows,)](
         x_rows, r_rows, weight.contiguous(), q, scale,
         q if residual_out is None else residual_out,
         x_rows.stride(0), r_rows.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
         ROW_DTYPE=_tl_dtype(row_dtype), OUT_DTYPE=_tl_dtype(out_dtype),
         FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, VEC=norm_vec(x_rows.dtype),
-        num_warps=_num_warps(block), **launch_options(x.device)))
+        num_warps=_num_warps(block), **launch_options(x.device))
     return q, scale, residual_out
 
 
@@ -320,10 +320,10 @@ def silu_and_mul_fp8(x: torch.Tensor, block: Optional[int] = None
     block = block or silu_and_mul_block(intermediate)
     if block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
-    launched(_silu_and_mul_fp8_kernel[(rows.shape[0],)](
+    _silu_and_mul_fp8_kernel[(rows.shape[0],)](
         rows, q, scale, rows.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
         FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, num_warps=silu_and_mul_warps(block),
-        **launch_options(rows.device)))
+        **launch_options(rows.device))
     return q, scale
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.gemv.gemv import load_kn_step, load_row_step
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # The most rows w8a16_linear takes (one program holds all rows' accumulators).
 W8A16_ROWS_LIMIT = 64
@@ -26,16 +26,15 @@ W8A16_ROWS_LIMIT = 64
 # padding rows); 2..64 rows: tl.dot on one tile of all rows (16 at least, tl.dot's
 # minimum), so the weight tile is read once for all of them. Narrow BLOCK_N gives batch-1
 # GEMVs enough programs to keep every SM streaming (N = 4096 -> 256 programs); SPLIT_K > 1
-# adds programs along K and a reduce. Untuned guesses: benchmarks/fp8_gemm.py --sweep.
+# adds programs along K and a reduce. Untuned guesses: the fp8-gemm benchmark's --sweep.
 W8A16_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4)
 W8A16_DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
 # One row of a projection no wider than 8192 with K <= 4096 (Llama-8B's qkv and o):
-# 16 columns a program, 3 loads in flight. benchmarks/batch1_kernel_sweep.py --parts
-# w8a16 on the H200 (launches back to back in a CUDA graph, as in the step), µs: o 7.22
-# -> 4.33, qkv 7.00 -> 6.60 (docs/performance.md, 2026-12-03). SHORT_K_GEMV_TILE False:
-# the W8A16_GEMV_CONFIG rule for these too (benchmarks' --w8a16-short-k-tile off).
+# 16 columns a program, 3 loads in flight. The batch-1 kernel sweep on the H200
+# (launches back to back in a CUDA graph, as in the step), us: o 7.22 -> 4.33, qkv 7.00
+# -> 6.60 over W8A16_GEMV_CONFIG's rule (docs/performance.md, "Measured reasons: GEMV and
+# FP8 weights").
 SHORT_K_GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4, LOOP_STAGES=3)
-SHORT_K_GEMV_TILE = True
 
 
 def w8a16_config(m: int, n: int, k: int) -> dict:
@@ -46,14 +45,13 @@ def w8a16_config(m: int, n: int, k: int) -> dict:
     vocabulary-wide N; 2..16 rows split a long K four ways (two for K <= 4096) and
     decode the weights by bit operations (8 rows of the Llama-8B shapes: qkv 18.0 ->
     17.5, o 15.1 -> 14.9, down 30.4 -> 28.3 us, gate_up equal; at one row the cvt decode
-    measured faster: `benchmarks/fp8_gemm.py --decode-compare`)."""
+    measured faster: the fp8-gemm benchmark's --decode-compare)."""
     if m == 1:
         if n >= 65536:
             return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
-        if SHORT_K_GEMV_TILE and n <= 8192 and k <= 4096:
+        if n <= 8192 and k <= 4096:
             return dict(SHORT_K_GEMV_CONFIG)
-        # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for down (and
-        # for o with SHORT_K_GEMV_TILE off).
+        # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for down.
         return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512,
                     LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4)
     if n >= 65536:
@@ -314,7 +312,7 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
             if split_k > 1 else out)
-    launched(_w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
+    _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
         x, w_fp8, scale, bias if bias is not None else out, out, part,
         m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
         scale.stride(0), scale.stride(1) if block is not None else 0,
@@ -323,10 +321,10 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        **cfg, **launch_options(x.device)))
+        **cfg, **launch_options(x.device))
     if split_k > 1:
-        launched(_split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
+        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
             part, bias if bias is not None else out, out, m, n, out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024,
-            **launch_options(x.device)))
+            **launch_options(x.device))
     return out

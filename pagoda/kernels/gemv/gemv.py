@@ -8,12 +8,12 @@ by the weight bytes alone; this kernel streams them with as many loads in flight
 SMs hold.
 
 Owns:
-- ``gemv(x, weight, bias, config)``: the Triton kernel's wrapper (CUDA, or CPU under
+- ``gemv(x, weight, bias, tiles)``: the Triton kernel's wrapper (CUDA, or CPU under
   TRITON_INTERPRET=1); ``gemv_ref``: its torch reference.
-- ``GEMV_CONFIGS``: the routing table (plain dict, filled from benchmarks/gemv_sweep.py's
-  H200 output); ``maybe_gemv``: what the unquantized linear method calls, which returns
-  None (take F.linear) unless the shape is in the table.
-- ``default_config``: tiles for a shape that is not in the table (direct calls, tests).
+- ``maybe_gemv``: what the unquantized linear method calls, which returns None (take
+  F.linear) unless the shape is in the routing table of its GemvConfig
+  (pagoda.kernels.gemv.config, filled from the GEMV sweep's output).
+- ``default_tiles``: tiles for a shape that is not in the table (direct calls, tests).
 
 Kernel: program (column block, K split) owns BLOCK_N output columns of all M rows and
 reads its [BLOCK_N, K split] weight slab exactly once, float32 accumulators, pipelined
@@ -43,51 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.gemv.config import GemvConfig, GemvTiles
 from pagoda.kernels.launch.arrival_counters import arrival_counters
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # The most rows the kernel takes (a decode step's padded batch of up to 16 requests;
 # larger steps stay on cuBLAS, whose tensor-core tiles then carry no padding rows).
 GEMV_MAX_ROWS = 16
-
-# Routing table: (N, K, rows bucket) -> kernel config, where the rows bucket is M rounded
-# up to a power of two (1, 2, 4, 8, 16: the decode graphs' and eager steps' row buckets,
-# pagoda.worker.shape_buckets).
-# An entry means: on the H200, in a CUDA graph, this config beat torch F.linear (cuBLAS)
-# at that shape; maybe_gemv routes only shapes listed here (N, K are the per-rank weight
-# shape, so a tensor-parallel layer has its own entries). Fill it from
-# `python benchmarks/gemv_sweep.py`, which prints the entries to paste. Config keys:
-# BLOCK_N, BLOCK_K (powers of two), SPLIT_K (K splits, >= 1), LOOP_STAGES (K steps of
-# loads in flight), num_warps, DOT (tl.dot rather than FMA; needs BLOCK_N >= 16).
-# Batch 1 of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, measured on the H200
-# (2026-12-01, `benchmarks/gemv_sweep.py --rows 1`, cold weights; cuBLAS -> this kernel),
-# and Llama-3.1-8B's at 1 and 8 rows (`--shapes qkv_8b,o_8b,gate_up_8b,down_8b --rows 1 8`;
-# 8 rows: a speculative verify step of up to 7 drafts). Shapes and row buckets not listed
-# (Llama's gate_up at any rows, its qkv at 8) measured within 3% of cuBLAS: cuBLAS keeps them.
-GEMV_CONFIGS: dict[tuple[int, int, int], dict] = {
-    # Qwen3-30B-A3B o_proj, 8.57 -> 6.35 us
-    (2048, 4096, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    # Qwen3-30B-A3B qkv_proj, 8.00 -> 6.97 us
-    (5120, 2048, 1): dict(BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    # DeepSeek-V2-Lite o_proj, 6.07 -> 4.37 us
-    (2048, 2048, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=3, num_warps=4, DOT=False),
-    # DeepSeek-V2-Lite q_proj, 6.49 -> 5.31 us
-    (3072, 2048, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=3, num_warps=4, DOT=False),
-    # DeepSeek-V2-Lite kv_a_proj_with_mqa, 6.02 -> 2.90 us
-    (576, 2048, 1): dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, LOOP_STAGES=3, num_warps=4, DOT=False),
-    # DeepSeek-V2-Lite shared experts' gate/up, 8.32 -> 7.50 us
-    (5632, 2048, 1): dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    # DeepSeek-V2-Lite shared experts' down, 7.84 -> 5.17 us
-    (2048, 2816, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    # Llama-3.1-8B qkv_proj, 15.63 -> 14.00 us
-    (6144, 4096, 1): dict(BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    # Llama-3.1-8B o_proj, 1 row 13.21 -> 10.39 us, 8 rows 13.16 -> 11.64 us
-    (4096, 4096, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=4, num_warps=4, DOT=False),
-    (4096, 4096, 8): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, LOOP_STAGES=3, num_warps=4, DOT=True),
-    # Llama-3.1-8B down_proj, 1 row 31.93 -> 28.89 us, 8 rows 32.43 -> 31.07 us
-    (4096, 14336, 1): dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, LOOP_STAGES=3, num_warps=4, DOT=False),
-    (4096, 14336, 8): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, LOOP_STAGES=3, num_warps=4, DOT=True),
-}
 
 # PAGODA_TRITON_GEMV=0 turns the routing off (the table is ignored).
 ENV_SWITCH = "PAGODA_TRITON_GEMV"
@@ -96,17 +58,12 @@ ENV_SWITCH = "PAGODA_TRITON_GEMV"
 COUNTERS_OWNER = "gemv split-K"
 
 
-def rows_bucket(m: int) -> int:
-    """M rounded up to a power of two: the table's row key."""
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
-
-
-def default_config(m: int, n: int, k: int) -> dict:
-    """Tiles for a shape not in GEMV_CONFIGS (untuned guesses; the table holds measured
-    ones): one row reads 8 weight rows x 512 columns per K step; up to 4 rows take the
-    FMA product on 4 x 256 (its [M, N, K] accumulator stays within 32 registers a
-    thread); more rows take tl.dot on 32 x 128. The K split doubles (up to 8) while the
-    programs are fewer than two per SM of an H200 (132), 3 K steps of loads in flight."""
+def default_tiles(m: int, n: int, k: int) -> GemvTiles:
+    """Tiles for a shape not in the routing table (untuned guesses; the table holds
+    measured ones): one row reads 8 weight rows x 512 columns per K step; up to 4 rows
+    take the FMA product on 4 x 256 (its [M, N, K] accumulator stays within 32 registers
+    a thread); more rows take tl.dot on 32 x 128. The K split doubles (up to 8) while
+    the programs are fewer than two per SM of an H200 (132), 3 K steps of loads in flight."""
     if m == 1:
         block_n, block_k, dot = 8, 512, False
     elif m <= 4:
@@ -116,8 +73,8 @@ def default_config(m: int, n: int, k: int) -> dict:
     blocks, split = triton.cdiv(n, block_n), 1
     while blocks * split < 264 and k >= 2 * split * block_k and split < 8:
         split *= 2
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, LOOP_STAGES=3,
-                num_warps=4, DOT=dot)
+    return GemvTiles(block_n=block_n, block_k=block_k, split_k=split, loop_stages=3,
+                     num_warps=4, dot=dot)
 
 
 @triton.jit
@@ -315,26 +272,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> tuple[int, int]:
     return n, k
 
 
-def _check_config(cfg: dict, m: int) -> None:
-    want = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "LOOP_STAGES", "num_warps", "DOT"}
-    if set(cfg) != want:
-        raise ValueError(f"gemv: config needs exactly the keys {sorted(want)}, got {sorted(cfg)}")
-    for key in ("BLOCK_N", "BLOCK_K"):
-        if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"gemv: {key} must be a power of two, got {cfg[key]}")
-    if cfg["SPLIT_K"] < 1 or cfg["LOOP_STAGES"] < 1:
-        raise ValueError(f"gemv: SPLIT_K and LOOP_STAGES must be >= 1, got {cfg}")
-    if cfg["DOT"] and (m == 1 or cfg["BLOCK_N"] < 16 or cfg["BLOCK_K"] < 16):
-        raise ValueError("gemv: the DOT product needs M > 1 and BLOCK_N, BLOCK_K >= 16, "
-                         f"got M={m}, {cfg}")
+def _check_tiles(tiles: GemvTiles, m: int) -> None:
+    if not isinstance(tiles, GemvTiles):
+        raise ValueError(f"gemv: tiles must be a GemvTiles, got {type(tiles).__name__}")
+    for name in ("block_n", "block_k"):
+        value = getattr(tiles, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"gemv: {name} must be a power of two, got {value}")
+    if tiles.split_k < 1 or tiles.loop_stages < 1:
+        raise ValueError(f"gemv: split_k and loop_stages must be >= 1, got {tiles}")
+    if tiles.dot and (m == 1 or tiles.block_n < 16 or tiles.block_k < 16):
+        raise ValueError("gemv: the dot product needs M > 1 and block_n, block_k >= 16, "
+                         f"got M={m}, {tiles}")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[dict] = None) -> torch.Tensor:
+         tiles: Optional[GemvTiles] = None) -> torch.Tensor:
     """x [..., K] (M = its rows, 1..GEMV_MAX_ROWS; rows may be strided) @ weight[N, K].T
-    (+ bias) -> [..., N] in x's dtype, float32 accumulation, rounded once. config: the
-    tiles (GEMV_CONFIGS' form); default: the table's entry for the shape, else
-    default_config."""
+    (+ bias) -> [..., N] in x's dtype, float32 accumulation, rounded once. tiles:
+    default the device's routing-table entry for the shape, else default_tiles."""
     n, k = _check(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -342,33 +298,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     m = x2.shape[0]
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
-    cfg = dict(config or GEMV_CONFIGS.get((n, k, rows_bucket(m))) or default_config(m, n, k))
-    _check_config(cfg, m)
-    split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
-    dot = cfg["DOT"]
-    block_m = 1 if m == 1 else max(16 if dot else 1, triton.next_power_of_2(m))
+    tiles = (tiles or GemvConfig.for_device(x.device).lookup(n, k, m)
+             or default_tiles(m, n, k))
+    _check_tiles(tiles, m)
+    split, block_n, block_k = tiles.split_k, tiles.block_n, tiles.block_k
+    block_m = 1 if m == 1 else max(16 if tiles.dot else 1, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     blocks = triton.cdiv(n, block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
-    launched(_gemv_kernel[(blocks, split)](
+    _gemv_kernel[(blocks, split)](
         x2, weight, bias if bias is not None else out, out, part, counters,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, **cfg, **launch_options(x.device)))
+        EVEN_K=k % k_per_split == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        LOOP_STAGES=tiles.loop_stages, num_warps=tiles.num_warps, DOT=tiles.dot,
+        **launch_options(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 
-def maybe_gemv(x: torch.Tensor, weight: torch.Tensor,
-               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def maybe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               config: Optional[GemvConfig] = None) -> Optional[torch.Tensor]:
     """gemv(x, weight, bias) when the engine should take it: x on CUDA (or any device
     under TRITON_INTERPRET=1), fp16 or bf16 x and weight, at most GEMV_MAX_ROWS rows,
-    the (N, K, rows bucket) in GEMV_CONFIGS and PAGODA_TRITON_GEMV not 0. Otherwise None:
-    the caller's F.linear."""
-    if not GEMV_CONFIGS or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    the (N, K, rows bucket) in config's table (default: GemvConfig.for_device) and
+    PAGODA_TRITON_GEMV not 0. Otherwise None: the caller's F.linear."""
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return None
@@ -376,10 +334,10 @@ def maybe_gemv(x: torch.Tensor, weight: torch.Tensor,
     m = x.numel() // k if k else 0
     if not 1 <= m <= GEMV_MAX_ROWS or weight.stride(1) != 1:
         return None
-    cfg = GEMV_CONFIGS.get((n, k, rows_bucket(m)))
-    if cfg is None or os.environ.get(ENV_SWITCH, "1") == "0":
+    tiles = (config or GemvConfig.for_device(x.device)).lookup(n, k, m)
+    if tiles is None or os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    return gemv(x, weight, bias, cfg)
+    return gemv(x, weight, bias, tiles)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,

@@ -4,28 +4,27 @@ At batch 1 a decode layer alternates kernels that stream weights (the GEMVs: qkv
 the MoE gate/up and down) with kernels that barely touch memory (q/k norm + rotary +
 KV store, decode attention, its merge, the router). While the latter run, the memory
 bus idles, and each GEMV after them starts from an idle bus: it pays the ramp of its
-first loads (the per-kernel increments in docs/performance.md, 2026-12-04, put o_proj
+first loads (the per-kernel increments in docs/performance.md put o_proj
 and the MoE down GEMV well above their bytes' time). A kernel that knows which weights
 come next can ask the memory system to bring them into L2 while it runs; the GEMV then
 finds (some of) its lines there. Hopper's bulk prefetch (`cp.async.bulk.prefetch.L2`,
 sm_90, issued by the TMA unit) takes a whole byte range in one instruction and nothing
 waits for it: it is a hint, so results cannot change, only timing.
 
-Owns the switch (a module attribute, read at each launch, so benchmarks/decode_variants.py
-can A/B it in one engine) and the device functions the kernels call:
-- NEXT_QKV_IN_MOE_DOWN: the MoE down GEMV prefetches the next decoder layer's qkv
-  weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires it), so it streams
-  during the down kernel's tail and the input norm.
-It applies to steps of at most MAX_ROWS rows (decode-sized batches, where the GEMV is
-memory-bound), on CUDA devices of compute capability 9.0 or newer; never under the
-interpreter (the CPU tests), which cannot run inline PTX.
+Owns the device functions the kernels call and the host-side rule of when they may
+(`prefetch_bytes`). One prefetch uses them: the MoE down GEMV prefetches the next
+decoder layer's qkv weight after its store (FusedMoE.set_next_linear; Qwen3-MoE wires
+it), so it streams during the down kernel's tail and the input norm. It applies to steps
+of at most MAX_ROWS rows (decode-sized batches, where the GEMV is memory-bound), on CUDA
+devices of compute capability 9.0 or newer; never under the interpreter (the CPU
+tests), which cannot run inline PTX.
 
-Three other prefetches measured slower and were removed (docs/performance.md, twentieth
-session): o_proj's weight from the q/k norm + rotary kernel (before its wait) and from
-the qkv GEMV's end, and the chosen experts' down weights from the MoE gate/up GEMV (at
-each program's start or after its store). Their bytes join kernels whose own loads, or
-the next kernels', then end later; the down GEMV is itself bandwidth-bound and is
-followed by a kernel that reads almost nothing.
+Other prefetches measure slower (docs/performance.md, "Measured reasons"): o_proj's
+weight from the q/k norm + rotary kernel (before its wait) or from the qkv GEMV's end,
+and the chosen experts' down weights from the MoE gate/up GEMV (at each program's start
+or after its store). Their bytes join kernels whose own loads, or the next kernels',
+then end later; the down GEMV is itself bandwidth-bound and is followed by a kernel that
+reads almost nothing.
 """
 
 from __future__ import annotations
@@ -38,9 +37,6 @@ import triton.language as tl
 
 from pagoda.kernels.launch.capability import cuda_capability
 
-# The switch (module docstring): on, as it took Qwen3-30B-A3B's batch-1 step down in every
-# round of four H100 leases (docs/performance.md, twentieth session); False turns it off.
-NEXT_QKV_IN_MOE_DOWN = True
 # Steps of more rows than this prefetch nothing (their GEMMs are not latency-bound).
 MAX_ROWS = 16
 # The most bytes one prefetch instruction asks for; a program's share is split into

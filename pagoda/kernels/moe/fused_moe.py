@@ -16,13 +16,12 @@
 4. the sum over the k choices -> [T, H] (``sum_choices``: one Triton pass, float32 in
    choice order, one rounding).
 
-Up to DECODE_GEMV_MAX_PAIRS pairs (decode), pagoda.kernels.moe.fused_moe_decode does it in
-two GEMV-style kernels instead, without the sort, the sum over the choices folded into
-the down projection (its docstring says why). The paths, by name (``path=``):
-"gemv" (that one), "fused" (the steps above), "unfused" (the GEMM to [T*k, 2I], then
-pagoda.kernels.norm.fused_ops.silu_and_mul: the first version, kept for comparison in the
-tests and benchmarks/moe_bench.py). The default: FUSED_EPILOGUES picks "fused" over
-"unfused", and "gemv" for decode sizes.
+Up to MoEKernelConfig.gemv_max_pairs pairs (decode), pagoda.kernels.moe.fused_moe_decode
+does it in two GEMV-style kernels instead, without the sort, the sum over the choices
+folded into the down projection (its docstring says why). The paths, by name
+(``path=``): "gemv" (that one) and "fused" (the steps above); the default takes "gemv"
+for decode sizes. Tiles come from a MoEKernelConfig (pagoda.kernels.moe.config), which
+the caller passes.
 
 Why the k-sum is not folded into the grouped GEMM by fp32 atomics: it would need a
 zeroed fp32 [T, H] buffer and a cast kernel after it (no fewer launches than the sum),
@@ -43,45 +42,25 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagoda.kernels.launch.capability import cuda_capability
+from pagoda.kernels.moe.config import HOPPER, MOE_CONFIGS, MoEKernelConfig
 from pagoda.kernels.moe.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.moe.reference import check_moe_shapes, fused_moe_reference
 from pagoda.kernels.moe.align import moe_align_block_size
 
 __all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
 
-# The SiLU-and-mul in the gate/up GEMM's epilogue (False: the unfused first version).
-FUSED_EPILOGUES = True
-# Up to this many (token, choice) pairs the GEMV-style decode path runs (0: never);
-# batch-1 decode has k pairs (8 for Qwen3-30B-A3B, 6 for DeepSeek-V2-Lite).
-DECODE_GEMV_MAX_PAIRS = 16
-PATHS = ("gemv", "fused", "unfused")
+PATHS = ("gemv", "fused")
 # Tokens per program of the sum over the k choices (sum_choices).
 SUM_BLOCK_T = 8
 
 
 def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
-                gemm: str = "gate_up") -> dict:
-    """Tile sizes of one grouped GEMM ("gate_up" or "down"; BLOCK_M is the same for both,
-    since the expert sort pads to it) by the expected rows per expert: small blocks when
-    each expert sees a few rows (decode: the weights' bytes dominate), large ones with
-    the B tiles by tensor descriptor (B_TMA) for prefill, as benchmarks/moe_gemm_sweep.py
-    measured best on the H200. Depths, stages and TMA are for 2-byte operands: float32
-    takes fewer stages and pointer loads, so that the A and B tiles stay inside Hopper's
-    227 KiB of shared memory."""
-    if gemm not in ("gate_up", "down"):
-        raise ValueError(f"gemm must be 'gate_up' or 'down', got {gemm!r}")
-    rows_per_expert = num_pairs / max(num_experts, 1)
-    wide = element_size <= 2
-    if rows_per_expert <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128 if wide else 64, GROUP_M=1,
-                    num_warps=4, num_stages=3)
-    if rows_per_expert <= 512:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    if gemm == "down":
-        return dict(BLOCK_M=128, BLOCK_N=256 if wide else 128, BLOCK_K=64, GROUP_M=8,
-                    num_warps=8, num_stages=3, B_TMA=wide)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
-                num_stages=4 if wide else 3, B_TMA=wide)
+                gemm: str = "gate_up", config: MoEKernelConfig | None = None) -> dict:
+    """The tiles and launch options of one grouped GEMM ("gate_up" or "down") for
+    num_pairs pairs over num_experts experts of element_size-byte operands, from
+    config's tiers (default: Hopper's)."""
+    config = config or MOE_CONFIGS[HOPPER]
+    return config.grouped_tiles(num_pairs, num_experts, element_size, gemm).launch()
 
 
 @triton.jit
@@ -228,29 +207,32 @@ def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-def gemv_path_takes(num_pairs: int) -> bool:
+def gemv_path_takes(num_pairs: int, config: MoEKernelConfig | None = None) -> bool:
     """Whether fused_moe's default path for num_pairs (token, choice) pairs is the
-    decode GEMV, the one path that also takes a shared MLP."""
-    return FUSED_EPILOGUES and 0 < num_pairs <= DECODE_GEMV_MAX_PAIRS
+    decode GEMV, the one path that also takes a shared MLP (config default: Hopper's)."""
+    config = config or MOE_CONFIGS[HOPPER]
+    return 0 < num_pairs <= config.gemv_max_pairs
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               path: str | None = None,
               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-              prefetch_after: torch.Tensor | None = None) -> torch.Tensor:
+              prefetch_after: torch.Tensor | None = None,
+              config: MoEKernelConfig | None = None) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
     -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice).
     shared: a shared MLP's (gate_up, down) weights added in the same launches, on the
     gemv path only (fused_moe_decode.fused_moe_gemv). prefetch_after: the weight of the
-    layer that runs next, which the gemv path's down kernel prefetches into L2."""
+    layer that runs next, which the gemv path's down kernel prefetches into L2. config:
+    the tiles (default: MoEKernelConfig.for_device(hidden.device))."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    config = config or MoEKernelConfig.for_device(hidden.device)
     if path is None:
-        path = ("gemv" if gemv_path_takes(num_pairs)
-                else "fused" if FUSED_EPILOGUES else "unfused")
+        path = "gemv" if gemv_path_takes(num_pairs, config) else "fused"
     if path not in PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; one of {', '.join(PATHS)}")
     if shared is not None and (path != "gemv" or num_pairs == 0):
@@ -260,24 +242,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     hidden = hidden.contiguous()
     if path == "gemv":
         return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared,
-                              prefetch_after)
-    config = pick_config(num_pairs, w13.shape[0], w13.element_size())
-    down_config = pick_config(num_pairs, w13.shape[0], w13.element_size(), gemm="down")
+                              prefetch_after, config)
+    size = w13.element_size()
+    gate_up = config.grouped_tiles(num_pairs, w13.shape[0], size, "gate_up").launch()
+    down = config.grouped_tiles(num_pairs, w13.shape[0], size, "down").launch()
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-        topk_ids, config["BLOCK_M"], w13.shape[0])
+        topk_ids, gate_up["BLOCK_M"], w13.shape[0])
     weights = topk_weights.reshape(-1).float().contiguous()
-    inter = w2.shape[2]
-    if path == "fused":
-        act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-        _grouped_gemm(hidden, w13, act, weights, sorted_ids, expert_ids, num_post_padded,
-                      top_k, False, config, gate_up_act=True)
-    else:
-        from pagoda.kernels.norm.fused_ops import silu_and_mul
-        gate_up = torch.empty(num_pairs, 2 * inter, dtype=hidden.dtype, device=hidden.device)
-        _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, expert_ids,
-                      num_post_padded, top_k, False, config)
-        act = silu_and_mul(gate_up)
-    down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, num_post_padded,
-                  1, True, down_config)
-    return sum_choices(down, top_k)
+    act = torch.empty(num_pairs, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden, w13, act, weights, sorted_ids, expert_ids, num_post_padded,
+                  top_k, False, gate_up, gate_up_act=True)
+    rows = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, rows, weights, sorted_ids, expert_ids, num_post_padded,
+                  1, True, down)
+    return sum_choices(rows, top_k)

@@ -19,7 +19,7 @@ one, and the expert sort (moe_align_block_size) is a launch that only serves the
 Here the step is 2 launches and each chosen expert's weights are read once per pair
 (the weights' bytes are the whole cost at decode). Past a few pairs, pairs of the same
 expert would re-read its weights, so fused_moe switches to the grouped GEMM
-(DECODE_GEMV_MAX_PAIRS in pagoda.kernels.moe.fused_moe).
+(MoEKernelConfig.gemv_max_pairs, pagoda.kernels.moe.config).
 
 Roundings follow the reference: gate and up rounded to the storage dtype, silu rounded
 before the multiply (as torch), each choice's down output rounded before its weight is
@@ -46,29 +46,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.launch import l2_prefetch
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
-
-# Tile sizes: output columns per program, the reduction chunk and launch options, the
-# fastest of benchmarks/batch1_kernel_sweep.py's tiles on the H200 for both the
-# Qwen3-30B-A3B (I = 768) and DeepSeek-V2-Lite (I = 1408) layers (docs/performance.md).
-# At batch 1 on the Qwen3 shape, gate/up runs k * I / 8 = 768 programs and down H / 2 =
-# 1,024 (NARROW_DOWN_CONFIG; down has one program per token, so narrow columns keep
-# every SM streaming).
-GATE_UP_CONFIG = dict(BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=2)
-# BLOCK_K None: the whole intermediate row in one chunk when it is at most
-# DOWN_ONE_CHUNK_MAX wide (768 -> one 1024-wide load per choice, 1408 -> 2048), else
-# chunks of 256.
-DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=2, LOOP_STAGES=3)
-DOWN_ONE_CHUNK_MAX = 2048
-# Intermediate rows of at most NARROW_DOWN_MAX (Qwen3-30B-A3B's 768): four columns of one
-# warp a program (512 programs at batch 1 for hidden 2048), six of the k choices' weight
-# rows in flight: the fastest down kernel in the batch-1 step of the ones A/B-measured
-# by benchmarks/decode_variants.py on the H200 (docs/performance.md, 2026-12-04).
-# NARROW_DOWN False: DOWN_CONFIG for every size.
-NARROW_DOWN_CONFIG = dict(BLOCK_N=4, BLOCK_K=None, num_warps=1, LOOP_STAGES=6)
-NARROW_DOWN_MAX = 1024
-NARROW_DOWN = True
-
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.moe.config import DownTiles, GateUpTiles, MoEKernelConfig
 
 @triton.jit
 def silu_mul_rounded(gate, up, dtype: tl.constexpr):
@@ -134,7 +113,7 @@ def _gemv_down_sum_kernel(
     H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn, next_bytes,
     TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PREFETCH_NEXT: tl.constexpr = False,  # pagoda.kernels.launch.l2_prefetch.NEXT_QKV_IN_MOE_DOWN
+    PREFETCH_NEXT: tl.constexpr = False,  # pagoda.kernels.launch.l2_prefetch
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -208,26 +187,17 @@ def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
     return y
 
 
-def down_config(inter: int) -> dict:
-    """DOWN_CONFIG (NARROW_DOWN_CONFIG for narrow rows) with its key tile resolved for
-    an intermediate size of inter."""
-    chosen = NARROW_DOWN_CONFIG if NARROW_DOWN and inter <= NARROW_DOWN_MAX else DOWN_CONFIG
-    cfg = {"LOOP_STAGES": 1, **chosen}  # a config without stages: no pipelining
-    if cfg["BLOCK_K"] is None:
-        cfg["BLOCK_K"] = (triton.next_power_of_2(inter) if inter <= DOWN_ONE_CHUNK_MAX else 256)
-    cfg["ONE_CHUNK"] = cfg["BLOCK_K"] >= inter
-    return cfg
-
-
 def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   prefetch_after: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   prefetch_after: Optional[torch.Tensor] = None,
+                   config: Optional[MoEKernelConfig] = None) -> torch.Tensor:
     """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
     one pair) -> [T, H] in hidden's dtype. shared: a shared MLP's (gate_up [2 * Is, H],
     down [H, Is]) with Is a multiple of the experts' I (shared_chunks_of); its output is
     added to every token's (see the module docstring). prefetch_after: a weight the down
-    kernel prefetches into L2 at its end (l2_prefetch; the caller's switch)."""
+    kernel prefetches into L2 at its end (l2_prefetch). config: the tiles (default:
+    MoEKernelConfig.for_device)."""
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = w2.shape[1], w2.shape[2]
     if w13.stride(2) != 1 or w2.stride(2) != 1:
@@ -240,38 +210,39 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype,
                       device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, GATE_UP_CONFIG)
-    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, down_config(inter),
+    config = config or MoEKernelConfig.for_device(hidden.device)
+    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, config.gate_up)
+    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, config.down_tiles(inter),
                 prefetch=prefetch_after)
     return out
 
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                    act: torch.Tensor, ws13: torch.Tensor, top_k: int, chunks: int,
-                   config: dict) -> None:
+                   tiles: GateUpTiles) -> None:
     """The gate/up kernel: hidden [T, H], ids int32 [T * top_k] -> act [T * top_k + T *
-    chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks). config: tiles
-    and launch options as GATE_UP_CONFIG (benchmarks sweep them)."""
+    chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks)."""
     inter = w13.shape[1] // 2
-    launched(_gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, config["BLOCK_N"]))](
+    _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, tiles.block_n))](
         hidden, w13, ids, act, ws13, hidden.shape[1], inter, hidden.stride(0), w13.stride(0),
         w13.stride(1), ids.numel(), ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
-        SHARED_CHUNKS=chunks, **config, **launch_options(hidden.device)))
+        SHARED_CHUNKS=chunks, **tiles.launch(), **launch_options(hidden.device))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 out: torch.Tensor, ws2: torch.Tensor, top_k: int, chunks: int,
-                config: dict, prefetch: Optional[torch.Tensor] = None) -> None:
+                tiles: DownTiles, prefetch: Optional[torch.Tensor] = None) -> None:
     """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
-    shared chunks) summed. config: as down_config(I) returns (benchmarks sweep it).
-    prefetch: a weight asked into L2 at the kernel's end, where l2_prefetch allows."""
+    shared chunks) summed. prefetch: a weight asked into L2 at the kernel's end, where
+    l2_prefetch allows."""
     hidden_size, inter = w2.shape[1], w2.shape[2]
     next_bytes = l2_prefetch.prefetch_bytes(prefetch, out.shape[0], out.device)
-    launched(_gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, config["BLOCK_N"]))](
+    config = tiles.launch(inter)
+    _gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, tiles.block_n))](
         act, w2, ids, weights, out, ws2, prefetch if next_bytes else w2, hidden_size, inter,
         w2.stride(0), w2.stride(1), out.stride(0), ids.numel(), ws2.stride(0), next_bytes,
         TOP_K=top_k, SHARED_CHUNKS=chunks, PREFETCH_NEXT=next_bytes > 0,
-        **config, **launch_options(act.device)))
+        **config, **launch_options(act.device))
 
 
 def shared_chunks_of(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.moe.routing import MAX_KERNEL_EXPERTS, RoutingParams, route_rows
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # The most rows one launch routes (the whole [T, H] hidden tile is re-read by every
 # program, and the decode batches this kernel is for are small).
@@ -61,15 +61,12 @@ MAX_FUSED_EXPERTS = MAX_KERNEL_EXPERTS
 # tiles the last program routes at once.
 _ACC_ELEMENTS = 4096
 _ROUTE_ELEMENTS = 4096
-# One token: each program loads its expert's whole weight row before the PDL wait
-# (one hidden chunk of up to PRELOAD_MAX_HIDDEN), instead of chunks after it. On:
-# Qwen3-30B-A3B batch 1 2.763 -> 2.696 ms alone (docs/performance.md, 2026-12-03).
-PRELOAD_WEIGHTS = True
+# One token: each program loads its expert's whole weight row before the PDL wait (one
+# hidden chunk of up to PRELOAD_MAX_HIDDEN), instead of chunks after it: Qwen3-30B-A3B's
+# batch-1 step 2.763 -> 2.696 ms. At one row the MoE block's input norm (add + RMSNorm)
+# runs in the router's programs too (fused_route_norm), instead of a launch of its own:
+# 2.670 -> 2.631 ms (H200; docs/performance.md, "Measured reasons: Launch").
 PRELOAD_MAX_HIDDEN = 4096
-# The MoE block's input norm (add + RMSNorm) computed by the router's programs at one
-# row (fused_route_norm), instead of a launch of its own before the router. On: Qwen3
-# batch 1 2.700 -> 2.631 ms over the two preloads (docs/performance.md, 2026-12-03).
-FUSE_NORM = True
 _ROUNDING = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -210,21 +207,22 @@ def experts_per_program(num_experts: int) -> int:
 
 @functools.lru_cache(maxsize=256)  # once per (rows, layer shape): off the launch path
 def default_tiles(num_tokens: int, num_experts: int, hidden_size: int, cfg: RoutingParams,
-                  block_x: Optional[int] = None, num_warps: Optional[int] = None,
-                  preload: bool = False) -> FusedRouterTiles:
+                  block_x: Optional[int] = None, num_warps: Optional[int] = None
+                  ) -> FusedRouterTiles:
     """About 128 programs (one H200 wave: 132 SMs) each streaming a few experts'
-    weight rows; the accumulator and the routed tiles within the register budget.
-    preload: one token's single expert row a program is one hidden chunk (the kernel
-    then loads it before the PDL wait)."""
+    weight rows; the accumulator and the routed tiles within the register budget. One
+    token's single expert row a program is one hidden chunk (up to PRELOAD_MAX_HIDDEN:
+    the kernel then loads it before the PDL wait)."""
     block_t = triton.next_power_of_2(max(num_tokens, 1))
     if block_x is None:
         block_x = experts_per_program(num_experts)
     # One token: one warp per program (1024-wide hidden chunks), the fastest launch of
-    # benchmarks/moe_router_bench.py's sweep on the H200 for both MoE presets.
+    # the router benchmark's sweep on the H200 for both MoE presets
+    # (`python -m benchmarks.kernels router`).
     num_warps = num_warps or (1 if block_t == 1 else 4)
     budget = _ACC_ELEMENTS * num_warps // 4
     block_h = max(32, min(triton.next_power_of_2(hidden_size), budget // (block_t * block_x)))
-    if preload and block_t == 1 and block_x == 1 and hidden_size <= PRELOAD_MAX_HIDDEN:
+    if block_t == 1 and block_x == 1 and hidden_size <= PRELOAD_MAX_HIDDEN:
         block_h = triton.next_power_of_2(hidden_size)  # one chunk: see the kernel
     block_e = triton.next_power_of_2(num_experts)
     per_row = block_e * (max(2, triton.next_power_of_2(cfg.n_group)) if cfg.grouped else 1)
@@ -267,14 +265,13 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: RoutingParams,
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     bias = correction_bias.float().contiguous() if correction_bias is not None else w
-    tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg,
-                                   preload=PRELOAD_WEIGHTS)
+    tiles = tiles or default_tiles(num_tokens, num_experts, hidden_size, cfg)
     round_logits = not fp32_logits and hidden.dtype != torch.float32
     one_chunk = tiles.block_h >= hidden_size  # the kernel's preloading form needs it
     if norm_args is not None and not one_chunk:
         raise ValueError(f"fused_route: the folded-in norm needs one hidden chunk a row, "
                          f"got block_h {tiles.block_h} for hidden {hidden_size}")
-    launched(_router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
+    _router_fused_kernel[(triton.cdiv(num_experts, tiles.block_x),)](
         x, w, bias, scratch.logits, scratch.counter, topk_weights, topk_ids,
         num_tokens, hidden_size, x.stride(0), w.stride(0), num_experts,
         num_experts // cfg.n_group, float(cfg.routed_scaling_factor),
@@ -288,20 +285,19 @@ def fused_route(hidden: torch.Tensor, weight: torch.Tensor, cfg: RoutingParams,
         N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
         BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=tiles.num_warps,
-        PRELOAD_W=one_chunk and (PRELOAD_WEIGHTS or norm_args is not None),
-        HAS_NORM=norm_args is not None, **launch_options(hidden.device)))
+        PRELOAD_W=one_chunk,
+        HAS_NORM=norm_args is not None, **launch_options(hidden.device))
     return topk_weights, topk_ids
 
 
 def fused_route_norm_covers(hidden: torch.Tensor, residual: torch.Tensor,
                             norm_weight: torch.Tensor, weight: torch.Tensor,
                             fp32_logits: bool) -> bool:
-    """Whether fused_route_norm computes this call: FUSE_NORM, one row of a 16-bit
-    model dtype (residual and norm weight alike, everything contiguous), a model-dtype
+    """Whether fused_route_norm computes this call: one row of a 16-bit model dtype (residual and norm weight alike, everything contiguous), a model-dtype
     router with one expert a program (experts_per_program: at most 128 experts) and a
     hidden size of at most PRELOAD_MAX_HIDDEN (one chunk a program): what default_tiles
     needs to give the one-chunk tiles fused_route requires of a folded-in norm."""
-    return (FUSE_NORM and not fp32_logits and hidden.dim() == 2 and hidden.shape[0] == 1
+    return (not fp32_logits and hidden.dim() == 2 and hidden.shape[0] == 1
             and hidden.dtype in (torch.float16, torch.bfloat16)
             and residual.shape == hidden.shape and residual.dtype == hidden.dtype
             and norm_weight.dtype == hidden.dtype and norm_weight.shape == hidden.shape[1:]
@@ -325,7 +321,7 @@ def fused_route_norm(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: 
     fused_route_norm_covers."""
     normed = torch.empty_like(hidden)
     new_residual = torch.empty_like(hidden)
-    tiles = default_tiles(1, weight.shape[0], hidden.shape[1], cfg, preload=True)
+    tiles = default_tiles(1, weight.shape[0], hidden.shape[1], cfg)
     weights, ids = fused_route(hidden, weight, cfg, correction_bias, False, scratch, tiles,
                                norm_args=(residual, norm_weight, normed, new_residual,
                                           float(eps)))

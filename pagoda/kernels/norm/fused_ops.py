@@ -21,17 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 FUSED_OPS_ENABLED = os.environ.get("PAGODA_FUSED_OPS", "1") != "0"
 
 # rms_norm walks a row in chunks of at most this many elements (one chunk for the
 # hidden sizes of common models, so the row's second read hits the cache).
 _MAX_NORM_BLOCK = 8192
-# rms_norm loads its weight before the PDL wait when the row is one chunk (pdl.py: a
-# weight is written by no kernel), so its load is off the norm's chain after the wait.
-# On: Qwen3 batch 1 2.700 -> 2.670 ms, Llama-8B bf16 4.23 -> 4.20 (docs/performance.md).
-PRELOAD_NORM_WEIGHT = True
 # silu_and_mul: columns per program.
 _ACT_BLOCK = 1024
 
@@ -52,7 +48,11 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     cols = tl.arange(0, BLOCK)
-    if PRELOAD_WEIGHT:  # one chunk (BLOCK >= HIDDEN): the weight, written by no kernel
+    # PRELOAD_WEIGHT (a row of one chunk, BLOCK >= HIDDEN): the weight, written by no
+    # kernel (pdl.py), is loaded before the PDL wait, off the norm's chain after it:
+    # Qwen3-30B-A3B batch 1 2.700 -> 2.670 ms, Llama-8B bf16 4.23 -> 4.20 (H200;
+    # docs/performance.md, "Measured reasons: Launch").
+    if PRELOAD_WEIGHT:
         preloaded = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
     pdl_wait_and_release(USE_PDL)  # before any other load, and any store
     # One program per row. A row of an input viewed as [outer, inner, HIDDEN] (2-D
@@ -134,14 +134,14 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
             x_rows, inner_rows, sx0, sx1 = _row_layout(x.reshape(-1, hidden))
             r_rows, _, sr0, sr1 = _row_layout(residual.reshape(-1, hidden))
     block = min(triton.next_power_of_2(hidden), _MAX_NORM_BLOCK)
-    launched(_rms_norm_kernel[(num_rows,)](
+    _rms_norm_kernel[(num_rows,)](
         x_rows, r_rows, weight.contiguous(), out,
         out if residual_out is None else residual_out,
         inner_rows, sx0, sx1, sr0, sr1, float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        PRELOAD_WEIGHT=PRELOAD_NORM_WEIGHT and block >= hidden,
+        PRELOAD_WEIGHT=block >= hidden,
         num_warps=_num_warps(block), **launch_options(x.device),
-    ))
+    )
     return out, residual_out
 
 
@@ -192,9 +192,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(intermediate), _ACT_BLOCK)
     grid = (rows.shape[0], triton.cdiv(intermediate, block))
-    launched(_silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
+    _silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
                                         BLOCK=block, num_warps=_num_warps(block),
-                                        **launch_options(rows.device)))
+                                        **launch_options(rows.device))
     return out
 
 

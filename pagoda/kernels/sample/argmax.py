@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.launch.arrival_counters import arrival_counters
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # The most rows one launch takes (the workspace's rows). The kernel is for decode-sized
 # batches; the sampler falls back to torch.argmax above it.
@@ -187,11 +187,11 @@ def argmax_rows(x: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     workspace = argmax_workspace(x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    launched(_argmax_rows_kernel[(rows, num_chunks)](
+    _argmax_rows_kernel[(rows, num_chunks)](
         x, out, workspace.values, workspace.indices, workspace.counters,
         vocab_size, x.stride(0), workspace.values.stride(0), num_chunks,
         CHUNK=chunk, BLOCK_C=max(16, triton.next_power_of_2(num_chunks)),
-        num_warps=4 if chunk <= 2048 else 8, **launch_options(x.device)))
+        num_warps=4 if chunk <= 2048 else 8, **launch_options(x.device))
     return out
 
 

@@ -18,14 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.launch.pdl import launch_options, launched, pdl_wait_and_release
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 _BLOCK = 256
 # A fill of more rows than this runs the torch reference (a prefill-sized batch's
 # launch cost is no concern, and it keeps the grid to a few programs).
 MAX_KERNEL_ROWS = 4096
-# False: the torch reference on CUDA too (benchmarks' A/B switch, --pending-fill-kernel).
-ENABLED = True
 
 
 # num_rows is not specialised: 1, multiples of 16 and the rest would be three compiles.
@@ -56,11 +54,11 @@ def fill_pending(ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
     if num_rows == 0:
         return
     if use_kernel is None:
-        use_kernel = ENABLED and ids.device.type == "cuda" and num_rows <= MAX_KERNEL_ROWS
+        use_kernel = ids.device.type == "cuda" and num_rows <= MAX_KERNEL_ROWS
     if not use_kernel:
         fill_pending_ref(ids, index, tokens)
         return
     if ids.dim() != 1 or tokens.dim() != 1 or not ids.is_contiguous() or not tokens.is_contiguous():
         raise ValueError("ids and tokens must be contiguous 1-D tensors")
-    launched(_fill_pending_kernel[(triton.cdiv(num_rows, _BLOCK),)](
-        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device)))
+    _fill_pending_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device))

@@ -29,6 +29,7 @@ from torch import nn
 from pagoda.attention.forward_context import get_forward_context
 from pagoda.attention.kv_quant import is_fp8
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from pagoda.attention.kv_pool import FullAttentionLayout
 
 # Checkpoint names of the KV cache scales, under the layer's attention block
 # (model.layers.N.self_attn.k_scale), as compressed-tensors / FP8 checkpoints save them.
@@ -106,7 +107,6 @@ class Attention(nn.Module):
         FullAttentionLayout, use_triton: CUDA, or the interpreter in tests), so that a
         kernel writing the same [2, blocks, block_size, Hkv, D] bytes may stand in for
         it. None otherwise (torch stores, other layouts, subclasses): call forward."""
-        from pagoda.attention.kv_pool import FullAttentionLayout  # the worker's, read only
         if not self.pool_stores_with_triton(FullAttentionLayout):
             return None
         ctx = get_forward_context()

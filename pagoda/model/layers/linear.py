@@ -141,6 +141,9 @@ class LinearBase(nn.Module):
         check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.in_per_rank, self.out_per_rank, self.num_shards = in_per_rank, out_per_rank, num_shards
+        # The Triton GEMV's routing table on this layer's device (a GemvConfig, set by
+        # the model runner's KernelConfigs; None: GemvConfig.for_device at each call).
+        self.gemv_config = None
         self._method_params: list[str] = []
         self.set_quant_method(UNQUANTIZED)
         if bias:

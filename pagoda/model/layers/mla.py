@@ -43,6 +43,7 @@ from pagoda.model.layers.linear import ColumnParallelLinear, RowParallelLinear, 
 from pagoda.model.layers.rotary import apply_rotary
 from pagoda.model.mla_config import MLAConfig, mla_softmax_scale
 from pagoda.model.parallel import TensorParallel
+from pagoda.attention.kv_pool import MLALatentLayout
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the
 # config's rms_norm_eps (as in the reference implementation and transformers).
@@ -66,7 +67,7 @@ def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tenso
     """[q_nope W_UK per head, rope(q_rope)] -> [N, H, kv_lora_rank + qk_rope]: one
     Triton kernel on CUDA for a few rows, this torch code (its reference) elsewhere."""
     if _per_token_kernels_take(q_nope):
-        from pagoda.kernels.attention.mla_absorb import absorb_q
+        from pagoda.kernels.attention.mla_absorb import absorb_q  # Triton: CUDA only
         return absorb_q(q_nope, q_rope, w_uk, cos, sin)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
     return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
@@ -77,7 +78,7 @@ def value_projection(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     Triton kernel on CUDA with a contiguous result for a few rows, this bmm (its
     reference) elsewhere."""
     if _per_token_kernels_take(o_lat):
-        from pagoda.kernels.attention.mla_absorb import project_v
+        from pagoda.kernels.attention.mla_absorb import project_v  # Triton: CUDA only
         return project_v(o_lat, w_uv)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -130,12 +131,11 @@ class MLALatentAttention(Attention):
         """One Triton launch (pagoda.kernels.attention.mla_store.norm_rope_store_latent) where the
         pool itself would store with its Triton kernel (CUDA), unless
         PAGODA_FUSED_OPS=0; the torch code here is its reference."""
-        from pagoda.attention.kv_pool import MLALatentLayout  # the worker's, read only
         plan, rank = ctx.metadata, self.mla.kv_lora_rank
         if self.pool_stores_with_triton(MLALatentLayout):
             from pagoda.kernels.norm import fused_ops  # imports triton
             if fused_ops.FUSED_OPS_ENABLED:
-                from pagoda.kernels.attention.mla_store import norm_rope_store_latent
+                from pagoda.kernels.attention.mla_store import norm_rope_store_latent  # Triton: CUDA only
                 norm_rope_store_latent(kv_a, kv_a_layernorm.weight, kv_a_layernorm.eps,
                                        cos, sin, cache, plan.common.slot_mapping)
                 return

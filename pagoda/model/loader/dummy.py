@@ -20,6 +20,9 @@ from pagoda.model.presets import get_preset
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.loader.build import build_model
+from pagoda.model.quant.registry import resolve_quant_config
+from pagoda.model.loader.safetensors import read_arch_config
 
 WEIGHT_STD = 0.02
 
@@ -45,7 +48,6 @@ def dummy_arch_config(name: str) -> ArchConfig:
     """A preset name, or a directory whose config.json gives the shape."""
     path = Path(name)
     if path.is_dir():
-        from pagoda.model.loader.safetensors import read_arch_config
         return read_arch_config(path)
     return get_preset(name)
 
@@ -54,8 +56,6 @@ def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[st
                      seed: int, tp: TensorParallel = SINGLE_RANK,
                      quantization: str | None = None,
                      quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader.build import build_model
-    from pagoda.model.quant.registry import resolve_quant_config
 
     arch = dummy_arch_config(name)
     quant = resolve_quant_config(quantization, arch.quantization_config, "dummy",

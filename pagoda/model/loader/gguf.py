@@ -27,6 +27,9 @@ from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.progress import progress
+from pagoda.model.loader.build import find_gguf_file
+from pagoda.model.loader.build import build_model
+from pagoda.model.quant.registry import resolve_quant_config
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
 _BLOCK_NAMES = {
@@ -127,7 +130,6 @@ def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig, rank: int = 0,
 
 def read_gguf_arch_config(path: Path) -> ArchConfig:
     """The ArchConfig in the metadata of the .gguf file at path (no tensor is read)."""
-    from pagoda.model.loader.build import find_gguf_file
 
     file = find_gguf_file(path)
     if file is None:
@@ -140,8 +142,6 @@ def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
                     tp: TensorParallel = SINGLE_RANK,
                     quantization: str | None = None,
                     quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
-    from pagoda.model.loader.build import build_model, find_gguf_file
-    from pagoda.model.quant.registry import resolve_quant_config
 
     file = find_gguf_file(path)
     if file is None:

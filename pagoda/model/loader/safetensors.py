@@ -18,6 +18,8 @@ from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.progress import progress, progress_enabled
+from pagoda.model.loader.build import build_model
+from pagoda.model.quant.registry import resolve_quant_config
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -72,8 +74,6 @@ def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
                            quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
     """The model with its weights loaded (quantized layers not yet processed: the
     caller, pagoda.model.loader.load_model, does that)."""
-    from pagoda.model.loader.build import build_model
-    from pagoda.model.quant.registry import resolve_quant_config
 
     arch = read_arch_config(model_dir)
     quant = resolve_quant_config(quantization, arch.quantization_config, "safetensors",

@@ -26,6 +26,7 @@ kernels' torch references, which is how CI checks the layers.
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence
 
 import torch
@@ -33,9 +34,16 @@ from torch import nn
 
 from pagoda.kernels.fp8 import linear as kernels
 from pagoda.kernels.fp8.quant import FP8_DTYPE, dequantize_per_channel, quantize_weight_per_channel
-from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, WEIGHT_DIMS, Fp8Activation,
-                                     LinearMethod, QuantConfig, ShardDims, checkpoint_layers,
-                                     replace_parameter)
+from pagoda.model.quant.base import (
+    OUTPUT_VECTOR_DIMS,
+    WEIGHT_DIMS,
+    Fp8Activation,
+    LinearMethod,
+    QuantConfig,
+    ShardDims,
+    checkpoint_layers,
+    replace_parameter,
+)
 
 FP8_MAX = 448.0
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
@@ -269,7 +277,6 @@ def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:
 
 
 def _matches(name: str, ignored: Sequence[str]) -> bool:
-    import re
     for entry in ignored:
         if entry.startswith("re:"):
             if re.fullmatch(entry[3:], name):

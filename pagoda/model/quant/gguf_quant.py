@@ -19,6 +19,7 @@ from torch import nn
 from pagoda.model.quant.base import LinearMethod, checkpoint_layers, replace_parameter
 from pagoda.model.quant.cpu_int import BLOCK_DIMS, CpuBlockConfig, apply_blocks, block_ready
 from pagoda.model.quant.cpu_kernels import BLOCK_BYTES, Q4_0_BYTES, QK, q4_0_to_q4_1
+from pagoda.model.loader.gguf import gguf_tensor_types
 
 class GGUFBlockMethod(LinearMethod):
     """A layer whose checkpoint tensors are GGUF blocks of one type (Q4_0, Q4_1 or
@@ -67,7 +68,6 @@ class GGUFQuantConfig(CpuBlockConfig):
     @classmethod
     def from_reader(cls, reader) -> "GGUFQuantConfig":
         """The scheme for the open GGUF file (a gguf.GGUFReader)."""
-        from pagoda.model.loader.gguf import gguf_tensor_types
 
         return cls(gguf_tensor_types(reader))
 

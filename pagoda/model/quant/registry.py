@@ -16,6 +16,9 @@ from torch import nn
 
 from pagoda.config import QUANTIZATION_METHODS
 from pagoda.model.quant.base import QuantConfig
+from pagoda.model.layers.linear import LinearBase
+from pagoda.model.layers.embedding import ParallelLMHead
+from pagoda.model.quant.unquantized import UNQUANTIZED
 
 # quant_method in a checkpoint's config.json -> "module:function" reading it.
 CHECKPOINT_FORMATS = {
@@ -100,7 +103,6 @@ def attach_quant_methods(model: nn.Module, arch, quant_config: Optional[QuantCon
                          f"path); serve it unquantized")
     quant_config.check_device(torch.device(device))
     quant_config.check_model_dtype(dtype)
-    from pagoda.model.layers.linear import LinearBase
 
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
@@ -115,9 +117,6 @@ def attach_quant_methods(model: nn.Module, arch, quant_config: Optional[QuantCon
 def process_loaded_weights(model: nn.Module) -> None:
     """After the weights are loaded: each quantized layer repacks or quantizes them;
     the float weights that freed are handed back to the device's allocator."""
-    from pagoda.model.layers.embedding import ParallelLMHead
-    from pagoda.model.layers.linear import LinearBase
-    from pagoda.model.quant.unquantized import UNQUANTIZED
 
     changed = False
     # A list first: processing the LM head adds a private quantized layer to the tree,

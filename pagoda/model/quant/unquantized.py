@@ -1,8 +1,9 @@
 """The default linear method: one float weight [out, in] in the model's dtype, multiplied
 by ``pagoda.model.quant.cpu_kernels.rows_linear`` (F.linear, split into column blocks on the
 CPU; a register-tile kernel for steps of a few rows there). On CUDA, steps of a few bf16 /
-fp16 rows whose shape pagoda.kernels.gemv.gemv.GEMV_CONFIGS lists take that Triton GEMV
-instead (PAGODA_TRITON_GEMV=0 turns it off)."""
+fp16 rows whose shape the layer's GemvConfig lists (``layer.gemv_config``, set by the
+model runner; pagoda.kernels.gemv.config) take the Triton GEMV instead
+(PAGODA_TRITON_GEMV=0 turns it off)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _maybe_gemv = None  # pagoda.kernels.gemv.gemv.maybe_gemv once imported (no impo
 def _gemv_router():
     global _maybe_gemv
     if _maybe_gemv is None:
-        from pagoda.kernels.gemv.gemv import maybe_gemv
+        from pagoda.kernels.gemv.gemv import maybe_gemv  # Triton: CUDA only
         _maybe_gemv = maybe_gemv
     return _maybe_gemv
 
@@ -38,7 +39,8 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.device.type in GEMV_DEVICES:
-            y = _gemv_router()(x, layer.weight, bias)  # None unless tuned faster than cuBLAS
+            # None unless tuned faster than cuBLAS at this shape.
+            y = _gemv_router()(x, layer.weight, bias, layer.gemv_config)
             if y is not None:
                 return y
         return rows_linear(x, layer.weight, bias)

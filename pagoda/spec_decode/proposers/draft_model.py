@@ -34,6 +34,8 @@ from pagoda.attention.forward_context import forward_context
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.attention import Attention, kv_cache_specs
 from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter, Segment, segment_inputs
+from pagoda.model.loader import load_model
+from pagoda.model.presets import is_preset
 
 # Prune `_fed` of requests the worker no longer holds once it has this many entries
 # per running request slot (finished requests are never told to the drafter).
@@ -59,8 +61,6 @@ def load_draft_model(name: str, target_arch: ArchConfig, target_load_format: str
     Random weights (seeded with seed + 1: another model than a same-shaped target) for
     a preset, or when the target itself has dummy weights (then a directory's
     config.json gives the shape); otherwise the weights at the path."""
-    from pagoda.model.loader import load_model
-    from pagoda.model.presets import is_preset
 
     dummy = is_preset(name) or target_load_format == "dummy"
     model, arch = load_model(name, "dummy" if dummy else "auto", dtype, device, seed + 1, tp)

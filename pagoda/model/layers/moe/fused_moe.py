@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce
+from pagoda.kernels.moe.config import MoEKernelConfig
 from pagoda.kernels.moe.reference import fused_moe_reference
 from pagoda.model.layers.linear import (LayerWeightLoader, check_tp_group, copy_checked,
                                         default_weight_loader)
@@ -100,11 +101,15 @@ class FusedMoE(nn.Module):
         # The linear layer that runs after this block (set_next_linear), in a tuple so
         # that it is not registered as a submodule of this one.
         self._next_linear: tuple[nn.Module, ...] = ()
+        # The kernels' tiles on this layer's device (the model runner's KernelConfigs;
+        # None: MoEKernelConfig.for_device at each call).
+        self.kernel_config: Optional[MoEKernelConfig] = None
 
     def set_next_linear(self, layer: nn.Module) -> None:
         """The linear layer the model runs next (the next decoder layer's qkv projection):
-        the decode down GEMV prefetches its weight into L2 at its end where
-        l2_prefetch.NEXT_QKV_IN_MOE_DOWN is on."""
+        the decode down GEMV prefetches its weight into L2 at its end
+        (pagoda.kernels.launch.l2_prefetch), which took Qwen3-30B-A3B's batch-1 step
+        down in every A/B round on the H100 (docs/performance.md)."""
         self._next_linear = (layer,)
 
     def expected_shard_ids(self, param_name: str) -> list[ExpertShardId]:
@@ -169,9 +174,10 @@ class FusedMoE(nn.Module):
             from pagoda.kernels.launch import l2_prefetch  # imports triton: CUDA only
             from pagoda.kernels.moe.fused_moe import fused_moe
             following = (l2_prefetch.weight_of(self._next_linear[0])
-                         if self._next_linear and l2_prefetch.NEXT_QKV_IN_MOE_DOWN else None)
+                         if self._next_linear else None)
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids, shared=shared_weights, prefetch_after=following)
+                            topk_ids, shared=shared_weights, prefetch_after=following,
+                            config=self.kernel_config)
         else:
             out = fused_moe_reference(hidden_states, self.w13_weight, self.w2_weight,
                                       topk_weights, topk_ids, linear=linear)
@@ -191,7 +197,8 @@ class FusedMoE(nn.Module):
             return None
         from pagoda.kernels.moe.fused_moe import gemv_path_takes  # imports triton: CUDA only
         from pagoda.kernels.moe.fused_moe_decode import shared_chunks_of
-        if not gemv_path_takes(num_pairs):
+        if not gemv_path_takes(num_pairs, self.kernel_config or
+                               MoEKernelConfig.for_device(hidden.device)):
             return None
         weights = (getattr(shared.gate_up_proj, "weight", None),
                    getattr(shared.down_proj, "weight", None))
