@@ -1,8 +1,12 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF and tiny random Hugging Face models."""
+"""Shared fixtures: the embedded SmolLM2 GGUF and tiny random Hugging Face models; and a
+check that every engine a test module starts ends with it (threads, running engines).
+"""
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 
 import pytest
 
@@ -21,7 +25,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import tqdm  # noqa: E402
 from tiny_models import save_tiny_hf_model  # noqa: E402  (after the thread setting)
+
+# tqdm's monitor thread, started by the first progress bar, runs until the interpreter
+# exits: off, so that the threads a test leaves are only those it started.
+tqdm.tqdm.monitor_interval = 0
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +47,28 @@ def tiny_hf_models(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"tiny-{arch}")
         models[arch] = (str(path), save_tiny_hf_model(path, arch))
     return models
+
+
+def engine_threads() -> set[threading.Thread]:
+    """The threads engines start (loop, KV offload I/O, disk tier, grammar compiles)."""
+    return {t for t in threading.enumerate() if t.name.startswith("pagoda-")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_end_with_their_module(request):
+    """Fails the module whose engines outlive it: one still running once its tests and
+    fixtures are done, or an engine thread it started still alive. Engines nobody
+    references are collected here, which shuts them down (their finalizers); pytest
+    still holds the module's last test's fixture values at this point, so a module
+    fixture shuts its engine down itself (yield, then shutdown())."""
+    from pagoda.engine.release import running_engines
+    before = engine_threads()
+    running_before = set(map(id, running_engines()))
+    yield
+    gc.collect()
+    running = [e for e in running_engines() if id(e) not in running_before]
+    leaked = engine_threads() - before
+    if running or leaked:
+        pytest.fail(f"{request.node.nodeid} left {len(running)} engine(s) running and threads "
+                    f"{sorted(t.name for t in leaked)}: shut engines down in the fixture or "
+                    "test that made them", pytrace=False)

@@ -24,7 +24,10 @@ def make_llm(async_scheduling: bool) -> LLM:
 
 @pytest.fixture(scope="module")
 def llms():
-    return {False: make_llm(False), True: make_llm(True)}
+    llms = {False: make_llm(False), True: make_llm(True)}
+    yield llms
+    for llm in llms.values():
+        llm.shutdown()
 
 
 def mixed_params() -> list[SamplingParams]:

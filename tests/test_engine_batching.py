@@ -30,8 +30,9 @@ def assert_all_blocks_free(llm: LLM) -> None:
 @pytest.fixture(scope="module")
 def small_pool_llm():
     # 24 blocks of 16 tokens: 16 requests of up to ~71 tokens cannot all fit -> preemption.
-    return LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=32,
-               num_gpu_blocks_override=24, enable_prefix_caching=False)
+    with LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=32,
+             num_gpu_blocks_override=24, enable_prefix_caching=False) as llm:
+        yield llm
 
 
 def test_batch_invariance_with_chunking_and_preemption(small_pool_llm):
@@ -53,7 +54,8 @@ def test_batch_invariance_with_chunking_and_preemption(small_pool_llm):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512, kv_cache_memory=32 << 20)
+    with LLM(max_model_len=512, kv_cache_memory=32 << 20) as llm:
+        yield llm
 
 
 def test_prefix_cache_hit_gives_identical_output(llm):

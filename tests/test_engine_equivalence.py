@@ -34,7 +34,8 @@ def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smollm2_llm():
-    return LLM(max_model_len=512, kv_cache_memory=64 << 20)
+    with LLM(max_model_len=512, kv_cache_memory=64 << 20) as llm:
+        yield llm
 
 
 def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_gguf):

@@ -14,7 +14,8 @@ def engine(tiny_hf_models):
     llm = LLM(tiny_hf_models["llama"][0], skip_tokenizer_init=True, max_model_len=64,
               max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=6,
               enable_prefix_caching=False)
-    return llm.llm_engine
+    yield llm.llm_engine
+    llm.shutdown()
 
 
 def test_steps_and_scheduled_tokens_are_counted_exactly(engine):

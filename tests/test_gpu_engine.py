@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def llm():
     from pagoda import LLM
-    return LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=1024,
-               max_num_seqs=48, gpu_memory_utilization=0.3)
+    with LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=1024,
+             max_num_seqs=48, gpu_memory_utilization=0.3) as llm:
+        yield llm
 
 
 def test_graph_replay_matches_eager_reference(llm):

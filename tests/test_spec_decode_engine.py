@@ -37,7 +37,10 @@ def make_llm(speculative_config=None, async_scheduling=False) -> LLM:
 
 @pytest.fixture(scope="module")
 def llms():
-    return {"off": make_llm(), "sync": make_llm(NGRAM), "async": make_llm(NGRAM, True)}
+    llms = {"off": make_llm(), "sync": make_llm(NGRAM), "async": make_llm(NGRAM, True)}
+    yield llms
+    for llm in llms.values():
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -26,15 +26,17 @@ ASK_PERSON = [{"role": "user", "content": "Give me a JSON person."}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu", max_model_len=512)
+    with LLM(device="cpu", max_model_len=512) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def think_llm(tmp_path_factory):
     """The same model with a tokenizer that has <think> tags, qwen3 parsing, async scheduling."""
     tokenizer = make_think_tokenizer(tmp_path_factory.mktemp("think-tokenizer"))
-    return LLM(device="cpu", max_model_len=512, tokenizer=str(tokenizer),
-               reasoning_parser="qwen3", async_scheduling=True)
+    with LLM(device="cpu", max_model_len=512, tokenizer=str(tokenizer),
+             reasoning_parser="qwen3", async_scheduling=True) as llm:
+        yield llm
 
 
 def test_every_schema_validates_at_temperature_0_and_1(llm):

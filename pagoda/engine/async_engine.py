@@ -17,7 +17,8 @@ Failure isolation:
   may be half-updated) and aborts them in the engine, and the loop keeps serving -
   unless `engine.check_health()` then raises (its executor's workers are gone): the
   loop stops, so `is_running` turns False and /health answers 503.
-The loop shuts the engine down (`engine.shutdown()`) when it ends.
+The loop shuts the engine down (`engine.shutdown()`: its threads, workers, disk lock
+and memory) when it ends; a call posted after that fails with EngineNotReadyError.
 
 The loop blocks on a Condition while it has nothing to do: no busy spin, no polling.
 """
@@ -140,6 +141,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # guarded by _cond
         self._stop_requested = False  # guarded by _cond
+        self._loop_ended = False  # guarded by _cond: nothing handles the inbox any more
         self._draining = False
         self._thread: Optional[threading.Thread] = None
         # Loop-thread state: request id -> stream, and those whose first-scheduled time
@@ -204,6 +206,14 @@ class AsyncEngine:
         # the stop as soon as loading ends.
         if self._thread is not None and self.is_ready:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """From a thread that runs no event loop: stops the loop now (requests in flight
+        fail) and waits up to `timeout` s for the engine's shutdown. Idempotent."""
+        self.start_draining()
+        self._post(stop=True)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     async def _wait_for_in_flight_change(self, timeout: float) -> None:
         self._in_flight_changed.clear()
@@ -303,6 +313,9 @@ class AsyncEngine:
 
     def _post(self, command: Any = None, stop: bool = False) -> None:
         with self._cond:
+            if self._loop_ended:
+                _refuse([command])
+                return
             if command is not None:
                 self._inbox.append(command)
             if stop:
@@ -324,6 +337,10 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
+            with self._cond:
+                self._loop_ended = True
+                unhandled, self._inbox = self._inbox, []
+            _refuse(unhandled)
             self._fail_all(EngineNotReadyError("the engine loop has stopped"))
             try:
                 self.engine.shutdown()
@@ -459,6 +476,16 @@ class AsyncEngine:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _refuse(commands: list) -> None:
+    """Answers commands the loop will never handle: calls fail, adds are refused."""
+    error = EngineNotReadyError("the engine loop has stopped")
+    for command in commands:
+        if isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            command.future.set_exception(error)
+        elif isinstance(command, _Add):
+            _deliver(command.stream, [error])
 
 
 def _shorten_switch_interval() -> None:

@@ -13,10 +13,10 @@ instead of following it. Outputs then arrive one step() call later.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -27,6 +27,7 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine import trace
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.release import freeze_heap, release_after_shutdown
 from pagoda.core.outputs import ModelInfo
 from pagoda.executor.base import Executor
 from pagoda.executor.factory import get_executor_class
@@ -37,6 +38,16 @@ from pagoda.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 PromptInput = Union[str, list[int], dict]
+
+
+class EngineShutDownError(RuntimeError):
+    """The engine was shut down: it takes no requests and runs no steps."""
+
+
+# What the bookkeeping holds (block pool, requests, offload tiers' indexes, the step in
+# flight), dropped by shutdown(); config, tokenizer and model facts stay.
+_DROPPED_ON_SHUTDOWN = ("scheduler", "kv_cache_manager", "kv_offload", "output_processor",
+                        "_in_flight")
 
 
 @dataclass
@@ -94,18 +105,22 @@ class LLMEngine:
         logger.info("loading %s on %s", self.model_path, config.device.device)
         factory = executor_factory or get_executor_class(config)
         self.executor = factory(config, self.model_path)
+        self._shut_down = False
         try:
             self._start(config)
         except BaseException:
-            self._close_kv_offload()  # the disk tier's lock must not outlive a failed start
-            self.executor.shutdown()  # worker processes must not outlive a failed start
+            # Threads, the disk tier's lock and worker processes must not outlive a
+            # failed start.
+            _close(self.executor, getattr(self, "structured", None), config.cache.kv_offloading)
             raise
+        # An engine dropped without shutdown() releases the same when it is collected.
+        self._finalizer = weakref.finalize(self, _close_collected, self.executor,
+                                           self.structured, config.cache.kv_offloading)
         # Everything built so far (the block pool's blocks, the model's modules) lives
         # as long as the engine: freezing it keeps the cyclic GC from walking it on
         # every full collection; with a large block pool one such pause stalls a step
-        # (docs/performance.md, "measured reasons").
-        gc.collect()
-        gc.freeze()
+        # (docs/performance.md, "measured reasons"). shutdown() unfreezes.
+        freeze_heap(self)
         self.startup_seconds = time.perf_counter() - start
         self._log_ready()
 
@@ -157,7 +172,10 @@ class LLMEngine:
             self.tokenizer, info.vocab_size, structured.reasoning_parser,
             structured.thinking_token_budget)
         if planner is not None:  # grammar masks and forced thinking ends follow kept tokens
-            planner.never_drafts = lambda request: self.structured.wants(request.sampling_params)
+            # Through the manager, not the engine: the scheduler must not reference its
+            # engine (a cycle would keep a dropped engine from being freed at once).
+            wants = self.structured.wants
+            planner.never_drafts = lambda request: wants(request.sampling_params)
         # Requests waiting for their grammar's compile: not in the scheduler yet.
         self._held: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -260,6 +278,7 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptInput,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                     priority: int = 0, output_kind: str = "cumulative") -> str:
+        self._check_open()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._children:
@@ -305,6 +324,8 @@ class LLMEngine:
         return params
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        if self._shut_down:
+            return  # every request ended with the engine
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             children = self._children.pop(request_id, None)
@@ -321,6 +342,8 @@ class LLMEngine:
         # requests dropped) before a new request could reuse one of its ids.
         # KV offload transfers in flight count too: the loop keeps polling them (an idle
         # step waits briefly for one) so their pins are released without a new request.
+        if self._shut_down:
+            return False
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
                 or bool(self._held) or self.kv_transfers_in_flight())
 
@@ -328,11 +351,13 @@ class LLMEngine:
         """Whether step() would do something now; False while the only unfinished
         requests wait for their grammars (the async loop sleeps until one is ready:
         `structured.on_ready` wakes it)."""
+        if self._shut_down:
+            return False
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
                 or self.structured.has_ready_pending() or self.kv_transfers_in_flight())
 
     def kv_transfers_in_flight(self) -> bool:
-        return self.kv_offload is not None and self.kv_offload.has_in_flight
+        return not self._shut_down and self.kv_offload is not None and self.kv_offload.has_in_flight
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
@@ -345,6 +370,7 @@ class LLMEngine:
         step's forward launch and its sampling launch: the host works while the device
         runs the forward, and whatever that processing teaches the engine (StepExtras)
         still reaches this step's sampler."""
+        self._check_open()
         held_outputs = self._release_held() if self._held else []
         clock = trace.StepClock.start()
         scheduler_output = self.scheduler.schedule()
@@ -450,6 +476,7 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
+        self._check_open()
         stats = self.kv_cache_manager.prefix_cache_stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -474,6 +501,7 @@ class LLMEngine:
 
     def audit_kv_cache(self):
         """The KV accounting audit: the GPU pool, and every offload tier when on."""
+        self._check_open()
         if self.kv_offload is not None:
             return self.kv_offload.audit()
         return self.kv_cache_manager.audit()
@@ -482,18 +510,60 @@ class LLMEngine:
         """Raises pagoda.executor.base.ExecutorDeadError when the workers cannot serve."""
         self.executor.check_health()
 
-    def shutdown(self) -> None:
-        """Releases the executor's workers; the engine takes no steps afterwards."""
-        self.structured.shutdown()
-        self._close_kv_offload()
-        self.executor.shutdown()
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
 
-    def _close_kv_offload(self) -> None:
-        if self.config.cache.kv_offloading:
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise EngineShutDownError("this engine was shut down (LLM.shutdown()); make a new "
+                                      "one to generate again")
+
+    def shutdown(self) -> None:
+        """Stops every thread the engine started (grammar compiles, KV offload I/O),
+        releases the disk tier's lock and the workers (worker processes end; an
+        in-process worker drops its weights, KV pool, graphs and pinned buffers), then
+        gives the memory back (release.py). Idempotent; add_request() and step()
+        raise EngineShutDownError afterwards. The tokenizer, config and model facts
+        stay readable."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            detached = self._finalizer.detach()  # (engine, _close_collected, its args)
+            if detached is not None:
+                _close(*detached[2])
+        finally:
+            for name in _DROPPED_ON_SHUTDOWN:
+                setattr(self, name, None)
+            self._held, self._children = {}, {}
+            release_after_shutdown(self)
+
+
+def _close_collected(executor: Executor, structured: Optional[StructuredOutputManager],
+                     kv_offloading: bool) -> None:
+    """The finalizer of an engine collected without shutdown()."""
+    try:
+        _close(executor, structured, kv_offloading)
+    finally:
+        release_after_shutdown(None)
+
+
+def _close(executor: Executor, structured: Optional[StructuredOutputManager],
+           kv_offloading: bool) -> None:
+    """Everything an engine started, stopped: the grammar compile pool, the KV offload
+    tiers (their I/O threads, the disk lock, pinned memory), the executor's workers.
+    Holds no reference to the engine, so that its finalizer can run it."""
+    try:
+        if structured is not None:
+            structured.shutdown()
+        if kv_offloading:
             try:
-                self.executor.collective_rpc("shutdown_kv_offload")
+                executor.collective_rpc("shutdown_kv_offload")
             except Exception:  # noqa: BLE001 - shutting down: the workers may be gone
                 logger.exception("closing the KV offload tiers failed")
+    finally:
+        executor.shutdown()
 
 
 def _looks_like_path(source: str) -> bool:

@@ -1,11 +1,18 @@
-"""LLM: the offline API (`LLM().generate(...)`, `LLM().chat(...)`), shaped like vLLM's."""
+"""LLM: the offline API (`LLM().generate(...)`, `LLM().chat(...)`), shaped like vLLM's.
+
+An LLM's engine owns threads, worker processes, KV offload tiers (the disk tier's
+directory lock, pinned host memory) and device memory. `shutdown()` releases all of
+it, and so do leaving a `with LLM(...) as llm:` block and dropping the last reference
+to the engine (`del llm`: the engine's finalizer), so that one process can make LLM
+after LLM, on the same disk-tier directory too.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from pagoda.config import EngineArgs
-from pagoda.engine.llm_engine import LLMEngine, PromptInput
+from pagoda.engine.llm_engine import EngineShutDownError, LLMEngine, PromptInput
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -20,6 +27,27 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
+    def shutdown(self) -> None:
+        """Releases everything the engine holds: its threads (grammar compiles, KV
+        offload I/O), worker processes, the disk tier's lock, pinned host memory and
+        the device memory of weights, KV pool, graphs and buffers. Idempotent;
+        generate(), chat() and stream() raise EngineShutDownError afterwards."""
+        self.llm_engine.shutdown()
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self.llm_engine.is_shut_down
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self.llm_engine.is_shut_down:
+            raise EngineShutDownError("this LLM was shut down; make a new LLM to generate again")
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -33,6 +61,7 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         """
+        self._check_open()
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
@@ -58,6 +87,7 @@ class LLM:
         """Applies the model's chat template to each conversation, then generates;
         `chat_template_kwargs` are extra template variables (e.g. enable_thinking)."""
         from pagoda.model.tokenizer import apply_chat_template
+        self._check_open()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -70,6 +100,7 @@ class LLM:
     def stream(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None
                ) -> Iterator[RequestOutput]:
         """Yields delta outputs of one request as its tokens are produced."""
+        self._check_open()
         engine = self.llm_engine
         request_id = engine.add_request(None, prompt, sampling_params, output_kind="delta")
         try:

@@ -3,6 +3,7 @@
 collective_rpc calls the worker's method directly; an exception reaches the engine as
 it is (the engine fails the requests of that step and keeps serving). The executor is
 dead only once shut down: there is no other process whose loss it could observe.
+Shutting down releases the worker in this process (its weights and KV pool).
 """
 
 from __future__ import annotations
@@ -34,5 +35,11 @@ class UniProcExecutor(Executor):
             raise ExecutorDeadError(self._dead_reason)
 
     def shutdown(self) -> None:
+        """Releases the worker (idempotent): its own shutdown() where it has one (the
+        ModelRunner drops its weights, KV pool, graphs and offload tiers), then the
+        reference, so nothing of it outlives the executor."""
         self._dead_reason = "the executor was shut down"
-        self.runner = None
+        runner, self.runner = self.runner, None
+        release = getattr(runner, "shutdown", None)
+        if release is not None:
+            release()

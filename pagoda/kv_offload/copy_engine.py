@@ -46,6 +46,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -71,6 +72,8 @@ MAX_TRANSFER_BYTES_PER_STEP = 1 << 30
 MAX_INLINE_LOAD_BYTES_PER_STEP = 512 << 20
 # How long an idle step (nothing to compute) waits for a transfer to finish.
 IDLE_POLL_SECONDS = 0.002
+# How long closing waits for an I/O thread to finish the calls queued on it.
+IO_CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -139,10 +142,20 @@ class _IOThread:
                 fn()
             except Exception:  # noqa: BLE001 - each call reports its own failure
                 logger.exception("KV offload I/O failed")
+            # The call references the copy engine: a thread waiting for the next must
+            # not keep a dropped engine (and so this thread) alive.
+            del fn
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        """Runs what was submitted, then stops the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            if threading.current_thread() is self._thread:
+                return  # the engine was dropped by this thread's last call: it stops next
+            self._thread.join(timeout=IO_CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("KV offload thread %s did not stop within %.0fs",
+                               self._thread.name, IO_CLOSE_TIMEOUT_S)
 
 
 @dataclass
@@ -170,6 +183,10 @@ class KVCopyEngine:
         self._invalid_seen = {tier.name: 0.0 for tier in lower}
         self.reader = _IOThread("pagoda-kv-read")
         self.writer = _IOThread("pagoda-kv-write")
+        # Closed by close(), or when the engine is collected without it: the threads,
+        # the tiers (the disk lock) and the pinned slots never outlive the copy engine.
+        self._finalizer = weakref.finalize(self, _close_tiers, self.reader, self.writer,
+                                           self.lower, self.cpu, device if self.cuda else None)
 
     # ---- a step's plan ----------------------------------------------------------------
     def execute(self, plan: KVTransferPlan) -> None:
@@ -424,13 +441,26 @@ class KVCopyEngine:
             self._report.writes_done[op_id] = ok
 
     def close(self) -> None:
-        self.reader.close()
-        self.writer.close()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)  # no copy may still use the pinned slots
-        for tier in self.lower:
-            tier.close()
-        self.cpu.close()
+        """Stops the I/O threads (after what they were given), then closes the tiers
+        and frees the CPU tier's slots (idempotent)."""
+        self._finalizer()
+        self._pending_stores, self._pending_loads = [], []
+
+
+def _close_tiers(reader: _IOThread, writer: _IOThread, lower: list[KVTier], cpu: CpuTier,
+                 cuda_device: Optional[torch.device]) -> None:
+    try:
+        reader.close()
+        writer.close()
+        if cuda_device is not None:
+            torch.cuda.synchronize(cuda_device)  # no copy may still use the pinned slots
+    finally:
+        for tier in lower:
+            try:
+                tier.close()
+            except Exception:  # noqa: BLE001 - the other tiers still close
+                logger.exception("closing KV tier %s failed", tier.name)
+        cpu.close()
 
 
 def unique_names(tiers: list[KVTier]) -> None:

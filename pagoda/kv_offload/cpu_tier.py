@@ -16,6 +16,7 @@ data is in place, so `lookup`/`load` only ever see slots whose bytes are that bl
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -103,7 +104,7 @@ class CpuTier(KVTier):
         # with pin_memory=True: torch's pinned allocator rounds a size up to a power of
         # two, which for a tier of tens of GiB can nearly double the host memory taken.
         self.data = torch.empty(num_slots, block_bytes, dtype=torch.uint8)
-        self._registered = False
+        self._num_slots = num_slots
         if pin_memory:
             status = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(),
                                                                self.data.numel(), 0))
@@ -111,7 +112,11 @@ class CpuTier(KVTier):
                 raise RuntimeError(f"pinning {self.data.numel() / 2**30:.2f} GiB of host memory "
                                    f"for the CPU KV tier failed (cudaError {status}); lower "
                                    "--kv-offloading-size")
-            self._registered = True
+            # Registered memory is unregistered before it is freed, by close() or when
+            # the tier is collected (the finalizer holds the tensor until then).
+            self._unpin = weakref.finalize(self, _unregister, self.data)
+        else:
+            self._unpin = None
         self.block_bytes = block_bytes
         self._guard = threading.Lock()
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # least recently bound first
@@ -141,7 +146,7 @@ class CpuTier(KVTier):
 
     # ---- KVTier -----------------------------------------------------------------------
     def capacity_blocks(self) -> int:
-        return self.data.shape[0]
+        return self._num_slots
 
     def store(self, block_hashes: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
         """By hash, outside the engine's slot assignment: a free slot, else the least
@@ -183,9 +188,17 @@ class CpuTier(KVTier):
 
     def stats(self) -> dict[str, float]:
         with self._guard:
-            return {"blocks": float(len(self._slot_of)), "capacity": float(self.data.shape[0])}
+            return {"blocks": float(len(self._slot_of)), "capacity": float(self._num_slots)}
 
     def close(self) -> None:
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self._registered = False
+        """Unpins and frees the slots (idempotent); the tier holds nothing afterwards."""
+        if self._unpin is not None:
+            self._unpin()
+        with self._guard:
+            self._slot_of.clear()
+            self._hash_in.clear()
+        self.data = torch.empty(0, self.block_bytes, dtype=torch.uint8)
+
+
+def _unregister(data: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data.data_ptr())

@@ -17,9 +17,11 @@ mid-write never leaves a truncated file under a block's name; leftover temporari
 are deleted at start-up.
 
 Concurrent servers: a lock file. The server holding `DIR/.pagoda-kv.lock` (an
-exclusive flock, released by the OS when the process dies) owns the directory; a
-second server on the same directory fails at start-up with a message naming the
-owner's pid. One owner means the size cap and LRU order are never fought over.
+exclusive flock, released by `close()`, when the tier is collected, or by the OS when
+the process dies: a lock file left by a dead process is simply taken over) owns the
+directory; a second server on the same directory fails at start-up with a message
+naming the owner's pid, or saying that the owner is this very process (an engine not
+shut down). One owner means the size cap and LRU order are never fought over.
 
 Restart: at start-up the directory is scanned (headers only), and the intact blocks
 of this format become `contents()`, least recently written first, trimmed to the
@@ -43,6 +45,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -83,7 +86,9 @@ class DiskTier(KVTier):
         self.format = block_format
         self.path = os.path.abspath(path)
         self._identity = block_format.describe()
+        self._io: Optional[ThreadPoolExecutor] = None
         self._lock_fd: Optional[int] = None
+        self._release = None  # finalize(): the lock and the I/O pool, set with the lock
         self._held: dict[bytes, None] = {}  # insertion order = LRU at start-up
         self._guard = threading.Lock()
         self._counts = {"invalid_files": 0, "reads": 0, "writes": 0, "read_failures": 0}
@@ -93,8 +98,14 @@ class DiskTier(KVTier):
             raise DiskTierError(f"--kv-offloading-disk-size: {size_bytes} bytes hold no block of "
                                 f"{file_bytes} bytes; give more space")
         self._open_directory()
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pagoda-kv-disk")
+        self._release.detach()
+        self._release = weakref.finalize(self, _release_directory, self._lock_fd, self._io)
 
     # ---- start-up ---------------------------------------------------------------------
     def _open_directory(self) -> None:
@@ -117,10 +128,10 @@ class DiskTier(KVTier):
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if err.errno in (errno.EAGAIN, errno.EACCES):
-                raise DiskTierError(f"{_flag()} {self.path} is in use by another Pagoda server "
-                                    f"(pid {owner}); give each server its own directory") from err
+                raise DiskTierError(_in_use_message(self.path, owner)) from err
             raise
         self._lock_fd = fd
+        self._release = weakref.finalize(self, _release_directory, fd, None)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -296,15 +307,45 @@ class DiskTier(KVTier):
             return {"blocks": float(len(self._held)), **{k: float(v) for k, v in self._counts.items()}}
 
     def close(self) -> None:
-        io = getattr(self, "_io", None)
+        """Stops the I/O pool and releases the directory's lock (idempotent)."""
+        if self._release is not None:
+            self._release()
+        self._lock_fd = None
+
+
+def _release_directory(lock_fd: int, io: Optional[ThreadPoolExecutor]) -> None:
+    try:
         if io is not None:
             io.shutdown(wait=True)
-        if self._lock_fd is not None:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+    finally:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(lock_fd)
+
+
+def _in_use_message(path: str, owner: str) -> str:
+    """Why the directory's lock is taken, with what to do about it."""
+    if owner == str(os.getpid()):
+        return (f"{_flag()} {path} is in use by this process: an engine made earlier on "
+                "this directory is still open; call LLM.shutdown() on it (or make it in "
+                "`with LLM(...) as llm:`) before making another, or give each its own directory")
+    if owner.isdigit() and not _pid_alive(int(owner)):
+        return (f"{_flag()} {path} is locked, though its owner (pid {owner}) has exited: a "
+                "process it started still holds the lock; stop that process or give this "
+                "server its own directory")
+    return (f"{_flag()} {path} is in use by another Pagoda server (pid {owner}); give each "
+            "server its own directory")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _read_header_at(fd: int) -> tuple[dict, int]:

@@ -79,7 +79,14 @@ class GrammarCompiler:
         return self.submit(params).result()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancels the compiles not started, waits for those running (a compile is not
+        interruptible) so that no pool thread outlives the compiler, and drops the
+        cache and xgrammar's tokenizer info. Idempotent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._cache.clear()
+        with self._init_lock:
+            self._xgr_compiler = None
 
     # ---- on the pool --------------------------------------------------------------------
     def _compiler(self):

@@ -62,6 +62,7 @@ class StructuredOutputManager:
         self._compile_threads = compile_threads
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        self._closed = False  # shut down: no compiler (and no pool threads) again
         self._batch = None  # xgrammar's BatchGrammarMatcher, made with the compiler
         self._constraints: dict[str, RequestConstraint] = {}
         self._pending: dict[str, _Pending] = {}
@@ -91,6 +92,8 @@ class StructuredOutputManager:
     def compiler(self):
         """The GrammarCompiler (made on first use, so xgrammar loads only when needed)."""
         with self._compiler_lock:
+            if self._closed:
+                raise RuntimeError("the engine was shut down: no grammar compiles any more")
             if self._compiler is None:
                 from pagoda.structured.compiler import GrammarCompiler
                 eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -225,5 +228,14 @@ class StructuredOutputManager:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     def shutdown(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown()
+        """Stops the compile pool's threads and drops every request's state (idempotent).
+        Held requests' compiles are cancelled; on_ready is no longer called."""
+        self.on_ready = None
+        with self._compiler_lock:
+            compiler, self._compiler = self._compiler, None
+            self._closed = True
+        if compiler is not None:
+            compiler.shutdown()
+        self._batch = None
+        self._constraints.clear()
+        self._pending.clear()

@@ -15,7 +15,8 @@ TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--device", "cpu"]
 @pytest.fixture(scope="module")
 def tiny_llm():
     from pagoda import LLM
-    return LLM(model="tiny-llama", load_format="dummy", device="cpu")
+    with LLM(model="tiny-llama", load_format="dummy", device="cpu") as llm:
+        yield llm
 
 
 def test_batch_steps_split_prefill_from_decode(tiny_llm):

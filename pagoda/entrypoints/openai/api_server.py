@@ -12,9 +12,10 @@ cannot load fails with one line and a non-zero exit, and a client that connects
 finds a ready server; once the port is bound it logs `ready: URL`.
 (An app built by `build_app` around an engine not yet started loads it at startup
 and answers 503 "loading" meanwhile.) SIGTERM/SIGINT start a drain - new requests get 503,
-requests in flight finish (up to --shutdown-timeout), then the server stops and the
-process exits 0. A second signal ends the requests in flight with an error event
-(streams) or a 503, then stops; a third stops at once.
+requests in flight finish (up to --shutdown-timeout), then the server stops, the
+lifespan's end stops the dashboard sampler and the engine (threads, worker processes,
+the disk tier's lock) and the process exits 0. A second signal ends the requests in
+flight with an error event (streams) or a 503, then stops; a third stops at once.
 """
 
 from __future__ import annotations
@@ -108,11 +109,17 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
     state = ServerState()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app: FastAPI):
         if not engine_client.is_started:
             engine_client.start()
-        yield
-        await engine_client.shutdown(timeout=0.0)
+        try:
+            yield
+        finally:
+            # The dashboard's sampler first (it calls into the engine), then the engine:
+            # its loop thread joins once the engine released its threads, worker
+            # processes, disk lock and memory.
+            await app.state.stats_hub.close()
+            await engine_client.shutdown(timeout=0.0)
 
     app = FastAPI(title="Pagoda OpenAI-compatible API", version=pagoda.__version__, lifespan=lifespan)
     app.state.ctx = ctx
@@ -326,6 +333,11 @@ def _listening_url(server: uvicorn.Server) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+# How long the process waits at exit for the engine's own shutdown (its worker
+# processes get their own bounded wait, then are terminated).
+ENGINE_CLOSE_TIMEOUT_S = 60.0
+
+
 def _load_engine(engine: AsyncEngine) -> None:
     """Starts the engine's thread and waits until the model loaded; re-raises its load
     error (a ValueError such as a bad model path reaches the CLI as one line)."""
@@ -349,5 +361,20 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, app.state.server_state, engine, args.shutdown_timeout)
     server.web_ui = not args.disable_web_ui
-    server.run()
+    try:
+        server.run()
+    finally:
+        # The lifespan's shutdown stopped the engine; a server that failed to start (a
+        # port in use) or was forced to exit did not run it: nothing may outlive this.
+        engine.close(ENGINE_CLOSE_TIMEOUT_S)
+        _report_threads_left()
     return server.exit_code
+
+
+def _report_threads_left() -> None:
+    """Logs the engine's threads still running once it has shut down (a daemon thread
+    would otherwise end silently with the process; a test reads the warning)."""
+    left = sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("pagoda-") and t.is_alive())
+    if left:
+        logger.warning("threads still running at exit: %s", ", ".join(left))

@@ -14,7 +14,8 @@ Each client gets Server-Sent Events:
 - `event: requests` when requests finished since the client's last event: their
   summaries (the newest 50 on connecting).
 A slow client drops its oldest pending samples instead of growing a queue.
-The stream ends when the server starts draining, so it never holds a shutdown up.
+The stream ends when the server starts draining, so it never holds a shutdown up;
+`close()` (the app's shutdown) ends the sampler task and every stream at once.
 Auth is the API-key middleware's, as for every data route: the page reads the
 stream with fetch() and an Authorization header (EventSource cannot send one).
 """
@@ -197,6 +198,21 @@ class StatsHub:
             self._clients.discard(client)
 
         return body(), close
+
+    async def close(self) -> None:
+        """Ends every stream and the sampler task, and waits for the task (idempotent);
+        a stream opened afterwards starts a new one."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for client in list(self._clients):
+            client.offer(None)
+        self._clients.clear()
+        self._prev = None
 
     async def _run(self) -> None:
         """Samples and broadcasts while anyone listens; ends every stream on a drain."""
