@@ -31,8 +31,10 @@ from benchmarks.harness.results import write_result
 
 
 def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    base = ("The history of the city begins with a small settlement by the river, where "
-            "farmers and traders met every season to exchange grain, tools and stories about")
+    base = (
+        "The history of the city begins with a small settlement by the river, where "
+        "farmers and traders met every season to exchange grain, tools and stories about"
+    )
     ids = tokenizer(base).input_ids
     prompts = []
     for i in range(count):
@@ -43,10 +45,14 @@ def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def summarize(engine: str, seconds: float, token_ids: list, step_s: list[float]) -> dict:
     tokens = sum(len(t) for t in token_ids)
-    return {"engine": engine, "seconds": seconds, "output_tokens": tokens,
-            "output_tok_per_s": tokens / seconds,
-            "median_step_ms": 1000 * statistics.median(step_s) if step_s else float("nan"),
-            "token_ids": token_ids}
+    return {
+        "engine": engine,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / seconds,
+        "median_step_ms": 1000 * statistics.median(step_s) if step_s else float("nan"),
+        "token_ids": token_ids,
+    }
 
 
 class PagodaRunner:
@@ -55,9 +61,14 @@ class PagodaRunner:
 
     def __init__(self, max_batch: int, quantization: str | None = None) -> None:
         from pagoda import LLM, SamplingParams
+
         kwargs = {} if quantization is None else {"quantization": quantization}
-        self.llm = LLM(max_num_seqs=max(max_batch, 1), max_model_len=1024,
-                       enable_prefix_caching=False, **kwargs)
+        self.llm = LLM(
+            max_num_seqs=max(max_batch, 1),
+            max_model_len=1024,
+            enable_prefix_caching=False,
+            **kwargs,
+        )
         self.params = SamplingParams
         engine = self.llm.llm_engine
         step, self.step_s = engine.step, []
@@ -67,6 +78,7 @@ class PagodaRunner:
             outs = step()
             self.step_s.append(time.perf_counter() - start)
             return outs
+
         engine.step = timed_step
         self.run([[1, 2, 3, 4]], 4, 1)  # warm-up
 
@@ -76,19 +88,22 @@ class PagodaRunner:
         start = time.perf_counter()
         outs = []
         for i in range(0, len(prompts), batch):
-            outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+            outs += self.llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        return summarize("pagoda", elapsed, [list(o.outputs[0].token_ids) for o in outs],
-                         self.step_s)
+        return summarize(
+            "pagoda", elapsed, [list(o.outputs[0].token_ids) for o in outs], self.step_s
+        )
 
 
 class TransformersRunner:
     def __init__(self, model_dir: str, gguf_name: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_name,
-                                                          dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, gguf_file=gguf_name, dtype=torch.float32
+        ).eval()
         self.model.generation_config.eos_token_id = None  # EOS ignored: exactly max_tokens
         self.run([[1, 2, 3, 4]], 4, 1)  # warm-up
 
@@ -99,6 +114,7 @@ class TransformersRunner:
             def __call__(self, input_ids, scores, **kwargs):
                 stamps.append(time.perf_counter())
                 return input_ids.new_zeros(input_ids.shape[0], dtype=bool)
+
         return StoppingCriteriaList([Stamp()])
 
     def run(self, prompts, max_tokens: int, batch: int) -> dict:
@@ -106,22 +122,28 @@ class TransformersRunner:
         with torch.inference_mode():
             start = time.perf_counter()
             for i in range(0, len(prompts), batch):
-                chunk = prompts[i:i + batch]
+                chunk = prompts[i : i + batch]
                 width = max(len(p) for p in chunk)
                 ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
                 stamps: list[float] = []
-                gen = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                          do_sample=False, pad_token_id=pad,
-                                          stopping_criteria=self._stamps(stamps))
+                gen = self.model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    stopping_criteria=self._stamps(stamps),
+                )
                 step_s += [b - a for a, b in zip(stamps, stamps[1:])]
                 outs += gen[:, width:].tolist()
             elapsed = time.perf_counter() - start
         return summarize("transformers", elapsed, outs, step_s)
 
 
-def best_runs(runners: dict, order: list[str], prompts, max_tokens: int, batch: int,
-              repeats: int) -> tuple[dict, dict]:
+def best_runs(
+    runners: dict, order: list[str], prompts, max_tokens: int, batch: int, repeats: int
+) -> tuple[dict, dict]:
     """Runs each engine of order `repeats` times, the order rotating by one each repeat
     (two engines: alternating); returns (the best run of each, every run's tok/s)."""
     best: dict[str, dict] = {}
@@ -131,16 +153,21 @@ def best_runs(runners: dict, order: list[str], prompts, max_tokens: int, batch: 
         for name in order[shift:] + order[:shift]:
             result = runners[name].run(prompts, max_tokens, batch)
             history[name].append(round(result["output_tok_per_s"], 2))
-            print(f"  batch {batch:3d} repeat {r + 1}/{repeats} {name:12s} "
-                  f"{result['output_tok_per_s']:7.1f} tok/s  "
-                  f"{result['median_step_ms']:7.1f} ms/step", flush=True)
+            print(
+                f"  batch {batch:3d} repeat {r + 1}/{repeats} {name:12s} "
+                f"{result['output_tok_per_s']:7.1f} tok/s  "
+                f"{result['median_step_ms']:7.1f} ms/step",
+                flush=True,
+            )
             if name not in best or result["seconds"] < best[name]["seconds"]:
                 best[name] = result
     return best, history
 
 
-LLAMA_CPP_HINT = ("llama.cpp peer skipped: `llama_cpp` is not importable. Install it with "
-                  "`pip install llama-cpp-python==0.3.36` (builds from source, ~6 min on 2 cores)")
+LLAMA_CPP_HINT = (
+    "llama.cpp peer skipped: `llama_cpp` is not importable. Install it with "
+    "`pip install llama-cpp-python==0.3.36` (builds from source, ~6 min on 2 cores)"
+)
 
 
 class LlamaCppRunner:
@@ -148,10 +175,16 @@ class LlamaCppRunner:
 
     def __init__(self, gguf_path: str, threads: int) -> None:
         import llama_cpp
+
         self.version = llama_cpp.__version__
-        self.llm = llama_cpp.Llama(model_path=gguf_path, n_threads=threads,
-                                   n_threads_batch=threads, n_ctx=1024, n_batch=512,
-                                   verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=gguf_path,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=1024,
+            n_batch=512,
+            verbose=False,
+        )
         self.run([[1, 2, 3, 4]], 4, 1)  # warm-up
 
     def run(self, prompts, max_tokens: int, batch: int) -> dict:
@@ -162,8 +195,9 @@ class LlamaCppRunner:
         for prompt in prompts:
             tokens, stamps = [], []
             # temp 0: greedy; generate() yields every sampled token, EOS included.
-            for token in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0,
-                                           reset=True):
+            for token in self.llm.generate(
+                prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True
+            ):
                 stamps.append(time.perf_counter())
                 tokens.append(token)
                 if len(tokens) == max_tokens:
@@ -199,10 +233,12 @@ def run_point(runners: dict, prompts, args, batch: int) -> dict:
         row[name] = dict(best[name], all_runs_tok_per_s=history[name])
         ids = row[name].pop("token_ids")
         if name != "pagoda":
-            row[name]["same_tokens_as_pagoda"] = (f"{sum(a == b for a, b in zip(ours, ids))}"
-                                                  f"/{len(prompts)}")
-            row[name]["pagoda_speedup"] = (best["pagoda"]["output_tok_per_s"]
-                                           / best[name]["output_tok_per_s"])
+            row[name]["same_tokens_as_pagoda"] = (
+                f"{sum(a == b for a, b in zip(ours, ids))}/{len(prompts)}"
+            )
+            row[name]["pagoda_speedup"] = (
+                best["pagoda"]["output_tok_per_s"] / best[name]["output_tok_per_s"]
+            )
     return row
 
 
@@ -210,19 +246,32 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
-    parser.add_argument("--num-prompts-batch1", type=int, default=2,
-                        help="prompts run one at a time for the batch-1 point")
+    parser.add_argument(
+        "--num-prompts-batch1",
+        type=int,
+        default=2,
+        help="prompts run one at a time for the batch-1 point",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quantization", default=None,
-                        help="Pagoda's LLM(quantization=...); default: float32 weights")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="Pagoda's LLM(quantization=...); default: float32 weights",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
-    parser.add_argument("--smoke", action="store_true",
-                        help="batch 1 and 4, 8 tokens, one repeat: checks it runs")
-    parser.add_argument("--out", "--output", dest="out", default="bench_results/cpu-compare.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--smoke", action="store_true", help="batch 1 and 4, 8 tokens, one repeat: checks it runs"
+    )
+    parser.add_argument(
+        "--out",
+        "--output",
+        dest="out",
+        default="bench_results/cpu-compare.json",
+        help="JSON result file",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.max_tokens, args.repeats, args.num_prompts_batch1 = "1,4", 8, 1, 1
@@ -232,8 +281,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     import torch
+
     torch.set_num_threads(args.threads)
     from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
+
     gguf = embedded_model_path()
     tokenizer = load_tokenizer(str(gguf))
     batches = [int(b) for b in args.batches.split(",")]
@@ -245,19 +296,30 @@ def main() -> None:
         results.append(run_point(runners, prompts, args, batch))
     print(f"\nbest of {args.repeats} runs each (output tok/s, median decode step ms):")
     for row in results:
-        cells = [f"{name} {row[name]['output_tok_per_s']:7.1f} tok/s "
-                 f"{row[name]['median_step_ms']:6.1f} ms" for name in runners if name in row]
-        peers = [f"pagoda/{name} {row[name]['pagoda_speedup']:.2f}x "
-                 f"(same tokens {row[name]['same_tokens_as_pagoda']})"
-                 for name in runners if name in row and name != "pagoda"]
+        cells = [
+            f"{name} {row[name]['output_tok_per_s']:7.1f} tok/s "
+            f"{row[name]['median_step_ms']:6.1f} ms"
+            for name in runners
+            if name in row
+        ]
+        peers = [
+            f"pagoda/{name} {row[name]['pagoda_speedup']:.2f}x "
+            f"(same tokens {row[name]['same_tokens_as_pagoda']})"
+            for name in runners
+            if name in row and name != "pagoda"
+        ]
         print(f"batch {row['batch']:3d}: " + "   ".join(cells))
         if peers:
             print("           " + "   ".join(peers))
-    report = {"benchmark": "cpu_compare", "machine": {"threads": args.threads},
-              "quantization": args.quantization, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens,
-              "llama_cpp": getattr(runners.get("llama.cpp"), "version", None),
-              "results": results}
+    report = {
+        "benchmark": "cpu_compare",
+        "machine": {"threads": args.threads},
+        "quantization": args.quantization,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "llama_cpp": getattr(runners.get("llama.cpp"), "version", None),
+        "results": results,
+    }
     write_result(args.out, report)
 
 

@@ -28,9 +28,14 @@ from benchmarks.harness.results import write_result
 from benchmarks.harness.timing import min_seconds
 
 QUALITY_PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
-    "The three laws of robotics are", "To make a cup of tea, first", "Water boils at",
-    "import numpy as np\n", "The best way to learn a language is",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was a",
+    "The three laws of robotics are",
+    "To make a cup of tea, first",
+    "Water boils at",
+    "import numpy as np\n",
+    "The best way to learn a language is",
 ]
 
 
@@ -47,8 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--quality-prompts", type=int, default=len(QUALITY_PROMPTS))
     p.add_argument("--kernels", action="store_true", help="also time each layer's matmul")
     p.add_argument("--smoke", action="store_true", help="tiny lengths: check that it runs")
-    p.add_argument("--out", "--output", dest="out", default="bench_results/cpu-quant.json",
-                   help="JSON result file")
+    p.add_argument(
+        "--out",
+        "--output",
+        dest="out",
+        default="bench_results/cpu-quant.json",
+        help="JSON result file",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.prompt_len, args.output_len, args.batch, args.repeats = 8, 8, 4, 1
@@ -58,6 +68,7 @@ def parse_args(argv=None):
 
 def prompts(args, count):
     import random
+
     rng = random.Random(0)
     return [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(count)]
 
@@ -69,6 +80,7 @@ def best_rate(run, tokens, repeats):
 
 # --- Pagoda ---------------------------------------------------------------------------
 
+
 def pagoda_mode(args, path, mode):
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
@@ -78,12 +90,17 @@ def pagoda_mode(args, path, mode):
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     one, many = prompts(args, 1), prompts(args, args.batch)
-    result = {"load_s": round(load_s, 2),
-              "batch1_tok_s": best_rate(lambda: llm.generate(one, params, use_tqdm=False),
-                                        args.output_len, args.repeats),
-              f"batch{args.batch}_tok_s": best_rate(
-                  lambda: llm.generate(many, params, use_tqdm=False),
-                  args.output_len * args.batch, args.repeats)}
+    result = {
+        "load_s": round(load_s, 2),
+        "batch1_tok_s": best_rate(
+            lambda: llm.generate(one, params, use_tqdm=False), args.output_len, args.repeats
+        ),
+        f"batch{args.batch}_tok_s": best_rate(
+            lambda: llm.generate(many, params, use_tqdm=False),
+            args.output_len * args.batch,
+            args.repeats,
+        ),
+    }
     result["quality_tokens"] = greedy_and_logprobs(llm, args)
     return result, llm
 
@@ -93,7 +110,7 @@ def greedy_and_logprobs(llm, args):
     the logprobs are computed later, on the float model's greedy continuations."""
     from pagoda.sampling_params import SamplingParams
 
-    texts = QUALITY_PROMPTS[:args.quality_prompts]
+    texts = QUALITY_PROMPTS[: args.quality_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.quality_tokens, ignore_eos=True)
     outs = llm.generate(texts, params, use_tqdm=False)
     return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
@@ -123,9 +140,11 @@ def agreement(ref, got):
 
 def quality(ref_lp, lp, ref_tokens, tokens):
     deltas = [abs(a - b) for ra, rb in zip(ref_lp, lp) for a, b in zip(ra, rb)]
-    return {"greedy_agreement": round(agreement(ref_tokens, tokens), 4),
-            "logprob_err_max": round(max(deltas), 5),
-            "logprob_err_mean": round(sum(deltas) / len(deltas), 6)}
+    return {
+        "greedy_agreement": round(agreement(ref_tokens, tokens), 4),
+        "logprob_err_max": round(max(deltas), 5),
+        "logprob_err_mean": round(sum(deltas) / len(deltas), 6),
+    }
 
 
 def run_pagoda(args, path):
@@ -152,31 +171,47 @@ def run_pagoda(args, path):
 
 # --- peers ------------------------------------------------------------------------------
 
+
 def run_transformers(args, path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
     def gen(ids):
         x = torch.tensor(ids)
         with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                           max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                           pad_token_id=0)
+            model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                pad_token_id=0,
+            )
 
     one, many = prompts(args, 1), prompts(args, args.batch)
-    return {"batch1_tok_s": best_rate(lambda: gen(one), args.output_len, args.repeats),
-            f"batch{args.batch}_tok_s": best_rate(lambda: gen(many), args.output_len * args.batch,
-                                                  args.repeats)}
+    return {
+        "batch1_tok_s": best_rate(lambda: gen(one), args.output_len, args.repeats),
+        f"batch{args.batch}_tok_s": best_rate(
+            lambda: gen(many), args.output_len * args.batch, args.repeats
+        ),
+    }
 
 
 def run_llama_cpp(args, path):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_threads=args.threads, n_threads_batch=args.threads,
-                n_ctx=args.prompt_len + args.output_len + 8, n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=str(path),
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=args.prompt_len + args.output_len + 8,
+        n_batch=512,
+        verbose=False,
+    )
     one = prompts(args, 1)[0]
 
     def gen():
@@ -185,11 +220,14 @@ def run_llama_cpp(args, path):
             if i + 1 == args.output_len:
                 break
 
-    return {"batch1_tok_s": best_rate(gen, args.output_len, args.repeats),
-            "note": "batch 1 only (llama-cpp-python runs one sequence per context)"}
+    return {
+        "batch1_tok_s": best_rate(gen, args.output_len, args.repeats),
+        "note": "batch 1 only (llama-cpp-python runs one sequence per context)",
+    }
 
 
 # --- per-layer kernels ------------------------------------------------------------------
+
 
 def run_kernels(args):
     import torch
@@ -197,8 +235,13 @@ def run_kernels(args):
     from pagoda.model.layers.matmul import linear
     from pagoda.model.quant import cpu_kernels as ck
 
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576),
-              "down": (576, 1536), "lm_head": (49152, 576)}
+    shapes = {
+        "qkv": (960, 576),
+        "o": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+    }
     out = {}
     for m in (1, args.batch):
         for name, (n, k) in shapes.items():
@@ -208,19 +251,24 @@ def run_kernels(args):
             s = w.abs().amax(1) / 127
             i8 = torch.round(w / s[:, None]).to(torch.int8)
             i4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+                torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+            )
             sz = torch.randn(k // 32, n, 2)
-            fns = {"float32": lambda: linear(x, w),
-                   "q8_0_kernel": lambda: ck.blocks_mm(x, b8, "q8_0"),
-                   "q4_1_kernel": lambda: ck.blocks_mm(x, b4, "q4_1"),
-                   "torch_int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, i8, s),
-                   "torch_int4pack_g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                       x, i4, 32, sz)}
+            fns = {
+                "float32": lambda: linear(x, w),
+                "q8_0_kernel": lambda: ck.blocks_mm(x, b8, "q8_0"),
+                "q4_1_kernel": lambda: ck.blocks_mm(x, b4, "q4_1"),
+                "torch_int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, i8, s),
+                "torch_int4pack_g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, i4, 32, sz
+                ),
+            }
             row = {}
             for label, fn in fns.items():
                 fn()
-                row[label] = round(min_seconds(lambda: [fn() for _ in range(reps)], 3, 0)
-                                   / reps * 1e6, 1)
+                row[label] = round(
+                    min_seconds(lambda: [fn() for _ in range(reps)], 3, 0) / reps * 1e6, 1
+                )
             out[f"{name} M={m}"] = row
             print(f"  {name} M={m} us: {row}", flush=True)
     return out
@@ -230,15 +278,24 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
+
     torch.set_num_threads(args.threads)
     from pagoda.model.quant.cpu_kernels import native_status
     from pagoda.model.tokenizer import embedded_model_path
 
     path = embedded_model_path()
-    report = {"benchmark": "cpu_quant", "machine": {"threads": args.threads},
-              "kernel": native_status(), "workload": {
-                  "prompt_len": args.prompt_len, "output_len": args.output_len,
-                  "batch": args.batch, "repeats": args.repeats}, "model": path.name}
+    report = {
+        "benchmark": "cpu_quant",
+        "machine": {"threads": args.threads},
+        "kernel": native_status(),
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "batch": args.batch,
+            "repeats": args.repeats,
+        },
+        "model": path.name,
+    }
     if args.kernels:
         report["kernels_us"] = run_kernels(args)
     report["pagoda"] = run_pagoda(args, path)

@@ -52,6 +52,7 @@ class Dashboard(threading.Thread):
     def run(self) -> None:
         # urllib, not httpx: the GPU machines have only the standard library for this.
         import urllib.request
+
         try:
             # No read timeout: on a saturated machine a sample can wait for a long step.
             with urllib.request.urlopen(self.url + STREAM_PATH) as response:
@@ -66,11 +67,30 @@ class Dashboard(threading.Thread):
 
 def serve_throughput(url: str, args, result_dir: str, name: str) -> float:
     """One `pagoda bench serve` run; its output throughput (tokens/s)."""
-    report = bench_serve(url, [
-        "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", str(args.max_concurrency),
-        "--num-warmups", "0", "--log-level", "WARNING"], result_dir, name)
+    report = bench_serve(
+        url,
+        [
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            str(args.num_prompts),
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--random-range-ratio",
+            "0",
+            "--ignore-eos",
+            "--max-concurrency",
+            str(args.max_concurrency),
+            "--num-warmups",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        result_dir,
+        name,
+    )
     return float(report["output_throughput"])
 
 
@@ -79,8 +99,14 @@ def _model_flags(args) -> list[str]:
 
 
 def run_ab(args) -> dict:
-    flags = ["--device", args.device, "--max-model-len", str(args.max_model_len), *_model_flags(args),
-             *shlex.split(args.server_args)]
+    flags = [
+        "--device",
+        args.device,
+        "--max-model-len",
+        str(args.max_model_len),
+        *_model_flags(args),
+        *shlex.split(args.server_args),
+    ]
     log = os.path.join(tempfile.gettempdir(), "pagoda-dashboard-overhead-server.log")
     runs: dict[str, list[float]] = {"without": [], "with": []}
     samples = []
@@ -100,9 +126,14 @@ def run_ab(args) -> dict:
                     raise RuntimeError(f"the dashboard stream failed: {d.error!r}")
                 samples.append(d.samples)
             runs[arm].append(tok_s)
-            print(f"  run {i + 1:2d} {arm:>7} dashboard: {tok_s:8.1f} output tok/s"
-                  + (f"  ({dashboards[0].samples} samples read)" if dashboards else ""), flush=True)
-    summary = {arm: {"median": statistics.median(v), "best": max(v), "runs": v} for arm, v in runs.items()}
+            print(
+                f"  run {i + 1:2d} {arm:>7} dashboard: {tok_s:8.1f} output tok/s"
+                + (f"  ({dashboards[0].samples} samples read)" if dashboards else ""),
+                flush=True,
+            )
+    summary = {
+        arm: {"median": statistics.median(v), "best": max(v), "runs": v} for arm, v in runs.items()
+    }
     summary["median_change"] = summary["with"]["median"] / summary["without"]["median"] - 1
     summary["best_change"] = summary["with"]["best"] / summary["without"]["best"] - 1
     summary["samples_read_per_dashboard_run"] = samples
@@ -115,15 +146,32 @@ async def _measure_sample(args) -> dict:
     from pagoda.entrypoints.openai.stats_stream import StatsHub
     from pagoda.metrics.recent import RequestLog
 
-    engine = AsyncEngine.from_engine_args(EngineArgs(model=args.model, load_format=args.load_format,
-                                                     device=args.device, max_model_len=args.max_model_len))
+    engine = AsyncEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            load_format=args.load_format,
+            device=args.device,
+            max_model_len=args.max_model_len,
+        )
+    )
     engine.start()
     await engine.wait_ready()
     log = RequestLog()
     now = time.monotonic()
     for i in range(4000):  # the window's cap, with the ITL cap reached too
-        log.observe(RequestTimings(f"r{i}", now - 2.0 - i * 1e-4, now - 1.5, now - 1.0, 0.01, 100, 64,
-                                   "stop", [0.02 + (i % 7) * 1e-3] * 63))
+        log.observe(
+            RequestTimings(
+                f"r{i}",
+                now - 2.0 - i * 1e-4,
+                now - 1.5,
+                now - 1.0,
+                0.01,
+                100,
+                64,
+                "stop",
+                [0.02 + (i % 7) * 1e-3] * 63,
+            )
+        )
     hub = StatsHub(engine, log, "m", is_draining=lambda: False)
     held: list[float] = []
 
@@ -149,9 +197,13 @@ async def _measure_sample(args) -> dict:
     percentile_us = statistics.median(percentile_costs) * 1e6
     # The percentiles are recomputed at most once a second; the rest runs every sample.
     core_share = (sample_us * per_s + percentile_us) / 1e6
-    return {"sample_us_median": sample_us, "percentiles_full_window_us_median": percentile_us,
-            "engine_thread_get_stats_us_median": statistics.median(held) * 1e6,
-            "samples_per_s": per_s, "one_core_share_worst_case": core_share}
+    return {
+        "sample_us_median": sample_us,
+        "percentiles_full_window_us_median": percentile_us,
+        "engine_thread_get_stats_us_median": statistics.median(held) * 1e6,
+        "samples_per_s": per_s,
+        "one_core_share_worst_case": core_share,
+    }
 
 
 def main() -> None:
@@ -169,25 +221,38 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (4 runs each)")
     ap.add_argument("--sample-calls", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="a tiny run that checks the script works")
-    ap.add_argument("--output", "--out", dest="output", default="bench_results/dashboard-overhead.json")
+    ap.add_argument(
+        "--output", "--out", dest="output", default="bench_results/dashboard-overhead.json"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.num_prompts, args.input_len, args.output_len, args.max_concurrency = 4, 16, 4, 4
         args.rounds, args.sample_calls = 1, 10
-    print(f"A/B: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-          f"concurrency {args.max_concurrency}, {args.dashboards} dashboard(s) in B", flush=True)
+    print(
+        f"A/B: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+        f"concurrency {args.max_concurrency}, {args.dashboards} dashboard(s) in B",
+        flush=True,
+    )
     ab = run_ab(args)
     print(f"without: median {ab['without']['median']:.1f}  best {ab['without']['best']:.1f} tok/s")
     print(f"with:    median {ab['with']['median']:.1f}  best {ab['with']['best']:.1f} tok/s")
-    print(f"change:  median {ab['median_change'] * 100:+.2f}%  best {ab['best_change'] * 100:+.2f}%")
+    print(
+        f"change:  median {ab['median_change'] * 100:+.2f}%  best {ab['best_change'] * 100:+.2f}%"
+    )
     sample = asyncio.run(_measure_sample(args))
-    print(f"one sample: {sample['sample_us_median']:.0f} us (engine thread held "
-          f"{sample['engine_thread_get_stats_us_median']:.0f} us); percentiles over a full window "
-          f"{sample['percentiles_full_window_us_median']:.0f} us once a second; worst case "
-          f"{sample['one_core_share_worst_case'] * 100:.3f}% of one core")
-    result = {"benchmark": "dashboard_overhead", "device": args.device,
-              "args": {k: v for k, v in vars(args).items() if k != "output"},
-              "throughput": ab, "sample": sample}
+    print(
+        f"one sample: {sample['sample_us_median']:.0f} us (engine thread held "
+        f"{sample['engine_thread_get_stats_us_median']:.0f} us); percentiles over a full window "
+        f"{sample['percentiles_full_window_us_median']:.0f} us once a second; worst case "
+        f"{sample['one_core_share_worst_case'] * 100:.3f}% of one core"
+    )
+    result = {
+        "benchmark": "dashboard_overhead",
+        "device": args.device,
+        "args": {k: v for k, v in vars(args).items() if k != "output"},
+        "throughput": ab,
+        "sample": sample,
+    }
     write_result(args.output, result)
 
 

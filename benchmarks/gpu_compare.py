@@ -61,22 +61,35 @@ def run_pagoda(args) -> dict:
         quant["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantize_lm_head:
         quant["quantize_lm_head"] = True
-    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch,
-              enforce_eager=args.enforce_eager, kv_cache_memory=args.kv_cache_memory,
-              async_scheduling=args.engine != "pagoda-sync", **quant)
+    llm = LLM(
+        args.preset,
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        enforce_eager=args.enforce_eager,
+        kv_cache_memory=args.kv_cache_memory,
+        async_scheduling=args.engine != "pagoda-sync",
+        **quant,
+    )
     engine = llm.llm_engine
     runner = engine.executor.runner
     workloads = set(args.workloads.split(","))
     label = args.engine if not args.variant else f"pagoda[{args.variant}]"
-    result = {"engine": label, "async_scheduling": engine.async_scheduling, **quant,
-              "startup_s": time.perf_counter() - t0,
-              "load_s": runner.load_seconds, "num_kv_blocks": engine.num_blocks,
-              "cuda_graphs": runner.graph_runner is not None,
-              "graph_capture_s": getattr(runner.graph_runner, "capture_seconds", 0.0),
-              "warmup_s": runner.warmup_seconds,
-              "memory": getattr(runner, "memory_report", None),
-              "attention_backend": runner.backend.name}
+    result = {
+        "engine": label,
+        "async_scheduling": engine.async_scheduling,
+        **quant,
+        "startup_s": time.perf_counter() - t0,
+        "load_s": runner.load_seconds,
+        "num_kv_blocks": engine.num_blocks,
+        "cuda_graphs": runner.graph_runner is not None,
+        "graph_capture_s": getattr(runner.graph_runner, "capture_seconds", 0.0),
+        "warmup_s": runner.warmup_seconds,
+        "memory": getattr(runner, "memory_report", None),
+        "attention_backend": runner.backend.name,
+    }
     vocab = engine.model_info.vocab_size
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -84,7 +97,9 @@ def run_pagoda(args) -> dict:
     if "latency" in workloads:
         result["latency"] = pagoda_latency(llm, engine, rng, vocab, sync, args)
     if "static" in workloads:
-        result.update(pagoda_static(llm, engine, rng, vocab, sync, args, profile="profile" in workloads))
+        result.update(
+            pagoda_static(llm, engine, rng, vocab, sync, args, profile="profile" in workloads)
+        )
     if "nanovllm" in workloads:
         result["nanovllm"] = pagoda_nanovllm(llm, rng, vocab, sync, args)
     if "decode256" in workloads:
@@ -98,48 +113,63 @@ def pagoda_latency(llm, engine, rng, vocab, sync, args) -> dict:
     """One request; the time between its tokens reaching the host, as a streaming user
     sees it (no device sync between steps: it would undo the overlap)."""
     from pagoda import SamplingParams
+
     prompt = random_prompts(rng, [args.latency_prompt], vocab)[0]
     params = SamplingParams(max_tokens=args.latency_tokens, temperature=0, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     sync()
     start = time.perf_counter()
     engine.add_request("lat", prompt, params, output_kind="delta")
     arrivals = token_arrival_times(engine)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"prefill_ms": (arrivals[0] - start) * 1e3,
-            "decode_ms_per_token_median": statistics.median(gaps) * 1e3,
-            "decode_ms_per_token_mean": statistics.mean(gaps) * 1e3}
+    return {
+        "prefill_ms": (arrivals[0] - start) * 1e3,
+        "decode_ms_per_token_median": statistics.median(gaps) * 1e3,
+        "decode_ms_per_token_mean": statistics.mean(gaps) * 1e3,
+    }
 
 
 def pagoda_static(llm, engine, rng, vocab, sync, args, profile: bool) -> dict:
     """batch x (in / out). Stepped by hand to record each step's time and size."""
     from pagoda import SamplingParams
+
     result = {}
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
     params = SamplingParams(max_tokens=args.static_out, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"s{i}", p, params, output_kind="final_only")
     step_log, toks = [], 0
-    sync(); s = time.perf_counter()
+    sync()
+    s = time.perf_counter()
     with CompileLog() as compiles:  # kernels the warm-up missed compile inside the steps
         while engine.has_unfinished_requests():
             t = time.perf_counter()
             outs = engine.step()
             step_log.append((engine.last_num_scheduled_tokens, time.perf_counter() - t))
             toks += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-        sync(); el = time.perf_counter() - s
+        sync()
+        el = time.perf_counter() - s
     prefill_steps = [t for n, t in step_log if n > args.batch]
-    result["static"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el,
-                        "preemptions": engine.get_stats().num_preemptions,
-                        "steps": len(step_log), "prefill_steps": len(prefill_steps),
-                        "prefill_seconds": sum(prefill_steps),
-                        "triton_compiles": compiles.summary(),
-                        "step_log": [[n, round(t * 1e3, 2)] for n, t in step_log]}
+    result["static"] = {
+        "seconds": el,
+        "output_tokens": toks,
+        "output_tok_per_s": toks / el,
+        "preemptions": engine.get_stats().num_preemptions,
+        "steps": len(step_log),
+        "prefill_steps": len(prefill_steps),
+        "prefill_seconds": sum(prefill_steps),
+        "triton_compiles": compiles.summary(),
+        "step_log": [[n, round(t * 1e3, 2)] for n, t in step_log],
+    }
     c = result["static"]["triton_compiles"]
     if c.get("available"):
-        print(f"  static: {c['count']} Triton compilations inside the steps, {c['seconds']:.2f} s "
-              + ", ".join(f"({k['kernel']} {k['seconds'] or 0.0:.2f}s)" for k in c["kernels"][:4]),
-              flush=True)
+        print(
+            f"  static: {c['count']} Triton compilations inside the steps, {c['seconds']:.2f} s "
+            + ", ".join(f"({k['kernel']} {k['seconds'] or 0.0:.2f}s)" for k in c["kernels"][:4]),
+            flush=True,
+        )
     if args.device == "cuda" and profile:
         result["prefill_profile"] = profile_prefill_step(engine, rng, vocab, args)
     return result
@@ -148,13 +178,16 @@ def pagoda_static(llm, engine, rng, vocab, sync, args, profile: bool) -> dict:
 def pagoda_nanovllm(llm, rng, vocab, sync, args) -> dict:
     """Random lengths, as nano-vllm's benchmark."""
     from pagoda import SamplingParams
+
     ins = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
     outs_len = uniform_lengths(rng, args.batch, args.nano_min, args.nano_max)
     prompts = random_prompts(rng, ins, vocab)
     plist = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in outs_len]
-    sync(); s = time.perf_counter()
+    sync()
+    s = time.perf_counter()
     outs = llm.generate(prompts, plist, use_tqdm=False)
-    sync(); el = time.perf_counter() - s
+    sync()
+    el = time.perf_counter() - s
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
 
@@ -162,6 +195,7 @@ def pagoda_nanovllm(llm, rng, vocab, sync, args) -> dict:
 def pagoda_decode256(engine, rng, vocab, args) -> tuple[dict, list]:
     """Steady decode steps at full batch with ~1k context."""
     from pagoda import SamplingParams
+
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -171,13 +205,19 @@ def pagoda_decode256(engine, rng, vocab, args) -> tuple[dict, list]:
     while engine.has_unfinished_requests():
         engine.step()
         now = time.perf_counter()
-        if engine.scheduler.num_running == args.batch and engine.scheduler.num_waiting == 0 and all(
-                r.num_computed_tokens > r.num_prompt_tokens for r in engine.scheduler.running):
+        if (
+            engine.scheduler.num_running == args.batch
+            and engine.scheduler.num_waiting == 0
+            and all(r.num_computed_tokens > r.num_prompt_tokens for r in engine.scheduler.running)
+        ):
             steps.append(now - last)
         last = now
     decode_steps = steps[-16:] if len(steps) > 16 else steps
-    return {"step_ms_median": statistics.median(decode_steps) * 1e3,
-            "context": args.static_in, "batch": args.batch}, prompts
+    return {
+        "step_ms_median": statistics.median(decode_steps) * 1e3,
+        "context": args.static_in,
+        "batch": args.batch,
+    }, prompts
 
 
 def profile_prefill_step(engine, rng, vocab, args) -> str:
@@ -185,11 +225,13 @@ def profile_prefill_step(engine, rng, vocab, args) -> str:
     import torch
 
     from pagoda import SamplingParams
+
     prompts = random_prompts(rng, [args.static_in] * 16, vocab)
     for i, p in enumerate(prompts):
         engine.add_request(f"prof{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         engine.step()
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
@@ -200,6 +242,7 @@ def profile_prefill_step(engine, rng, vocab, args) -> str:
 def profile_stages(engine, prompts, sync) -> dict:
     """Where a decode step's time goes, at batch 1 and at full batch (after prefill)."""
     from pagoda import SamplingParams
+
     timer = engine_stage_timer(engine)
     out = {}
     for label, batch in (("batch1", prompts[:1]), ("batch_full", prompts)):
@@ -209,7 +252,8 @@ def profile_stages(engine, prompts, sync) -> dict:
         timer.reset()
         start = time.perf_counter()
         while engine.scheduler.num_waiting or any(
-                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        ):
             engine.step()
             timer.steps += 1
         sync()
@@ -241,42 +285,70 @@ def run_transformers(args) -> dict:
 
     arch = get_preset(args.preset)
     cfg = transformers.LlamaConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim, max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling,
-        tie_word_embeddings=arch.tie_word_embeddings)
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        rope_scaling=arch.rope_scaling,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     with torch.device(args.device):
         model = transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=dtype, attn_implementation="sdpa").eval()
+            cfg, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
     model.generation_config.eos_token_id = None
-    result = {"engine": "transformers", "version": transformers.__version__,
-              "startup_s": time.perf_counter() - t0}
+    result = {
+        "engine": "transformers",
+        "version": transformers.__version__,
+        "startup_s": time.perf_counter() - t0,
+    }
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def generate(prompts, new):
         ids = torch.tensor(prompts, device=args.device)
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     prompt = random_prompts(rng, [args.latency_prompt], arch.vocab_size)
     generate(prompt, 4)
-    sync(); s = time.perf_counter(); generate(prompt, 1); sync(); first = time.perf_counter() - s
+    sync()
+    s = time.perf_counter()
+    generate(prompt, 1)
+    sync()
+    first = time.perf_counter() - s
     n = args.hf_latency_tokens
-    sync(); s = time.perf_counter(); generate(prompt, n); sync(); el = time.perf_counter() - s
-    result["latency"] = {"prefill_ms": first * 1e3,
-                         "decode_ms_per_token_mean": (el - first) / (n - 1) * 1e3}
+    sync()
+    s = time.perf_counter()
+    generate(prompt, n)
+    sync()
+    el = time.perf_counter() - s
+    result["latency"] = {
+        "prefill_ms": first * 1e3,
+        "decode_ms_per_token_mean": (el - first) / (n - 1) * 1e3,
+    }
     if "static" not in args.workloads.split(","):
         return result
     prompts = random_prompts(rng, [args.static_in] * args.batch, arch.vocab_size)
-    sync(); s = time.perf_counter()
+    sync()
+    s = time.perf_counter()
     out = generate(prompts, args.static_out)
-    sync(); el = time.perf_counter() - s
+    sync()
+    el = time.perf_counter() - s
     toks = (out.shape[1] - args.static_in) * out.shape[0]
     result["static"] = {"seconds": el, "output_tokens": toks, "output_tok_per_s": toks / el}
     return result
@@ -300,17 +372,34 @@ def print_table(report: dict) -> None:
             d = d.get(k, {}) if isinstance(d, dict) else {}
         return d if isinstance(d, (int, float)) else float("nan")
 
-    rows = [("batch-1 decode ms/token (median gap)", ("latency", "decode_ms_per_token_median"),
-             roof.get("batch1", {}).get("roofline_ms"), "{:.2f}"),
-            ("static 1024/128 output tok/s", ("static", "output_tok_per_s"), None, "{:.0f}"),
-            ("nano-vllm uniform 100-1024 output tok/s", ("nanovllm", "output_tok_per_s"), None, "{:.0f}"),
-            ("decode step batch 256, 1k ctx (ms)", ("decode256", "step_ms_median"),
-             roof.get("decode256", {}).get("roofline_ms"), "{:.2f}")]
+    rows = [
+        (
+            "batch-1 decode ms/token (median gap)",
+            ("latency", "decode_ms_per_token_median"),
+            roof.get("batch1", {}).get("roofline_ms"),
+            "{:.2f}",
+        ),
+        ("static 1024/128 output tok/s", ("static", "output_tok_per_s"), None, "{:.0f}"),
+        (
+            "nano-vllm uniform 100-1024 output tok/s",
+            ("nanovllm", "output_tok_per_s"),
+            None,
+            "{:.0f}",
+        ),
+        (
+            "decode step batch 256, 1k ctx (ms)",
+            ("decode256", "step_ms_median"),
+            roof.get("decode256", {}).get("roofline_ms"),
+            "{:.2f}",
+        ),
+    ]
     print("\n" + f"{'workload':44s}" + "".join(f"{n:>14s}" for n in names) + f"{'roofline':>10s}")
     for label, keys, roofline, fmt in rows:
         if label.startswith("batch-1") and "transformers" in engines:
-            keys_of = {n: keys if n != "transformers" else ("latency", "decode_ms_per_token_mean")
-                       for n in names}
+            keys_of = {
+                n: keys if n != "transformers" else ("latency", "decode_ms_per_token_mean")
+                for n in names
+            }
         else:
             keys_of = {n: keys for n in names}
         cells = "".join(f"{fmt.format(get(n, *keys_of[n])):>14s}" for n in names)
@@ -322,8 +411,10 @@ def print_table(report: dict) -> None:
             print(f"  {n}: decode step at {d['roofline_ms'] / step:.0%} of the bf16 roofline")
     for variant, roofs in report.get("roofline_by_variant", {}).items():
         if roofs.get("batch1"):
-            print(f"  roofline of {variant}: batch 1 {roofs['batch1']['roofline_ms']:.2f} ms, "
-                  f"decode256 {roofs['decode256']['roofline_ms']:.2f} ms")
+            print(
+                f"  roofline of {variant}: batch 1 {roofs['batch1']['roofline_ms']:.2f} ms, "
+                f"decode256 {roofs['decode256']['roofline_ms']:.2f} ms"
+            )
 
 
 # bf16 weights; fp8 weights (the LM head in bf16); fp8 with an FP8 LM head too
@@ -357,17 +448,23 @@ def variant_rooflines(info: dict, ceilings: dict, variant: str, args) -> dict:
             info["weight_bytes"] -= head // 2
     if variant.endswith("fp8kv"):
         info["kv_bytes_per_token"] //= 2
-    return {"batch1": roofline_decode_ms(info, ceilings, 1, args.latency_prompt + args.latency_tokens // 2),
-            "decode256": roofline_decode_ms(info, ceilings, args.batch, args.static_in + 12)}
+    return {
+        "batch1": roofline_decode_ms(
+            info, ceilings, 1, args.latency_prompt + args.latency_tokens // 2
+        ),
+        "decode256": roofline_decode_ms(info, ceilings, args.batch, args.static_in + 12),
+    }
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--engine", default="all",
-                   choices=["all", "pagoda", "pagoda-sync", "transformers"],
-                   help="pagoda-sync: Pagoda with async scheduling off (an A/B of the overlap)")
-    p.add_argument("--ab-sync", action="store_true",
-                   help="with --engine all, also run pagoda-sync")
+    p.add_argument(
+        "--engine",
+        default="all",
+        choices=["all", "pagoda", "pagoda-sync", "transformers"],
+        help="pagoda-sync: Pagoda with async scheduling off (an A/B of the overlap)",
+    )
+    p.add_argument("--ab-sync", action="store_true", help="with --engine all, also run pagoda-sync")
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
@@ -384,14 +481,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nano-max", type=int, default=1024)
     p.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     p.add_argument("--quantization", default=None, help="Pagoda --quantization (e.g. fp8)")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="Pagoda --quantize-lm-head (with --quantization fp8)")
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="Pagoda --quantize-lm-head (with --quantization fp8)",
+    )
     p.add_argument("--kv-cache-dtype", default=None, help="Pagoda --kv-cache-dtype (e.g. fp8)")
-    p.add_argument("--workloads", default="latency,static,nanovllm,decode256,profile",
-                   help="comma list of latency, static, nanovllm, decode256, profile")
-    p.add_argument("--variants", default=None,
-                   help="comma list of Pagoda variants run side by side: bf16, fp8 (weights), "
-                        "fp8+head (and the LM head), fp8kv (KV cache), fp8+fp8kv")
+    p.add_argument(
+        "--workloads",
+        default="latency,static,nanovllm,decode256,profile",
+        help="comma list of latency, static, nanovllm, decode256, profile",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma list of Pagoda variants run side by side: bf16, fp8 (weights), "
+        "fp8+head (and the LM head), fp8kv (KV cache), fp8+fp8kv",
+    )
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench_results/gpu_compare.json")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -411,32 +517,52 @@ def main() -> None:
     import torch
 
     from pagoda.model.presets import get_preset
+
     device = torch.device(args.device)
-    report = {"benchmark": "gpu_compare", "date": datetime.now(UTC).isoformat(),
-              "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
-              "args": vars(args), "engines": []}
+    report = {
+        "benchmark": "gpu_compare",
+        "date": datetime.now(UTC).isoformat(),
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        },
+        "args": vars(args),
+        "engines": [],
+    }
     report["ceilings"] = measure_ceilings(device)
     info = model_bytes_and_flops(get_preset(args.preset))
     report["model"] = info
     report["roofline"] = {
-        "batch1": roofline_decode_ms(info, report["ceilings"], 1, args.latency_prompt + args.latency_tokens // 2),
-        "decode256": roofline_decode_ms(info, report["ceilings"], args.batch, args.static_in + 12)}
+        "batch1": roofline_decode_ms(
+            info, report["ceilings"], 1, args.latency_prompt + args.latency_tokens // 2
+        ),
+        "decode256": roofline_decode_ms(info, report["ceilings"], args.batch, args.static_in + 12),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     engines = [(args.engine, [])]
     if args.engine == "all":
-        names = ["pagoda", "pagoda-sync", "transformers"] if args.ab_sync else ["pagoda", "transformers"]
+        names = (
+            ["pagoda", "pagoda-sync", "transformers"]
+            if args.ab_sync
+            else ["pagoda", "transformers"]
+        )
         engines = [(n, []) for n in names]
     if args.variants:
         engines = [("pagoda", variant_flags(v)) for v in args.variants.split(",")] + (
-            [("transformers", [])] if args.engine == "all" else [])
+            [("transformers", [])] if args.engine == "all" else []
+        )
         report["roofline_by_variant"] = {
-            v: variant_rooflines(info, report["ceilings"], v, args) for v in args.variants.split(",")}
+            v: variant_rooflines(info, report["ceilings"], v, args)
+            for v in args.variants.split(",")
+        }
     for engine, flags in engines:
         tag = engine if not flags else f"{engine}.{flags[-1]}"
         child_out = f"{args.out}.{tag.replace('+', '_')}.json"
-        cmd = module_command("benchmarks.gpu_compare", [*sys.argv[1:], "--engine", engine, *flags,
-                                                        "--child-out", child_out])
+        cmd = module_command(
+            "benchmarks.gpu_compare",
+            [*sys.argv[1:], "--engine", engine, *flags, "--child-out", child_out],
+        )
         print(f"running {engine} ...", flush=True)
         proc = subprocess.run(cmd, env=env_with_repo())
         if proc.returncode != 0:

@@ -56,9 +56,12 @@ def _module(name: str):
 
 def parse_args(argv=None) -> argparse.Namespace:
     from benchmarks.kernel_bench.common import add_common_args
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
     modes = p.add_subparsers(dest="mode", required=True)
     for mode, (module, add, _) in MODES.items():
         sub = modes.add_parser(mode, help=f"see benchmarks/kernel_bench/{module}.py")
@@ -77,14 +80,17 @@ def run_ncu(args, run) -> None:
     kernel shows): `ncu --kernel-name regex:_decode_words --launch-skip 2 --launch-count 1
     python -m benchmarks.kernels ncu --case decode-fp8-256x1024`."""
     import torch
+
     if args.case.startswith("decode-"):
         from benchmarks.kernel_bench.attention import ncu_decode_case
+
         launch = ncu_decode_case(args.case.removeprefix("decode-"), run)
     elif args.case == "moe-qwen3-b1":
         from benchmarks.kernel_bench.moe import MOE_SHAPES, _layer
         from pagoda.kernels.moe.fused_moe_decode import fused_moe_gemv
+
         x, w13, w2, weights, ids, _ = _layer(MOE_SHAPES["qwen3-30b-a3b"], 1, run)
-        launch = (lambda: fused_moe_gemv(x, w13, w2, weights, ids))
+        launch = lambda: fused_moe_gemv(x, w13, w2, weights, ids)
     else:
         raise SystemExit(f"unknown case {args.case!r}; cases: {', '.join(NCU_CASES)}")
     for _ in range(args.launches):
@@ -98,10 +104,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if getattr(args, "list_variants", False):
         from benchmarks.harness.variants import VARIANTS, describe
+
         for name in VARIANTS:
             print(describe(name))
         return 0
     from benchmarks.kernel_bench.common import start_run
+
     run = start_run(args)  # before any kernel module imports triton (--smoke)
     if args.mode == "ncu":
         run_ncu(args, run)
@@ -109,8 +117,16 @@ def main(argv=None) -> int:
     module, _, function = MODES[args.mode]
     result = getattr(_module(module), function)(args, run)
     from benchmarks.harness.results import write_result
-    write_result(args.out, {"benchmark": f"kernels {args.mode}", "args": vars(args),
-                            "ceilings": run.ceilings, **result})
+
+    write_result(
+        args.out,
+        {
+            "benchmark": f"kernels {args.mode}",
+            "args": vars(args),
+            "ceilings": run.ceilings,
+            **result,
+        },
+    )
     return 0 if result.get("ok", True) and result.get("bitwise", True) else 1
 
 

@@ -52,25 +52,68 @@ from benchmarks.harness.results import write_result
 from benchmarks.harness.rooflines import describe_disk_ceiling, disk_read_ceiling
 from benchmarks.harness.server import bench_serve, get_json, serve
 
-WORKLOAD = dict(conversations=48, turns=4, first_len=2048, turn_len=256, output_len=128,
-                concurrency=8, cpu_gib=32.0)
-SMOKE_WORKLOAD = dict(conversations=10, turns=3, first_len=256, turn_len=32, output_len=16,
-                      concurrency=2, cpu_gib=0.25)
-SERVE = dict(model=["--model", "llama-3.1-8b", "--load-format", "dummy", "--dtype", "bfloat16",
-                    "--max-model-len", "8192", "--num-gpu-blocks-override", "2048"],
-             small_cpu_gib=4.0, disk_gib=40.0, pool_tokens=2048 * 16,
-             kv_bytes_per_token=32 * 8 * 128 * 2 * 2, ceiling_gib=2.0, env={})
-SMOKE_SERVE = dict(model=["--device", "cpu", "--max-model-len", "512",
-                          "--num-gpu-blocks-override", "48"],
-                   small_cpu_gib=0.04, disk_gib=0.5, pool_tokens=48 * 16,
-                   kv_bytes_per_token=30 * 3 * 64 * 2 * 4, ceiling_gib=0.0625,
-                   # one intra-op thread per server: on a small shared CPU a spinning
-                   # thread pool only loses time
-                   env={"OMP_NUM_THREADS": "1"})
-STEPS = dict(engine=dict(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16",
-                         max_model_len=8192, num_gpu_blocks_override=2048), vocab=128000)
-SMOKE_STEPS = dict(engine=dict(device="cpu", max_model_len=512, num_gpu_blocks_override=48),
-                   vocab=49000)
+WORKLOAD = dict(
+    conversations=48,
+    turns=4,
+    first_len=2048,
+    turn_len=256,
+    output_len=128,
+    concurrency=8,
+    cpu_gib=32.0,
+)
+SMOKE_WORKLOAD = dict(
+    conversations=10,
+    turns=3,
+    first_len=256,
+    turn_len=32,
+    output_len=16,
+    concurrency=2,
+    cpu_gib=0.25,
+)
+SERVE = dict(
+    model=[
+        "--model",
+        "llama-3.1-8b",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--num-gpu-blocks-override",
+        "2048",
+    ],
+    small_cpu_gib=4.0,
+    disk_gib=40.0,
+    pool_tokens=2048 * 16,
+    kv_bytes_per_token=32 * 8 * 128 * 2 * 2,
+    ceiling_gib=2.0,
+    env={},
+)
+SMOKE_SERVE = dict(
+    model=["--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "48"],
+    small_cpu_gib=0.04,
+    disk_gib=0.5,
+    pool_tokens=48 * 16,
+    kv_bytes_per_token=30 * 3 * 64 * 2 * 4,
+    ceiling_gib=0.0625,
+    # one intra-op thread per server: on a small shared CPU a spinning
+    # thread pool only loses time
+    env={"OMP_NUM_THREADS": "1"},
+)
+STEPS = dict(
+    engine=dict(
+        model="llama-3.1-8b",
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=8192,
+        num_gpu_blocks_override=2048,
+    ),
+    vocab=128000,
+)
+SMOKE_STEPS = dict(
+    engine=dict(device="cpu", max_model_len=512, num_gpu_blocks_override=48), vocab=49000
+)
 STEP_MODES = ("off", "async", "inline")
 
 
@@ -84,6 +127,7 @@ def percentile(values: list[float], q: float):
 # ================================================================ serve ============
 def tokenizer_path(args) -> str:
     from pagoda.model.tokenizer import embedded_model_path
+
     return args.tokenizer or str(embedded_model_path())
 
 
@@ -94,25 +138,33 @@ def summarize_serve(report: dict, p: dict) -> dict:
     revisited = [t for i, t in enumerate(ttfts) if t is not None and i >= n]
     server = report.get("server_metrics") or {}
     return {
-        "completed": report["completed"], "failed": report["failed"],
+        "completed": report["completed"],
+        "failed": report["failed"],
         "first_turn_ttft_ms": {"p50": percentile(first, 50), "p99": percentile(first, 99)},
-        "revisited_ttft_ms": {"p50": percentile(revisited, 50), "p99": percentile(revisited, 99),
-                              "mean": statistics.fmean(revisited) if revisited else None},
+        "revisited_ttft_ms": {
+            "p50": percentile(revisited, 50),
+            "p99": percentile(revisited, 99),
+            "mean": statistics.fmean(revisited) if revisited else None,
+        },
         "output_throughput": report["output_throughput"],
         "request_throughput": report.get("request_throughput"),
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
-        "preemptions": server.get("preemptions"), "kv_offload": server.get("kv_offload"),
+        "preemptions": server.get("preemptions"),
+        "kv_offload": server.get("kv_offload"),
     }
 
 
 def probe_ttft(url: str, prompt: str) -> float:
     """Seconds from sending one streamed completion to its first token."""
     import json
+
     model = get_json(f"{url}/v1/models")["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                       "stream": True}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         for raw in response:
@@ -126,20 +178,34 @@ def probe_path(url: str) -> dict:
     """What the server's tiers did so far (after its one probe request): the disk tier's
     hits, blocks loaded and skipped, and the cost model's estimates."""
     from pagoda.bench.server_metrics import TIER_SEP, parse_prometheus
+
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         values = parse_prometheus(response.read().decode(errors="replace"))
 
     def disk(base: str):
         return values.get(f"pagoda:{base}{TIER_SEP}disk")
 
-    hits, skipped = disk("kv_offload_hits_total") or 0.0, disk("kv_offload_skipped_blocks_total") or 0.0
-    path = ("recompute (no disk hit)" if not hits else
-            "recompute (disk hits skipped: recompute expected faster)" if skipped >= hits else
-            "partly loaded from disk" if skipped else "loaded from disk")
-    return {"path": path, "disk_hits": hits, "disk_skipped_blocks": skipped,
-            "disk_bytes_loaded": disk("kv_offload_loaded_bytes_total") or 0.0,
-            "est_disk_load_gb_per_s": (disk("kv_offload_est_load_bytes_per_second") or 0.0) / 1e9,
-            "est_prefill_tokens_per_s": values.get("pagoda:kv_offload_est_prefill_tokens_per_second")}
+    hits, skipped = (
+        disk("kv_offload_hits_total") or 0.0,
+        disk("kv_offload_skipped_blocks_total") or 0.0,
+    )
+    path = (
+        "recompute (no disk hit)"
+        if not hits
+        else "recompute (disk hits skipped: recompute expected faster)"
+        if skipped >= hits
+        else "partly loaded from disk"
+        if skipped
+        else "loaded from disk"
+    )
+    return {
+        "path": path,
+        "disk_hits": hits,
+        "disk_skipped_blocks": skipped,
+        "disk_bytes_loaded": disk("kv_offload_loaded_bytes_total") or 0.0,
+        "est_disk_load_gb_per_s": (disk("kv_offload_est_load_bytes_per_second") or 0.0) / 1e9,
+        "est_prefill_tokens_per_s": values.get("pagoda:kv_offload_est_prefill_tokens_per_second"),
+    }
 
 
 def restart_probe(args, p: dict, flags: list[str], warm_dir: str, workdir: str) -> dict:
@@ -147,17 +213,32 @@ def restart_probe(args, p: dict, flags: list[str], warm_dir: str, workdir: str) 
     the path each took."""
     from pagoda.bench.datasets import multi_turn_requests
     from pagoda.bench.tokenizers import LocalTokenizer
-    samples = multi_turn_requests(LocalTokenizer(tokenizer_path(args)), p["conversations"],
-                                  p["turns"], p["first_len"], p["turn_len"], p["output_len"], seed=0)
+
+    samples = multi_turn_requests(
+        LocalTokenizer(tokenizer_path(args)),
+        p["conversations"],
+        p["turns"],
+        p["first_len"],
+        p["turn_len"],
+        p["output_len"],
+        seed=0,
+    )
     prompt = samples[(p["turns"] - 1) * p["conversations"]].prompt  # conversation 0, last turn
     result = {}
     cold_dir = os.path.join(workdir, "cold-disk")
     shutil.rmtree(cold_dir, ignore_errors=True)
     for name, directory in (("warm", warm_dir), ("cold", cold_dir)):
-        disk = ["--kv-offloading-size", str(p["small_cpu_gib"]), "--kv-offloading-disk-path",
-                directory, "--kv-offloading-disk-size", str(p["disk_gib"])]
-        with serve(flags + disk, os.path.join(workdir, f"server-restart-{name}.log"),
-                   extra_env=p["env"]) as server:
+        disk = [
+            "--kv-offloading-size",
+            str(p["small_cpu_gib"]),
+            "--kv-offloading-disk-path",
+            directory,
+            "--kv-offloading-disk-size",
+            str(p["disk_gib"]),
+        ]
+        with serve(
+            flags + disk, os.path.join(workdir, f"server-restart-{name}.log"), extra_env=p["env"]
+        ) as server:
             result[f"{name}_first_request_ttft_s"] = probe_ttft(server.url, prompt)
             result[f"{name}_path"] = probe_path(server.url)
     result["speedup"] = result["cold_first_request_ttft_s"] / result["warm_first_request_ttft_s"]
@@ -169,39 +250,74 @@ def serve_configurations(args, p: dict, flags: list[str], disk_dir: str, workdir
     configurations = {
         "off": [],
         "cpu": ["--kv-offloading-size", str(p["cpu_gib"])],
-        "cpu+disk": ["--kv-offloading-size", str(p["small_cpu_gib"]),
-                     "--kv-offloading-disk-path", disk_dir,
-                     "--kv-offloading-disk-size", str(p["disk_gib"])]}
+        "cpu+disk": [
+            "--kv-offloading-size",
+            str(p["small_cpu_gib"]),
+            "--kv-offloading-disk-path",
+            disk_dir,
+            "--kv-offloading-disk-size",
+            str(p["disk_gib"]),
+        ],
+    }
     wanted = [] if args.restart_only else args.configs.split(",")
     bench_flags = [
-        "--dataset-name", "multi-turn", "--multi-turn-num-conversations", str(p["conversations"]),
-        "--multi-turn-turns", str(p["turns"]), "--multi-turn-first-len", str(p["first_len"]),
-        "--multi-turn-turn-len", str(p["turn_len"]), "--multi-turn-output-len", str(p["output_len"]),
-        "--num-prompts", str(p["conversations"] * p["turns"]),
-        "--max-concurrency", str(p["concurrency"]), "--tokenizer", tokenizer_path(args),
-        "--ignore-eos", "--temperature", "0", "--seed", "0", "--metrics-interval", "1"]
+        "--dataset-name",
+        "multi-turn",
+        "--multi-turn-num-conversations",
+        str(p["conversations"]),
+        "--multi-turn-turns",
+        str(p["turns"]),
+        "--multi-turn-first-len",
+        str(p["first_len"]),
+        "--multi-turn-turn-len",
+        str(p["turn_len"]),
+        "--multi-turn-output-len",
+        str(p["output_len"]),
+        "--num-prompts",
+        str(p["conversations"] * p["turns"]),
+        "--max-concurrency",
+        str(p["concurrency"]),
+        "--tokenizer",
+        tokenizer_path(args),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--metrics-interval",
+        "1",
+    ]
     runs = {}
     for name, extra in configurations.items():
         if name not in wanted:
             continue
         slug = name.replace("+", "-")
-        with serve(flags + extra, os.path.join(workdir, f"server-{slug}.log"),
-                   extra_env=p["env"]) as server:
-            report = bench_serve(server.url, [*bench_flags, "--label", name], workdir,
-                                 f"{slug}.json", quiet=False)
+        with serve(
+            flags + extra, os.path.join(workdir, f"server-{slug}.log"), extra_env=p["env"]
+        ) as server:
+            report = bench_serve(
+                server.url, [*bench_flags, "--label", name], workdir, f"{slug}.json", quiet=False
+            )
         runs[name] = row = summarize_serve(report, p)
-        print(f"{name}: revisited TTFT p50 {row['revisited_ttft_ms']['p50']:.1f} ms, "
-              f"p99 {row['revisited_ttft_ms']['p99']:.1f} ms, "
-              f"{row['output_throughput']:.1f} output tok/s", flush=True)
+        print(
+            f"{name}: revisited TTFT p50 {row['revisited_ttft_ms']['p50']:.1f} ms, "
+            f"p99 {row['revisited_ttft_ms']['p99']:.1f} ms, "
+            f"{row['output_throughput']:.1f} output tok/s",
+            flush=True,
+        )
         for tier, t in (row["kv_offload"] or {}).items():
-            print(f"  tier {tier}: hits {t.get('hits')}, skipped (recompute faster) "
-                  f"{t.get('skipped_blocks')}, hit rate {t.get('hit_rate')}, "
-                  f"load {t.get('load_gb_per_s')} GB/s", flush=True)
+            print(
+                f"  tier {tier}: hits {t.get('hits')}, skipped (recompute faster) "
+                f"{t.get('skipped_blocks')}, hit rate {t.get('hit_rate')}, "
+                f"load {t.get('load_gb_per_s')} GB/s",
+                flush=True,
+            )
     return runs
 
 
 def run_serve(args) -> dict:
     from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
+
     p = {**(SMOKE_WORKLOAD if args.smoke else WORKLOAD), **(SMOKE_SERVE if args.smoke else SERVE)}
     flags = list(p["model"])
     if "--load-format" in flags:  # a preset has no tokenizer: the embedded one fits its vocab
@@ -213,42 +329,61 @@ def run_serve(args) -> dict:
         shutil.rmtree(disk_dir, ignore_errors=True)
     final_len = p["first_len"] + (p["turns"] - 1) * (p["turn_len"] + p["output_len"])
     working_set = p["conversations"] * final_len
-    print(f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
-          f"pool ({p['pool_tokens']} tokens, "
-          f"{p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)")
+    print(
+        f"working set {working_set} tokens = {working_set / p['pool_tokens']:.1f}x the GPU "
+        f"pool ({p['pool_tokens']} tokens, "
+        f"{p['pool_tokens'] * p['kv_bytes_per_token'] / 2**30:.2f} GiB)"
+    )
     ceiling = None
     if not args.no_ceiling and not args.restart_only:
-        ceiling = disk_read_ceiling(workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS,
-                                    p["kv_bytes_per_token"] * 16)
+        ceiling = disk_read_ceiling(
+            workdir, int(p["ceiling_gib"] * 2**30), DEFAULT_IO_THREADS, p["kv_bytes_per_token"] * 16
+        )
         print(describe_disk_ceiling(ceiling), flush=True)
     runs = serve_configurations(args, p, flags, disk_dir, workdir)
     restart = None if args.no_restart else restart_probe(args, p, flags, disk_dir, workdir)
     off = runs["off"]["revisited_ttft_ms"]["p50"] if "off" in runs else None
-    ratios = {name: off / run["revisited_ttft_ms"]["p50"] for name, run in runs.items()
-              if off and run["revisited_ttft_ms"]["p50"]}
+    ratios = {
+        name: off / run["revisited_ttft_ms"]["p50"]
+        for name, run in runs.items()
+        if off and run["revisited_ttft_ms"]["p50"]
+    }
     cpu_tier = ((runs.get("cpu") or {}).get("kv_offload") or {}).get("cpu") or {}
     disk_tier = ((runs.get("cpu+disk") or {}).get("kv_offload") or {}).get("disk") or {}
-    print("revisited-turn P50 TTFT speedup vs recompute: "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(
+        "revisited-turn P50 TTFT speedup vs recompute: "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    )
     print(f"CPU tier load bandwidth: {cpu_tier.get('load_gb_per_s')} GB/s")
     if disk_tier:
-        print(f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
-              f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})")
+        print(
+            f"disk tier load bandwidth: {disk_tier.get('load_gb_per_s')} GB/s "
+            f"(hits {disk_tier.get('hits')}, skipped {disk_tier.get('skipped_blocks')})"
+        )
     if ceiling is not None:
         print(describe_disk_ceiling(ceiling))
     if restart is not None:
         warm = restart["warm_path"]
-        print(f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
-              f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
-              f"({restart['speedup']:.2f}x); warm path: {warm['path']} (disk hits "
-              f"{warm['disk_hits']:.0f}, skipped {warm['disk_skipped_blocks']:.0f}, est. disk "
-              f"{warm['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
-              f"{warm['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)")
-    return {"mode": "smoke" if args.smoke else "gpu", "params": p,
-            "working_set_tokens": working_set, "working_set_over_pool": working_set / p["pool_tokens"],
-            "runs": runs, "revisited_p50_speedup_vs_off": ratios,
-            "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"), "disk_ceiling": ceiling,
-            "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"), "restart": restart}
+        print(
+            f"restart first-request TTFT: warm {restart['warm_first_request_ttft_s'] * 1000:.1f} "
+            f"ms, cold {restart['cold_first_request_ttft_s'] * 1000:.1f} ms "
+            f"({restart['speedup']:.2f}x); warm path: {warm['path']} (disk hits "
+            f"{warm['disk_hits']:.0f}, skipped {warm['disk_skipped_blocks']:.0f}, est. disk "
+            f"{warm['est_disk_load_gb_per_s']:.2f} GB/s, est. prefill "
+            f"{warm['est_prefill_tokens_per_s'] or 0:.0f} tokens/s)"
+        )
+    return {
+        "mode": "smoke" if args.smoke else "gpu",
+        "params": p,
+        "working_set_tokens": working_set,
+        "working_set_over_pool": working_set / p["pool_tokens"],
+        "runs": runs,
+        "revisited_p50_speedup_vs_off": ratios,
+        "cpu_load_gb_per_s": cpu_tier.get("load_gb_per_s"),
+        "disk_ceiling": ceiling,
+        "disk_load_gb_per_s": disk_tier.get("load_gb_per_s"),
+        "restart": restart,
+    }
 
 
 # ================================================================ steps ============
@@ -279,7 +414,11 @@ class Milestones:
         self.inline_jobs = self.async_jobs = 0
         offload, scheduler = engine.kv_offload, engine.scheduler
         if offload is not None:
-            start_load, take_ready, take_plan = offload.start_load, offload.take_ready, offload.take_plan
+            start_load, take_ready, take_plan = (
+                offload.start_load,
+                offload.take_ready,
+                offload.take_plan,
+            )
 
             def traced_start(request, hits):
                 started = start_load(request, hits)
@@ -300,7 +439,11 @@ class Milestones:
                     self.async_jobs += not job.inline
                 return plan
 
-            offload.start_load, offload.take_ready, offload.take_plan = traced_start, traced_ready, traced_plan
+            offload.start_load, offload.take_ready, offload.take_plan = (
+                traced_start,
+                traced_ready,
+                traced_plan,
+            )
         schedule = scheduler.schedule
 
         def traced_schedule():
@@ -318,6 +461,7 @@ class Milestones:
 def steps_mode_row(mode: str, p: dict) -> dict:
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
+
     llm = LLM(**p["engine"], **({} if mode == "off" else {"kv_offloading_size": p["cpu_gib"]}))
     engine = llm.llm_engine
     try:
@@ -357,24 +501,43 @@ def steps_mode_row(mode: str, p: dict) -> dict:
     for rid in revisits:
         at = trace.at.get(rid, {})
         if "load_planned" in at:
-            paths[tuple((name, at[name] - at["added"]) for name in
-                        ("load_planned", "ready", "scheduled", "first_token") if name in at)] += 1
+            paths[
+                tuple(
+                    (name, at[name] - at["added"])
+                    for name in ("load_planned", "ready", "scheduled", "first_token")
+                    if name in at
+                )
+            ] += 1
     cpu = None if tiers is None else next(t for t in tiers if t["tier"] == "cpu")
     return {
         "mode": mode,
-        "revisited_ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99),
-                              "mean": statistics.fmean(ttft)},
-        "revisited_steps_to_first_token": {"p50": percentile(steps, 50), "mean": statistics.fmean(steps),
-                                           "histogram": dict(sorted(Counter(steps).items()))},
-        "loaded_request_paths": [{"steps_after_arrival": dict(path), "requests": n}
-                                 for path, n in paths.most_common(6)],
+        "revisited_ttft_ms": {
+            "p50": percentile(ttft, 50),
+            "p99": percentile(ttft, 99),
+            "mean": statistics.fmean(ttft),
+        },
+        "revisited_steps_to_first_token": {
+            "p50": percentile(steps, 50),
+            "mean": statistics.fmean(steps),
+            "histogram": dict(sorted(Counter(steps).items())),
+        },
+        "loaded_request_paths": [
+            {"steps_after_arrival": dict(path), "requests": n} for path, n in paths.most_common(6)
+        ],
         "load_jobs": {"inline": trace.inline_jobs, "async": trace.async_jobs},
         "output_tokens_per_s": tokens_per_s,
-        "cpu_tier": None if cpu is None else {
-            "hits": cpu["hits"], "bytes_loaded": cpu["bytes_loaded"],
+        "cpu_tier": None
+        if cpu is None
+        else {
+            "hits": cpu["hits"],
+            "bytes_loaded": cpu["bytes_loaded"],
             # bytes over the timed copies (device events on CUDA, wall time on CPU)
-            "load_gb_per_s": (cpu["bytes_loaded"] / cpu["load_seconds"]["sum"] / 1e9
-                              if cpu["load_seconds"]["sum"] else None)},
+            "load_gb_per_s": (
+                cpu["bytes_loaded"] / cpu["load_seconds"]["sum"] / 1e9
+                if cpu["load_seconds"]["sum"]
+                else None
+            ),
+        },
     }
 
 
@@ -391,58 +554,83 @@ def run_steps(args) -> dict:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children
     results = {}
     for mode in modes:  # each engine in a process of its own: its memory is gone after
-        row = run_json_child("benchmarks.kv_offload",
-                             ["steps", "--child", mode] + (["--smoke"] if args.smoke else []))
+        row = run_json_child(
+            "benchmarks.kv_offload",
+            ["steps", "--child", mode] + (["--smoke"] if args.smoke else []),
+        )
         if "error" in row:
             raise SystemExit(f"mode {mode} failed: {row['error']}")
         results[mode] = row
         ttft, steps = row["revisited_ttft_ms"], row["revisited_steps_to_first_token"]
-        print(f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
-              f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
-              f"{steps['histogram']}; {row['output_tokens_per_s']:.1f} output tok/s; "
-              f"loads {row['load_jobs']}; CPU tier {row['cpu_tier']}", flush=True)
+        print(
+            f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
+            f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
+            f"{steps['histogram']}; {row['output_tokens_per_s']:.1f} output tok/s; "
+            f"loads {row['load_jobs']}; CPU tier {row['cpu_tier']}",
+            flush=True,
+        )
         for path in row["loaded_request_paths"]:
             print(f"        {path['requests']:4d} x {path['steps_after_arrival']}")
     if "off" in results:
         base = results["off"]["revisited_ttft_ms"]["p50"]
-        print("revisited P50 TTFT vs recompute: " + ", ".join(
-            f"{m} {base / r['revisited_ttft_ms']['p50']:.2f}x" for m, r in results.items()))
+        print(
+            "revisited P50 TTFT vs recompute: "
+            + ", ".join(
+                f"{m} {base / r['revisited_ttft_ms']['p50']:.2f}x" for m, r in results.items()
+            )
+        )
     return {"mode": "smoke" if args.smoke else "gpu", "params": p, "results": results}
 
 
 # ================================================================ disk =============
 def run_disk(args) -> dict:
-    ceiling = disk_read_ceiling(args.dir, int(args.size_gib * 2**30), args.threads,
-                                int(args.piece_mib * 2**20))
+    ceiling = disk_read_ceiling(
+        args.dir, int(args.size_gib * 2**30), args.threads, int(args.piece_mib * 2**20)
+    )
     print(describe_disk_ceiling(ceiling))
     return ceiling
 
 
 # ================================================================ command line =====
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     modes = parser.add_subparsers(dest="mode", required=True)
 
     def mode(name: str, help_text: str):
         p = modes.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--out", "--output", dest="out",
-                       default=f"bench_results/kv-offload-{name}.json", help="JSON result file")
+        p.add_argument(
+            "--out",
+            "--output",
+            dest="out",
+            default=f"bench_results/kv-offload-{name}.json",
+            help="JSON result file",
+        )
         return p
 
     p = mode("serve", "through `pagoda serve`: off, CPU tier, CPU + disk tiers; restart probe")
     p.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     p.add_argument("--workdir", default=None, help="logs, bench results, disk tier")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer for the dummy preset (default: the embedded SmolLM2's)")
-    p.add_argument("--configs", default="off,cpu,cpu+disk",
-                   help="comma-separated subset of off,cpu,cpu+disk (to split a run)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for the dummy preset (default: the embedded SmolLM2's)",
+    )
+    p.add_argument(
+        "--configs",
+        default="off,cpu,cpu+disk",
+        help="comma-separated subset of off,cpu,cpu+disk (to split a run)",
+    )
     p.add_argument("--no-restart", action="store_true", help="skip the warm-vs-cold restart probe")
-    p.add_argument("--no-ceiling", action="store_true",
-                   help="skip measuring the disk's read ceiling")
-    p.add_argument("--restart-only", action="store_true",
-                   help="only the restart probe, on --workdir's disk tier left by an earlier "
-                        "cpu+disk run")
+    p.add_argument(
+        "--no-ceiling", action="store_true", help="skip measuring the disk's read ceiling"
+    )
+    p.add_argument(
+        "--restart-only",
+        action="store_true",
+        help="only the restart probe, on --workdir's disk tier left by an earlier cpu+disk run",
+    )
     p = mode("steps", "in-process: steps and ms from arrival to load, schedule, first token")
     p.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     p.add_argument("--modes", default=",".join(STEP_MODES), help=f"some of {','.join(STEP_MODES)}")
@@ -452,11 +640,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", default=".", help="a directory on the disk to measure")
     p.add_argument("--size-gib", type=float, default=2.0)
     p.add_argument("--piece-mib", type=float, default=2.0, help="bytes per parallel read")
-    p.add_argument("--threads", type=int, default=None,
-                   help="reader threads (default: the disk tier's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="reader threads (default: the disk tier's)"
+    )
     args = parser.parse_args(argv)
     if args.mode == "disk" and args.threads is None:
         from pagoda.kv_offload.disk_tier import DEFAULT_IO_THREADS
+
         args.threads = DEFAULT_IO_THREADS
     return args
 

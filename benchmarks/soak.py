@@ -49,13 +49,32 @@ from benchmarks.harness.server import ServerProcess
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30)  # /health and /debug/kv_audit calls
 # Server flags the soak sets; flags passed through come after them and win. A small
 # running batch and queue cap make 2x overload reach admission control (429) quickly.
-SERVER_DEFAULTS = ("--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "32",
-                   "--max-num-queued-requests", "32", "--shutdown-timeout", "30",
-                   "--enable-debug-routes")
+SERVER_DEFAULTS = (
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "32",
+    "--max-num-queued-requests",
+    "32",
+    "--shutdown-timeout",
+    "30",
+    "--enable-debug-routes",
+)
 OWNED_FLAGS = ("--host", "--port", "--api-key")
-PROMPTS = ("Name three colours.", "What is the capital of France?", "Write a haiku about rain.",
-           "Count from one to five.", "Why is the sky blue?", "Describe a cat in one sentence.",
-           "What is 7 times 8?", "Say hello in Spanish.", "Tell me a fun fact.", "Name a planet.")
+PROMPTS = (
+    "Name three colours.",
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Describe a cat in one sentence.",
+    "What is 7 times 8?",
+    "Say hello in Spanish.",
+    "Tell me a fun fact.",
+    "Name a planet.",
+)
 MAX_TOKENS = (8, 16, 32, 64)
 RSS_GROWTH_LIMIT = 0.05
 FAILURES = ("http_error", "bad_429", "malformed", "stream_error", "connection_error", "hung")
@@ -88,14 +107,26 @@ class Result:
     tokens: int | None = None
 
 
-def make_spec(rng: random.Random, disconnect_share: float, abort_share: float,
-              normal_only: bool = False) -> Spec:
+def make_spec(
+    rng: random.Random, disconnect_share: float, abort_share: float, normal_only: bool = False
+) -> Spec:
     draw = 1.0 if normal_only else rng.random()
-    behaviour = ("disconnect" if draw < disconnect_share else
-                 "abort" if draw < disconnect_share + abort_share else "normal")
-    spec = Spec(behaviour, chat=rng.random() < 0.5, stream=rng.random() < 0.5,
-                max_tokens=rng.choice(MAX_TOKENS), ignore_eos=rng.random() < 0.5,
-                temperature=rng.choice((0.0, 0.8)), prompt=rng.choice(PROMPTS))
+    behaviour = (
+        "disconnect"
+        if draw < disconnect_share
+        else "abort"
+        if draw < disconnect_share + abort_share
+        else "normal"
+    )
+    spec = Spec(
+        behaviour,
+        chat=rng.random() < 0.5,
+        stream=rng.random() < 0.5,
+        max_tokens=rng.choice(MAX_TOKENS),
+        ignore_eos=rng.random() < 0.5,
+        temperature=rng.choice((0.0, 0.8)),
+        prompt=rng.choice(PROMPTS),
+    )
     if behaviour == "disconnect":  # long enough that it is cut mid-stream
         spec.stream, spec.max_tokens, spec.ignore_eos = True, 64, True
         spec.disconnect_after = rng.randint(1, 4)
@@ -105,12 +136,19 @@ def make_spec(rng: random.Random, disconnect_share: float, abort_share: float,
 
 
 def _body(spec: Spec) -> tuple[str, dict]:
-    body = {"max_tokens": spec.max_tokens, "temperature": spec.temperature,
-            "ignore_eos": spec.ignore_eos, "stream": spec.stream}
+    body = {
+        "max_tokens": spec.max_tokens,
+        "temperature": spec.temperature,
+        "ignore_eos": spec.ignore_eos,
+        "stream": spec.stream,
+    }
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     if spec.chat:
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": spec.prompt}]}
+        return "/v1/chat/completions", {
+            **body,
+            "messages": [{"role": "user", "content": spec.prompt}],
+        }
     return "/v1/completions", {**body, "prompt": spec.prompt}
 
 
@@ -169,7 +207,10 @@ async def _exchange(session: aiohttp.ClientSession, url: str, res: Result) -> No
             ok = resp.headers.get("Retry-After", "").isdigit()
             res.outcome, res.detail = ("rejected", "") if ok else ("bad_429", "no Retry-After")
         elif resp.status != 200:
-            res.outcome, res.detail = "http_error", f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            res.outcome, res.detail = (
+                "http_error",
+                f"HTTP {resp.status}: {(await resp.text())[:200]}",
+            )
         elif res.spec.stream:
             await _read_stream(resp, res)
         else:
@@ -185,7 +226,9 @@ async def _exchange(session: aiohttp.ClientSession, url: str, res: Result) -> No
             res.outcome, res.detail = ("malformed", problem) if problem else ("completed", "")
 
 
-async def run_request(session: aiohttp.ClientSession, url: str, spec: Spec, timeout_s: float) -> Result:
+async def run_request(
+    session: aiohttp.ClientSession, url: str, spec: Spec, timeout_s: float
+) -> Result:
     """One request to its single outcome (never raises but on cancellation of the caller)."""
     res = Result(spec, start=time.monotonic())
     task = asyncio.create_task(_exchange(session, url, res))
@@ -196,7 +239,9 @@ async def run_request(session: aiohttp.ClientSession, url: str, spec: Spec, time
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 res.outcome = "aborted"
-                res.detail = "before the first token" if res.ttft is None else "after the first token"
+                res.detail = (
+                    "before the first token" if res.ttft is None else "after the first token"
+                )
         if not res.outcome:
             await asyncio.wait_for(task, max(0.0, timeout_s - (time.monotonic() - res.start)))
     except TimeoutError:
@@ -233,14 +278,19 @@ async def calibrate(session, url: str, args, rng: random.Random) -> dict:
     await asyncio.gather(*workers, return_exceptions=True)
     ends = sorted(r.end for r in results if r.outcome == "completed")
     rate = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) >= 2 and ends[-1] > ends[0] else 0.0
-    return {"seconds": args.calibration_seconds, "concurrency": args.calibration_concurrency,
-            "completed": len(ends), "completed_per_s": rate,
-            "outcomes": dict(Counter(r.outcome for r in results)),
-            "failures": [_describe(r) for r in results if r.outcome in FAILURES][:20]}
+    return {
+        "seconds": args.calibration_seconds,
+        "concurrency": args.calibration_concurrency,
+        "completed": len(ends),
+        "completed_per_s": rate,
+        "outcomes": dict(Counter(r.outcome for r in results)),
+        "failures": [_describe(r) for r in results if r.outcome in FAILURES][:20],
+    }
 
 
-async def sample_rss(server: ServerProcess, t0: float, samples: list, interval_s: float,
-                     stop: asyncio.Event) -> None:
+async def sample_rss(
+    server: ServerProcess, t0: float, samples: list, interval_s: float, stop: asyncio.Event
+) -> None:
     while not stop.is_set():
         rss = server.rss_bytes()
         if rss is not None:
@@ -251,8 +301,9 @@ async def sample_rss(server: ServerProcess, t0: float, samples: list, interval_s
             pass
 
 
-async def send_poisson(session, url: str, rate: float, args,
-                       rng: random.Random) -> tuple[list[asyncio.Task], float]:
+async def send_poisson(
+    session, url: str, rate: float, args, rng: random.Random
+) -> tuple[list[asyncio.Task], float]:
     """Open-loop Poisson arrivals at `rate`/s for `duration` s (a bounded count); returns
     the requests' tasks (each bounded by --request-timeout) and the seconds of sending."""
     max_requests = int(rate * args.duration * 1.5) + 100
@@ -276,12 +327,20 @@ async def settle(session, url: str, timeout_s: float) -> dict:
     while True:
         try:
             async with session.get(f"{url}/debug/kv_audit", timeout=PROBE_TIMEOUT) as r:
-                audit = await r.json() if r.status == 200 else {"status": r.status, "body": await r.text()}
+                audit = (
+                    await r.json()
+                    if r.status == 200
+                    else {"status": r.status, "body": await r.text()}
+                )
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             audit = {"error": f"{type(exc).__name__}: {exc}"}
-        clean = (audit.get("in_use") == 0 and audit.get("num_running") == 0
-                 and audit.get("num_waiting") == 0 and audit.get("num_in_flight") == 0
-                 and audit.get("free", -1) + audit.get("cached", -1) == audit.get("total"))
+        clean = (
+            audit.get("in_use") == 0
+            and audit.get("num_running") == 0
+            and audit.get("num_waiting") == 0
+            and audit.get("num_in_flight") == 0
+            and audit.get("free", -1) + audit.get("cached", -1) == audit.get("total")
+        )
         if clean or time.monotonic() - start >= timeout_s:
             break
         await asyncio.sleep(0.2)  # audit poll interval
@@ -290,8 +349,12 @@ async def settle(session, url: str, timeout_s: float) -> dict:
             health = r.status
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         health = f"{type(exc).__name__}: {exc}"
-    return {"audit": audit, "audit_clean": clean, "settle_s": time.monotonic() - start,
-            "health_status": health}
+    return {
+        "audit": audit,
+        "audit_clean": clean,
+        "settle_s": time.monotonic() - start,
+        "health_status": health,
+    }
 
 
 async def run_soak(server: ServerProcess, args) -> dict:
@@ -300,14 +363,19 @@ async def run_soak(server: ServerProcess, args) -> dict:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         startup_s = await asyncio.to_thread(server.wait_ready, args.startup_timeout)
-        print(f"server ready in {startup_s:.1f} s at {server.url} (pid {server.proc.pid})", flush=True)
+        print(
+            f"server ready in {startup_s:.1f} s at {server.url} (pid {server.proc.pid})", flush=True
+        )
         for chat in (False, True):  # warm-up, not measured
             spec = Spec("normal", chat, False, 4, True, 0.0, PROMPTS[0])
             await run_request(session, server.url, spec, args.request_timeout)
         calibration = await calibrate(session, server.url, args, rng)
         capacity = calibration["completed_per_s"]
-        print(f"calibration: {capacity:.2f} completed requests/s at concurrency "
-              f"{args.calibration_concurrency}", flush=True)
+        print(
+            f"calibration: {capacity:.2f} completed requests/s at concurrency "
+            f"{args.calibration_concurrency}",
+            flush=True,
+        )
         if capacity <= 0:
             print("calibration: fewer than 2 completions; raise --calibration-seconds", flush=True)
             return {"startup_s": startup_s, "calibration": calibration}
@@ -328,9 +396,16 @@ async def run_soak(server: ServerProcess, args) -> dict:
         end_rss = server.rss_bytes()
         if end_rss is not None:
             samples.append((time.monotonic() - t0, end_rss))
-    return {"startup_s": startup_s, "calibration": calibration, "target_rate": rate,
-            "sending_s": sending_s, "load_s": load_s, "results": results,
-            "rss_samples": samples, **final}
+    return {
+        "startup_s": startup_s,
+        "calibration": calibration,
+        "target_rate": rate,
+        "sending_s": sending_s,
+        "load_s": load_s,
+        "results": results,
+        "rss_samples": samples,
+        **final,
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -342,9 +417,15 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def _describe(r: Result) -> dict:
     s = r.spec
-    return {"outcome": r.outcome, "detail": r.detail, "behaviour": s.behaviour,
-            "endpoint": "chat" if s.chat else "completions", "stream": s.stream,
-            "max_tokens": s.max_tokens, "latency_s": round(r.end - r.start, 3)}
+    return {
+        "outcome": r.outcome,
+        "detail": r.detail,
+        "behaviour": s.behaviour,
+        "endpoint": "chat" if s.chat else "completions",
+        "stream": s.stream,
+        "max_tokens": s.max_tokens,
+        "latency_s": round(r.end - r.start, 3),
+    }
 
 
 def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
@@ -352,6 +433,7 @@ def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
     to the end of the load and to the final sample, after settling. Under load RSS moves
     by a few % between samples, so each figure under load is the median of the samples
     in the `baseline_s / 2` before it."""
+
     def median(lo: float, hi: float) -> int | None:
         values = [rss for t, rss in samples[:-1] if lo <= t <= hi]
         return int(np.median(values)) if values else None
@@ -361,8 +443,14 @@ def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
     base = median(baseline_s / 2, baseline_s) or samples[0][1]
     load_end, end = median(sending_s - baseline_s / 2, sending_s), samples[-1][1]
     growth = max((rss - base) / base for rss in (end, load_end) if rss is not None)
-    return {"baseline_s": baseline_s, "rss_1min_bytes": base, "rss_load_end_bytes": load_end,
-            "rss_end_bytes": end, "rss_peak_bytes": max(rss for _, rss in samples), "growth": growth}
+    return {
+        "baseline_s": baseline_s,
+        "rss_1min_bytes": base,
+        "rss_load_end_bytes": load_end,
+        "rss_end_bytes": end,
+        "rss_peak_bytes": max(rss for _, rss in samples),
+        "growth": growth,
+    }
 
 
 def summarize(run: dict, stopped: dict, args) -> dict:
@@ -372,10 +460,16 @@ def summarize(run: dict, stopped: dict, args) -> dict:
     reject = [r.end - r.start for r in results if r.outcome == "rejected"]
     aborted = Counter(r.detail for r in results if r.outcome == "aborted")
     ms = lambda xs, q: None if not xs else round(1000 * _pct(xs, q), 1)  # noqa: E731
-    e2e, ttft = [r.end - r.start for r in completed], [r.ttft for r in completed if r.ttft is not None]
-    rss = _rss_growth(run.get("rss_samples", []), min(60.0, args.duration / 2), run.get("sending_s", 0.0))
+    e2e, ttft = (
+        [r.end - r.start for r in completed],
+        [r.ttft for r in completed if r.ttft is not None],
+    )
+    rss = _rss_growth(
+        run.get("rss_samples", []), min(60.0, args.duration / 2), run.get("sending_s", 0.0)
+    )
     failures = sum(outcomes[f] for f in FAILURES) + sum(
-        n for o, n in run.get("calibration", {}).get("outcomes", {}).items() if o in FAILURES)
+        n for o, n in run.get("calibration", {}).get("outcomes", {}).items() if o in FAILURES
+    )
     checks = {
         "calibrated": run.get("calibration", {}).get("completed_per_s", 0) > 0,
         "every_request_accounted": sum(outcomes.values()) == len(results) and "" not in outcomes,
@@ -387,15 +481,23 @@ def summarize(run: dict, stopped: dict, args) -> dict:
     }
     load_s = run.get("sending_s") or 0.0
     return {
-        "requests_sent": len(results), "outcomes": dict(outcomes), "aborted_by_kind": dict(aborted),
+        "requests_sent": len(results),
+        "outcomes": dict(outcomes),
+        "aborted_by_kind": dict(aborted),
         "behaviours": dict(Counter(r.spec.behaviour for r in results)),
-        "target_rate": run.get("target_rate"), "achieved_rate": len(results) / load_s if load_s else None,
+        "target_rate": run.get("target_rate"),
+        "achieved_rate": len(results) / load_s if load_s else None,
         "completed_per_s": len(completed) / run["load_s"] if run.get("load_s") else None,
-        "e2el_p50_ms": ms(e2e, 50), "e2el_p99_ms": ms(e2e, 99),
-        "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-        "reject_p50_ms": ms(reject, 50), "reject_p99_ms": ms(reject, 99),
-        "rss": rss, "failures": [_describe(r) for r in results if r.outcome in FAILURES][:50],
-        "checks": checks, "passed": all(checks.values()),
+        "e2el_p50_ms": ms(e2e, 50),
+        "e2el_p99_ms": ms(e2e, 99),
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "reject_p50_ms": ms(reject, 50),
+        "reject_p99_ms": ms(reject, 99),
+        "rss": rss,
+        "failures": [_describe(r) for r in results if r.outcome in FAILURES][:50],
+        "checks": checks,
+        "passed": all(checks.values()),
     }
 
 
@@ -404,24 +506,33 @@ def print_table(summary: dict, run: dict) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     pair = lambda key: f"{fmt(summary[key + '_p50_ms'])} / {fmt(summary[key + '_p99_ms'])} ms"  # noqa: E731
     rss, cal = summary["rss"], run.get("calibration", {})
-    rows = [("calibrated capacity", f"{fmt(cal.get('completed_per_s'))} req/s"),
-            ("target / achieved rate",
-             f"{fmt(summary['target_rate'])} / {fmt(summary['achieved_rate'])} req/s"),
-            ("completed per s (load + tail)", fmt(summary["completed_per_s"])),
-            ("requests sent", str(summary["requests_sent"]))]
+    rows = [
+        ("calibrated capacity", f"{fmt(cal.get('completed_per_s'))} req/s"),
+        (
+            "target / achieved rate",
+            f"{fmt(summary['target_rate'])} / {fmt(summary['achieved_rate'])} req/s",
+        ),
+        ("completed per s (load + tail)", fmt(summary["completed_per_s"])),
+        ("requests sent", str(summary["requests_sent"])),
+    ]
     for outcome, n in sorted(summary["outcomes"].items()):
         rows.append((f"  {outcome}", str(n)))
         if outcome == "aborted":
             rows += [(f"    {k}", str(n)) for k, n in sorted(summary["aborted_by_kind"].items())]
     growth = None if rss["growth"] is None else 100 * rss["growth"]
-    rows += [("E2EL p50 / p99 (completed)", pair("e2el")), ("TTFT p50 / p99 (streams)", pair("ttft")),
-             ("429 latency p50 / p99", pair("reject")),
-             (f"RSS median at {fmt(rss.get('baseline_s'))} s / load end; settled",
-              f"{mib(rss['rss_1min_bytes'])} / {mib(rss.get('rss_load_end_bytes'))}; "
-              f"{mib(rss['rss_end_bytes'])}"),
-             ("RSS growth / peak", f"{fmt(growth)} % / {mib(rss.get('rss_peak_bytes'))}"),
-             ("KV audit after settle", json.dumps(run.get("audit"))),
-             ("settle time", f"{fmt(run.get('settle_s'))} s")]
+    rows += [
+        ("E2EL p50 / p99 (completed)", pair("e2el")),
+        ("TTFT p50 / p99 (streams)", pair("ttft")),
+        ("429 latency p50 / p99", pair("reject")),
+        (
+            f"RSS median at {fmt(rss.get('baseline_s'))} s / load end; settled",
+            f"{mib(rss['rss_1min_bytes'])} / {mib(rss.get('rss_load_end_bytes'))}; "
+            f"{mib(rss['rss_end_bytes'])}",
+        ),
+        ("RSS growth / peak", f"{fmt(growth)} % / {mib(rss.get('rss_peak_bytes'))}"),
+        ("KV audit after settle", json.dumps(run.get("audit"))),
+        ("settle time", f"{fmt(run.get('settle_s'))} s"),
+    ]
     rows += [(f"check {name}", "PASS" if ok else "FAIL") for name, ok in summary["checks"].items()]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
@@ -433,8 +544,9 @@ def print_table(summary: dict, run: dict) -> None:
 
 
 def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 epilog="Other flags are passed to `pagoda serve`.")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="Other flags are passed to `pagoda serve`."
+    )
     add = ap.add_argument
     add("--duration", type=float, default=600.0, help="seconds of Poisson load (600)")
     add("--calibration-seconds", type=float, default=30.0, help="closed-loop window (30)")
@@ -448,8 +560,12 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
     add("--startup-timeout", type=float, default=600.0, help="wait for /health (600 s)")
     add("--max-connections", type=int, default=1000, help="client connection cap (1000)")
     add("--seed", type=int, default=0, help="workload and arrivals seed (0)")
-    add("--output", "--out", dest="output",
-        help="JSON path (default bench_results/soak-<device>-<date>.json)")
+    add(
+        "--output",
+        "--out",
+        dest="output",
+        help="JSON path (default bench_results/soak-<device>-<date>.json)",
+    )
     add("--server-log", help="the server's log file (default: a temp file)")
     args, server_args = ap.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
@@ -479,8 +595,12 @@ def main(argv=None) -> int:
     args, server_args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so `finally` stops the server
     date = datetime.now(UTC)
-    log_path = args.server_log or tempfile.NamedTemporaryFile(
-        prefix="pagoda-soak-server-", suffix=".log", delete=False).name
+    log_path = (
+        args.server_log
+        or tempfile.NamedTemporaryFile(
+            prefix="pagoda-soak-server-", suffix=".log", delete=False
+        ).name
+    )
     server = ServerProcess(server_args, log_path)
     print(f"server: {' '.join(server.args[1:])}\nserver log: {log_path}", flush=True)
     try:
@@ -490,17 +610,26 @@ def main(argv=None) -> int:
         return 130
     finally:
         stopped = server.stop(timeout=60.0)
-        print(f"server stopped: exit code {stopped['exit_code']}"
-              f"{' (killed)' if stopped['killed'] else ''}", flush=True)
+        print(
+            f"server stopped: exit code {stopped['exit_code']}"
+            f"{' (killed)' if stopped['killed'] else ''}",
+            flush=True,
+        )
     summary = summarize(run, stopped, args)
     print_table(summary, run)
     report = {
-        "benchmark": "soak", "date": date.isoformat(timespec="seconds"),
+        "benchmark": "soak",
+        "date": date.isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "config": vars(args), "server_args": server_args,
-        "startup_s": run.get("startup_s"), "calibration": run.get("calibration"),
-        **summary, "audit": run.get("audit"), "settle_s": run.get("settle_s"),
-        "health_status": run.get("health_status"), "server_stop": stopped,
+        "config": vars(args),
+        "server_args": server_args,
+        "startup_s": run.get("startup_s"),
+        "calibration": run.get("calibration"),
+        **summary,
+        "audit": run.get("audit"),
+        "settle_s": run.get("settle_s"),
+        "health_status": run.get("health_status"),
+        "server_stop": stopped,
         "server_log": {"path": log_path, **server.log_problems()},
         "rss_samples": [[round(t, 1), rss] for t, rss in run.get("rss_samples", [])],
     }

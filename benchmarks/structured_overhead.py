@@ -10,7 +10,7 @@ with the forward under async scheduling, the CUDA default) and the mask applied 
 the device. Runs alternate and the best of --repeats is kept (background load only
 slows a run). The overhead is 1 - constrained tok/s / unconstrained tok/s.
 
-Validity: tests/structured_schemas.py's 32 schemas at temperature 0 and 1 (one
+Validity: tests/helpers/structured_schemas.py's 32 schemas at temperature 0 and 1 (one
 batch); valid = finished by the grammar ("stop") and validates with jsonschema.
 
     # CPU, embedded SmolLM2 (a few minutes on 2 cores):
@@ -33,12 +33,25 @@ import time
 from benchmarks.harness.results import write_result
 
 # Never finishes within the benchmark's max_tokens: at least 64 records of a few fields.
-LONG_SCHEMA = {"type": "object", "properties": {"records": {
-    "type": "array", "minItems": 64, "items": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "minLength": 1, "maxLength": 12},
-        "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}},
-    "required": ["records"]}
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 12},
+                    "ok": {"type": "boolean"},
+                },
+                "required": ["id", "name", "ok"],
+            },
+        }
+    },
+    "required": ["records"],
+}
 
 
 def make_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -50,8 +63,12 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
 class Runner:
     def __init__(self, args) -> None:
         from pagoda import LLM
-        kwargs = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len,
-                      enable_prefix_caching=False)
+
+        kwargs = dict(
+            max_num_seqs=max(args.batch_sizes),
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+        )
         for name in ("model", "load_format", "tokenizer", "device"):
             value = getattr(args, name)
             if value is not None:
@@ -66,14 +83,19 @@ class Runner:
             outs = step()
             self.step_s.append(time.perf_counter() - start)
             return outs
+
         self.engine.step = timed_step
 
     def run(self, prompts, max_tokens: int, constrained: bool) -> dict:
         from pagoda import SamplingParams
         from pagoda.structured.params import StructuredOutputsParams
+
         if constrained:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0,
-                                    structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0,
+                structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA),
+            )
         else:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         stats = self.engine.structured.stats
@@ -85,11 +107,15 @@ class Runner:
         after = stats.snapshot().bitmask_seconds
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         fills = after.count - before.count
-        return {"constrained": constrained, "seconds": seconds, "output_tokens": tokens,
-                "output_tok_per_s": tokens / seconds,
-                "median_step_ms": 1000 * statistics.median(self.step_s),
-                "bitmask_fill_ms_mean": 1000 * (after.total - before.total) / fills if fills else 0.0,
-                "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs})}
+        return {
+            "constrained": constrained,
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "output_tok_per_s": tokens / seconds,
+            "median_step_ms": 1000 * statistics.median(self.step_s),
+            "bitmask_fill_ms_mean": 1000 * (after.total - before.total) / fills if fills else 0.0,
+            "finish_reasons": sorted({o.outputs[0].finish_reason for o in outs}),
+        }
 
 
 def throughput(runner: Runner, args) -> list[dict]:
@@ -104,17 +130,23 @@ def throughput(runner: Runner, args) -> list[dict]:
             order = (False, True) if repeat % 2 == 0 else (True, False)
             for constrained in order:
                 result = runner.run(prompts, args.max_tokens, constrained)
-                if constrained not in best or result["output_tok_per_s"] > best[constrained]["output_tok_per_s"]:
+                if (
+                    constrained not in best
+                    or result["output_tok_per_s"] > best[constrained]["output_tok_per_s"]
+                ):
                     best[constrained] = result
         free, json_run = best[False], best[True]
         overhead = 1 - json_run["output_tok_per_s"] / free["output_tok_per_s"]
-        points.append({"batch": batch, "unconstrained": free, "json_schema": json_run,
-                       "overhead": overhead})
-        print(f"batch {batch:4d}: unconstrained {free['output_tok_per_s']:9.1f} tok/s "
-              f"(step {free['median_step_ms']:.2f} ms) | json schema "
-              f"{json_run['output_tok_per_s']:9.1f} tok/s (step {json_run['median_step_ms']:.2f} ms, "
-              f"mask fill {json_run['bitmask_fill_ms_mean']:.3f} ms) | overhead {100 * overhead:+.1f}%",
-              flush=True)
+        points.append(
+            {"batch": batch, "unconstrained": free, "json_schema": json_run, "overhead": overhead}
+        )
+        print(
+            f"batch {batch:4d}: unconstrained {free['output_tok_per_s']:9.1f} tok/s "
+            f"(step {free['median_step_ms']:.2f} ms) | json schema "
+            f"{json_run['output_tok_per_s']:9.1f} tok/s (step {json_run['median_step_ms']:.2f} ms, "
+            f"mask fill {json_run['bitmask_fill_ms_mean']:.3f} ms) | overhead {100 * overhead:+.1f}%",
+            flush=True,
+        )
     return points
 
 
@@ -123,11 +155,19 @@ def validity(runner: Runner, args) -> dict:
 
     from pagoda import SamplingParams
     from pagoda.structured.params import StructuredOutputsParams
-    from tests.structured_schemas import SCHEMAS
+    from tests.helpers.structured_schemas import SCHEMAS
+
     schemas = SCHEMAS[:4] if args.smoke else SCHEMAS
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=args.validity_max_tokens,
-                             structured_outputs=StructuredOutputsParams(json=s))
-              for t in (0.0, 1.0) for i, s in enumerate(schemas)]
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=i,
+            max_tokens=args.validity_max_tokens,
+            structured_outputs=StructuredOutputsParams(json=s),
+        )
+        for t in (0.0, 1.0)
+        for i, s in enumerate(schemas)
+    ]
     tokenizer = runner.llm.get_tokenizer()
     prompt = tokenizer.encode("Answer in JSON:", add_special_tokens=False)
     outs = runner.llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
@@ -141,7 +181,9 @@ def validity(runner: Runner, args) -> dict:
         except (ValueError, jsonschema.ValidationError):
             pass
     rate = valid / len(params)
-    print(f"validity: {valid}/{len(params)} outputs valid ({100 * rate:.1f}%), finish reasons {reasons}")
+    print(
+        f"validity: {valid}/{len(params)} outputs valid ({100 * rate:.1f}%), finish reasons {reasons}"
+    )
     return {"valid": valid, "total": len(params), "rate": rate, "finish_reasons": reasons}
 
 
@@ -157,8 +199,13 @@ def main() -> None:
     parser.add_argument("--validity-max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
-    parser.add_argument("--out", "--output", dest="out", default=None,
-                        help="JSON path (default bench_results/<device>-structured-overhead.json)")
+    parser.add_argument(
+        "--out",
+        "--output",
+        dest="out",
+        default=None,
+        help="JSON path (default bench_results/<device>-structured-overhead.json)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.max_tokens, args.repeats, args.validity_max_tokens = "1,4", 8, 1, 48
@@ -166,10 +213,15 @@ def main() -> None:
     runner = Runner(args)
     device = runner.engine.config.device.device
     result = {
-        "benchmark": "structured_overhead", "device": device, "model": args.model or "embedded SmolLM2",
-        "load_format": args.load_format, "max_tokens": args.max_tokens, "smoke": args.smoke,
+        "benchmark": "structured_overhead",
+        "device": device,
+        "model": args.model or "embedded SmolLM2",
+        "load_format": args.load_format,
+        "max_tokens": args.max_tokens,
+        "smoke": args.smoke,
         "async_scheduling": runner.engine.async_scheduling,
-        "throughput": throughput(runner, args), "validity": validity(runner, args),
+        "throughput": throughput(runner, args),
+        "validity": validity(runner, args),
     }
     write_result(args.out or f"bench_results/{device}-structured-overhead.json", result)
 

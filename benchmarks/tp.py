@@ -48,39 +48,62 @@ def batch1_and_static(llm, args, prompt_len: int) -> dict:
     import numpy as np
 
     from pagoda import SamplingParams
+
     engine = llm.llm_engine
     vocab, rng = engine.model_info.vocab_size, np.random.default_rng(0)
     greedy = dict(temperature=0, ignore_eos=True)
     prompt = random_prompts(rng, [prompt_len], vocab)[0]
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, **greedy),
-                 use_tqdm=False)
-    engine.add_request("lat", prompt, SamplingParams(max_tokens=args.latency_tokens, **greedy),
-                       output_kind="delta")
+    llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, **greedy), use_tqdm=False
+    )
+    engine.add_request(
+        "lat", prompt, SamplingParams(max_tokens=args.latency_tokens, **greedy), output_kind="delta"
+    )
     arrivals = token_arrival_times(engine)
-    result = {"batch1_ms_per_token":
-              statistics.median(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3}
+    result = {
+        "batch1_ms_per_token": statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+        * 1e3
+    }
     prompts = random_prompts(rng, [args.static_in] * args.batch, vocab)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=args.static_out, **greedy), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=args.static_out, **greedy),
+        use_tqdm=False,
+    )
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result["static"] = {"seconds": seconds, "output_tokens": tokens,
-                        "output_tok_per_s": tokens / seconds}
+    result["static"] = {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / seconds,
+    }
     return result
 
 
 # ================================================================ compare ==========
 def compare_child(config: str, args) -> dict:
     from pagoda import LLM
+
     preset, tp, *flags = config.split(":")
     t0 = time.perf_counter()
-    llm = LLM(preset, load_format="dummy", dtype="bfloat16", tensor_parallel_size=int(tp),
-              max_model_len=args.max_model_len, max_num_seqs=args.batch,
-              disable_custom_all_reduce="nccl" in flags)
+    llm = LLM(
+        preset,
+        load_format="dummy",
+        dtype="bfloat16",
+        tensor_parallel_size=int(tp),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        disable_custom_all_reduce="nccl" in flags,
+    )
     engine = llm.llm_engine
-    result = {"preset": preset, "tp": int(tp), "all_reduce": "nccl" if "nccl" in flags else "auto",
-              "startup_s": time.perf_counter() - t0, "num_kv_blocks": engine.num_blocks}
+    result = {
+        "preset": preset,
+        "tp": int(tp),
+        "all_reduce": "nccl" if "nccl" in flags else "auto",
+        "startup_s": time.perf_counter() - t0,
+        "num_kv_blocks": engine.num_blocks,
+    }
     result.update(batch1_and_static(llm, args, 128))
     engine.shutdown()
     return result
@@ -90,31 +113,52 @@ def run_compare(args) -> dict:
     import torch
 
     from pagoda.model.presets import get_preset
+
     report = {"ceilings": measure_ceilings(torch.device("cuda")), "configs": []}
     for config in args.configs.split(","):
         preset, tp, *_ = config.split(":")
         arch = get_preset(preset)
         info = model_bytes_and_flops(arch)
         per_rank = (info["weight_bytes"] - info["embedding_bytes"]) / int(tp)
-        entry = {"config": config, "roofline_batch1_ms":
-                 per_rank / report["ceilings"]["copy_bytes_per_s"] * 1e3}
+        entry = {
+            "config": config,
+            "roofline_batch1_ms": per_rank / report["ceilings"]["copy_bytes_per_s"] * 1e3,
+        }
         if int(tp) > 1 and args.allreduce and "nccl" not in config:
             entry["allreduce"] = run_json_child(
-                "benchmarks.tp", ["allreduce", "--tp", tp, "--hidden", str(arch.hidden_size)],
-                timeout=300)
-        entry["result"] = run_json_child("benchmarks.tp", [
-            "compare", "--child", config, "--max-model-len", str(args.max_model_len),
-            "--batch", str(args.batch), "--latency-tokens", str(args.latency_tokens),
-            "--static-in", str(args.static_in), "--static-out", str(args.static_out)],
-            timeout=args.child_timeout)
+                "benchmarks.tp",
+                ["allreduce", "--tp", tp, "--hidden", str(arch.hidden_size)],
+                timeout=300,
+            )
+        entry["result"] = run_json_child(
+            "benchmarks.tp",
+            [
+                "compare",
+                "--child",
+                config,
+                "--max-model-len",
+                str(args.max_model_len),
+                "--batch",
+                str(args.batch),
+                "--latency-tokens",
+                str(args.latency_tokens),
+                "--static-in",
+                str(args.static_in),
+                "--static-out",
+                str(args.static_out),
+            ],
+            timeout=args.child_timeout,
+        )
         report["configs"].append(entry)
         print(json.dumps(entry)[:600], flush=True)
     print(f"\n{'config':<22}{'batch-1 ms/tok':>16}{'roofline ms':>13}{'static tok/s':>14}")
     for e in report["configs"]:
         r = e["result"]
-        print(f"{e['config']:<22}{r.get('batch1_ms_per_token', float('nan')):>16.2f}"
-              f"{e['roofline_batch1_ms']:>13.2f}"
-              f"{r.get('static', {}).get('output_tok_per_s', float('nan')):>14.0f}")
+        print(
+            f"{e['config']:<22}{r.get('batch1_ms_per_token', float('nan')):>16.2f}"
+            f"{e['roofline_batch1_ms']:>13.2f}"
+            f"{r.get('static', {}).get('output_tok_per_s', float('nan')):>14.0f}"
+        )
     return report
 
 
@@ -122,13 +166,16 @@ def run_compare(args) -> dict:
 def _time_path(reduce, x) -> dict:
     """Eager and graph-replay time of reduce(x) (a function returning the sum), us per call."""
     import torch
+
     for _ in range(10):
         reduce(x)
     torch.cuda.synchronize()
     eager = statistics.median(cuda_event_ms(lambda: reduce(x), 100, 0)) * 1e3
     graph = capture_graph(lambda: reduce(x), CALLS_PER_GRAPH)
-    return {"eager_us": round(eager, 2),
-            "graph_us": round(graph_replay_ms(graph, 30, 0) * 1e3 / CALLS_PER_GRAPH, 2)}
+    return {
+        "eager_us": round(eager, 2),
+        "graph_us": round(graph_replay_ms(graph, 30, 0) * 1e3 / CALLS_PER_GRAPH, 2),
+    }
 
 
 def _allreduce_rank(rank: int, tp: int, hidden: int, port: int, out: str) -> None:
@@ -162,9 +209,16 @@ def _allreduce_rank(rank: int, tp: int, hidden: int, port: int, out: str) -> Non
         if rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
     if rank == 0:
-        write_child_result(out, {"tp": tp, "hidden": hidden, "one_shot_available": fast is not None,
-                                 "default_one_shot_max_bytes": fast.max_bytes if fast else 0,
-                                 "sizes": rows})
+        write_child_result(
+            out,
+            {
+                "tp": tp,
+                "hidden": hidden,
+                "one_shot_available": fast is not None,
+                "default_one_shot_max_bytes": fast.max_bytes if fast else 0,
+                "sizes": rows,
+            },
+        )
     ps.destroy_distributed()
 
 
@@ -175,11 +229,16 @@ def run_allreduce(args) -> dict:
 
     from benchmarks.harness.server import free_port
     from pagoda.distributed.parallel_state import keep_multicast_off
+
     keep_multicast_off()  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = args.child_out or f"{tmp}/allreduce.json"
-        mp.spawn(_allreduce_rank, args=(args.tp, args.hidden, free_port(), out),
-                 nprocs=args.tp, join=True)
+        mp.spawn(
+            _allreduce_rank,
+            args=(args.tp, args.hidden, free_port(), out),
+            nprocs=args.tp,
+            join=True,
+        )
         if args.child_out:
             return {}
         with open(out) as f:
@@ -189,12 +248,21 @@ def run_allreduce(args) -> dict:
 # ================================================================ executors ========
 def executor_child(backend: str, args) -> dict:
     from pagoda import LLM
+
     memory = {"kv_cache_memory": 1 << 24} if args.device == "cpu" else {}
     t0 = time.perf_counter()
-    llm = LLM(args.preset, load_format="dummy", dtype=args.dtype, device=args.device,
-              tensor_parallel_size=args.tp, distributed_executor_backend=backend,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch,
-              skip_tokenizer_init=True, **memory)
+    llm = LLM(
+        args.preset,
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend=backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        skip_tokenizer_init=True,
+        **memory,
+    )
     result = {"backend": backend, "startup_s": time.perf_counter() - t0}
     try:
         result.update(batch1_and_static(llm, args, 64))
@@ -206,18 +274,36 @@ def executor_child(backend: str, args) -> dict:
 def run_executors(args) -> dict:
     results = []
     for backend in args.backends.split(","):
-        argv = ["executors", "--child", backend, *(f"--{k.replace('_', '-')}={getattr(args, k)}"
-                for k in ("preset", "tp", "device", "dtype", "max_model_len", "batch",
-                          "latency_tokens", "static_in", "static_out"))]
+        argv = [
+            "executors",
+            "--child",
+            backend,
+            *(
+                f"--{k.replace('_', '-')}={getattr(args, k)}"
+                for k in (
+                    "preset",
+                    "tp",
+                    "device",
+                    "dtype",
+                    "max_model_len",
+                    "batch",
+                    "latency_tokens",
+                    "static_in",
+                    "static_out",
+                )
+            ),
+        ]
         result = {"backend": backend, **run_json_child("benchmarks.tp", argv, args.child_timeout)}
         results.append(result)
         print(json.dumps(result)[:600], flush=True)
     print(f"\n{args.preset} tp {args.tp} on {args.device}")
     print(f"{'backend':<10}{'start-up s':>12}{'batch-1 ms/tok':>16}{'static tok/s':>14}")
     for r in results:
-        print(f"{r['backend']:<10}{r.get('startup_s', float('nan')):>12.1f}"
-              f"{r.get('batch1_ms_per_token', float('nan')):>16.2f}"
-              f"{r.get('static', {}).get('output_tok_per_s', float('nan')):>14.0f}")
+        print(
+            f"{r['backend']:<10}{r.get('startup_s', float('nan')):>12.1f}"
+            f"{r.get('batch1_ms_per_token', float('nan')):>16.2f}"
+            f"{r.get('static', {}).get('output_tok_per_s', float('nan')):>14.0f}"
+        )
         if "error" in r:
             print(f"  {r['backend']} failed: {r['error']} {r.get('stderr_tail', '')[-400:]}")
     return {"results": results}
@@ -225,14 +311,20 @@ def run_executors(args) -> dict:
 
 # ================================================================ command line =====
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     modes = parser.add_subparsers(dest="mode", required=True)
 
     def mode(name: str, help_text: str):
         p = modes.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--out", "--output", dest="out", default=f"bench_results/tp-{name}.json",
-                       help="JSON result file")
+        p.add_argument(
+            "--out",
+            "--output",
+            dest="out",
+            default=f"bench_results/tp-{name}.json",
+            help="JSON result file",
+        )
         p.add_argument("--child", default=None, help=argparse.SUPPRESS)
         p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
         return p
@@ -247,8 +339,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = mode("compare", "the same workloads at several tensor-parallel sizes")
     p.add_argument("--configs", default="llama-3.1-8b:1,llama-3.1-8b:2")
     workload(p)
-    p.add_argument("--allreduce", action="store_true",
-                   help="also time the all-reduce by message size for each tp > 1")
+    p.add_argument(
+        "--allreduce",
+        action="store_true",
+        help="also time the all-reduce by message size for each tp > 1",
+    )
     p.add_argument("--child-timeout", type=float, default=1500.0)
     p = mode("allreduce", "NCCL and one-shot all-reduce by message size, eager and in a graph")
     p.add_argument("--tp", type=int, default=2)
@@ -261,11 +356,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     workload(p)
     p.add_argument("--child-timeout", type=float, default=1500.0)
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny-llama, a few tokens: checks the mode runs")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny-llama, a few tokens: checks the mode runs"
+    )
     args = parser.parse_args(argv)
     if getattr(args, "smoke", False):
-        args.preset, args.device, args.dtype, args.max_model_len = "tiny-llama", "cpu", "float32", 256
+        args.preset, args.device, args.dtype, args.max_model_len = (
+            "tiny-llama",
+            "cpu",
+            "float32",
+            256,
+        )
         args.batch, args.latency_tokens, args.static_in, args.static_out = 4, 8, 16, 8
         args.child_timeout = min(args.child_timeout, 300.0)
     return args
@@ -277,12 +378,13 @@ def main(argv=None) -> None:
         child = compare_child if args.mode == "compare" else executor_child
         write_child_result(args.child_out, child(args.child, args))
         return
-    run = {"compare": run_compare, "allreduce": run_allreduce, "executors": run_executors}[args.mode]
+    run = {"compare": run_compare, "allreduce": run_allreduce, "executors": run_executors}[
+        args.mode
+    ]
     result = run(args)
     if args.child_out:
         return
-    write_result(args.out, {"benchmark": f"tp {args.mode}", "args": vars(args), **result},
-                 indent=1)
+    write_result(args.out, {"benchmark": f"tp {args.mode}", "args": vars(args), **result}, indent=1)
 
 
 if __name__ == "__main__":

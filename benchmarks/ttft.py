@@ -39,33 +39,76 @@ from benchmarks.harness.workloads import config_dir
 WORKLOADS = {"short": (64, 0), "long": (2112, 0), "cached": (64, 2048)}
 
 TINY_CONFIG = {  # ~1 ms forward on CPU, so the host-side overheads show
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "intermediate_size": 128, "vocab_size": 49152, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def server_flags(args) -> list[str]:
     flags = list(args.server_args)
     if args.tiny_cpu:
-        flags = ["--model", config_dir(TINY_CONFIG, "tiny-llama-"), "--load-format", "dummy", "--device", "cpu",
-                 "--max-model-len", "4096", *flags]
+        flags = [
+            "--model",
+            config_dir(TINY_CONFIG, "tiny-llama-"),
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "4096",
+            *flags,
+        ]
     if "--tokenizer" not in flags and "--load-format" in flags:
         from pagoda.model.tokenizer import embedded_model_path
+
         flags += ["--tokenizer", str(embedded_model_path())]
     return flags
 
 
 def bench_args(args, url: str, name: str):
     from pagoda.bench.cli import _finish_serve_args, build_bench_parser
+
     input_len, prefix_len = WORKLOADS[name]
-    argv = ["serve", "--base-url", url, "--dataset-name", "random",
-            "--random-input-len", str(input_len), "--random-prefix-len", str(prefix_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--num-warmups", str(args.num_warmups), "--max-concurrency", "1", "--ignore-eos",
-            "--seed", str(args.seed), "--metrics-interval", str(args.metrics_interval),
-            "--disable-tqdm", "--label", name]
+    argv = [
+        "serve",
+        "--base-url",
+        url,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-prefix-len",
+        str(prefix_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--num-warmups",
+        str(args.num_warmups),
+        "--max-concurrency",
+        "1",
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--metrics-interval",
+        str(args.metrics_interval),
+        "--disable-tqdm",
+        "--label",
+        name,
+    ]
     parsed = build_bench_parser(argparse.ArgumentParser()).parse_args(argv)
     _finish_serve_args(parsed)
     return parsed
@@ -91,17 +134,29 @@ def stage_medians(traces: list[dict]) -> dict[str, float]:
 
 def run_workload(args, url: str, trace_path: str, seen: int, name: str) -> tuple[dict, int]:
     from pagoda.bench.serve import main_serve
+
     report = main_serve(bench_args(args, url, name))
     traces, seen_after = read_traces(trace_path, seen)
-    traces = traces[args.num_warmups:]  # the warm-up requests come first
-    keys = ("completed", "failed", "median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms",
-            "median_tpot_ms", "median_itl_ms", "median_e2el_ms")
-    return {"workload": name, "prompt_len": sum(WORKLOADS[name]),
-            "bench": {k: report.get(k) for k in keys},
-            "server_metrics": report.get("server_metrics"),
-            "stage_median_ms": stage_medians(traces),
-            "gaps_median_ms": gap_medians(traces, (report.get("requests") or {}).get("ttft_ms")),
-            "traces": traces}, seen_after
+    traces = traces[args.num_warmups :]  # the warm-up requests come first
+    keys = (
+        "completed",
+        "failed",
+        "median_ttft_ms",
+        "mean_ttft_ms",
+        "p90_ttft_ms",
+        "median_tpot_ms",
+        "median_itl_ms",
+        "median_e2el_ms",
+    )
+    return {
+        "workload": name,
+        "prompt_len": sum(WORKLOADS[name]),
+        "bench": {k: report.get(k) for k in keys},
+        "server_metrics": report.get("server_metrics"),
+        "stage_median_ms": stage_medians(traces),
+        "gaps_median_ms": gap_medians(traces, (report.get("requests") or {}).get("ttft_ms")),
+        "traces": traces,
+    }, seen_after
 
 
 def gap_medians(traces: list[dict], client_ttfts) -> dict:
@@ -109,26 +164,38 @@ def gap_medians(traces: list[dict], client_ttfts) -> dict:
 
     At concurrency 1 the traces and the client's requests are in the same order.
     """
+
     def median(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
-    empty = [t["ms"]["first_text"] - t["ms"]["first_body"] for t in traces
-             if "first_text" in t["ms"] and "first_body" in t["ms"]]
+
+    empty = [
+        t["ms"]["first_text"] - t["ms"]["first_body"]
+        for t in traces
+        if "first_text" in t["ms"] and "first_body" in t["ms"]
+    ]
     outside = []
     if client_ttfts and len(client_ttfts) == len(traces):
-        outside = [c - t["ms"]["first_text"] for c, t in zip(client_ttfts, traces)
-                   if c is not None and "first_text" in t["ms"]]
-    return {"first_body_to_first_text": median(empty),
-            "requests_with_empty_first_chunk": sum(1 for e in empty if e > 0),
-            "client_ttft_minus_server_first_text": median(outside)}
+        outside = [
+            c - t["ms"]["first_text"]
+            for c, t in zip(client_ttfts, traces)
+            if c is not None and "first_text" in t["ms"]
+        ]
+    return {
+        "first_body_to_first_text": median(empty),
+        "requests_with_empty_first_chunk": sum(1 for e in empty if e > 0),
+        "client_ttft_minus_server_first_text": median(outside),
+    }
 
 
 def print_summary(results: list[dict]) -> None:
     for r in results:
         b = r["bench"]
-        print(f"\n== {r['workload']} ({r['prompt_len']} prompt tokens): TTFT median "
-              f"{b['median_ttft_ms']:.2f} ms (p90 {b['p90_ttft_ms']:.2f}), TPOT median "
-              f"{(b['median_tpot_ms'] or float('nan')):.2f} ms, {b['completed']} requests")
+        print(
+            f"\n== {r['workload']} ({r['prompt_len']} prompt tokens): TTFT median "
+            f"{b['median_ttft_ms']:.2f} ms (p90 {b['p90_ttft_ms']:.2f}), TPOT median "
+            f"{(b['median_tpot_ms'] or float('nan')):.2f} ms, {b['completed']} requests"
+        )
         print(f"   gaps (median ms): {json.dumps(r['gaps_median_ms'])}")
         previous = 0.0
         for stage, ms in r["stage_median_ms"].items():
@@ -137,21 +204,31 @@ def print_summary(results: list[dict]) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--output", "--out", dest="output", default="bench_results/ttft.json")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)}",
+    )
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--num-warmups", type=int, default=3)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--metrics-interval", type=float, default=1.0,
-                   help="the bench client's /metrics scrape period, as users run it (0: off)")
+    p.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=1.0,
+        help="the bench client's /metrics scrape period, as users run it (0: off)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny-cpu", action="store_true",
-                   help="serve a tiny random Llama on CPU (the embedded tokenizer)")
-    p.add_argument("server_args", nargs=argparse.REMAINDER,
-                   help="after --: flags for pagoda serve")
+    p.add_argument(
+        "--tiny-cpu",
+        action="store_true",
+        help="serve a tiny random Llama on CPU (the embedded tokenizer)",
+    )
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for pagoda serve")
     args = p.parse_args(argv)
     if args.server_args and args.server_args[0] == "--":
         args.server_args = args.server_args[1:]
@@ -173,9 +250,12 @@ def main(argv=None) -> int:
             result, seen = run_workload(args, server.url, trace_path, seen, name)
             results.append(result)
     print_summary(results)
-    out = {"benchmark": "ttft", "server_flags": flags,
-           "config": {k: v for k, v in vars(args).items() if k != "server_args"},
-           "results": results}
+    out = {
+        "benchmark": "ttft",
+        "server_flags": flags,
+        "config": {k: v for k, v in vars(args).items() if k != "server_args"},
+        "results": results,
+    }
     write_result(args.output, out, indent=1)
     print(f"\nsaved {args.output} (server log: {log_path})")
     return 0

@@ -1,8 +1,8 @@
 """Pagoda: an LLM inference and serving engine.
 
-    from pagoda import LLM, SamplingParams
-    llm = LLM()  # the embedded SmolLM2-135M-Instruct
-    llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, temperature=0))
+from pagoda import LLM, SamplingParams
+llm = LLM()  # the embedded SmolLM2-135M-Instruct
+llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
@@ -16,5 +16,6 @@ def __getattr__(name: str):
     # LLM pulls in torch; import it on first use so `pagoda.sampling_params` stays light.
     if name == "LLM":
         from pagoda.entrypoints.llm import LLM  # per command: start-up time
+
         return LLM
     raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 # The value sets live with the flags; they stay importable from here too.
-from pagoda.engine_flags import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES,
-                                 DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, ENGINE_FLAGS,
-                                 KV_CACHE_DTYPES, LOAD_FORMATS, POLICIES,
-                                 QUANTIZATION_METHODS, REASONING_PARSERS, EngineFlags,
-                                 flag_default)
+from pagoda.engine_flags import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    DTYPES,
+    ENGINE_FLAGS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    POLICIES,
+    QUANTIZATION_METHODS,
+    REASONING_PARSERS,
+    EngineFlags,
+    flag_default,
+)
 
 SPEC_METHODS = ("ngram", "layer_skip", "draft_model")
 # n-gram sizes tried when speculative_config gives neither bound.
@@ -56,28 +65,30 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 def _check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+    if value is not None and (
+        not isinstance(value, int) or isinstance(value, bool) or value < minimum
+    ):
         raise _fail(name, f"an integer >= {minimum}", value)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: Optional[str] = _from_flag("model")  # None: the embedded SmolLM2 GGUF
-    tokenizer: Optional[str] = _from_flag("tokenizer")
+    model: str | None = _from_flag("model")  # None: the embedded SmolLM2 GGUF
+    tokenizer: str | None = _from_flag("tokenizer")
     dtype: str = _from_flag("dtype")
-    max_model_len: Optional[int] = _from_flag("max_model_len")  # None: the model's own limit
+    max_model_len: int | None = _from_flag("max_model_len")  # None: the model's own limit
     seed: int = _from_flag("seed")
     load_format: str = _from_flag("load_format")
-    served_model_name: Optional[str] = _from_flag("served_model_name")
-    chat_template: Optional[str] = _from_flag("chat_template")
+    served_model_name: str | None = _from_flag("served_model_name")
+    chat_template: str | None = _from_flag("chat_template")
     skip_tokenizer_init: bool = _from_flag("skip_tokenizer_init")  # token ids in, token ids out
     # For a Hugging Face hub id: the branch, tag or commit (None: main), and the cache
     # directory to find or download it in (None: HF_HUB_CACHE / $HF_HOME/hub).
-    revision: Optional[str] = _from_flag("revision")
-    download_dir: Optional[str] = _from_flag("download_dir")
+    revision: str | None = _from_flag("revision")
+    download_dir: str | None = _from_flag("download_dir")
     # None: as the checkpoint says (unquantized unless its config.json has a
     # quantization_config); else one of QUANTIZATION_METHODS.
-    quantization: Optional[str] = _from_flag("quantization")
+    quantization: str | None = _from_flag("quantization")
     # The LM head quantized too (FP8 only: --quantization fp8 or an FP8 checkpoint,
     # whose head stays in bf16 otherwise, as in vLLM); checked against the resolved
     # scheme when the model loads.
@@ -91,9 +102,12 @@ class ModelConfig:
         if not isinstance(self.quantize_lm_head, bool):
             raise _fail("quantize_lm_head", "a bool", self.quantize_lm_head)
         if self.quantize_lm_head and self.quantization not in (None, "fp8"):
-            raise ConfigError(f"quantize_lm_head quantizes the LM head to FP8: it needs "
-                              f"--quantization fp8 (or an FP8 checkpoint), not "
-                              f"{self.quantization}", "quantize_lm_head")
+            raise ConfigError(
+                f"quantize_lm_head quantizes the LM head to FP8: it needs "
+                f"--quantization fp8 (or an FP8 checkpoint), not "
+                f"{self.quantization}",
+                "quantize_lm_head",
+            )
         _check_positive_int("max_model_len", self.max_model_len, 2)
         if not isinstance(self.seed, int):
             raise _fail("seed", "an integer", self.seed)
@@ -105,20 +119,20 @@ class CacheConfig:
     gpu_memory_utilization: float = _from_flag("gpu_memory_utilization")
     # Bytes; sizes the pool directly (None: from gpu_memory_utilization; resolved to
     # 1 GiB on CPU).
-    kv_cache_memory: Optional[int] = _from_flag("kv_cache_memory", resolved=True)
+    kv_cache_memory: int | None = _from_flag("kv_cache_memory", resolved=True)
     enable_prefix_caching: bool = _from_flag("enable_prefix_caching")
-    num_gpu_blocks_override: Optional[int] = _from_flag("num_gpu_blocks_override")
+    num_gpu_blocks_override: int | None = _from_flag("num_gpu_blocks_override")
     # KV offloading (vLLM's flag names): GiB of host memory for the CPU tier (None: off);
     # a directory and its size cap in GiB for a disk tier below it; an out-of-tree tier
     # "module.path:ClassName" (pagoda/kv_offload/tier_api.py). The lower tiers stage
     # through the CPU tier, so they need it.
-    kv_offloading_size: Optional[float] = _from_flag("kv_offloading_size")
-    kv_offloading_disk_path: Optional[str] = _from_flag("kv_offloading_disk_path")
-    kv_offloading_disk_size: Optional[float] = _from_flag("kv_offloading_disk_size")
-    kv_offloading_tier: Optional[str] = _from_flag("kv_offloading_tier")
+    kv_offloading_size: float | None = _from_flag("kv_offloading_size")
+    kv_offloading_disk_path: str | None = _from_flag("kv_offloading_disk_path")
+    kv_offloading_disk_size: float | None = _from_flag("kv_offloading_disk_size")
+    kv_offloading_tier: str | None = _from_flag("kv_offloading_tier")
     # "tier=GB/s,...": load bandwidths the cost model takes as given instead of measuring
     # them ("inf": always load that tier's hits; core/kv_cost.py). None: all measured.
-    kv_offloading_bandwidth: Optional[str] = _from_flag("kv_offloading_bandwidth")
+    kv_offloading_bandwidth: str | None = _from_flag("kv_offloading_bandwidth")
     # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 entries, one K and one
     # V scale per layer (the GPU needs FP8: compute capability >= 8.9; checked by the worker).
     cache_dtype: str = _from_flag("kv_cache_dtype")
@@ -127,9 +141,12 @@ class CacheConfig:
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
         _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         if self.cache_dtype == "fp8_e5m2":
-            raise ConfigError("kv_cache_dtype fp8_e5m2 is not supported: Pagoda stores FP8 KV "
-                              "as e4m3 with per-layer scales; use kv_cache_dtype fp8 (or "
-                              "fp8_e4m3)", "kv_cache_dtype")
+            raise ConfigError(
+                "kv_cache_dtype fp8_e5m2 is not supported: Pagoda stores FP8 KV "
+                "as e4m3 with per-layer scales; use kv_cache_dtype fp8 (or "
+                "fp8_e4m3)",
+                "kv_cache_dtype",
+            )
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise _fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check_positive_int("kv_cache_memory", self.kv_cache_memory)
@@ -142,7 +159,7 @@ class CacheConfig:
 
 
 def parse_tier_bandwidths(text) -> dict[str, float]:
-    """"cpu=20,disk=0.5" -> {"cpu": 20e9, "disk": 0.5e9} (bytes/s; "inf" allowed)."""
+    """ "cpu=20,disk=0.5" -> {"cpu": 20e9, "disk": 0.5e9} (bytes/s; "inf" allowed)."""
     rule = "'tier=GB/s[,tier=GB/s...]' with each figure > 0 (inf allowed)"
     if not isinstance(text, str) or not text.strip():
         raise _fail("kv_offloading_bandwidth", rule, text)
@@ -160,39 +177,51 @@ def parse_tier_bandwidths(text) -> dict[str, float]:
     return figures
 
 
-def _check_offloading(cache: "CacheConfig") -> None:
+def _check_offloading(cache: CacheConfig) -> None:
     for name in ("kv_offloading_size", "kv_offloading_disk_size"):
         value = getattr(cache, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value > 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+        ):
             raise _fail(name, "a number of GiB > 0", value)
     if (cache.kv_offloading_disk_path is None) != (cache.kv_offloading_disk_size is None):
-        raise ConfigError("kv_offloading_disk_path and kv_offloading_disk_size go together: "
-                          "the disk tier needs a directory and a size cap",
-                          "kv_offloading_disk_path", "kv_offloading_disk_size")
+        raise ConfigError(
+            "kv_offloading_disk_path and kv_offloading_disk_size go together: "
+            "the disk tier needs a directory and a size cap",
+            "kv_offloading_disk_path",
+            "kv_offloading_disk_size",
+        )
     if cache.kv_offloading_tier is not None and (
-            not isinstance(cache.kv_offloading_tier, str) or ":" not in cache.kv_offloading_tier):
+        not isinstance(cache.kv_offloading_tier, str) or ":" not in cache.kv_offloading_tier
+    ):
         raise _fail("kv_offloading_tier", "'module.path:ClassName'", cache.kv_offloading_tier)
     if cache.kv_offloading_bandwidth is not None:
         parse_tier_bandwidths(cache.kv_offloading_bandwidth)
         if cache.kv_offloading_size is None:
-            raise ConfigError("kv_offloading_bandwidth tunes the KV offload tiers: set "
-                              "kv_offloading_size too", "kv_offloading_bandwidth",
-                              "kv_offloading_size")
+            raise ConfigError(
+                "kv_offloading_bandwidth tunes the KV offload tiers: set kv_offloading_size too",
+                "kv_offloading_bandwidth",
+                "kv_offloading_size",
+            )
     lower = cache.kv_offloading_disk_path is not None or cache.kv_offloading_tier is not None
     if lower and cache.kv_offloading_size is None:
-        raise ConfigError("the disk and plugin KV tiers stage blocks through host memory: "
-                          "set kv_offloading_size (the CPU tier's size) too", "kv_offloading_size")
+        raise ConfigError(
+            "the disk and plugin KV tiers stage blocks through host memory: "
+            "set kv_offloading_size (the CPU tier's size) too",
+            "kv_offloading_size",
+        )
     if cache.kv_offloading_size is not None and not cache.enable_prefix_caching:
-        raise ConfigError("KV offloading keeps prefix-cache blocks: it needs "
-                          "enable_prefix_caching", "enable_prefix_caching")
+        raise ConfigError(
+            "KV offloading keeps prefix-cache blocks: it needs enable_prefix_caching",
+            "enable_prefix_caching",
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = _from_flag("max_num_seqs")
     # None: resolved to 16384 on GPU, 4096 on CPU.
-    max_num_batched_tokens: Optional[int] = _from_flag("max_num_batched_tokens", resolved=True)
+    max_num_batched_tokens: int | None = _from_flag("max_num_batched_tokens", resolved=True)
     policy: str = _from_flag("scheduling_policy")
     enable_chunked_prefill: bool = _from_flag("enable_chunked_prefill")
     # Schedule step N+1 while step N runs on the device (resolved: never None here).
@@ -226,10 +255,15 @@ class ParallelConfig:
         if self.tensor_parallel_size is None:
             raise _fail("tensor_parallel_size", "an integer >= 1", None)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _check_choice("distributed_executor_backend", self.distributed_executor_backend,
-                      DISTRIBUTED_EXECUTOR_BACKENDS)
+        _check_choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+        )
         if not isinstance(self.disable_custom_all_reduce, bool):
-            raise _fail("disable_custom_all_reduce", "True or False", self.disable_custom_all_reduce)
+            raise _fail(
+                "disable_custom_all_reduce", "True or False", self.disable_custom_all_reduce
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,18 +295,20 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: Optional[int] = None
-    prompt_lookup_max: Optional[int] = None
-    num_layers: Optional[int] = None
-    model: Optional[str] = None
-    draft_confidence_threshold: Optional[float] = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    num_layers: int | None = None
+    model: str | None = None
+    draft_confidence_threshold: float | None = None
     adaptive: bool = True
-    compute_bound_tokens: Optional[int] = None
+    compute_bound_tokens: int | None = None
 
     # Which optional keys each method takes (others are refused, never ignored).
-    _METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-                    "layer_skip": ("num_layers", "draft_confidence_threshold"),
-                    "draft_model": ("model", "draft_confidence_threshold")}
+    _METHOD_KEYS = {
+        "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+        "layer_skip": ("num_layers", "draft_confidence_threshold"),
+        "draft_model": ("model", "draft_confidence_threshold"),
+    }
 
     def __post_init__(self) -> None:
         _check_choice("speculative_config method", self.method, SPEC_METHODS)
@@ -283,8 +319,10 @@ class SpeculativeConfig:
         for key in dict.fromkeys(k for keys in self._METHOD_KEYS.values() for k in keys):
             if key not in own and getattr(self, key) is not None:
                 owners = [m for m, keys in self._METHOD_KEYS.items() if key in keys]
-                raise ValueError(f"speculative_config key {key!r} belongs to method "
-                                 f"{' / '.join(map(repr, owners))}, not {self.method!r}")
+                raise ValueError(
+                    f"speculative_config key {key!r} belongs to method "
+                    f"{' / '.join(map(repr, owners))}, not {self.method!r}"
+                )
         if not isinstance(self.adaptive, bool):
             raise _fail("speculative_config adaptive", "true or false", self.adaptive)
         _check_positive_int("compute_bound_tokens", self.compute_bound_tokens)
@@ -293,16 +331,22 @@ class SpeculativeConfig:
     def _check_ngram(self) -> None:
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             _check_positive_int(key, getattr(self, key))
-        if (self.prompt_lookup_min is None or self.prompt_lookup_max is None
-                or self.prompt_lookup_min > self.prompt_lookup_max):
-            raise ValueError("ngram speculation needs 1 <= prompt_lookup_min <= "
-                             f"prompt_lookup_max, got {self.prompt_lookup_min} and "
-                             f"{self.prompt_lookup_max}")
+        if (
+            self.prompt_lookup_min is None
+            or self.prompt_lookup_max is None
+            or self.prompt_lookup_min > self.prompt_lookup_max
+        ):
+            raise ValueError(
+                "ngram speculation needs 1 <= prompt_lookup_min <= "
+                f"prompt_lookup_max, got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max}"
+            )
 
     def _check_layer_skip(self) -> None:
         if self.num_layers is None:
-            raise ValueError("layer_skip speculation needs num_layers (the target's first "
-                             "layers that draft)")
+            raise ValueError(
+                "layer_skip speculation needs num_layers (the target's first layers that draft)"
+            )
         _check_positive_int("num_layers", self.num_layers)
         self._check_confidence()
 
@@ -313,13 +357,15 @@ class SpeculativeConfig:
 
     def _check_confidence(self) -> None:
         threshold = self.draft_confidence_threshold
-        if threshold is not None and (isinstance(threshold, bool)
-                                      or not isinstance(threshold, (int, float))
-                                      or not 0.0 <= threshold < 1.0):
+        if threshold is not None and (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0.0 <= threshold < 1.0
+        ):
             raise _fail("draft_confidence_threshold", "a number in [0, 1)", threshold)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
         """From vLLM-style JSON keys; unknown keys are refused. Without "method", a
         "model" means a draft model ("ngram" / "[ngram]" as model: vLLM's old spelling)."""
         if not isinstance(values, dict):
@@ -327,16 +373,20 @@ class SpeculativeConfig:
         allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - allowed)
         if unknown:
-            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; "
-                             f"supported: {', '.join(sorted(allowed))}")
+            raise ValueError(
+                f"unknown speculative_config key(s): {', '.join(unknown)}; "
+                f"supported: {', '.join(sorted(allowed))}"
+            )
         values = dict(values)
         if values.get("model") in ("ngram", "[ngram]") and values.get("method", "ngram") == "ngram":
             values.pop("model")
             values["method"] = "ngram"
         if "method" not in values:
             if values.get("model") is None:
-                raise ValueError("speculative_config needs 'method' (one of "
-                                 f"{', '.join(SPEC_METHODS)}) or a draft 'model'")
+                raise ValueError(
+                    "speculative_config needs 'method' (one of "
+                    f"{', '.join(SPEC_METHODS)}) or a draft 'model'"
+                )
             values["method"] = "draft_model"
         if values["method"] == "ngram":
             low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
@@ -353,9 +403,15 @@ class SpeculativeConfig:
 
     def check_target(self, num_target_layers: int) -> None:
         """What can only be checked once the target model's shape is known."""
-        if self.method == "layer_skip" and self.num_layers >= num_target_layers:
-            raise ValueError(f"layer_skip num_layers ({self.num_layers}) must be smaller than "
-                             f"the target's {num_target_layers} layers")
+        if (
+            self.method == "layer_skip"
+            and self.num_layers is not None
+            and self.num_layers >= num_target_layers
+        ):
+            raise ValueError(
+                f"layer_skip num_layers ({self.num_layers}) must be smaller than "
+                f"the target's {num_target_layers} layers"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,17 +420,19 @@ class StructuredOutputsConfig:
     grammars start after it and thinking budgets can end it; thinking_token_budget: the
     budget of requests that set none (None: unlimited)."""
 
-    reasoning_parser: Optional[str] = _from_flag("reasoning_parser")
-    thinking_token_budget: Optional[int] = _from_flag("thinking_token_budget")
+    reasoning_parser: str | None = _from_flag("reasoning_parser")
+    thinking_token_budget: int | None = _from_flag("thinking_token_budget")
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_positive_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.thinking_token_budget is not None and self.reasoning_parser is None:
-            raise ConfigError("thinking_token_budget needs a reasoning_parser "
-                              f"({', '.join(REASONING_PARSERS)})", "thinking_token_budget",
-                              "reasoning_parser")
+            raise ConfigError(
+                f"thinking_token_budget needs a reasoning_parser ({', '.join(REASONING_PARSERS)})",
+                "thinking_token_budget",
+                "reasoning_parser",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +442,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
-    speculative: Optional[SpeculativeConfig] = None  # None: speculative decoding off
+    speculative: SpeculativeConfig | None = None  # None: speculative decoding off
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
@@ -398,6 +456,7 @@ def _cuda_available() -> bool:
 
 def _cuda_device_count() -> int:
     import torch  # the machine probe
+
     return torch.cuda.device_count()
 
 
@@ -406,9 +465,11 @@ def _check_gpus_for_tp(tensor_parallel_size: int) -> None:
     if tensor_parallel_size > 1:
         present = _cuda_device_count()
         if tensor_parallel_size > present:
-            raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but only "
-                              f"{present} CUDA GPU(s) are visible (one GPU per rank)",
-                              "tensor_parallel_size")
+            raise ConfigError(
+                f"tensor_parallel_size is {tensor_parallel_size} but only "
+                f"{present} CUDA GPU(s) are visible (one GPU per rank)",
+                "tensor_parallel_size",
+            )
 
 
 @dataclass
@@ -421,11 +482,13 @@ class EngineArgs(EngineFlags):
         return set(ENGINE_FLAGS)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         unknown = sorted(set(kwargs) - cls.field_names())
         if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
-                            f"supported: {', '.join(sorted(cls.field_names()))}")
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"supported: {', '.join(sorted(cls.field_names()))}"
+            )
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
@@ -435,9 +498,13 @@ class EngineArgs(EngineFlags):
             # Ray's ranks may be on other machines: its executor checks the cluster's GPUs.
             _check_gpus_for_tp(parallel.tensor_parallel_size)
         if values["kv_offloading_size"] is not None and parallel.tensor_parallel_size > 1:
-            raise ConfigError("KV offloading supports tensor_parallel_size 1 for now (each rank "
-                              "would need its own tiers, and the scheduler every rank's "
-                              "reports)", "kv_offloading_size", "tensor_parallel_size")
+            raise ConfigError(
+                "KV offloading supports tensor_parallel_size 1 for now (each rank "
+                "would need its own tiers, and the scheduler every rank's "
+                "reports)",
+                "kv_offloading_size",
+                "tensor_parallel_size",
+            )
         speculative = values["speculative_config"]
         return EngineConfig(
             model=_build(ModelConfig, values),
@@ -457,14 +524,16 @@ class EngineArgs(EngineFlags):
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
         elif device == "cuda" and not _cuda_available():
-            raise ConfigError("device is 'cuda' but no CUDA GPU is available; use device='cpu'",
-                              "device")
+            raise ConfigError(
+                "device is 'cuda' but no CUDA GPU is available; use device='cpu'", "device"
+            )
         if values["async_scheduling"] not in (None, True, False):
             raise _fail("async_scheduling", "True, False or None (auto)", self.async_scheduling)
         if values["async_scheduling"] is None:
             values["async_scheduling"] = device == "cuda"
         values["max_num_batched_tokens"] = values["max_num_batched_tokens"] or (
-            GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS)
+            GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+        )
         if values["kv_cache_memory"] is None and device == "cpu":
             values["kv_cache_memory"] = CPU_KV_CACHE_MEMORY
         values["device"] = device
@@ -485,5 +554,10 @@ def _parsed(name: str, value):
 
 def _build(cls, values: dict):
     """A nested config from the flags' values, each field from the flag it names."""
-    return cls(**{f.name: values[f.metadata["flag"]] for f in dataclasses.fields(cls)
-                  if "flag" in f.metadata})
+    return cls(
+        **{
+            f.name: values[f.metadata["flag"]]
+            for f in dataclasses.fields(cls)
+            if "flag" in f.metadata
+        }
+    )

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
 class Logprob:
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 # One dict per generated (or prompt) position: token id -> Logprob.
 SampleLogprobs = list[dict[int, Logprob]]
-PromptLogprobs = list[Optional[dict[int, Logprob]]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -23,10 +22,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: Optional[object] = None  # the stop string or stop token id that matched
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: object | None = None  # the stop string or stop token id that matched
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,14 +34,14 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     # Timings (time.monotonic()): arrival_time, first_scheduled_time, first_token_time,
     # last_token_time, finished_time; and num_generation_tokens.
     metrics: dict = field(default_factory=dict)
     # Why the engine failed this request (its samples then finish with "error"); None if it did not.
-    error: Optional[str] = None
+    error: str | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from pagoda.structured.params import StructuredOutputsParams
 
@@ -23,26 +22,26 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
-    seed: Optional[int] = None
+    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: Optional[dict[int, float]] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     # A grammar the output must follow (json schema, regex, choice, grammar, json_object).
-    structured_outputs: Optional[StructuredOutputsParams] = None
+    structured_outputs: StructuredOutputsParams | None = None
     # With a reasoning parser: thinking tokens after which the end of thinking is forced.
-    thinking_token_budget: Optional[int] = None
+    thinking_token_budget: int | None = None
     # Filled by the engine: ids that end generation for this request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -83,7 +82,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "> 0", self.repetition_penalty)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "an integer >= 1", self.max_tokens)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
@@ -102,15 +103,16 @@ class SamplingParams:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         if self.logit_bias:
-            for k, v in self.logit_bias.items():
+            for _k, v in self.logit_bias.items():
                 if not -100.0 <= v <= 100.0:
                     raise bad("logit_bias", "values in [-100, 100]", v)
         self._validate_structured(bad)
 
     def _validate_structured(self, bad) -> None:
         budget = self.thinking_token_budget
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
-                                   or budget < 0):
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+        ):
             raise bad("thinking_token_budget", "an integer >= 0", budget)
         if self.structured_outputs is None:
             return
@@ -118,17 +120,20 @@ class SamplingParams:
             raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
         # The grammar decides where the output ends (it allows eos only there).
         if self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured_outputs: the "
-                             "grammar ends the output")
+            raise ValueError(
+                "ignore_eos cannot be combined with structured_outputs: the grammar ends the output"
+            )
         if self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
-                             "grammar decides where the output ends")
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the "
+                "grammar decides where the output ends"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
@@ -136,6 +141,6 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids must be < vocab size {vocab_size}, got {t}")
-        for t in (self.logit_bias or {}):
+        for t in self.logit_bias or {}:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {t}")

@@ -1,5 +1,7 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF and tiny random Hugging Face models; and a
-check that every engine a test module starts ends with it (threads, running engines).
+"""Shared fixtures: the embedded SmolLM2 GGUF and tiny random Hugging Face models; a
+check that every engine a test module starts ends with it (threads, running engines);
+and the markers: `gpu` (or `gpu(n)`) skips a test on a machine with fewer CUDA GPUs,
+tests under tests/server/ are `server`, the browser tests `browser`.
 """
 
 from __future__ import annotations
@@ -26,16 +28,32 @@ if not torch.cuda.is_available():
 
 
 import tqdm  # noqa: E402
-from tiny_models import save_tiny_hf_model  # noqa: E402  (after the thread setting)
+from helpers.tiny_models import save_tiny_hf_model  # noqa: E402  (after the thread setting)
 
 # tqdm's monitor thread, started by the first progress bar, runs until the interpreter
 # exits: off, so that the threads a test leaves are only those it started.
 tqdm.tqdm.monitor_interval = 0
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        path = item.path.as_posix()
+        if "/tests/server/" in path:
+            item.add_marker(pytest.mark.server)
+        if path.endswith("_browser.py"):
+            item.add_marker(pytest.mark.browser)
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            wanted = marker.args[0] if marker.args else 1
+            if gpus < wanted:
+                item.add_marker(pytest.mark.skip(reason=f"needs {wanted} CUDA GPU(s)"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     from pagoda.model.tokenizer import embedded_model_path
+
     return embedded_model_path()
 
 
@@ -62,6 +80,7 @@ def engines_end_with_their_module(request):
     still holds the module's last test's fixture values at this point, so a module
     fixture shuts its engine down itself (yield, then shutdown())."""
     from pagoda.engine.release import running_engines
+
     before = engine_threads()
     running_before = set(map(id, running_engines()))
     yield
@@ -69,6 +88,9 @@ def engines_end_with_their_module(request):
     running = [e for e in running_engines() if id(e) not in running_before]
     leaked = engine_threads() - before
     if running or leaked:
-        pytest.fail(f"{request.node.nodeid} left {len(running)} engine(s) running and threads "
-                    f"{sorted(t.name for t in leaked)}: shut engines down in the fixture or "
-                    "test that made them", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} left {len(running)} engine(s) running and threads "
+            f"{sorted(t.name for t in leaked)}: shut engines down in the fixture or "
+            "test that made them",
+            pytrace=False,
+        )

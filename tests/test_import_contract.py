@@ -28,8 +28,11 @@ def test_the_package_keeps_the_contract():
 @pytest.fixture(scope="module")
 def package_copy(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tree")
-    shutil.copytree(ROOT / "pagoda", root / "pagoda",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h", "web"))
+    shutil.copytree(
+        ROOT / "pagoda",
+        root / "pagoda",
+        ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h", "web"),
+    )
     return root
 
 
@@ -43,18 +46,24 @@ def _violate(root: Path, module: str, line: str) -> list[str]:
         path.write_text(original)
 
 
-@pytest.mark.parametrize("module, line, expected", [
-    # a lower layer imports a higher one
-    ("pagoda.attention.backend", "from pagoda.worker import model_runner", "attention layer"),
-    ("pagoda.model.llama", "import pagoda.engine.llm_engine", "model layer"),
-    # the torch-free core imports torch, even inside a function
-    ("pagoda.core.scheduler", "def _probe():\n    import torch", "torch-free"),
-    # a kernel family reaches into another one it may not use
-    ("pagoda.kernels.gemv.gemv", "from pagoda.kernels.moe import align", "kernel family"),
-    # a cycle between modules of one layer, dodged by a function-local import
-    ("pagoda.core.block_hash", "def _late():\n    from pagoda.core import scheduler",
-     "import cycle"),
-])
+@pytest.mark.parametrize(
+    "module, line, expected",
+    [
+        # a lower layer imports a higher one
+        ("pagoda.attention.backend", "from pagoda.worker import model_runner", "attention layer"),
+        ("pagoda.model.llama", "import pagoda.engine.llm_engine", "model layer"),
+        # the torch-free core imports torch, even inside a function
+        ("pagoda.core.scheduler", "def _probe():\n    import torch", "torch-free"),
+        # a kernel family reaches into another one it may not use
+        ("pagoda.kernels.gemv.gemv", "from pagoda.kernels.moe import align", "kernel family"),
+        # a cycle between modules of one layer, dodged by a function-local import
+        (
+            "pagoda.core.block_hash",
+            "def _late():\n    from pagoda.core import scheduler",
+            "import cycle",
+        ),
+    ],
+)
 def test_a_deliberate_violation_fails(package_copy, module, line, expected):
     problems = _violate(package_copy, module, line)
     assert any(expected in p for p in problems), problems

@@ -28,13 +28,20 @@ def info_level():
 def test_a_bar_on_a_terminal(monkeypatch, info_level):
     terminal = _Terminal()
     monkeypatch.setattr(progress_module.sys, "stderr", terminal)
-    assert list(progress_module.progress(range(5), "loading weights", 5, "tensor")) == [0, 1, 2, 3, 4]
+    assert list(progress_module.progress(range(5), "loading weights", 5, "tensor")) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     assert "loading weights" in terminal.getvalue()
 
 
-@pytest.mark.parametrize("tty, level, rank", [(False, logging.INFO, 0),
-                                              (True, logging.WARNING, 0),
-                                              (True, logging.INFO, 1)])
+@pytest.mark.parametrize(
+    "tty, level, rank",
+    [(False, logging.INFO, 0), (True, logging.WARNING, 0), (True, logging.INFO, 1)],
+)
 def test_no_bar_off_a_terminal_when_quiet_or_on_other_ranks(monkeypatch, tty, level, rank):
     stream = _Terminal() if tty else io.StringIO()
     monkeypatch.setattr(progress_module.sys, "stderr", stream)

@@ -38,10 +38,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("pagoda.distributed",)),
     ("attention", ("pagoda.attention",)),
     ("kernels", ("pagoda.kernels", "pagoda.progress")),
-    ("core", ("pagoda.core", "pagoda.config", "pagoda.engine_flags", "pagoda.sampling_params",
-              "pagoda.outputs",
-              "pagoda.structured", "pagoda.spec_decode.planning",
-              "pagoda.spec_decode.proposers.ngram", "pagoda.kv_offload.planning")),
+    (
+        "core",
+        (
+            "pagoda.core",
+            "pagoda.config",
+            "pagoda.engine_flags",
+            "pagoda.sampling_params",
+            "pagoda.outputs",
+            "pagoda.structured",
+            "pagoda.spec_decode.planning",
+            "pagoda.spec_decode.proposers.ngram",
+            "pagoda.kv_offload.planning",
+        ),
+    ),
 ]
 TORCH_FREE_LAYER = "core"
 FORBIDDEN_IN_TORCH_FREE = ("torch", "triton")
@@ -50,7 +60,10 @@ FORBIDDEN_IN_TORCH_FREE = ("torch", "triton")
 DEVICE_PROBES = ("pagoda.config",)
 # Kernel families that build on another family's device code, with the reason.
 KERNEL_FAMILY_DEPS: dict[str, tuple[str, ...]] = {
-    "fp8": ("gemv", "norm"),  # W8A16 reuses the GEMV's tile loads; quantization fuses into the norms
+    "fp8": (
+        "gemv",
+        "norm",
+    ),  # W8A16 reuses the GEMV's tile loads; quantization fuses into the norms
     "moe": ("norm",),  # the grouped GEMMs' activation is the norm family's silu_and_mul
 }
 KERNEL_SHARED = "launch"
@@ -81,7 +94,7 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]):
             base = node.module or ""
             if node.level:
                 anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
@@ -120,8 +133,10 @@ def kernel_family(module: str):
 
 def check_edge(src: str, dst: str) -> str | None:
     if layer_of(dst) < layer_of(src):
-        return (f"imports {dst} ({LAYERS[layer_of(dst)][0]} layer) from the "
-                f"{LAYERS[layer_of(src)][0]} layer below it")
+        return (
+            f"imports {dst} ({LAYERS[layer_of(dst)][0]} layer) from the "
+            f"{LAYERS[layer_of(src)][0]} layer below it"
+        )
     family, target = kernel_family(src), kernel_family(dst)
     if family is not None:
         allowed = {family, KERNEL_SHARED, *KERNEL_FAMILY_DEPS.get(family, ())}

@@ -34,13 +34,19 @@ class CompileLog:
         start = self._started.pop(name, None)
         fn = kwargs.get("fn")
         kernel = getattr(fn, "name", None) or name.split("[", 1)[0]
-        self.entries.append({"kernel": kernel, "variant": name[:300],
-                             "seconds": None if start is None else time.perf_counter() - start})
+        self.entries.append(
+            {
+                "kernel": kernel,
+                "variant": name[:300],
+                "seconds": None if start is None else time.perf_counter() - start,
+            }
+        )
         return None
 
     def __enter__(self) -> CompileLog:
         try:
             from triton import knobs
+
             runtime = knobs.runtime
         except (ImportError, AttributeError):
             return self
@@ -52,13 +58,18 @@ class CompileLog:
     def __exit__(self, *exc) -> None:
         if self._saved is not None:
             from triton import knobs
+
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
             self._saved = None
 
     def summary(self) -> dict:
         timed = [e["seconds"] for e in self.entries if e["seconds"] is not None]
-        return {"available": self.available, "count": len(self.entries),
-                "seconds": sum(timed),
-                "kernels": sorted(({"kernel": e["kernel"], "seconds": e["seconds"]}
-                                   for e in self.entries),
-                                  key=lambda e: -(e["seconds"] or 0.0))}
+        return {
+            "available": self.available,
+            "count": len(self.entries),
+            "seconds": sum(timed),
+            "kernels": sorted(
+                ({"kernel": e["kernel"], "seconds": e["seconds"]} for e in self.entries),
+                key=lambda e: -(e["seconds"] or 0.0),
+            ),
+        }

@@ -32,15 +32,20 @@ def run_json_child(module: str, argv: list[str], timeout: float | None = None) -
     `timeout` seconds. The child's output passes through as it comes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "child.json")
-        proc = subprocess.Popen(module_command(module, [*argv, "--child-out", out]),
-                                env=env_with_repo(), stderr=subprocess.PIPE, text=True,
-                                errors="replace")
+        proc = subprocess.Popen(
+            module_command(module, [*argv, "--child-out", out]),
+            env=env_with_repo(),
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
         tail: collections.deque[str] = collections.deque(maxlen=60)
 
         def pump() -> None:
             for line in proc.stderr:
                 sys.stderr.write(line)
                 tail.append(line)
+
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
@@ -49,7 +54,10 @@ def run_json_child(module: str, argv: list[str], timeout: float | None = None) -
             proc.kill()
             proc.wait()
             reader.join()
-            return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": "".join(tail)[-3000:]}
+            return {
+                "error": f"timed out after {timeout:.0f} s",
+                "stderr_tail": "".join(tail)[-3000:],
+            }
         reader.join()
         if proc.returncode != 0 or not os.path.exists(out):
             return {"error": f"exit code {proc.returncode}", "stderr_tail": "".join(tail)[-3000:]}

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 def _version(package: str) -> str | None:
     from importlib import metadata
+
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -20,10 +21,16 @@ def _version(package: str) -> str | None:
 def machine_info() -> dict:
     """Platform, CPUs, Python, torch and triton versions, and the GPUs when torch is
     already imported and sees one (this never imports torch itself)."""
-    info = {"platform": platform.platform(), "hostname": platform.node(),
-            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": _version("torch"),
-            "triton": _version("triton"), "gpu": None}
+    info = {
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "gpu": None,
+    }
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -26,6 +26,7 @@ from benchmarks.harness.timing import median_cuda_ms
 def measure_ceilings(device) -> dict:
     """{"copy_bytes_per_s", "bf16_matmul_flops"} on a CUDA device; {} elsewhere."""
     import torch
+
     device = torch.device(device)
     if device.type != "cuda":
         return {}
@@ -37,7 +38,7 @@ def measure_ceilings(device) -> dict:
     m = 8192
     x = torch.randn(m, m, dtype=torch.bfloat16, device=device)
     y = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-    flops = 2 * m ** 3 / (median_cuda_ms(functools.partial(torch.matmul, x, y), 10, 3) / 1e3)
+    flops = 2 * m**3 / (median_cuda_ms(functools.partial(torch.matmul, x, y), 10, 3) / 1e3)
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": bw, "bf16_matmul_flops": flops}
 
@@ -49,10 +50,13 @@ def model_bytes_and_flops(arch, dtype_bytes: int = 2) -> dict:
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
     params = L * per_layer + 2 * v * h  # embedding + lm_head (untied)
-    return {"params": params, "weight_bytes": params * dtype_bytes,
-            "embedding_bytes": v * h * dtype_bytes,
-            "kv_bytes_per_token": 2 * L * kv * dtype_bytes,
-            "flops_per_token": 2 * (L * per_layer + v * h)}
+    return {
+        "params": params,
+        "weight_bytes": params * dtype_bytes,
+        "embedding_bytes": v * h * dtype_bytes,
+        "kv_bytes_per_token": 2 * L * kv * dtype_bytes,
+        "flops_per_token": 2 * (L * per_layer + v * h),
+    }
 
 
 def roofline_decode_ms(info: dict, ceilings: dict, batch: int, context: int) -> dict:
@@ -60,12 +64,19 @@ def roofline_decode_ms(info: dict, ceilings: dict, batch: int, context: int) -> 
     tokens; {} without measured ceilings."""
     if not ceilings:
         return {}
-    read = (info["weight_bytes"] - info["embedding_bytes"]
-            + batch * context * info["kv_bytes_per_token"])
+    read = (
+        info["weight_bytes"]
+        - info["embedding_bytes"]
+        + batch * context * info["kv_bytes_per_token"]
+    )
     mem_ms = read / ceilings["copy_bytes_per_s"] * 1e3
     flop_ms = batch * info["flops_per_token"] / ceilings["bf16_matmul_flops"] * 1e3
-    return {"bytes_read": read, "memory_ms": mem_ms, "compute_ms": flop_ms,
-            "roofline_ms": max(mem_ms, flop_ms)}
+    return {
+        "bytes_read": read,
+        "memory_ms": mem_ms,
+        "compute_ms": flop_ms,
+        "roofline_ms": max(mem_ms, flop_ms),
+    }
 
 
 # ---------------------------------------------------------------- disk ------------
@@ -88,7 +99,7 @@ def _write(path: str, size: int) -> float:
     try:
         written = 0
         while written < size:
-            written += os.write(fd, chunk[:min(CHUNK, size - written)])
+            written += os.write(fd, chunk[: min(CHUNK, size - written)])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -154,18 +165,25 @@ def disk_read_ceiling(directory: str, size: int, threads: int, piece: int) -> di
             os.remove(path)
         except FileNotFoundError:
             pass
-    return {"file_bytes": size, "read_bytes": piece, "threads": threads,
-            "cold_method": "fsync + posix_fadvise(DONTNEED)",
-            "write_gb_per_s": write, "cold_sequential_read_gb_per_s": cold_sequential,
-            "cold_parallel_read_gb_per_s": cold_parallel,
-            "hot_parallel_read_gb_per_s": hot_parallel,
-            "crc32_one_thread_gb_per_s": _crc32_rate(piece)}
+    return {
+        "file_bytes": size,
+        "read_bytes": piece,
+        "threads": threads,
+        "cold_method": "fsync + posix_fadvise(DONTNEED)",
+        "write_gb_per_s": write,
+        "cold_sequential_read_gb_per_s": cold_sequential,
+        "cold_parallel_read_gb_per_s": cold_parallel,
+        "hot_parallel_read_gb_per_s": hot_parallel,
+        "crc32_one_thread_gb_per_s": _crc32_rate(piece),
+    }
 
 
 def describe_disk_ceiling(ceiling: dict) -> str:
-    return (f"disk ceiling ({ceiling['file_bytes'] / 2**30:.2f} GiB file): write "
-            f"{ceiling['write_gb_per_s']:.2f} GB/s; cold read "
-            f"{ceiling['cold_sequential_read_gb_per_s']:.2f} GB/s sequential, "
-            f"{ceiling['cold_parallel_read_gb_per_s']:.2f} GB/s with {ceiling['threads']} "
-            f"readers; page-cache read {ceiling['hot_parallel_read_gb_per_s']:.2f} GB/s; "
-            f"crc32 {ceiling['crc32_one_thread_gb_per_s']:.2f} GB/s a thread")
+    return (
+        f"disk ceiling ({ceiling['file_bytes'] / 2**30:.2f} GiB file): write "
+        f"{ceiling['write_gb_per_s']:.2f} GB/s; cold read "
+        f"{ceiling['cold_sequential_read_gb_per_s']:.2f} GB/s sequential, "
+        f"{ceiling['cold_parallel_read_gb_per_s']:.2f} GB/s with {ceiling['threads']} "
+        f"readers; page-cache read {ceiling['hot_parallel_read_gb_per_s']:.2f} GB/s; "
+        f"crc32 {ceiling['crc32_one_thread_gb_per_s']:.2f} GB/s a thread"
+    )

@@ -27,8 +27,12 @@ from benchmarks.harness.processes import REPO_ROOT, env_with_repo
 
 HOST = "127.0.0.1"
 # Quiet logging: the benchmarks read the server's figures, not its access log.
-QUIET_FLAGS = ("--disable-uvicorn-access-log", "--disable-log-requests",
-               "--uvicorn-log-level", "warning")
+QUIET_FLAGS = (
+    "--disable-uvicorn-access-log",
+    "--disable-log-requests",
+    "--uvicorn-log-level",
+    "warning",
+)
 
 
 def free_port() -> int:
@@ -48,19 +52,36 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """One `pagoda serve` subprocess: start (in __init__), readiness, RSS, stop."""
 
-    def __init__(self, flags: list[str], log_path: str, extra_env: dict | None = None,
-                 quiet: bool = True) -> None:
+    def __init__(
+        self, flags: list[str], log_path: str, extra_env: dict | None = None, quiet: bool = True
+    ) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", HOST,
-                     "--port", str(self.port), *(QUIET_FLAGS if quiet else ()), *flags]
+        self.args = [
+            sys.executable,
+            "-m",
+            "pagoda.entrypoints.cli",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            *(QUIET_FLAGS if quiet else ()),
+            *flags,
+        ]
         env = env_with_repo({"PYTHONUNBUFFERED": "1", **(extra_env or {})})
         env.pop("PAGODA_API_KEY", None)  # the benchmarks send no key
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=REPO_ROOT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def wait_ready(self, timeout: float = 900.0) -> float:
         """Polls /health until it answers 200; the seconds that took. Raises if the
@@ -68,8 +89,10 @@ class ServerProcess:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; "
-                                   f"{self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited with {self.proc.returncode}; "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
@@ -78,8 +101,9 @@ class ServerProcess:
                 pass
             time.sleep(0.5)  # readiness poll of a separate process: nothing to await
         self.stop(timeout=10)
-        raise TimeoutError(f"the server was not ready in {timeout:.0f} s; "
-                           f"{self.log_path}:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"the server was not ready in {timeout:.0f} s; {self.log_path}:\n{self.log_tail()}"
+        )
 
     def rss_bytes(self) -> int | None:
         """VmRSS of the server and all its descendants (None once it exited)."""
@@ -87,8 +111,9 @@ class ServerProcess:
         for pid in _descendants(self.proc.pid):
             try:
                 with open(f"/proc/{pid}/status") as f:
-                    total += next((int(line.split()[1]) * 1024 for line in f
-                                   if line.startswith("VmRSS:")), 0)
+                    total += next(
+                        (int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0
+                    )
             except (FileNotFoundError, ProcessLookupError):
                 if pid == self.proc.pid:
                     return None
@@ -115,14 +140,16 @@ class ServerProcess:
     def log_problems(self) -> dict:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-        return {"tracebacks": sum("Traceback" in line for line in lines),
-                "error_lines": [line for line in lines
-                                if "ERROR" in line or "Exception" in line][:20]}
+        return {
+            "tracebacks": sum("Traceback" in line for line in lines),
+            "error_lines": [line for line in lines if "ERROR" in line or "Exception" in line][:20],
+        }
 
 
 @contextlib.contextmanager
-def serve(flags: list[str], log_path: str, extra_env: dict | None = None,
-          ready_timeout: float = 900.0):
+def serve(
+    flags: list[str], log_path: str, extra_env: dict | None = None, ready_timeout: float = 900.0
+):
     """A ready ServerProcess for the with-block; stopped when it ends, however."""
     server = ServerProcess(flags, log_path, extra_env)
     try:
@@ -132,15 +159,32 @@ def serve(flags: list[str], log_path: str, extra_env: dict | None = None,
         server.stop()
 
 
-def bench_serve(url: str, flags: list[str], result_dir: str, name: str,
-                quiet: bool = True) -> dict:
+def bench_serve(url: str, flags: list[str], result_dir: str, name: str, quiet: bool = True) -> dict:
     """One `pagoda bench serve --base-url url FLAGS` run in a child process; its saved
     report (result_dir/name)."""
-    command = [sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "serve",
-               "--base-url", url, *flags, "--disable-tqdm", "--save-result",
-               "--result-dir", result_dir, "--result-filename", name]
-    subprocess.run(command, check=True, cwd=REPO_ROOT, env=env_with_repo(),
-                   stdout=subprocess.DEVNULL if quiet else None)
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.entrypoints.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        *flags,
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        name,
+    ]
+    subprocess.run(
+        command,
+        check=True,
+        cwd=REPO_ROOT,
+        env=env_with_repo(),
+        stdout=subprocess.DEVNULL if quiet else None,
+    )
     with open(os.path.join(result_dir, name)) as f:
         return json.load(f)
 

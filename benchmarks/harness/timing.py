@@ -19,6 +19,7 @@ def cuda_event_ms(fn, repeats: int = 10, warmup: int = 3) -> list[float]:
     """Device milliseconds of each of `repeats` calls of fn(), between two CUDA events on
     the current stream; `warmup` untimed calls first."""
     import torch
+
     for _ in range(warmup):
         fn()
     times = []
@@ -41,6 +42,7 @@ def capture_graph(fn, calls: int = 1, warmup: int = 3):
     """A CUDA graph of `calls` calls of fn(), captured after `warmup` calls on a side
     stream, and replayed once (so the first timed replay is a warm one)."""
     import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -126,6 +128,7 @@ class StageTimer:
             finally:
                 timer.totals[label] += time.perf_counter() - start
                 timer.calls[label] += 1
+
         setattr(owner, attr, timed)
 
     def wrap_module_forwards(self, model, classes: dict[type, str]) -> None:
@@ -153,6 +156,7 @@ def engine_stage_timer(engine) -> StageTimer:
     Nothing syncs the device, so with async scheduling the forward and sampling figures
     are launch times."""
     from pagoda.worker import model_runner, step_output
+
     timer = StageTimer()
     runner = engine.executor.runner
     timer.wrap(engine.scheduler, "schedule")

@@ -32,21 +32,51 @@ KERNEL_GROUPS: list[tuple[str, str]] = [
 
 # Kernel name fragments -> a finer kind, first match wins (names are lower-cased).
 KERNEL_KINDS = [
-    ("_moe_gemm", "moe_gemm"), ("_gemv_gate_up", "moe_gemv"), ("_gemv_down", "moe_gemv"),
-    ("fmha", "sdpa"), ("flash", "sdpa"), ("catarray", "cat"), ("_mla_prefill", "mla_prefill"),
-    ("_align_small", "moe_align"), ("_align_count", "moe_align"),
-    ("_align_place", "moe_align"), ("router", "moe_route"), ("_route", "moe_route"),
-    ("_mla_decode", "mla_decode"), ("_mla_merge", "mla_decode"), ("_absorb", "mla_proj"),
-    ("_project_v", "mla_proj"), ("_store_latent", "store_kv"), ("_norm_rope_store", "store_kv"),
-    ("attention_kernel", "sdpa"), ("efficient", "sdpa"),
-    ("_chunk_kernel", "attn_chunk"), ("_decode_kernel", "attn_decode"),
-    ("_decode_words", "attn_decode"), ("_quant_rows", "act_quant"), ("_w8a16", "gemv"),
-    ("_gemv_kernel", "gemv"), ("_w8a8_gemm", "gemm"), ("xmma", "gemm"),
-    ("_merge_kernel", "attn_merge"), ("_store_kv", "store_kv"), ("rms_norm", "rms_norm"),
-    ("silu", "silu_mul"), ("rotary", "rotary"), ("nvjet", "gemm"), ("gemm", "gemm"),
-    ("cutlass", "gemm"), ("softmax", "sampling"), ("argmax", "sampling"),
-    ("sort", "sampling"), ("topk", "sampling"), ("memcpy", "memcpy"), ("memset", "memset"),
-    ("reduce", "reduce"), ("index", "index"), ("elementwise", "elementwise"),
+    ("_moe_gemm", "moe_gemm"),
+    ("_gemv_gate_up", "moe_gemv"),
+    ("_gemv_down", "moe_gemv"),
+    ("fmha", "sdpa"),
+    ("flash", "sdpa"),
+    ("catarray", "cat"),
+    ("_mla_prefill", "mla_prefill"),
+    ("_align_small", "moe_align"),
+    ("_align_count", "moe_align"),
+    ("_align_place", "moe_align"),
+    ("router", "moe_route"),
+    ("_route", "moe_route"),
+    ("_mla_decode", "mla_decode"),
+    ("_mla_merge", "mla_decode"),
+    ("_absorb", "mla_proj"),
+    ("_project_v", "mla_proj"),
+    ("_store_latent", "store_kv"),
+    ("_norm_rope_store", "store_kv"),
+    ("attention_kernel", "sdpa"),
+    ("efficient", "sdpa"),
+    ("_chunk_kernel", "attn_chunk"),
+    ("_decode_kernel", "attn_decode"),
+    ("_decode_words", "attn_decode"),
+    ("_quant_rows", "act_quant"),
+    ("_w8a16", "gemv"),
+    ("_gemv_kernel", "gemv"),
+    ("_w8a8_gemm", "gemm"),
+    ("xmma", "gemm"),
+    ("_merge_kernel", "attn_merge"),
+    ("_store_kv", "store_kv"),
+    ("rms_norm", "rms_norm"),
+    ("silu", "silu_mul"),
+    ("rotary", "rotary"),
+    ("nvjet", "gemm"),
+    ("gemm", "gemm"),
+    ("cutlass", "gemm"),
+    ("softmax", "sampling"),
+    ("argmax", "sampling"),
+    ("sort", "sampling"),
+    ("topk", "sampling"),
+    ("memcpy", "memcpy"),
+    ("memset", "memset"),
+    ("reduce", "reduce"),
+    ("index", "index"),
+    ("elementwise", "elementwise"),
 ]
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -83,8 +113,9 @@ def chrome_trace(prof, gzip_path: str | None = None) -> dict:
 
 
 # ---------------------------------------------------------------- per step ----------
-def attribute_kernels(trace: dict, num_steps: int, prefix: str = "pagoda_step_"
-                      ) -> tuple[list, dict]:
+def attribute_kernels(
+    trace: dict, num_steps: int, prefix: str = "pagoda_step_"
+) -> tuple[list, dict]:
     """Each kernel, copy and memset goes to the step whose record_function range
     (`prefix` + index) launched it: the profiler's correlation id joins it to its host
     launch, so the attribution holds with async scheduling, where the host runs a step
@@ -92,9 +123,13 @@ def attribute_kernels(trace: dict, num_steps: int, prefix: str = "pagoda_step_"
     the four largest CUDA runtime calls; over the run: device busy time (union of the
     intervals) and first-to-last span."""
     events = trace["traceEvents"]
-    ranges = sorted((e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1]))
-                    for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-                    and str(e.get("name", "")).startswith(prefix))
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1]))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith(prefix)
+    )
     starts = [r[0] for r in ranges]
     launch_step = {}
     runtime = [collections.defaultdict(float) for _ in range(num_steps)]
@@ -128,30 +163,43 @@ def attribute_kernels(trace: dict, num_steps: int, prefix: str = "pagoda_step_"
             busy += t - max(s, end)
             end = t
     first = min((s for s, _ in intervals), default=0.0)
-    run = {"device_busy_ms": busy / 1e3,
-           "device_first_to_last_ms": (end - first) / 1e3 if intervals else 0.0}
-    steps = [{"kinds": dict(k), "device_ms": sum(k.values()),
-              "span_ms": (sp[1] - sp[0]) / 1e3 if sp[1] else 0.0,
-              "runtime_ms": {n: round(v, 3) for n, v in
-                             sorted(rt.items(), key=lambda kv: -kv[1])[:4]}}
-             for k, sp, rt in zip(per_step, spans, runtime)]
+    run = {
+        "device_busy_ms": busy / 1e3,
+        "device_first_to_last_ms": (end - first) / 1e3 if intervals else 0.0,
+    }
+    steps = [
+        {
+            "kinds": dict(k),
+            "device_ms": sum(k.values()),
+            "span_ms": (sp[1] - sp[0]) / 1e3 if sp[1] else 0.0,
+            "runtime_ms": {
+                n: round(v, 3) for n, v in sorted(rt.items(), key=lambda kv: -kv[1])[:4]
+            },
+        }
+        for k, sp, rt in zip(per_step, spans, runtime)
+    ]
     return steps, run
 
 
 # ---------------------------------------------------------------- timeline ----------
 def device_intervals(trace: dict) -> list[tuple[float, float, str]]:
     """(start, end, name) of every device activity in a chrome trace, by start (us)."""
-    spans = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace["traceEvents"]
-             if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X"]
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X"
+    ]
     return sorted(spans)
 
 
 def host_events(trace: dict) -> list[tuple[float, float, str, str]]:
     """(start, end, name, category) of CPU ops and CUDA runtime calls, by start (us)."""
-    spans = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("cat", ""))
-             for e in trace["traceEvents"]
-             if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
-             and e.get("ph") == "X"]
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("cat", ""))
+        for e in trace["traceEvents"]
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+        and e.get("ph") == "X"
+    ]
     return sorted(spans)
 
 
@@ -178,9 +226,14 @@ def describe_gap(gap: tuple, hosts: list[tuple]) -> dict:
     ended_before = [h[2] for h in hosts if start - 20 <= h[1] <= start + 2][-6:]
     spanning = sorted({h[2] for h in hosts if h[0] < start and h[1] > end})
     started = [h[2] for h in hosts if start <= h[0] < end][:12]
-    return {"us": round(end - start, 2), "device_before": before[:80], "device_after": after[:80],
-            "host_ended_before": ended_before, "host_spanning": spanning[:8],
-            "host_started_in_gap": started}
+    return {
+        "us": round(end - start, 2),
+        "device_before": before[:80],
+        "device_after": after[:80],
+        "host_ended_before": ended_before,
+        "host_spanning": spanning[:8],
+        "host_started_in_gap": started,
+    }
 
 
 def host_table(hosts: list[tuple], steps: int) -> list[dict]:
@@ -189,13 +242,21 @@ def host_table(hosts: list[tuple], steps: int) -> list[dict]:
     for start, end, name, cat in hosts:
         total[(name, cat)] += end - start
         count[(name, cat)] += 1
-    rows = [{"name": n, "cat": c, "per_step": count[(n, c)] / steps,
-             "us_per_step": total[(n, c)] / steps} for (n, c) in total]
+    rows = [
+        {
+            "name": n,
+            "cat": c,
+            "per_step": count[(n, c)] / steps,
+            "us_per_step": total[(n, c)] / steps,
+        }
+        for (n, c) in total
+    ]
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def increments(spans: list[tuple[float, float, str]], steps: int, name_width: int = 40
-               ) -> list[dict]:
+def increments(
+    spans: list[tuple[float, float, str]], steps: int, name_width: int = 40
+) -> list[dict]:
     """Per (predecessor, activity) pair in device order: how often per step, and the
     medians of the activity's increment (end minus the predecessor's end), duration and
     head start (the predecessor's end minus its start), largest total increment first.
@@ -207,9 +268,17 @@ def increments(spans: list[tuple[float, float, str]], steps: int, name_width: in
     rows = []
     for (before, name), values in pairs.items():
         incr, dur, early = (statistics.median(v) for v in zip(*values))
-        rows.append({"after": before, "kernel": name, "per_step": len(values) / steps,
-                     "increment_us": incr, "duration_us": dur, "head_start_us": early,
-                     "increment_us_per_step": sum(v[0] for v in values) / steps})
+        rows.append(
+            {
+                "after": before,
+                "kernel": name,
+                "per_step": len(values) / steps,
+                "increment_us": incr,
+                "duration_us": dur,
+                "head_start_us": early,
+                "increment_us_per_step": sum(v[0] for v in values) / steps,
+            }
+        )
     return sorted(rows, key=lambda r: -r["increment_us_per_step"])
 
 
@@ -222,9 +291,13 @@ def timeline(trace: dict, steps: int) -> dict:
     window = spans[-1][1] - spans[0][0]
     busy, gaps = idle_gaps(spans)
     big = sorted(gaps, key=lambda g: g[0] - g[1])[:8]
-    return {"device_spans": len(spans), "window_us": window, "busy_us_per_step": busy / steps,
-            "idle_us_per_step": (window - busy) / steps,
-            "gaps_over_5us_per_step": sum(1 for g in gaps if g[1] - g[0] > 5) / steps,
-            "largest_gaps": [describe_gap(g, hosts) for g in big],
-            "host_table": host_table(hosts, steps)[:30],
-            "increments": increments(spans, steps)[:30]}
+    return {
+        "device_spans": len(spans),
+        "window_us": window,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (window - busy) / steps,
+        "gaps_over_5us_per_step": sum(1 for g in gaps if g[1] - g[0] > 5) / steps,
+        "largest_gaps": [describe_gap(g, hosts) for g in big],
+        "host_table": host_table(hosts, steps)[:30],
+        "increments": increments(spans, steps)[:30],
+    }

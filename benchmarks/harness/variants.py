@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from typing import Optional
 
 # Variants measured in A/B runs: the FP8-KV decode's tiles (Llama-8B at batch 256 and
 # batch 1), the short-context decode graphs' slices, and the batch-1 MoE and GEMV
@@ -53,6 +52,7 @@ def configs_for(name: str, device=None):
     import torch
 
     from pagoda.model.kernel_configs import KernelConfigs
+
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     configs = KernelConfigs.for_device(torch.device(device))
@@ -68,8 +68,10 @@ def overrides_of(name: str) -> tuple[str, ...]:
         return VARIANTS[name]
     parts = tuple(p for p in name.split("+") if p)
     if not parts or not all("=" in p for p in parts):
-        raise ValueError(f"unknown kernel variant {name!r}: one of {', '.join(VARIANTS)}, "
-                         "or overrides such as decode.tiles_fp8=64,4,5,4 joined by '+'")
+        raise ValueError(
+            f"unknown kernel variant {name!r}: one of {', '.join(VARIANTS)}, "
+            "or overrides such as decode.tiles_fp8=64,4,5,4 joined by '+'"
+        )
     return parts
 
 
@@ -89,8 +91,10 @@ def apply_override(configs, override: str):
         raise ValueError(f"override {override!r}: no kernel family {family_name!r}")
     fields = {f.name: f for f in dataclasses.fields(family)}
     if field_name not in fields:
-        raise ValueError(f"override {override!r}: {type(family).__name__} has no field "
-                         f"{field_name!r} (fields: {', '.join(fields)})")
+        raise ValueError(
+            f"override {override!r}: {type(family).__name__} has no field "
+            f"{field_name!r} (fields: {', '.join(fields)})"
+        )
     current = getattr(family, field_name)
     if key is not None:
         entry_key = tuple(int(v) for v in key.split(","))
@@ -101,8 +105,9 @@ def apply_override(configs, override: str):
         value[entry_key] = _build(type(sample), raw, override)
     else:
         value = _value_like(current, raw, override)
-    return dataclasses.replace(configs, **{family_name: dataclasses.replace(
-        family, **{field_name: value})})
+    return dataclasses.replace(
+        configs, **{family_name: dataclasses.replace(family, **{field_name: value})}
+    )
 
 
 def _value_like(current, raw: str, override: str):
@@ -145,27 +150,39 @@ def add_variant_args(parser, multiple: bool = False) -> None:
     turns in one engine); --list-variants prints the registry."""
     names = ", ".join(VARIANTS)
     if multiple:
-        parser.add_argument("--variants", default="default",
-                            help=f"comma-separated kernel variants ({names}, or "
-                                 "overrides joined by '+'; benchmarks/harness/variants.py)")
+        parser.add_argument(
+            "--variants",
+            default="default",
+            help=f"comma-separated kernel variants ({names}, or "
+            "overrides joined by '+'; benchmarks/harness/variants.py)",
+        )
     else:
-        parser.add_argument("--config", default="default",
-                            help=f"a kernel variant ({names}, or overrides joined by '+'; "
-                                 "benchmarks/harness/variants.py)")
-    parser.add_argument("--list-variants", action="store_true",
-                        help="print the named variants and their overrides, then exit")
+        parser.add_argument(
+            "--config",
+            default="default",
+            help=f"a kernel variant ({names}, or overrides joined by '+'; "
+            "benchmarks/harness/variants.py)",
+        )
+    parser.add_argument(
+        "--list-variants",
+        action="store_true",
+        help="print the named variants and their overrides, then exit",
+    )
 
 
 def variant_names(args) -> list[str]:
     """The variant names the flags chose (checked: ValueError for an unknown one)."""
-    names = (args.variants.split(",") if hasattr(args, "variants")
-             else [getattr(args, "config", "default")])
+    names = (
+        args.variants.split(",")
+        if hasattr(args, "variants")
+        else [getattr(args, "config", "default")]
+    )
     for name in names:
         overrides_of(name)
     return names
 
 
-def describe(name: str) -> Optional[str]:
+def describe(name: str) -> str | None:
     """One line: the variant and its overrides."""
     overrides = overrides_of(name)
     return f"{name}: {' + '.join(overrides) if overrides else '(the device defaults)'}"

@@ -34,7 +34,8 @@ def decode_ready(engine) -> bool:
     """Nothing waits and every running request is past its prompt."""
     sched = engine.scheduler
     return not sched.num_waiting and all(
-        r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+    )
 
 
 def config_dir(config: dict, prefix: str = "pagoda-bench-model-") -> str:

@@ -20,8 +20,8 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 
 @dataclass
@@ -39,12 +39,19 @@ class Run:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timer", choices=("events", "graph"), default="graph",
-                   help="events: do_bench with L2 flushed; graph: back-to-back launches "
-                        "replayed from a CUDA graph (see benchmarks/kernel_bench/common.py)")
+    p.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="graph",
+        help="events: do_bench with L2 flushed; graph: back-to-back launches "
+        "replayed from a CUDA graph (see benchmarks/kernel_bench/common.py)",
+    )
     p.add_argument("--calls", type=int, default=20, help="launches a timing graph holds")
-    p.add_argument("--smoke", action="store_true",
-                   help="the CPU's Triton interpreter, tiny shapes: checks the mode runs")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the CPU's Triton interpreter, tiny shapes: checks the mode runs",
+    )
 
 
 def start_run(args) -> Run:
@@ -53,24 +60,35 @@ def start_run(args) -> Run:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
+
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"
     ceilings = {}
     if not smoke:
         from benchmarks.harness.rooflines import measure_ceilings
+
         ceilings = measure_ceilings(device)
-        print(f"{torch.cuda.get_device_name()}: copy "
-              f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-              f"{ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
-    return Run(device, torch.float16 if smoke else torch.bfloat16,
-               args.timer, 1 if smoke else args.calls, smoke, ceilings)
+        print(
+            f"{torch.cuda.get_device_name()}: copy "
+            f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+            f"{ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s",
+            flush=True,
+        )
+    return Run(
+        device,
+        torch.float16 if smoke else torch.bfloat16,
+        args.timer,
+        1 if smoke else args.calls,
+        smoke,
+        ceilings,
+    )
 
 
-def time_us(fn: Callable, run: Run, form: Optional[str] = None, calls: Optional[int] = None
-            ) -> float:
+def time_us(fn: Callable, run: Run, form: str | None = None, calls: int | None = None) -> float:
     """Microseconds per call of fn() (module docstring); NaN for a kernel the GPU cannot
     run (out of shared memory or registers)."""
     import triton
+
     form = form or run.form
     if run.device != "cuda":
         fn()
@@ -83,8 +101,10 @@ def time_us(fn: Callable, run: Run, form: Optional[str] = None, calls: Optional[
         return float("nan")
     if form == "events":
         from triton.testing import do_bench
+
         return do_bench(fn, return_mode="median") * 1e3
     from benchmarks.harness.timing import capture_graph, graph_replay_ms
+
     calls = calls or run.calls
     graph = capture_graph(fn, calls)
     us = graph_replay_ms(graph, 20, 3) * 1e3 / calls
@@ -101,6 +121,7 @@ def rotated(fn: Callable, copies: list) -> Callable:
         out = fn(copies[state["i"] % len(copies)])
         state["i"] += 1
         return out
+
     return call
 
 
@@ -108,6 +129,7 @@ def l2_copies(tensor, run: Run, times: float = 2.0, most: int = 64) -> list:
     """tensor and as many clones as it takes to span `times` the L2 (at most `most`;
     just the tensor on the CPU or with the events timer, which flushes L2 itself)."""
     import torch
+
     if run.device != "cuda" or run.form == "events":
         return [tensor]
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)

@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from benchmarks.kernel_bench import common
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 SMOKE_SHAPES = {"a": (48, 64), "b": (40, 160)}
 METHODS = ("bf16", "fp8", "scaled_mm", "scaled_mm_exact", "w8a16", "w8a8", "block")
 
@@ -31,8 +36,11 @@ def add_args(p) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--ms", default="1,4,16,64,256,1024,4096,16384")
     p.add_argument("--sweep", action="store_true", help="also the best W8A16 / W8A8 tiles")
-    p.add_argument("--decode-compare", action="store_true",
-                   help="only the W8A16 weight decodes (cvt vs bits) at the Ms <= 16")
+    p.add_argument(
+        "--decode-compare",
+        action="store_true",
+        help="only the W8A16 weight decodes (cvt vs bits) at the Ms <= 16",
+    )
 
 
 def _methods(w, run) -> dict:
@@ -43,6 +51,7 @@ def _methods(w, run) -> dict:
     from pagoda.kernels.fp8 import linear as kl
     from pagoda.kernels.fp8 import quant as kq
     from pagoda.kernels.fp8 import w8a16 as kw
+
     w8, s = kq.quantize_weight_per_channel(w)
     wb, sb = kq.quantize_weight_blockwise(w, (128, 128))
 
@@ -50,18 +59,28 @@ def _methods(w, run) -> dict:
         if run.device != "cuda":
             return None
         xq, xs = kq.per_token_quant_fp8(x)
-        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=s.view(1, -1),
-                                out_dtype=x.dtype, use_fast_accum=not exact)
+        return torch._scaled_mm(
+            xq,
+            w8.t(),
+            scale_a=xs,
+            scale_b=s.view(1, -1),
+            out_dtype=x.dtype,
+            use_fast_accum=not exact,
+        )
 
     def w8a8(x):
         xq, xs = kq.per_token_quant_fp8(x)
         return kl.w8a8_gemm(xq, xs, w8, s, out_dtype=x.dtype)
 
-    return {"bf16": lambda x: F.linear(x, w), "fp8": lambda x: kl.fp8_linear(x, w8, s),
-            "scaled_mm": scaled_mm, "scaled_mm_exact": lambda x: scaled_mm(x, exact=True),
-            "w8a16": lambda x: (kw.w8a16_linear(x, w8, s)
-                                if x.shape[0] <= kw.W8A16_ROWS_LIMIT else None),
-            "w8a8": w8a8, "block": lambda x: kl.fp8_block_linear(x, wb, sb, (128, 128))}
+    return {
+        "bf16": lambda x: F.linear(x, w),
+        "fp8": lambda x: kl.fp8_linear(x, w8, s),
+        "scaled_mm": scaled_mm,
+        "scaled_mm_exact": lambda x: scaled_mm(x, exact=True),
+        "w8a16": lambda x: kw.w8a16_linear(x, w8, s) if x.shape[0] <= kw.W8A16_ROWS_LIMIT else None,
+        "w8a8": w8a8,
+        "block": lambda x: kl.fp8_block_linear(x, wb, sb, (128, 128)),
+    }
 
 
 def _cell(fn, x, ref, run, w_bytes: int) -> dict:
@@ -74,12 +93,17 @@ def _cell(fn, x, ref, run, w_bytes: int) -> dict:
     m, k = x.shape
     us = common.time_us(lambda: fn(x), run, "events")
     moved = w_bytes + m * k * x.element_size() + y.numel() * y.element_size()
-    return {"status": "ok", "us": us, "tb_per_s": common.tb_per_s(moved, us),
-            "rel_err": float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))}
+    return {
+        "status": "ok",
+        "us": us,
+        "tb_per_s": common.tb_per_s(moved, us),
+        "rel_err": float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)),
+    }
 
 
 def _table(shapes, ms, run) -> tuple[list, dict]:
     import torch
+
     rows, crossover = [], {}
     for label, (n, k) in shapes.items():
         gen = torch.Generator(device=run.device).manual_seed(0)
@@ -88,8 +112,7 @@ def _table(shapes, ms, run) -> tuple[list, dict]:
         for m in ms:
             x = torch.randn(m, k, device=run.device, generator=gen).to(run.dtype)
             ref = methods["bf16"](x).float()
-            row = {"shape": label, "M": m,
-                   "roofline_us": common.memory_roofline_us(n * k, run)}
+            row = {"shape": label, "M": m, "roofline_us": common.memory_roofline_us(n * k, run)}
             for name in METHODS:
                 cell = _cell(methods[name], x, ref, run, n * k * (2 if name == "bf16" else 1))
                 row[name] = cell.get("us", float("nan"))
@@ -98,8 +121,11 @@ def _table(shapes, ms, run) -> tuple[list, dict]:
                 crossover.setdefault(label, m)
             rows.append(row)
         del w, methods
-    common.print_rows(rows, ["shape", "M", "roofline_us", *METHODS],
-                      "FP8 linear, microseconds (TB/s and errors in the JSON)")
+    common.print_rows(
+        rows,
+        ["shape", "M", "roofline_us", *METHODS],
+        "FP8 linear, microseconds (TB/s and errors in the JSON)",
+    )
     print("scaled_mm beats w8a16 from M =", crossover or "never (in the Ms run)")
     return rows, crossover
 
@@ -112,8 +138,11 @@ def _best(what: str, tiles: list, call, run) -> dict:
         except Exception as exc:  # a tile that does not compile or fit
             print(f"  {what} {cfg}: {type(exc).__name__}", flush=True)
     results.sort(key=lambda r: r[0])
-    best = {"what": what, "us": results[0][0] if results else None,
-            "config": results[0][1] if results else None}
+    best = {
+        "what": what,
+        "us": results[0][0] if results else None,
+        "config": results[0][1] if results else None,
+    }
     print(f"sweep {what}: {best['us']} us {best['config']}", flush=True)
     return best
 
@@ -124,27 +153,47 @@ def _sweep(shapes, run) -> list:
     from pagoda.kernels.fp8 import linear as kl
     from pagoda.kernels.fp8 import quant as kq
     from pagoda.kernels.fp8 import w8a16 as kw
-    w8a16_tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk,
-                        num_warps=4 if bn * bk <= 16384 else 8)
-                   for bn in (8, 16, 32, 64) for bk in (256, 512, 1024) for sk in (1, 2, 4)]
-    w8a8_tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw,
-                       num_stages=st)
-                  for bm in (64, 128) for bn in (64, 128, 256) for nw in (4, 8) for st in (3, 4)]
+
+    w8a16_tiles = [
+        dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=4 if bn * bk <= 16384 else 8)
+        for bn in (8, 16, 32, 64)
+        for bk in (256, 512, 1024)
+        for sk in (1, 2, 4)
+    ]
+    w8a8_tiles = [
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw, num_stages=st)
+        for bm in (64, 128)
+        for bn in (64, 128, 256)
+        for nw in (4, 8)
+        for st in (3, 4)
+    ]
     if run.smoke:
         w8a16_tiles, w8a8_tiles = w8a16_tiles[:2], w8a8_tiles[:2]
     found = []
     for label, (n, k) in shapes.items():
         w8, s = kq.quantize_weight_per_channel(
-            (torch.randn(n, k, device=run.device) * 0.02).to(run.dtype))
-        for m in ((1, 4) if run.smoke else (1, 4, 16, 64)):
+            (torch.randn(n, k, device=run.device) * 0.02).to(run.dtype)
+        )
+        for m in (1, 4) if run.smoke else (1, 4, 16, 64):
             x = torch.randn(m, k, device=run.device).to(run.dtype)
-            found.append(_best(f"w8a16 {label} M={m}", w8a16_tiles,
-                               lambda c: kw.w8a16_linear(x, w8, s, config=c), run))
-        for m in ((20,) if run.smoke else (64, 1024, 16384)):
+            found.append(
+                _best(
+                    f"w8a16 {label} M={m}",
+                    w8a16_tiles,
+                    lambda c: kw.w8a16_linear(x, w8, s, config=c),
+                    run,
+                )
+            )
+        for m in (20,) if run.smoke else (64, 1024, 16384):
             xq, xs = kq.per_token_quant_fp8(torch.randn(m, k, device=run.device).to(run.dtype))
-            found.append(_best(f"w8a8 {label} M={m}", w8a8_tiles,
-                               lambda c: kl.w8a8_gemm(xq, xs, w8, s, out_dtype=run.dtype,
-                                                      config=c), run))
+            found.append(
+                _best(
+                    f"w8a8 {label} M={m}",
+                    w8a8_tiles,
+                    lambda c: kl.w8a8_gemm(xq, xs, w8, s, out_dtype=run.dtype, config=c),
+                    run,
+                )
+            )
     return found
 
 
@@ -156,35 +205,59 @@ def _decode_compare(shapes, ms, run) -> list:
     from pagoda.kernels.fp8 import linear as kl
     from pagoda.kernels.fp8 import quant as kq
     from pagoda.kernels.fp8 import w8a16 as kw
+
     rows = []
     for label, (n, k) in shapes.items():
         w8, s = kq.quantize_weight_per_channel(
-            (torch.randn(n, k, device=run.device) * 0.02).to(run.dtype))
+            (torch.randn(n, k, device=run.device) * 0.02).to(run.dtype)
+        )
         for m in (m for m in ms if m <= kl.W8A16_MAX_M):
             x = torch.randn(m, k, device=run.device).to(run.dtype)
             ref = x.float() @ (w8.float() * s[:, None]).t()
             base = kw.w8a16_config(m, n, k)
             variants = [("default", base)]
             if m == 1 and n < 65536:
-                variants += [("bn4", dict(base, BLOCK_N=4)), ("warps8", dict(base, num_warps=8)),
-                             ("dot", dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2 if k >= 8192 else 1,
-                                          num_warps=4, DOT=True))]
+                variants += [
+                    ("bn4", dict(base, BLOCK_N=4)),
+                    ("warps8", dict(base, num_warps=8)),
+                    (
+                        "dot",
+                        dict(
+                            BLOCK_N=32,
+                            BLOCK_K=256,
+                            SPLIT_K=2 if k >= 8192 else 1,
+                            num_warps=4,
+                            DOT=True,
+                        ),
+                    ),
+                ]
             for name, cfg in variants:
                 for decode in kw.W8A16_DECODES:
                     c = dict(cfg, DECODE=decode)
                     try:
                         y = kw.w8a16_linear(x, w8, s, config=c)
-                        us = common.time_us(lambda: kw.w8a16_linear(x, w8, s, config=c), run,
-                                            "events")
+                        us = common.time_us(
+                            lambda: kw.w8a16_linear(x, w8, s, config=c), run, "events"
+                        )
                     except Exception as exc:  # a tile that does not compile
                         print(f"  {label} M={m} {name} {decode}: {type(exc).__name__}")
                         continue
-                    rows.append({"shape": label, "M": m, "variant": name, "decode": decode,
-                                 "us": us, "roofline_us": common.memory_roofline_us(n * k, run),
-                                 "rel_err": float((y.float() - ref).abs().max()
-                                                  / ref.abs().max())})
-    common.print_rows(rows, ["shape", "M", "variant", "decode", "us", "roofline_us", "rel_err"],
-                      "W8A16 weight decodes")
+                    rows.append(
+                        {
+                            "shape": label,
+                            "M": m,
+                            "variant": name,
+                            "decode": decode,
+                            "us": us,
+                            "roofline_us": common.memory_roofline_us(n * k, run),
+                            "rel_err": float((y.float() - ref).abs().max() / ref.abs().max()),
+                        }
+                    )
+    common.print_rows(
+        rows,
+        ["shape", "M", "variant", "decode", "us", "roofline_us", "rel_err"],
+        "W8A16 weight decodes",
+    )
     return rows
 
 

@@ -22,18 +22,31 @@ from benchmarks.harness.variants import add_variant_args, configs_for
 from benchmarks.kernel_bench import common
 
 HEADS, NOPE, ROPE, V, RANK = 16, 128, 64, 128, 512
-PREFILL_STEPS = {"16 x 1024 fresh": [(1024, 1024)] * 16,
-                 "8 x 1024 after 1024 cached": [(1024, 2048)] * 8}
-PREFILL_SWEEP = [(128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-                 (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 4)]
+PREFILL_STEPS = {
+    "16 x 1024 fresh": [(1024, 1024)] * 16,
+    "8 x 1024 after 1024 cached": [(1024, 2048)] * 8,
+}
+PREFILL_SWEEP = [
+    (128, 64, 8, 2),
+    (128, 32, 8, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 2),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 2),
+    (64, 32, 4, 4),
+]
 
 
 def add_args(p) -> None:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--ref-max-batch", type=int, default=64)
-    p.add_argument("--sweep-prefill", action="store_true",
-                   help="also the prefill kernel at other tiles (BLOCK_M:BLOCK_N:warps:stages)")
+    p.add_argument(
+        "--sweep-prefill",
+        action="store_true",
+        help="also the prefill kernel at other tiles (BLOCK_M:BLOCK_N:warps:stages)",
+    )
     p.add_argument("--projections", action="store_true")
     add_variant_args(p)
 
@@ -44,20 +57,28 @@ def _decode_rows(args, run, config) -> list:
     from pagoda.attention.mla_backend import latent_attention_ref
     from pagoda.kernels.attention.mla_decode import mla_decode
     from pagoda.kernels.attention.paged_decode import choose_num_splits
+
     entry, page = RANK + ROPE, 16
     scale = (NOPE + ROPE) ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count if run.device == "cuda" else 4
-    batches, contexts = (([1, 2], [40]) if run.smoke else
-                         (common.parse_ints(args.batches), common.parse_ints(args.contexts)))
+    batches, contexts = (
+        ([1, 2], [40])
+        if run.smoke
+        else (common.parse_ints(args.batches), common.parse_ints(args.contexts))
+    )
     rows = []
     for batch in batches:
         for context in contexts:
             blocks = -(-context // page)
             gen = torch.Generator(device=run.device).manual_seed(batch)
-            cache = (torch.randn(batch * blocks, page, entry, device=run.device, generator=gen)
-                     * 0.5).to(run.dtype)
-            tables = torch.randperm(batch * blocks, device=run.device,
-                                    generator=gen).view(batch, blocks).int()
+            cache = (
+                torch.randn(batch * blocks, page, entry, device=run.device, generator=gen) * 0.5
+            ).to(run.dtype)
+            tables = (
+                torch.randperm(batch * blocks, device=run.device, generator=gen)
+                .view(batch, blocks)
+                .int()
+            )
             q = torch.randn(batch, HEADS, entry, device=run.device, generator=gen).to(run.dtype)
             req = torch.arange(batch, device=run.device, dtype=torch.int32)
             lens = torch.full((batch,), context, device=run.device, dtype=torch.int32)
@@ -67,33 +88,48 @@ def _decode_rows(args, run, config) -> list:
 
             def kernel():
                 mla_decode(out, q, cache, tables, req, lens, scale, RANK, splits, config=config)
+
             nbytes = batch * context * entry * cache.element_size()
             us = common.time_us(kernel, run, "events")
-            row = {"batch": batch, "context": context, "splits": splits, "us": us,
-                   "gb_per_s": common.tb_per_s(nbytes, us) * 1e3,
-                   "roofline_us": common.memory_roofline_us(nbytes, run)}
+            row = {
+                "batch": batch,
+                "context": context,
+                "splits": splits,
+                "us": us,
+                "gb_per_s": common.tb_per_s(nbytes, us) * 1e3,
+                "roofline_us": common.memory_roofline_us(nbytes, run),
+            }
             if batch <= args.ref_max_batch:
                 kernel()
                 want = latent_attention_ref(q, cache, tables, req, lens, scale, RANK)
                 row["max_abs_err"] = float((out.float() - want).abs().max())
-                row["ref_us"] = common.time_us(lambda: latent_attention_ref(
-                    q, cache, tables, req, lens, scale, RANK, context), run, "events")
+                row["ref_us"] = common.time_us(
+                    lambda: latent_attention_ref(q, cache, tables, req, lens, scale, RANK, context),
+                    run,
+                    "events",
+                )
             rows.append(row)
-            del cache
-    common.print_rows(rows, ["batch", "context", "splits", "us", "gb_per_s", "roofline_us",
-                             "ref_us", "max_abs_err"], "MLA latent decode")
+            cache = None  # freed before the next case allocates its own
+    common.print_rows(
+        rows,
+        ["batch", "context", "splits", "us", "gb_per_s", "roofline_us", "ref_us", "max_abs_err"],
+        "MLA latent decode",
+    )
     return rows
 
 
 def _prefill_rows(args, run, config) -> list:
     import torch
 
-    from pagoda.attention.mla_backend import (PrefillChunk, assemble_prefill_qk,
-                                              prefill_attention)
+    from pagoda.attention.mla_backend import PrefillChunk, assemble_prefill_qk, prefill_attention
     from pagoda.kernels.attention.mla_prefill import mla_prefill_attention, prefill_tile_table
     from pagoda.kernels.launch.host_copy import host_to_device
-    steps = ({"fresh": [(20, 20), (9, 9)], "after a cached prefix": [(10, 30)]} if run.smoke
-             else PREFILL_STEPS)
+
+    steps = (
+        {"fresh": [(20, 20), (9, 9)], "after a cached prefix": [(10, 30)]}
+        if run.smoke
+        else PREFILL_STEPS
+    )
     sweep = PREFILL_SWEEP[:1] if run.smoke else PREFILL_SWEEP
     scale = (NOPE + ROPE) ** -0.5
     rows = []
@@ -107,37 +143,77 @@ def _prefill_rows(args, run, config) -> list:
         for qlen, klen in layout:
             chunks.append(PrefillChunk(r, r + qlen, c, c + klen))
             r, c = r + qlen, c + klen
-        p = dict(q_nope=q[..., :NOPE], q_rope=q[..., NOPE:], k_nope=kv[..., :NOPE],
-                 k_rope=entries[:, RANK:], v=kv[..., NOPE:])
-        flops = 2 * HEADS * (NOPE + ROPE + V) * sum(sum(range(k - q_ + 1, k + 1))
-                                                    for q_, k in layout)
+        p = dict(
+            q_nope=q[..., :NOPE],
+            q_rope=q[..., NOPE:],
+            k_nope=kv[..., :NOPE],
+            k_rope=entries[:, RANK:],
+            v=kv[..., NOPE:],
+        )
+        flops = (
+            2 * HEADS * (NOPE + ROPE + V) * sum(sum(range(k - q_ + 1, k + 1)) for q_, k in layout)
+        )
         qq, kk = assemble_prefill_qk(p["q_nope"], p["q_rope"], p["k_nope"], p["k_rope"])
         ref = prefill_attention(qq, kk, p["v"], chunks, scale, upcast=True).float()
 
         def sdpa_path():
             a, b = assemble_prefill_qk(p["q_nope"], p["q_rope"], p["k_nope"], p["k_rope"])
             return prefill_attention(a, b, p["v"], chunks, scale, upcast=False)
-        rel = (lambda out: float((out.float() - ref).norm() / ref.norm()))
+
+        rel = lambda out: float((out.float() - ref).norm() / ref.norm())
         us = common.time_us(sdpa_path, run, "events")
-        rows.append({"step": name, "path": "sdpa", "us": us, "tflops": flops / us / 1e6,
-                     "rel_err": rel(sdpa_path()),
-                     "roofline_us": common.compute_roofline_us(flops, run)})
+        rows.append(
+            {
+                "step": name,
+                "path": "sdpa",
+                "us": us,
+                "tflops": flops / us / 1e6,
+                "rel_err": rel(sdpa_path()),
+                "roofline_us": common.compute_roofline_us(flops, run),
+            }
+        )
         out = torch.empty(n_rows, HEADS, V, device=run.device, dtype=run.dtype)
         spans = [(ch.row_start, ch.row_end, ch.ctx_start, ch.ctx_end) for ch in chunks]
         variants = [("default", config)] + [
-            (":".join(map(str, t)), replace(config, **{
-                f: replace(getattr(config, f), block_m=t[0], block_n=t[1], num_warps=t[2],
-                           num_stages=t[3]) for f in ("prefill_16bit", "prefill_fp32")}))
-            for t in (sweep if args.sweep_prefill else [])]
+            (
+                ":".join(map(str, t)),
+                replace(
+                    config,
+                    **{
+                        f: replace(
+                            getattr(config, f),
+                            block_m=t[0],
+                            block_n=t[1],
+                            num_warps=t[2],
+                            num_stages=t[3],
+                        )
+                        for f in ("prefill_16bit", "prefill_fp32")
+                    },
+                ),
+            )
+            for t in (sweep if args.sweep_prefill else [])
+        ]
         for label, cfg in variants:
-            tiles = host_to_device(prefill_tile_table(spans, cfg.prefill_tile_rows),
-                                   torch.int32, run.device)
+            tiles = host_to_device(
+                prefill_tile_table(spans, cfg.prefill_tile_rows), torch.int32, run.device
+            )
             rows_idx = torch.arange(n_rows, device=run.device)
 
             def kernel(cfg=cfg, tiles=tiles):
-                mla_prefill_attention(out, p["q_nope"], p["q_rope"], p["k_nope"], p["k_rope"],
-                                      p["v"], rows_idx, tiles, cfg.prefill_tile_rows, scale,
-                                      config=cfg)
+                mla_prefill_attention(
+                    out,
+                    p["q_nope"],
+                    p["q_rope"],
+                    p["k_nope"],
+                    p["k_rope"],
+                    p["v"],
+                    rows_idx,
+                    tiles,
+                    cfg.prefill_tile_rows,
+                    scale,
+                    config=cfg,
+                )
+
             row = {"step": name, "path": f"kernel {label}"}
             try:
                 kernel()
@@ -148,8 +224,9 @@ def _prefill_rows(args, run, config) -> list:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             row["roofline_us"] = common.compute_roofline_us(flops, run)
             rows.append(row)
-    common.print_rows(rows, ["step", "path", "us", "tflops", "roofline_us", "rel_err", "error"],
-                      "MLA prefill")
+    common.print_rows(
+        rows, ["step", "path", "us", "tflops", "roofline_us", "rel_err", "error"], "MLA prefill"
+    )
     return rows
 
 
@@ -157,18 +234,26 @@ def _projection_rows(run) -> list:
     import torch
 
     from pagoda.kernels.attention import mla_absorb
+
     q = torch.randn(1, HEADS * (NOPE + ROPE), device=run.device).to(run.dtype)
     q_nope, q_rope = q.view(1, HEADS, NOPE + ROPE).split([NOPE, ROPE], dim=-1)
     w = (torch.randn(HEADS, NOPE + V, RANK, device=run.device) * 0.05).to(run.dtype)
     w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
     cos = torch.rand(1, ROPE // 2, device=run.device)
     o_lat = torch.randn(1, HEADS, RANK, device=run.device).to(run.dtype)
-    rows = [{"op": "absorb_q", "us": common.time_us(
-                lambda: mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos, cos), run)},
-            {"op": "project_v", "us": common.time_us(
-                lambda: mla_absorb.project_v(o_lat, w_uv), run)},
-            {"op": "project_v (torch bmm)", "us": common.time_us(
-                lambda: torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)), run)}]
+    rows = [
+        {
+            "op": "absorb_q",
+            "us": common.time_us(lambda: mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos, cos), run),
+        },
+        {"op": "project_v", "us": common.time_us(lambda: mla_absorb.project_v(o_lat, w_uv), run)},
+        {
+            "op": "project_v (torch bmm)",
+            "us": common.time_us(
+                lambda: torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)), run
+            ),
+        },
+    ]
     common.print_rows(rows, ["op", "us"], "MLA projections at one token")
     return rows
 

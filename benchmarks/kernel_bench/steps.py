@@ -31,8 +31,12 @@ def add_args(p) -> None:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens a request")
     p.add_argument("--tokens", type=int, default=128, help="tokens each request generates")
     p.add_argument("--max-model-len", type=int, default=2304)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="the step's token budget (default: 512 at batch 1, else the engine's)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step's token budget (default: 512 at batch 1, else the engine's)",
+    )
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
 
@@ -43,14 +47,16 @@ def streamed_bytes(arch, batch: int, context: int, weight_bytes: float, kv_bytes
     expected to reach under uniform top-k routing (and the shared ones), the KV cache
     (kv_bytes an entry)."""
     from pagoda.model.layers.moe.deepseek_moe import is_moe_layer
+
     h, moe = arch.hidden_size, arch.moe
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     params = arch.num_hidden_layers * (h * (q + 2 * kv) + q * h)
     for layer in range(arch.num_hidden_layers):
         if moe is not None and is_moe_layer(arch, layer):
             expert = 3 * h * moe.moe_intermediate_size
-            reached = moe.num_experts * (1 - (1 - moe.num_experts_per_tok / moe.num_experts)
-                                         ** batch)
+            reached = moe.num_experts * (
+                1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch
+            )
             params += (reached + moe.n_shared_experts) * expert + moe.num_experts * h
         else:
             params += 3 * h * arch.intermediate_size
@@ -62,6 +68,7 @@ def decode_ms(engine, prompts: list[list[int]], tokens: int) -> float:
     """Median host time (ms) between consecutive steps that each gave every one of the
     greedy requests (one per prompt, all added at once) a new token."""
     from pagoda import SamplingParams
+
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     tag = time.perf_counter_ns()
     for i, prompt in enumerate(prompts):
@@ -72,22 +79,24 @@ def decode_ms(engine, prompts: list[list[int]], tokens: int) -> float:
         if len(prompts) == sum(1 for o in outs if o.outputs[0].token_ids):
             arrivals.append(time.perf_counter())
     if len(arrivals) < 2:
-        raise RuntimeError(f"only {len(arrivals)} steps decoded all {len(prompts)} requests: "
-                           "raise --tokens (or the token budget, for a large --batch)")
+        raise RuntimeError(
+            f"only {len(arrivals)} steps decoded all {len(prompts)} requests: "
+            "raise --tokens (or the token budget, for a large --batch)"
+        )
     return statistics.median(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3
 
 
 def use_variant(runner, name: str, max_model_len: int) -> float:
     """The runner on variant `name`'s configs, its CUDA graphs captured again; seconds."""
     import torch
+
     start = time.perf_counter()
     runner.graph_runner = None
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     runner.use_kernel_configs(configs_for(name, runner.device))
-    runner.graph_runner = runner.capture_cuda_graphs(runner.model, runner.backend,
-                                                     max_model_len)
+    runner.graph_runner = runner.capture_cuda_graphs(runner.model, runner.backend, max_model_len)
     return time.perf_counter() - start
 
 
@@ -97,6 +106,7 @@ def run_steps(args, run) -> dict:
     from benchmarks.harness.workloads import random_prompts
     from pagoda import LLM
     from pagoda.model.presets import get_preset
+
     names = variant_names(args)
     for name in names:
         print(describe(name))
@@ -104,15 +114,24 @@ def run_steps(args, run) -> dict:
         args.max_num_batched_tokens = 512  # few mixed graphs to capture again per variant
     smoke = dict(device="cpu", dtype="float32", kv_cache_memory=1 << 24) if run.smoke else {}
     preset = "tiny-llama" if run.smoke else args.preset
-    llm = LLM(preset, load_format="dummy", max_model_len=args.max_model_len,
-              max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
-              skip_tokenizer_init=True, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, **{"dtype": "bfloat16", **smoke})
+    llm = LLM(
+        preset,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        skip_tokenizer_init=True,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        **{"dtype": "bfloat16", **smoke},
+    )
     engine = llm.llm_engine
     runner = getattr(engine.executor, "runner", None)
     if runner is None:
-        raise SystemExit("steps needs the in-process executor (one device): it captures the "
-                         "model runner's graphs again between variants")
+        raise SystemExit(
+            "steps needs the in-process executor (one device): it captures the "
+            "model runner's graphs again between variants"
+        )
     rng = np.random.default_rng(0)
     prompts = random_prompts(rng, [args.prompt] * args.batch, engine.model_info.vocab_size)
     decode_ms(engine, prompts[:1], 8)  # first use of the sampler and the step loop
@@ -122,23 +141,41 @@ def run_steps(args, run) -> dict:
             capture_s = use_variant(runner, name, args.max_model_len)
             ms = decode_ms(engine, prompts, args.tokens)
             samples[name].append(ms)
-            print(f"round {round_index} {name:<28} {ms:.4f} ms/step (capture {capture_s:.1f} s)",
-                  flush=True)
+            print(
+                f"round {round_index} {name:<28} {ms:.4f} ms/step (capture {capture_s:.1f} s)",
+                flush=True,
+            )
     use_variant(runner, "default", args.max_model_len)
     engine.shutdown()
     context = args.prompt + args.tokens // 2
-    nbytes = streamed_bytes(get_preset(preset), args.batch, context,
-                            1 if args.quantization == "fp8" else 2,
-                            1 if args.kv_cache_dtype.startswith("fp8") else 2)
+    nbytes = streamed_bytes(
+        get_preset(preset),
+        args.batch,
+        context,
+        1 if args.quantization == "fp8" else 2,
+        1 if args.kv_cache_dtype.startswith("fp8") else 2,
+    )
     bw = run.ceilings.get("copy_bytes_per_s")
     roofline_ms = nbytes / bw * 1e3 if bw else float("nan")
-    rows = [{"variant": name, "overrides": describe(name), "ms_per_step": values,
-             "median_ms": statistics.median(values), "spread_ms": max(values) - min(values),
-             "roofline_ms": roofline_ms, "of_roofline": roofline_ms / statistics.median(values)}
-            for name, values in samples.items()]
-    print(f"\n{'variant':<28}{'ms/step':>10}{'spread':>8}{'roofline':>10}  "
-          f"(median over {args.rounds} rounds)")
+    rows = [
+        {
+            "variant": name,
+            "overrides": describe(name),
+            "ms_per_step": values,
+            "median_ms": statistics.median(values),
+            "spread_ms": max(values) - min(values),
+            "roofline_ms": roofline_ms,
+            "of_roofline": roofline_ms / statistics.median(values),
+        }
+        for name, values in samples.items()
+    ]
+    print(
+        f"\n{'variant':<28}{'ms/step':>10}{'spread':>8}{'roofline':>10}  "
+        f"(median over {args.rounds} rounds)"
+    )
     for row in rows:
-        print(f"{row['variant']:<28}{row['median_ms']:>10.4f}{row['spread_ms']:>8.4f}"
-              f"{row['roofline_ms']:>10.4f}")
+        print(
+            f"{row['variant']:<28}{row['median_ms']:>10.4f}{row['spread_ms']:>8.4f}"
+            f"{row['roofline_ms']:>10.4f}"
+        )
     return {"streamed_bytes": nbytes, "rows": rows}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -50,8 +49,8 @@ class AttentionMetadata:
     # eager step (build_attention_metadata), whose first num_actual_tokens slots are all
     # real; absent on CUDA-graph buffers, where padding requests (slot -1) may sit among
     # them.
-    query_start_loc_cpu: Optional[torch.Tensor] = None
-    seq_lens_cpu: Optional[torch.Tensor] = None
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -77,7 +76,9 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -93,7 +94,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # this layer's cache, k/v of this step already stored
         metadata: BackendMetadata,  # from build_metadata / metadata_for_capture
-        kv_scales: Optional[torch.Tensor] = None,  # an FP8 cache's [k_scale, v_scale]
+        kv_scales: torch.Tensor | None = None,  # an FP8 cache's [k_scale, v_scale]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attends q to each request's whole context in kv_cache."""
 
@@ -102,14 +103,21 @@ class AttentionBackend(ABC):
     def supports_cuda_graphs(self) -> bool:
         return False
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
-                              block_size: int, device, max_num_tokens: int = 0) -> None:
+    def init_cuda_graph_state(
+        self,
+        max_batch_size: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device,
+        max_num_tokens: int = 0,
+    ) -> None:
         """Buffers for graphs of up to max_batch_size requests and max(max_batch_size,
         max_num_tokens) query rows."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def metadata_for_capture(self, batch_size: int, num_tokens: Optional[int] = None,
-                             max_context: Optional[int] = None) -> BackendMetadata:
+    def metadata_for_capture(
+        self, batch_size: int, num_tokens: int | None = None, max_context: int | None = None
+    ) -> BackendMetadata:
         """The plan a graph is captured with: launches sized from capture-time values only.
         num_tokens None: a decode graph (one query row per request); else a mixed graph
         of num_tokens rows over up to batch_size requests of any query lengths.
@@ -117,13 +125,14 @@ class AttentionBackend(ABC):
         (the value short_context_graph gave); None: any context the block table holds."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def short_context_graph(self, batch_size: int) -> Optional[int]:
+    def short_context_graph(self, batch_size: int) -> int | None:
         """The context bound of a second decode graph of batch_size requests worth
         capturing beside the one for any context (planned differently for short
         contexts), or None: one graph. Asked after init_cuda_graph_state."""
         return None
 
-    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
-                       num_tokens: Optional[int] = None) -> None:
+    def prepare_replay(
+        self, metadata: AttentionMetadata, batch_size: int, num_tokens: int | None = None
+    ) -> None:
         """Copies a real batch into the buffers of the graph (batch_size, num_tokens)."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")

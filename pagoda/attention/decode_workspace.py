@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -55,13 +54,13 @@ class _LayerBuffers:
 
 
 def slot_key(table: list[int], length: int, block_size: int) -> SlotKey:
-    return tuple(table[:-(-length // block_size)]), length
+    return tuple(table[: -(-length // block_size)]), length
 
 
 class DecodeWorkspace:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.keys: list[Optional[SlotKey]] = []  # per slot, after the last step
+        self.keys: list[SlotKey | None] = []  # per slot, after the last step
         self.capacity = 0
         self.step = 0
         self._layers: dict[int, _LayerBuffers] = {}
@@ -77,8 +76,10 @@ class DecodeWorkspace:
         if reset or needed > self.capacity:
             self.capacity = needed if reset else max(2 * self.capacity, needed)
             reset, previous = True, {}
-        slots = [previous.pop(slot_key(table, length - 1, self.block_size), None)
-                 for table, length in zip(tables, lengths)]
+        slots = [
+            previous.pop(slot_key(table, length - 1, self.block_size), None)
+            for table, length in zip(tables, lengths)
+        ]
         carried = [s is not None for s in slots]
         taken = {s for s in slots if s is not None}
         free = (s for s in range(len(lengths) + len(taken)) if s not in taken)
@@ -95,8 +96,9 @@ class DecodeWorkspace:
         self.step += 1
         self.keys = []
 
-    def buffers(self, kv_cache: torch.Tensor, assignment: SlotAssignment
-                ) -> tuple[torch.Tensor, bool]:
+    def buffers(
+        self, kv_cache: torch.Tensor, assignment: SlotAssignment
+    ) -> tuple[torch.Tensor, bool]:
         """(KV, carry): this layer's buffers for the step, K and V in one tensor
         [2, slots, kv_heads, capacity, head_dim] (the cache's own K-then-V order, so one
         index copy fills both), and whether they hold the previous step's contexts (else
@@ -106,12 +108,16 @@ class DecodeWorkspace:
         held = self._layers.get(id(kv_cache))
         if held is not None and held.cache() is not kv_cache:  # an old cache's id, reused
             held = None
-        carry = (held is not None and held.step == assignment.step - 1
-                 and tuple(held.kv.shape) == shape)
+        carry = (
+            held is not None and held.step == assignment.step - 1 and tuple(held.kv.shape) == shape
+        )
         if held is None or tuple(held.kv.shape) != shape:
             # Zeroed: the matmuls read padded positions too (masked, but 0 * NaN = NaN).
-            held = _LayerBuffers(weakref.ref(kv_cache), torch.zeros(
-                shape, dtype=kv_cache.dtype, device=kv_cache.device), 0)
+            held = _LayerBuffers(
+                weakref.ref(kv_cache),
+                torch.zeros(shape, dtype=kv_cache.dtype, device=kv_cache.device),
+                0,
+            )
             self._layers = {k: b for k, b in self._layers.items() if b.cache() is not None}
             self._layers[id(kv_cache)] = held
         held.step = assignment.step

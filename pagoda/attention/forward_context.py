@@ -9,8 +9,9 @@ that owns every layer's storage and its writes.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING
 
 from pagoda.attention.backend import AttentionBackend, BackendMetadata
 
@@ -22,21 +23,24 @@ if TYPE_CHECKING:  # the pool lives in the worker; attention only calls it
 class ForwardContext:
     backend: AttentionBackend
     metadata: BackendMetadata
-    kv_pool: "KVCachePool"
+    kv_pool: KVCachePool
 
 
-_current: Optional[ForwardContext] = None
+_current: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def forward_context(backend: AttentionBackend, metadata: BackendMetadata,
-                    kv_pool: "KVCachePool") -> Iterator[ForwardContext]:
+def forward_context(
+    backend: AttentionBackend, metadata: BackendMetadata, kv_pool: KVCachePool
+) -> Iterator[ForwardContext]:
     global _current
     if _current is not None:
         raise RuntimeError("forward_context is not re-entrant: a forward is already running")
     if not isinstance(metadata, BackendMetadata):
-        raise TypeError(f"forward_context needs the backend's step metadata "
-                        f"(backend.build_metadata(common)), got {type(metadata).__name__}")
+        raise TypeError(
+            f"forward_context needs the backend's step metadata "
+            f"(backend.build_metadata(common)), got {type(metadata).__name__}"
+        )
     _current = ForwardContext(backend, metadata, kv_pool)
     try:
         yield _current

@@ -29,14 +29,18 @@ skipped on the device), by index_copy on CPU, under the same rules.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.kv_quant import as_bits, check_scales, is_fp8, quantize_kv
-from pagoda.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                       MLAAttentionSpec)
+from pagoda.core.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MLAAttentionSpec,
+)
 
 
 class KVLayout(ABC):
@@ -47,14 +51,24 @@ class KVLayout(ABC):
         """Zeroed storage for num_blocks blocks of one layer."""
 
     @abstractmethod
-    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+    def store(
+        self,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *entries: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:
         """Writes this step's rows of entries into cache at metadata.slot_mapping
         (scales: the layer's [k_scale, v_scale], for an FP8 cache)."""
 
 
-def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   metadata: AttentionMetadata, scales: Optional[torch.Tensor] = None) -> None:
+def store_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scales: torch.Tensor | None = None,
+) -> None:
     """Writes the step's real k/v rows into a full-attention cache with index_copy
     (an FP8 cache: quantized with scales, copied as bytes)."""
     n = metadata.num_actual_tokens
@@ -81,14 +95,29 @@ class FullAttentionLayout(KVLayout):
         self.use_triton = use_triton
         if use_triton:  # imported here, not at module level: the CPU path needs no Triton
             from pagoda.kernels.attention.store_kv import store_kv  # Triton: CUDA only
+
             self._store_kv_triton = store_kv
 
-    def allocate(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                           dtype=getattr(torch, spec.dtype), device=device)
+    def allocate(
+        self, spec: FullAttentionSpec, num_blocks: int, device: torch.device
+    ) -> torch.Tensor:
+        return torch.zeros(
+            2,
+            num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=getattr(torch, spec.dtype),
+            device=device,
+        )
 
-    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+    def store(
+        self,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *entries: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:
         k, v = entries
         if is_fp8(cache.dtype):
             check_scales(scales, cache)
@@ -106,14 +135,27 @@ class MLALatentLayout(KVLayout):
         self.use_triton = use_triton
         if use_triton:
             from pagoda.kernels.attention.mla_store import store_latent  # Triton: CUDA only
+
             self._store_triton = store_latent
 
-    def allocate(self, spec: MLAAttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_blocks, spec.block_size, spec.entry_size,
-                           dtype=getattr(torch, spec.dtype), device=device)
+    def allocate(
+        self, spec: MLAAttentionSpec, num_blocks: int, device: torch.device
+    ) -> torch.Tensor:
+        return torch.zeros(
+            num_blocks,
+            spec.block_size,
+            spec.entry_size,
+            dtype=getattr(torch, spec.dtype),
+            device=device,
+        )
 
-    def store(self, cache: torch.Tensor, metadata: AttentionMetadata,
-              *entries: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+    def store(
+        self,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *entries: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:
         if scales is not None:  # the spec refuses FP8 for MLA: nothing here scales
             raise ValueError("MLA latent entries are not scaled (no FP8 MLA cache yet)")
         (latent,) = entries
@@ -132,15 +174,21 @@ class MLALatentLayout(KVLayout):
 def default_kv_layouts(device: torch.device | str) -> dict[type[KVCacheSpec], KVLayout]:
     """The layouts of the spec kinds Pagoda implements, writing as suits the device."""
     use_triton = torch.device(device).type == "cuda"
-    return {FullAttentionSpec: FullAttentionLayout(use_triton=use_triton),
-            MLAAttentionSpec: MLALatentLayout(use_triton=use_triton)}
+    return {
+        FullAttentionSpec: FullAttentionLayout(use_triton=use_triton),
+        MLAAttentionSpec: MLALatentLayout(use_triton=use_triton),
+    }
 
 
 class KVCachePool:
     """Every layer's KV storage: layer i is stored as config.layer_specs[i] says."""
 
-    def __init__(self, config: KVCacheConfig, device: torch.device | str,
-                 layouts: Optional[Mapping[type[KVCacheSpec], KVLayout]] = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        device: torch.device | str,
+        layouts: Mapping[type[KVCacheSpec], KVLayout] | None = None,
+    ) -> None:
         layouts = default_kv_layouts(device) if layouts is None else layouts
         self.config = config
         self._layouts: list[KVLayout] = []
@@ -148,15 +196,19 @@ class KVCachePool:
         for layer_idx, spec in enumerate(config.layer_specs):
             layout = layouts.get(type(spec))
             if layout is None:
-                raise ValueError(f"layer {layer_idx}: no KV storage layout for "
-                                 f"{type(spec).__name__} (known: "
-                                 f"{', '.join(t.__name__ for t in layouts)})")
+                raise ValueError(
+                    f"layer {layer_idx}: no KV storage layout for "
+                    f"{type(spec).__name__} (known: "
+                    f"{', '.join(t.__name__ for t in layouts)})"
+                )
             cache = layout.allocate(spec, config.num_blocks, torch.device(device))
             expected = spec.page_size_bytes * config.num_blocks
             if cache.numel() * cache.element_size() != expected:
-                raise RuntimeError(f"layer {layer_idx}: {type(layout).__name__} allocated "
-                                   f"{cache.numel() * cache.element_size()} bytes, its spec "
-                                   f"sizes {expected}")
+                raise RuntimeError(
+                    f"layer {layer_idx}: {type(layout).__name__} allocated "
+                    f"{cache.numel() * cache.element_size()} bytes, its spec "
+                    f"sizes {expected}"
+                )
             self._layouts.append(layout)
             self.caches.append(cache)
 
@@ -177,8 +229,13 @@ class KVCachePool:
         in for its store only where it writes the same bytes)."""
         return self._layouts[layer_idx]
 
-    def store(self, layer_idx: int, metadata: AttentionMetadata, *entries: torch.Tensor,
-              scales: Optional[torch.Tensor] = None) -> None:
+    def store(
+        self,
+        layer_idx: int,
+        metadata: AttentionMetadata,
+        *entries: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:
         """Writes this step's entries of one layer (full attention: k, v, each
         [num_tokens, num_kv_heads, head_dim]; MLA: latent [num_tokens, entry_size]) at
         metadata.slot_mapping. scales: the layer's float32 [k_scale, v_scale], needed

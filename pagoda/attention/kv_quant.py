@@ -17,8 +17,6 @@ captured CUDA graph reads whatever they hold at replay and never bakes a value i
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -33,18 +31,22 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_KV_DTYPE
 
 
-def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype,
-                           device: torch.device | str, is_mla: bool = False) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    cache_dtype: str, model_dtype: torch.dtype, device: torch.device | str, is_mla: bool = False
+) -> torch.dtype:
     """The dtype the KV pool stores entries in, for config.cache.cache_dtype; raises
     with the reason where this machine or model cannot do it."""
     if cache_dtype == "auto":
         return model_dtype
     if cache_dtype not in _FP8_NAMES:
-        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not supported; use auto, fp8 "
-                         f"or fp8_e4m3")
+        raise ValueError(
+            f"kv_cache_dtype {cache_dtype!r} is not supported; use auto, fp8 or fp8_e4m3"
+        )
     if is_mla:
-        raise ValueError("an FP8 KV cache (kv_cache_dtype fp8) is not supported for MLA "
-                         "models yet; use kv_cache_dtype auto")
+        raise ValueError(
+            "an FP8 KV cache (kv_cache_dtype fp8) is not supported for MLA "
+            "models yet; use kv_cache_dtype auto"
+        )
     device = torch.device(device)
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
@@ -52,17 +54,20 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype,
             raise ValueError(
                 f"kv_cache_dtype {cache_dtype} needs a GPU with FP8 support (compute "
                 f"capability >= 8.9: Ada, Hopper or later); this GPU is "
-                f"sm_{capability[0]}{capability[1]}. Use kv_cache_dtype auto")
+                f"sm_{capability[0]}{capability[1]}. Use kv_cache_dtype auto"
+            )
     return FP8_KV_DTYPE
 
 
-def check_scales(scales: Optional[torch.Tensor], cache: torch.Tensor) -> torch.Tensor:
+def check_scales(scales: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
     """scales ([k_scale, v_scale] float32 on the cache's device) for an FP8 cache."""
     if scales is None:
         raise ValueError("an FP8 KV cache needs the layer's kv_scales ([k_scale, v_scale])")
     if scales.shape != (2,) or scales.dtype != torch.float32 or scales.device != cache.device:
-        raise ValueError(f"kv_scales must be float32 [2] on {cache.device}, got "
-                         f"{scales.dtype} {tuple(scales.shape)} on {scales.device}")
+        raise ValueError(
+            f"kv_scales must be float32 [2] on {cache.device}, got "
+            f"{scales.dtype} {tuple(scales.shape)} on {scales.device}"
+        )
     return scales
 
 
@@ -71,7 +76,7 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
 
 
-def dequantize_kv(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Cache entries as float32: stored * scale for FP8, a plain cast otherwise."""
     if is_fp8(x.dtype):
         return x.float() * scale

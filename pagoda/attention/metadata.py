@@ -9,7 +9,7 @@ the device once: through a fresh pinned copy each, or through the caller's `uplo
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,8 +17,12 @@ from pagoda.attention.backend import AttentionMetadata
 from pagoda.kernels.launch.host_copy import tensor_to_device
 
 
-def compute_slot_mapping(query_lens: Sequence[int], seq_lens: Sequence[int],
-                         block_tables: Sequence[Sequence[int]], block_size: int) -> list[int]:
+def compute_slot_mapping(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> list[int]:
     """Slot (block_id * block_size + offset) of every query token, request after request."""
     slots: list[int] = []
     for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
@@ -42,10 +46,10 @@ def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device | str,
-    pad_to: Optional[int] = None,
-    max_blocks_per_req: Optional[int] = None,
-    device_block_tables: Optional[torch.Tensor] = None,
-    upload: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    pad_to: int | None = None,
+    max_blocks_per_req: int | None = None,
+    device_block_tables: torch.Tensor | None = None,
+    upload: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Metadata for a flattened batch. pad_to adds padding rows (slot -1) at the end.
     device_block_tables: the block tables already on the device (the worker's
@@ -67,14 +71,17 @@ def build_attention_metadata(
         slots.extend([-1] * (pad_to - num_tokens))
     if device_block_tables is not None:
         if device_block_tables.shape[0] != len(block_tables):
-            raise ValueError(f"device_block_tables has {device_block_tables.shape[0]} rows "
-                             f"for {len(block_tables)} requests")
+            raise ValueError(
+                f"device_block_tables has {device_block_tables.shape[0]} rows "
+                f"for {len(block_tables)} requests"
+            )
         tables = device_block_tables
     else:
         width = max(max_blocks_per_req or max((len(t) for t in block_tables), default=1), 1)
         # One tensor from padded rows: a per-row copy costs a torch call per request.
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
-                              dtype=torch.int32).reshape(len(block_tables), width)
+        tables = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32
+        ).reshape(len(block_tables), width)
     qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     seq = torch.tensor(list(seq_lens), dtype=torch.int32)
     if upload is None:

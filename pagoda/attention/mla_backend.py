@@ -35,7 +35,6 @@ either runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,7 @@ LATENT_ROWS = ("decode", "all")
 class PrefillChunk:
     """One request's rows on the decompressed path: q rows [row_start, row_end) of the
     prefill rows, its context rows [ctx_start, ctx_end) of the gathered latents."""
+
     row_start: int
     row_end: int
     ctx_start: int
@@ -60,18 +60,19 @@ class PrefillChunk:
 @dataclass
 class MLAPlan(BackendMetadata):
     """The step's MLA plan, shared by every layer."""
+
     # Latent path: rows of the step (None: rows 0..num_latent_rows-1, the whole step),
     # the request of each and how many tokens of context it sees (0: a padding row,
     # whose output is zero).
-    latent_rows: Optional[torch.Tensor]  # int64 [N] on device
+    latent_rows: torch.Tensor | None  # int64 [N] on device
     num_latent_rows: int
     row_req: torch.Tensor  # int32 [N]
     row_len: torch.Tensor  # int32 [N]
     # Decompressed path: the rows (int64 [P]), each request's chunk, and the cache slots
     # of every chunk's whole context, concatenated (int64 [C]).
-    prefill_rows: Optional[torch.Tensor] = None
+    prefill_rows: torch.Tensor | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
-    prefill_slots: Optional[torch.Tensor] = None
+    prefill_slots: torch.Tensor | None = None
     max_row_len: int = 0  # host: the longest latent context (0 when unknown)
 
 
@@ -95,14 +96,16 @@ def plan_eager(common: AttentionMetadata, latent_rows: str) -> MLAPlan:
         ctx += seq_len
         slot_parts.append(_context_slots(common, i, seq_len))
     whole = rows == list(range(common.num_actual_tokens)) and (
-        common.slot_mapping.shape[0] == len(rows))
+        common.slot_mapping.shape[0] == len(rows)
+    )
     plan = MLAPlan(
         common,
         latent_rows=None if whole else host_to_device(rows, torch.long, device),
         num_latent_rows=len(rows),
         row_req=host_to_device(reqs, torch.int32, device),
         row_len=host_to_device(lens, torch.int32, device),
-        max_row_len=max(lens, default=0))
+        max_row_len=max(lens, default=0),
+    )
     if chunks:
         plan.prefill_rows = host_to_device(prefill_rows, torch.long, device)
         plan.prefill_chunks = chunks
@@ -118,9 +121,16 @@ def _context_slots(common: AttentionMetadata, req: int, seq_len: int) -> torch.T
     return blocks[pos // bs] * bs + pos % bs
 
 
-def latent_attention_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                         row_req: torch.Tensor, row_len: torch.Tensor, scale: float,
-                         kv_lora_rank: int, max_len: Optional[int] = None) -> torch.Tensor:
+def latent_attention_ref(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_req: torch.Tensor,
+    row_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    max_len: int | None = None,
+) -> torch.Tensor:
     """q [N, H, E] latent queries against the latent cache [num_blocks, block_size, E]:
     row n sees the first row_len[n] tokens of request row_req[n]. Returns [N, H,
     kv_lora_rank] in float32 (zeros for rows of length 0)."""
@@ -145,8 +155,9 @@ def latent_attention_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     return torch.einsum("nhl,nlc->nhc", probs, entries[..., :kv_lora_rank])
 
 
-def assemble_prefill_qk(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor,
-                        k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def assemble_prefill_qk(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q = [q_nope, q_rope] [P, H, Dn + Dr] and k = [k_nope, k_rope for every head]
     [C, H, Dn + Dr]: what prefill_attention takes."""
     heads = k_nope.shape[1]
@@ -154,9 +165,17 @@ def assemble_prefill_qk(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torc
     return torch.cat((q_nope, q_rope), dim=-1), k
 
 
-def sdpa_prefill(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                 k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, plan: MLAPlan,
-                 scale: float, upcast: bool) -> None:
+def sdpa_prefill(
+    out: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    plan: MLAPlan,
+    scale: float,
+    upcast: bool,
+) -> None:
     """The plan's prefill rows of out from the layer's pieces (forward_prefill's
     arguments): q and k assembled, then prefill_attention per chunk."""
     rows = plan.prefill_rows
@@ -164,14 +183,24 @@ def sdpa_prefill(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
     out[rows] = prefill_attention(q, k, v, plan.prefill_chunks, scale, upcast=upcast)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      chunks: list[PrefillChunk], scale: float, upcast: bool) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[PrefillChunk],
+    scale: float,
+    upcast: bool,
+) -> torch.Tensor:
     """Causal attention of each chunk's query rows to its decompressed context: q [P, H,
     Dqk], k [C, H, Dqk], v [C, H, Dv] -> [P, H, Dv] in q's dtype. A chunk's query row j
     sits at position ctx_len - qlen + j. upcast: compute in float32 (the reference)."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for c in chunks:
-        qi, ki, vi = q[c.row_start:c.row_end], k[c.ctx_start:c.ctx_end], v[c.ctx_start:c.ctx_end]
+        qi, ki, vi = (
+            q[c.row_start : c.row_end],
+            k[c.ctx_start : c.ctx_end],
+            v[c.ctx_start : c.ctx_end],
+        )
         if upcast:
             qi, ki, vi = qi.float(), ki.float(), vi.float()
         qlen, klen = qi.shape[0], ki.shape[0]
@@ -182,7 +211,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_pos = torch.arange(klen - qlen, klen, device=q.device)[:, None]
             mask = torch.arange(klen, device=q.device)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        out[c.row_start:c.row_end] = o.transpose(0, 1).to(out.dtype)
+        out[c.row_start : c.row_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -191,8 +220,14 @@ class MLATorchBackend(AttentionBackend):
 
     name = "torch_ref"
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                 scale: float, latent_rows: str = "decode") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        scale: float,
+        latent_rows: str = "decode",
+    ) -> None:
         super().__init__(num_heads, 1, kv_lora_rank + qk_rope_head_dim, scale)
         if latent_rows not in LATENT_ROWS:
             raise ValueError(f"latent_rows must be one of {LATENT_ROWS}, got {latent_rows!r}")
@@ -202,18 +237,31 @@ class MLATorchBackend(AttentionBackend):
     def build_metadata(self, common: AttentionMetadata) -> MLAPlan:
         return plan_eager(common, self.latent_rows)
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: MLAPlan) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLAPlan) -> torch.Tensor:
         """q [N, H, kv_lora_rank + rope] of the plan's latent rows -> [N, H, kv_lora_rank]."""
         common = metadata.common
-        out = latent_attention_ref(q, kv_cache, common.block_tables, metadata.row_req,
-                                   metadata.row_len, self.scale, self.kv_lora_rank,
-                                   metadata.max_row_len)
+        out = latent_attention_ref(
+            q,
+            kv_cache,
+            common.block_tables,
+            metadata.row_req,
+            metadata.row_len,
+            self.scale,
+            self.kv_lora_rank,
+            metadata.max_row_len,
+        )
         return out.to(q.dtype)
 
-    def forward_prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                        k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-                        metadata: MLAPlan) -> None:
+    def forward_prefill(
+        self,
+        out: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rope: torch.Tensor,
+        v: torch.Tensor,
+        metadata: MLAPlan,
+    ) -> None:
         """Writes the plan's prefill rows of out [T, H, Dv]: q_nope [T, H, Dn] and q_rope
         [T, H, Dr] (rotated) hold every row of the step; k_nope [C, H, Dn], v [C, H, Dv]
         and k_rope [C, Dr] (shared by every head) the contexts, in metadata.prefill_slots

@@ -8,7 +8,6 @@ so attention never reads a model config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,17 +26,22 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
-    kv_lora_rank: Optional[int] = None
-    qk_rope_head_dim: Optional[int] = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
 
 
-def make_attention_backend(name: str, device: str, shape: AttentionShape, *,
-                           decode_config: Optional[DecodeAttentionConfig] = None,
-                           mla_config: Optional[MLAKernelConfig] = None) -> AttentionBackend:
+def make_attention_backend(
+    name: str,
+    device: str,
+    shape: AttentionShape,
+    *,
+    decode_config: DecodeAttentionConfig | None = None,
+    mla_config: MLAKernelConfig | None = None,
+) -> AttentionBackend:
     """The backend named ("auto": Triton on CUDA, the torch reference elsewhere). The
     Triton backends take their kernels' config (decode_config, mla_config; default:
     the family's config for device)."""
@@ -47,12 +51,16 @@ def make_attention_backend(name: str, device: str, shape: AttentionShape, *,
         args = (shape.num_heads, shape.kv_lora_rank, shape.qk_rope_head_dim, shape.scale)
         if name == "triton":
             from pagoda.attention.mla_triton import MLATritonBackend  # Triton: CUDA only
+
             return MLATritonBackend(
-                *args, config=mla_config or MLAKernelConfig.for_device(torch.device(device)))
+                *args, config=mla_config or MLAKernelConfig.for_device(torch.device(device))
+            )
         return MLATorchBackend(*args)
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
     if name == "triton":
         from pagoda.attention.triton_backend import TritonBackend  # Triton: CUDA only
-        return TritonBackend(*args, config=decode_config or DecodeAttentionConfig.for_device(
-            torch.device(device)))
+
+        return TritonBackend(
+            *args, config=decode_config or DecodeAttentionConfig.for_device(torch.device(device))
+        )
     return TorchRefBackend(*args)

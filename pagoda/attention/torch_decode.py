@@ -19,7 +19,7 @@ since every layer of one forward sees the same metadata and caches of the same s
 Per layer, ``decode_attention`` then costs one small copy (K and V together), two
 batched matmuls over the workspace and a softmax. Same arithmetic as the reference
 (float32, scores scaled then masked to -inf), checked against it in
-tests/test_torch_decode.py. An FP8 cache's workspace holds the stored bytes (copied as
+tests/attention/test_torch_decode.py. An FP8 cache's workspace holds the stored bytes (copied as
 uint8); its K scale is folded into the score scale and its V scale applied to the
 output (the reference dequantizes instead: equal up to float32 rounding).
 """
@@ -27,7 +27,6 @@ output (the reference dequantizes instead: equal up to float32 rounding).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -46,13 +45,13 @@ class DecodePlan:
     carry_copy: tuple[torch.Tensor, torch.Tensor]  # (cache rows, workspace rows)
     # bool [slots, 1, 1, L]: True where past the slot's context; None when no slot has
     # such a position (every slot holds a row of length L: the mask would be a no-op).
-    padding: Optional[torch.Tensor]
+    padding: torch.Tensor | None
     max_len: int  # L
     # [B, kv_heads, L] grids of cache and workspace rows, and where they are inside a
     # context: the full copy is taken from them on first use (a layer whose buffers do
     # not carry), since in steady decoding every layer carries and none needs it.
     grids: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    _full_copy: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    _full_copy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # (carry, cache K rows, workspace K rows) -> the K and V copy as one index pair.
     _kv_copies: dict = field(default_factory=dict)
@@ -64,8 +63,9 @@ class DecodePlan:
             self._full_copy = (src[inside], dst[inside])
         return self._full_copy
 
-    def kv_copy(self, carry: bool, cache_rows: int, workspace_rows: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_copy(
+        self, carry: bool, cache_rows: int, workspace_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K rows' copy (carry_copy or full_copy) followed by the same rows of V,
         which sit cache_rows further in the cache and workspace_rows further in the
         workspace (both hold K, then V). Built once per step and shape."""
@@ -81,12 +81,13 @@ class DecodePlan:
 @dataclass
 class StepPlan(BackendMetadata):
     """torch_ref's metadata for one step (the common metadata is `common`)."""
+
     decode_rows: list[int]  # request indices with one query token
     prefill_rows: list[int]  # request indices with several (a prompt chunk)
     qsl: list[int]  # query_start_loc on the host
     seq_lens: list[int]
-    decode: Optional[DecodePlan]
-    workspace: Optional[DecodeWorkspace]  # what decode reads through (None: the reference)
+    decode: DecodePlan | None
+    workspace: DecodeWorkspace | None  # what decode reads through (None: the reference)
 
 
 def host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -96,8 +97,9 @@ def host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
     return qsl.tolist(), seq_lens.tolist()
 
 
-def build_step_plan(metadata: AttentionMetadata, num_kv_heads: int,
-                    workspace: Optional[DecodeWorkspace]) -> StepPlan:
+def build_step_plan(
+    metadata: AttentionMetadata, num_kv_heads: int, workspace: DecodeWorkspace | None
+) -> StepPlan:
     """Everything about this step's attention that does not depend on the layer (the
     decode plan only with a workspace: without one, decode rows take the reference).
     A workspace counts each call as one step: call once per forward."""
@@ -113,15 +115,20 @@ def build_step_plan(metadata: AttentionMetadata, num_kv_heads: int,
     return StepPlan(metadata, decode_rows, prefill_rows, qsl, seq_lens, decode, workspace)
 
 
-def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[int],
-                      seq_lens: list[int], num_kv_heads: int,
-                      workspace: DecodeWorkspace) -> DecodePlan:
+def build_decode_plan(
+    metadata: AttentionMetadata,
+    rows: list[int],
+    qsl: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    workspace: DecodeWorkspace,
+) -> DecodePlan:
     device = metadata.block_tables.device
     block_size = metadata.block_size
     lengths = [seq_lens[i] for i in rows]
     max_len = max(lengths)
     rows_t = torch.tensor(rows, device=device)
-    tables = metadata.block_tables[rows_t, :-(-max_len // block_size)].long()
+    tables = metadata.block_tables[rows_t, : -(-max_len // block_size)].long()
     assignment = workspace.assign(tables.tolist(), lengths)
     slots = torch.tensor(assignment.slots, device=device)
     lens = torch.tensor(lengths, device=device)
@@ -142,35 +149,50 @@ def build_decode_plan(metadata: AttentionMetadata, rows: list[int], qsl: list[in
         slot_lens[slots] = lens
         padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
-    all_rows = (token_rows == list(range(len(rows)))
-                and metadata.slot_mapping.shape[0] == len(rows))
+    all_rows = token_rows == list(range(len(rows))) and metadata.slot_mapping.shape[0] == len(rows)
     in_order = assignment.slots == list(range(len(rows))) and assignment.num_slots == len(rows)
-    return DecodePlan(torch.tensor(token_rows, device=device), all_rows, assignment, slots,
-                      in_order, (src[fresh], dst[fresh]), padding, max_len, (src, dst, inside))
+    return DecodePlan(
+        torch.tensor(token_rows, device=device),
+        all_rows,
+        assignment,
+        slots,
+        in_order,
+        (src[fresh], dst[fresh]),
+        padding,
+        max_len,
+        (src, dst, inside),
+    )
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-                     workspace: DecodeWorkspace, scale: float,
-                     kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: DecodePlan,
+    workspace: DecodeWorkspace,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
     in float32. When plan.all_rows, T == B and the result is the whole output.
     kv_scales: an FP8 cache's [k_scale, v_scale]."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     kv_ws, carry = workspace.buffers(kv_cache, plan.assignment)
-    src, dst = plan.kv_copy(carry, kv_cache.numel() // (2 * head_dim),
-                            kv_ws.numel() // (2 * head_dim))
+    src, dst = plan.kv_copy(
+        carry, kv_cache.numel() // (2 * head_dim), kv_ws.numel() // (2 * head_dim)
+    )
     # FP8: copied as bytes (torch has no float8 index_copy_ on the CPU).
     as_bits(kv_ws).view(-1, head_dim).index_copy_(
-        0, dst, as_bits(kv_cache).view(-1, head_dim).index_select(0, src))
+        0, dst, as_bits(kv_cache).view(-1, head_dim).index_select(0, src)
+    )
     fp8 = is_fp8(kv_cache.dtype)
     num_slots, group = plan.assignment.num_slots, q.shape[1] // num_kv_heads
     rows = num_slots * num_kv_heads  # (slot, kv head) pairs: the batch of the bmm calls
     # [2, S*Hkv, L, D]: K and V views of the workspace (no copy in float32).
-    kv = _as_float32(kv_ws.view(2, rows, -1, head_dim)[:, :, :plan.max_len])
+    kv = _as_float32(kv_ws.view(2, rows, -1, head_dim)[:, :, : plan.max_len])
     qs = q if plan.all_rows else q.index_select(0, plan.token_rows)
     if not plan.in_slot_order:
         qs = qs.new_zeros(num_slots, *q.shape[1:]).index_copy_(0, plan.slots, qs)

@@ -28,7 +28,7 @@ score scale and the output on the batched decode path.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +65,10 @@ class LazyStepPlan(BackendMetadata):
     def plan(self) -> StepPlan:
         if self._plan is None:
             if self._build is None:
-                raise RuntimeError("a step's attention plan was first used after the next "
-                                   "step's was made (the workspace counts steps in order)")
+                raise RuntimeError(
+                    "a step's attention plan was first used after the next "
+                    "step's was made (the workspace counts steps in order)"
+                )
             self._plan, self._build = self._build(), None
         return self._plan
 
@@ -83,8 +85,14 @@ class LazyStepPlan(BackendMetadata):
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 batched_decode: bool = True) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        batched_decode: bool = True,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.batched_decode = batched_decode
         self._workspace: DecodeWorkspace | None = None  # decode contexts, step to step
@@ -97,11 +105,13 @@ class TorchRefBackend(AttentionBackend):
                 self._workspace.skip_step()  # that step ran without this backend: no carrying
         workspace = self._workspace_for(common.block_size)
         self._last = LazyStepPlan(
-            common, lambda: build_step_plan(common, self.num_kv_heads, workspace))
+            common, lambda: build_step_plan(common, self.num_kv_heads, workspace)
+        )
         return self._last
 
-    def forward(self, q, kv_cache, metadata: StepPlan | LazyStepPlan,
-                kv_scales=None) -> torch.Tensor:
+    def forward(
+        self, q, kv_cache, metadata: StepPlan | LazyStepPlan, kv_scales=None
+    ) -> torch.Tensor:
         if isinstance(metadata, LazyStepPlan):
             metadata = metadata.plan()
         plan, common = metadata, metadata.common
@@ -118,12 +128,14 @@ class TorchRefBackend(AttentionBackend):
         if decode is not None:
             out[decode.token_rows] = o.to(q.dtype)
         elif plan.decode_rows:
-            self._decode_reference(q, kv_cache, common, plan.decode_rows, plan.qsl,
-                                   plan.seq_lens, out, kv_scales)
+            self._decode_reference(
+                q, kv_cache, common, plan.decode_rows, plan.qsl, plan.seq_lens, out, kv_scales
+            )
         for i in plan.prefill_rows:
             start, end = plan.qsl[i], plan.qsl[i + 1]
-            out[start:end] = self._prefill_one(q[start:end], kv_cache, common.block_tables[i],
-                                               plan.seq_lens[i], kv_scales)
+            out[start:end] = self._prefill_one(
+                q[start:end], kv_cache, common.block_tables[i], plan.seq_lens[i], kv_scales
+            )
         return out
 
     def _workspace_for(self, block_size: int) -> DecodeWorkspace | None:
@@ -135,14 +147,15 @@ class TorchRefBackend(AttentionBackend):
             self._workspace = DecodeWorkspace(block_size)
         return self._workspace
 
-    def _prefill_one(self, q, kv_cache, block_table, seq_len: int,
-                     kv_scales=None) -> torch.Tensor:
+    def _prefill_one(self, q, kv_cache, block_table, seq_len: int, kv_scales=None) -> torch.Tensor:
         qlen = q.shape[0]
         k, v = gather_context(kv_cache, block_table, seq_len)
         k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         group = self.num_heads // self.num_kv_heads
         qh = q.float().transpose(0, 1)  # [H, qlen, D]
-        kh = dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq, D]
+        kh = (
+            dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)
+        )  # [H, seq, D]
         vh = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         # Query row j sits at position seq_len - qlen + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)[:, None]
@@ -151,8 +164,9 @@ class TorchRefBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1).to(q.dtype)
 
-    def _decode_reference(self, q, kv_cache, metadata, rows, qsl_list, seq_list, out,
-                          kv_scales=None) -> None:
+    def _decode_reference(
+        self, q, kv_cache, metadata, rows, qsl_list, seq_list, out, kv_scales=None
+    ) -> None:
         """All single-token rows at once: gather each context padded to the longest."""
         device = q.device
         block_size = kv_cache.shape[2]

@@ -38,13 +38,17 @@ does not fix TRITON_INTERPRET for the process.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
-from pagoda.attention.graph_buffers import (GraphBuffers, allocate_graph_buffers, capture_metadata,
-                                            checked_graph_buffers, copy_batch_into_graph)
+from pagoda.attention.graph_buffers import (
+    GraphBuffers,
+    allocate_graph_buffers,
+    capture_metadata,
+    checked_graph_buffers,
+    copy_batch_into_graph,
+)
 from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
 from pagoda.kernels.launch.capability import sm_count
 
@@ -54,6 +58,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @dataclass
 class TritonMetadata(BackendMetadata):
     """The step's launch plan, shared by every layer."""
+
     num_decodes: int  # requests with one query row (an upper bound without host copies)
     num_splits: int  # context slices of the decode kernel
     zero_padding_rows: bool
@@ -63,21 +68,30 @@ class TritonMetadata(BackendMetadata):
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
-                 num_decode_splits: Optional[int] = None,
-                 config: Optional[DecodeAttentionConfig] = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        num_decode_splits: int | None = None,
+        config: DecodeAttentionConfig | None = None,
+    ) -> None:
         """num_decode_splits fixes the decode kernel's context slices (tests, tuning);
         None chooses them per batch. config: the decode kernels' tiles and graph plan
         on this backend's device (the selector builds it; None: for_device of the first
         step's device)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if head_dim < 16 or head_dim & (head_dim - 1):
-            raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernels, got {head_dim}")
+            raise ValueError(
+                f"head_dim must be a power of two >= 16 for the Triton kernels, got {head_dim}"
+            )
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self.config = config
-        self._graph: Optional[GraphBuffers] = None
+        self._graph: GraphBuffers | None = None
 
     def decode_config(self, device: torch.device) -> DecodeAttentionConfig:
         """The backend's DecodeAttentionConfig (built for device when none was given)."""
@@ -86,7 +100,10 @@ class TritonBackend(AttentionBackend):
         return self.config
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
-        from pagoda.kernels.attention.paged_decode import choose_num_splits, min_split_tokens  # Triton: CUDA only
+        from pagoda.kernels.attention.paged_decode import (  # Triton: CUDA only
+            choose_num_splits,
+            min_split_tokens,
+        )
 
         if common.has_host_copies:
             if common.max_query_len == 1:
@@ -105,14 +122,26 @@ class TritonBackend(AttentionBackend):
             sms = self._sm_count(common.query_start_loc.device)
             num_splits = choose_num_splits(num_decodes, self.num_kv_heads, longest, sms)
             min_split = min_split_tokens(num_decodes, self.num_kv_heads, sms)
-        return TritonMetadata(common, num_decodes, num_splits,
-                              zero_padding_rows=common.has_host_copies, min_split=min_split)
+        return TritonMetadata(
+            common,
+            num_decodes,
+            num_splits,
+            zero_padding_rows=common.has_host_copies,
+            min_split=min_split,
+        )
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata,
-                out: Optional[torch.Tensor] = None,
-                kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        out: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
-        from pagoda.kernels.attention.paged_attention import paged_attention_chunks  # Triton: CUDA only
+        from pagoda.kernels.attention.paged_attention import (
+            paged_attention_chunks,  # Triton: CUDA only
+        )
         from pagoda.kernels.attention.paged_decode import paged_attention_decode
 
         self._check_inputs(q, kv_cache, out)
@@ -120,34 +149,58 @@ class TritonBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         if metadata.zero_padding_rows and out.shape[0] > common.num_actual_tokens:
-            out[common.num_actual_tokens:].zero_()
+            out[common.num_actual_tokens :].zero_()
         if common.max_query_len > 1:
-            paged_attention_chunks(out, q, kv_cache, common.block_tables,
-                                   common.query_start_loc, common.seq_lens,
-                                   common.num_reqs, common.num_actual_tokens, self.scale,
-                                   skip_single_token=metadata.num_decodes > 0,
-                                   kv_scales=kv_scales)
+            paged_attention_chunks(
+                out,
+                q,
+                kv_cache,
+                common.block_tables,
+                common.query_start_loc,
+                common.seq_lens,
+                common.num_reqs,
+                common.num_actual_tokens,
+                self.scale,
+                skip_single_token=metadata.num_decodes > 0,
+                kv_scales=kv_scales,
+            )
         if metadata.num_decodes > 0:
-            paged_attention_decode(out, q, kv_cache, common.block_tables,
-                                   common.query_start_loc, common.seq_lens,
-                                   common.num_reqs, self.scale, metadata.num_splits,
-                                   min_split_tokens=metadata.min_split,
-                                   config=self.decode_config(q.device), kv_scales=kv_scales)
+            paged_attention_decode(
+                out,
+                q,
+                kv_cache,
+                common.block_tables,
+                common.query_start_loc,
+                common.seq_lens,
+                common.num_reqs,
+                self.scale,
+                metadata.num_splits,
+                min_split_tokens=metadata.min_split,
+                config=self.decode_config(q.device),
+                kv_scales=kv_scales,
+            )
         return out
 
-    def _check_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                      out: Optional[torch.Tensor]) -> None:
+    def _check_inputs(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None
+    ) -> None:
         if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
-            raise ValueError(f"q must be [num_tokens, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+            raise ValueError(
+                f"q must be [num_tokens, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}"
+            )
         if q.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"q dtype {q.dtype} is not supported (float16, bfloat16, float32)")
         if kv_cache.dtype != q.dtype and kv_cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype} "
-                             f"(or be float8_e4m3fn: an FP8 cache)")
+            raise ValueError(
+                f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype} "
+                f"(or be float8_e4m3fn: an FP8 cache)"
+            )
         if q.stride(2) != 1:
             raise ValueError("q needs a contiguous last (head_dim) dimension")
         if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
+            raise ValueError(
+                f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension"
+            )
 
     def _sm_count(self, device: torch.device) -> int:
         return sm_count(device)
@@ -157,13 +210,23 @@ class TritonBackend(AttentionBackend):
     def supports_cuda_graphs(self) -> bool:
         return True
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_req: int,
-                              block_size: int, device, max_num_tokens: int = 0) -> None:
-        self._graph = GraphBuffers(**allocate_graph_buffers(
-            max_batch_size, max_blocks_per_req, block_size, device, max_num_tokens))
+    def init_cuda_graph_state(
+        self,
+        max_batch_size: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device,
+        max_num_tokens: int = 0,
+    ) -> None:
+        self._graph = GraphBuffers(
+            **allocate_graph_buffers(
+                max_batch_size, max_blocks_per_req, block_size, device, max_num_tokens
+            )
+        )
 
-    def metadata_for_capture(self, batch_size: int, num_tokens: Optional[int] = None,
-                             max_context: Optional[int] = None) -> TritonMetadata:
+    def metadata_for_capture(
+        self, batch_size: int, num_tokens: int | None = None, max_context: int | None = None
+    ) -> TritonMetadata:
         """Metadata over the persistent buffers, planned from capture-time values only (no
         host copies). Decode graph (num_tokens None): one query row per request. Mixed
         graph: num_tokens rows over batch_size requests; the chunk kernel's grid covers
@@ -177,30 +240,38 @@ class TritonBackend(AttentionBackend):
         splits = self._short_context_splits(batch_size)
         short_tokens = self.decode_config(g.block_tables.device).short_context_tokens
         if num_tokens is not None or splits is None or max_context != short_tokens:
-            raise ValueError(f"no short-context decode graph of {batch_size} requests "
-                             f"(rows {num_tokens}) for contexts up to {max_context}")
+            raise ValueError(
+                f"no short-context decode graph of {batch_size} requests "
+                f"(rows {num_tokens}) for contexts up to {max_context}"
+            )
         return replace(metadata, num_splits=splits)
 
-    def short_context_graph(self, batch_size: int) -> Optional[int]:
+    def short_context_graph(self, batch_size: int) -> int | None:
         """The config's short_context_tokens where its plan has fewer slices than the
         graph for the block table's longest context (small batches)."""
         if self._short_context_splits(batch_size) is None:
             return None
         return self.decode_config(self._graph.block_tables.device).short_context_tokens
 
-    def _short_context_splits(self, batch_size: int) -> Optional[int]:
+    def _short_context_splits(self, batch_size: int) -> int | None:
         from pagoda.kernels.attention.paged_decode import short_context_splits  # Triton: CUDA only
+
         if self._graph is None or self.num_decode_splits is not None:
             return None
         device = self._graph.block_tables.device
         longest = self._graph.block_tables.shape[1] * self._graph.block_size
-        return short_context_splits(batch_size, self.num_kv_heads, longest,
-                                    self._sm_count(device), self.decode_config(device))
+        return short_context_splits(
+            batch_size,
+            self.num_kv_heads,
+            longest,
+            self._sm_count(device),
+            self.decode_config(device),
+        )
 
-    def prepare_replay(self, metadata: AttentionMetadata, batch_size: int,
-                       num_tokens: Optional[int] = None) -> None:
+    def prepare_replay(
+        self, metadata: AttentionMetadata, batch_size: int, num_tokens: int | None = None
+    ) -> None:
         """Copies a real batch (num_reqs <= batch_size; decode-only for a decode graph,
         at most num_tokens rows for a mixed one) into the buffers."""
         g = checked_graph_buffers(self._graph, batch_size, num_tokens)
         copy_batch_into_graph(g, metadata, batch_size, num_tokens)
-

@@ -25,17 +25,17 @@ ALIASES = {
 # vLLM backend names for protocols Pagoda's bench does not speak -> advice.
 _OTHER_PROTOCOLS = {
     "tgi": "it speaks TGI's native /generate_stream protocol; TGI also serves the OpenAI "
-           "API: use --backend openai-chat",
+    "API: use --backend openai-chat",
     "tensorrt-llm": "it speaks Triton's TensorRT-LLM ensemble protocol; for trtllm-serve's "
-                    "OpenAI API use --backend openai or openai-chat",
+    "OpenAI API use --backend openai or openai-chat",
     "deepspeed-mii": "it speaks DeepSpeed-MII's native protocol; MII's OpenAI-compatible "
-                     "server works with --backend openai",
+    "server works with --backend openai",
     "openai-audio": "pagoda bench measures text generation, not transcription",
 }
 
 
 def choices_text() -> str:
-    return (f"{', '.join(BACKENDS)} (vLLM's names {', '.join(ALIASES)} mean openai)")
+    return f"{', '.join(BACKENDS)} (vLLM's names {', '.join(ALIASES)} mean openai)"
 
 
 def resolve_backend(name: str) -> str:
@@ -47,6 +47,8 @@ def resolve_backend(name: str) -> str:
     if name in _OTHER_PROTOCOLS:
         raise ValueError(f"backend {name!r} is not supported: {_OTHER_PROTOCOLS[name]}")
     if "embeddings" in name or name in ("vllm-pooling", "vllm-rerank"):
-        raise ValueError(f"backend {name!r} is not supported: pagoda bench measures text "
-                         f"generation, not embeddings, pooling or reranking")
+        raise ValueError(
+            f"backend {name!r} is not supported: pagoda bench measures text "
+            f"generation, not embeddings, pooling or reranking"
+        )
     raise ValueError(f"unknown backend {name!r}; choose from {choices_text()}")

@@ -20,11 +20,10 @@ by the run's time limit still leaves its timestamps behind.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import aiohttp
 
@@ -43,8 +42,8 @@ class Target:
     url: str
     backend: str
     model: str
-    api_key: Optional[str] = None
-    request_timeout: Optional[float] = None
+    api_key: str | None = None
+    request_timeout: float | None = None
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, extra body
 
@@ -54,10 +53,17 @@ class Target:
 
 def build_payload(target: Target, sample: SampleRequest) -> dict:
     if target.backend == "openai":
-        body = {"model": target.model, "prompt": sample.prompt, "max_tokens": sample.expected_output_len}
+        body = {
+            "model": target.model,
+            "prompt": sample.prompt,
+            "max_tokens": sample.expected_output_len,
+        }
     elif target.backend == "openai-chat":
-        body = {"model": target.model, "messages": [{"role": "user", "content": sample.prompt}],
-                "max_completion_tokens": sample.expected_output_len}
+        body = {
+            "model": target.model,
+            "messages": [{"role": "user", "content": sample.prompt}],
+            "max_completion_tokens": sample.expected_output_len,
+        }
     else:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {target.backend!r}")
     body["stream"] = True
@@ -93,8 +99,12 @@ def _chunk_text(event: dict, backend: str) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
-async def _read_stream(response: aiohttp.ClientResponse, backend: str,
-                       result: m.RequestResult, clock: Callable[[], float]) -> None:
+async def _read_stream(
+    response: aiohttp.ClientResponse,
+    backend: str,
+    result: m.RequestResult,
+    clock: Callable[[], float],
+) -> None:
     pieces: list[str] = []
     async for raw in response.content:
         line = raw.strip()
@@ -132,22 +142,28 @@ async def _read_stream(response: aiohttp.ClientResponse, backend: str,
     _fail(result, m.INCOMPLETE_STREAM, "the stream ended without data: [DONE]", clock())
 
 
-async def stream_request(session: aiohttp.ClientSession, target: Target, sample: SampleRequest,
-                         result: m.RequestResult, clock: Callable[[], float]) -> None:
+async def stream_request(
+    session: aiohttp.ClientSession,
+    target: Target,
+    sample: SampleRequest,
+    result: m.RequestResult,
+    clock: Callable[[], float],
+) -> None:
     """Send one request and fill `result`; never raises except on cancellation."""
     payload = build_payload(target, sample)
     timeout = aiohttp.ClientTimeout(total=target.request_timeout)
     result.start = clock()
     try:
-        async with session.post(target.url, json=payload, headers=target.headers(),
-                                timeout=timeout) as response:
+        async with session.post(
+            target.url, json=payload, headers=target.headers(), timeout=timeout
+        ) as response:
             result.status = response.status
             if response.status != 200:
                 body = await response.text(errors="replace")
                 _fail(result, classify_http_error(response.status, body), body, clock())
                 return
             await _read_stream(response, target.backend, result, clock)
-    except asyncio.TimeoutError:  # also aiohttp's ServerTimeoutError
+    except TimeoutError:  # also aiohttp's ServerTimeoutError
         _fail(result, m.TIMEOUT, f"no complete response within {target.request_timeout} s", clock())
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
         _fail(result, m.CONNECTION_ERROR, f"{type(err).__name__}: {err}", clock())

@@ -11,39 +11,76 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
 
 from pagoda.bench.report import load_report
 
 # Metrics shown by default, per report kind, with the direction that is better.
 HIGHER_IS_BETTER = {
-    "completed", "request_throughput", "request_goodput", "output_throughput",
-    "total_token_throughput", "max_output_tokens_per_s", "requests_per_second",
-    "tokens_per_second", "output_tokens_per_second",
+    "completed",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "requests_per_second",
+    "tokens_per_second",
+    "output_tokens_per_second",
 }
 DEFAULT_METRICS = {
-    "serve": ["completed", "failed", "request_throughput", "request_goodput", "output_throughput",
-              "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
-              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-              "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"],
-    "throughput": ["elapsed_time", "requests_per_second", "tokens_per_second",
-                   "output_tokens_per_second"],
-    "latency": ["prefill_latency_ms.mean", "prefill_latency_ms.p99", "decode_step_latency_ms.mean",
-                "decode_step_latency_ms.p50", "decode_step_latency_ms.p99", "e2e_latency_ms.mean"],
+    "serve": [
+        "completed",
+        "failed",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "p99_e2el_ms",
+    ],
+    "throughput": [
+        "elapsed_time",
+        "requests_per_second",
+        "tokens_per_second",
+        "output_tokens_per_second",
+    ],
+    "latency": [
+        "prefill_latency_ms.mean",
+        "prefill_latency_ms.p99",
+        "decode_step_latency_ms.mean",
+        "decode_step_latency_ms.p50",
+        "decode_step_latency_ms.p99",
+        "e2e_latency_ms.mean",
+    ],
 }
 NEUTRAL = {"max_concurrent_requests"}  # a count of what happened, not a goal
 # An offline throughput run read with a serve run's key names, so the server can be
 # compared with the engine it wraps (same requests, same engine limits).
-THROUGHPUT_AS_SERVE = {"requests_per_second": "request_throughput",
-                       "output_tokens_per_second": "output_throughput",
-                       "tokens_per_second": "total_token_throughput", "elapsed_time": "duration"}
+THROUGHPUT_AS_SERVE = {
+    "requests_per_second": "request_throughput",
+    "output_tokens_per_second": "output_throughput",
+    "tokens_per_second": "total_token_throughput",
+    "elapsed_time": "duration",
+}
 MIXED_METRICS = ["request_throughput", "output_throughput", "total_token_throughput", "duration"]
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", help="result JSON files; the first is the baseline")
-    p.add_argument("--metrics", default=None,
-                   help="comma-separated keys (dots reach into objects, e.g. server_metrics.preemptions)")
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="comma-separated keys (dots reach into objects, e.g. server_metrics.preemptions)",
+    )
     p.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     p.add_argument("--output", default=None, help="also write the comparison to this file")
 
@@ -57,14 +94,14 @@ def metric_value(report: dict, key: str):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def verdict(key: str, base: Optional[float], other: Optional[float]) -> str:
+def verdict(key: str, base: float | None, other: float | None) -> str:
     if base is None or other is None or base == other or key in NEUTRAL:
         return ""
     higher_better = key.split(".")[0] in HIGHER_IS_BETTER  # every other metric is a cost
     return "better" if (other > base) == higher_better else "worse"
 
 
-def compare_reports(reports: list[dict], labels: list[str], keys: Optional[list[str]] = None) -> dict:
+def compare_reports(reports: list[dict], labels: list[str], keys: list[str] | None = None) -> dict:
     """{"labels": [...], "rows": [{"metric", "values", "deltas", "ratios", "verdicts"}]}."""
     if len(reports) < 2:
         raise ValueError("compare needs at least two result files")
@@ -75,8 +112,10 @@ def compare_reports(reports: list[dict], labels: list[str], keys: Optional[list[
         reports = [_as_serve_keys(r) for r in reports]
         keys = keys or MIXED_METRICS
     else:
-        raise ValueError(f"cannot compare reports of kinds {', '.join(sorted(kinds))} "
-                         "(serve and throughput reports mix; latency reports only with each other)")
+        raise ValueError(
+            f"cannot compare reports of kinds {', '.join(sorted(kinds))} "
+            "(serve and throughput reports mix; latency reports only with each other)"
+        )
     rows = []
     for key in keys:
         values = [metric_value(r, key) for r in reports]
@@ -85,15 +124,25 @@ def compare_reports(reports: list[dict], labels: list[str], keys: Optional[list[
         base = values[0]
         deltas = [None if base is None or v is None else v - base for v in values[1:]]
         ratios = [None if not base or v is None else v / base for v in values[1:]]
-        rows.append({"metric": key, "values": values, "deltas": deltas, "ratios": ratios,
-                     "verdicts": [verdict(key, base, v) for v in values[1:]]})
+        rows.append(
+            {
+                "metric": key,
+                "values": values,
+                "deltas": deltas,
+                "ratios": ratios,
+                "verdicts": [verdict(key, base, v) for v in values[1:]],
+            }
+        )
     return {"labels": labels, "rows": rows}
 
 
 def _as_serve_keys(report: dict) -> dict:
     if report["kind"] != "throughput":
         return report
-    return {**report, **{serve: report[own] for own, serve in THROUGHPUT_AS_SERVE.items() if own in report}}
+    return {
+        **report,
+        **{serve: report[own] for own, serve in THROUGHPUT_AS_SERVE.items() if own in report},
+    }
 
 
 def _num(value, signed: bool = False) -> str:
@@ -121,8 +170,10 @@ def _cells(table: dict) -> tuple[list[str], list[list[str]]]:
 def format_table(table: dict) -> str:
     head, body = _cells(table)
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in [head] + body]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [head] + body
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(line.rstrip() for line in lines)
 

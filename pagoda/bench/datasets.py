@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import numpy as np
 
@@ -42,15 +41,17 @@ SHAREGPT_MAX_TOTAL_LEN = 2048
 
 @dataclass
 class SampleRequest:
-    prompt: Union[str, list[int]]  # token ids only in the offline benchmarks
-    prompt_len: Optional[int]  # content tokens; None when no tokenizer measured it
+    prompt: str | list[int]  # token ids only in the offline benchmarks
+    prompt_len: int | None  # content tokens; None when no tokenizer measured it
     expected_output_len: int
 
 
-def _need_tokenizer(tokenizer: Optional[BenchTokenizer], dataset: str) -> BenchTokenizer:
+def _need_tokenizer(tokenizer: BenchTokenizer | None, dataset: str) -> BenchTokenizer:
     if tokenizer is None:
-        raise ValueError(f"dataset {dataset!r} needs a tokenizer: the server's /tokenize route, "
-                         "or --tokenizer PATH (local files)")
+        raise ValueError(
+            f"dataset {dataset!r} needs a tokenizer: the server's /tokenize route, "
+            "or --tokenizer PATH (local files)"
+        )
     return tokenizer
 
 
@@ -65,9 +66,15 @@ def draw_lengths(mean: int, ratio: float, n: int, rng: np.random.Generator, name
     return [int(x) for x in rng.integers(low, high + 1, size=n)]
 
 
-def random_requests(tokenizer: Optional[BenchTokenizer], num_prompts: int, input_len: int,
-                    output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
-                    seed: int = 0) -> list[SampleRequest]:
+def random_requests(
+    tokenizer: BenchTokenizer | None,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Token-exact random prompts; prompt_len counts prefix + random part."""
     tok = _need_tokenizer(tokenizer, "random")
     _check_count(num_prompts)
@@ -85,16 +92,24 @@ def random_requests(tokenizer: Optional[BenchTokenizer], num_prompts: int, input
     return samples
 
 
-def prefix_repetition_requests(tokenizer: Optional[BenchTokenizer], num_prompts: int,
-                               prefix_len: int, suffix_len: int, num_prefixes: int,
-                               output_len: int, seed: int = 0) -> list[SampleRequest]:
+def prefix_repetition_requests(
+    tokenizer: BenchTokenizer | None,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Requests sharing `num_prefixes` prefixes (assigned round-robin, then shuffled)."""
     tok = _need_tokenizer(tokenizer, "prefix-repetition")
     _check_count(num_prompts)
-    for name, value in (("prefix_repetition_prefix_len", prefix_len),
-                        ("prefix_repetition_suffix_len", suffix_len),
-                        ("prefix_repetition_num_prefixes", num_prefixes),
-                        ("prefix_repetition_output_len", output_len)):
+    for name, value in (
+        ("prefix_repetition_prefix_len", prefix_len),
+        ("prefix_repetition_suffix_len", suffix_len),
+        ("prefix_repetition_num_prefixes", num_prefixes),
+        ("prefix_repetition_output_len", output_len),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     rng = np.random.default_rng(seed)
@@ -102,23 +117,34 @@ def prefix_repetition_requests(tokenizer: Optional[BenchTokenizer], num_prompts:
     prefixes = [build_exact_prompt(tok, pool, prefix_len, rng)[0] for _ in range(num_prefixes)]
     samples = []
     for i in range(num_prompts):
-        text, count = build_exact_prompt(tok, pool, prefix_len + suffix_len, rng,
-                                         prefix=prefixes[i % num_prefixes])
+        text, count = build_exact_prompt(
+            tok, pool, prefix_len + suffix_len, rng, prefix=prefixes[i % num_prefixes]
+        )
         samples.append(SampleRequest(text, count, output_len))
     order = rng.permutation(num_prompts)
     return [samples[i] for i in order]
 
 
-def multi_turn_requests(tokenizer: Optional[BenchTokenizer], num_conversations: int,
-                        num_turns: int, first_len: int, turn_len: int, output_len: int,
-                        seed: int = 0) -> list[SampleRequest]:
+def multi_turn_requests(
+    tokenizer: BenchTokenizer | None,
+    num_conversations: int,
+    num_turns: int,
+    first_len: int,
+    turn_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """num_conversations x num_turns requests, turn-major (see the module docstring):
     turn 0 is `first_len` tokens, each later turn appends `output_len` (the previous
     reply's stand-in) + `turn_len` tokens; every request asks for `output_len` tokens."""
     tok = _need_tokenizer(tokenizer, "multi-turn")
-    for name, value in (("multi_turn_num_conversations", num_conversations),
-                        ("multi_turn_turns", num_turns), ("multi_turn_first_len", first_len),
-                        ("multi_turn_turn_len", turn_len), ("multi_turn_output_len", output_len)):
+    for name, value in (
+        ("multi_turn_num_conversations", num_conversations),
+        ("multi_turn_turns", num_turns),
+        ("multi_turn_first_len", first_len),
+        ("multi_turn_turn_len", turn_len),
+        ("multi_turn_output_len", output_len),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     rng = np.random.default_rng(seed)
@@ -129,14 +155,20 @@ def multi_turn_requests(tokenizer: Optional[BenchTokenizer], num_conversations: 
     for turn in range(num_turns):
         for conv in range(num_conversations):
             target = first_len if turn == 0 else length[conv] + output_len + turn_len
-            history[conv], length[conv] = build_exact_prompt(tok, pool, target, rng,
-                                                             prefix=history[conv])
+            history[conv], length[conv] = build_exact_prompt(
+                tok, pool, target, rng, prefix=history[conv]
+            )
             samples.append(SampleRequest(history[conv], length[conv], output_len))
     return samples
 
 
-def sharegpt_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts: int,
-                      output_len: Optional[int] = None, seed: int = 0) -> list[SampleRequest]:
+def sharegpt_requests(
+    path: str,
+    tokenizer: BenchTokenizer | None,
+    num_prompts: int,
+    output_len: int | None = None,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Conversations from a ShareGPT JSON file, shuffled with `seed`."""
     _check_count(num_prompts)
     with open(path, encoding="utf-8") as f:
@@ -149,7 +181,11 @@ def sharegpt_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompt
     pairs = []
     for entry in data:
         turns = entry.get("conversations") if isinstance(entry, dict) else None
-        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
+        if (
+            isinstance(turns, list)
+            and len(turns) >= 2
+            and all(isinstance(t, dict) for t in turns[:2])
+        ):
             pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
     order = np.random.default_rng(seed).permutation(len(pairs))
     samples: list[SampleRequest] = []
@@ -161,13 +197,16 @@ def sharegpt_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompt
         if sample is not None:
             samples.append(sample)
     if len(samples) < num_prompts:
-        raise ValueError(f"{path} has only {len(samples)} usable conversations "
-                         f"(of {len(pairs)} with two turns); lower --num-prompts")
+        raise ValueError(
+            f"{path} has only {len(samples)} usable conversations "
+            f"(of {len(pairs)} with two turns); lower --num-prompts"
+        )
     return samples
 
 
-def _sharegpt_sample(prompt: str, reply: str, tokenizer: Optional[BenchTokenizer],
-                     output_len: Optional[int]) -> Optional[SampleRequest]:
+def _sharegpt_sample(
+    prompt: str, reply: str, tokenizer: BenchTokenizer | None, output_len: int | None
+) -> SampleRequest | None:
     if output_len is not None:
         prompt_len = len(tokenizer.encode(prompt)) if tokenizer is not None else None
         return SampleRequest(prompt, prompt_len, output_len)
@@ -180,8 +219,14 @@ def _sharegpt_sample(prompt: str, reply: str, tokenizer: Optional[BenchTokenizer
     return SampleRequest(prompt, prompt_len, reply_len)
 
 
-def custom_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts: int,
-                    output_len: int = 256, shuffle: bool = False, seed: int = 0) -> list[SampleRequest]:
+def custom_requests(
+    path: str,
+    tokenizer: BenchTokenizer | None,
+    num_prompts: int,
+    output_len: int = 256,
+    shuffle: bool = False,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """JSONL lines `{"prompt": str, "output_tokens": int}`; output_tokens defaults to `output_len`."""
     _check_count(num_prompts)
     rows = []
@@ -194,8 +239,10 @@ def custom_requests(path: str, tokenizer: Optional[BenchTokenizer], num_prompts:
         rows = [rows[i] for i in order]
     if len(rows) < num_prompts:
         raise ValueError(f"{path} has {len(rows)} prompts, fewer than --num-prompts {num_prompts}")
-    return [SampleRequest(p, len(tokenizer.encode(p)) if tokenizer is not None else None, n)
-            for p, n in rows[:num_prompts]]
+    return [
+        SampleRequest(p, len(tokenizer.encode(p)) if tokenizer is not None else None, n)
+        for p, n in rows[:num_prompts]
+    ]
 
 
 def _custom_row(path: str, lineno: int, line: str, default_output_len: int) -> tuple[str, int]:
@@ -211,8 +258,10 @@ def _custom_row(path: str, lineno: int, line: str, default_output_len: int) -> t
         raise ValueError(f"{where}: 'output_tokens' must be an integer >= 1, got {n!r}")
     unknown = set(row) - {"prompt", "output_tokens"}
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
-                         "supported: prompt, output_tokens")
+        raise ValueError(
+            f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+            "supported: prompt, output_tokens"
+        )
     return row["prompt"], n
 
 
@@ -221,29 +270,52 @@ def _check_count(num_prompts: int) -> None:
         raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
 
 
-def samples_from_args(args, tokenizer: Optional[BenchTokenizer]) -> list[SampleRequest]:
+def samples_from_args(args, tokenizer: BenchTokenizer | None) -> list[SampleRequest]:
     """The dataset named by the CLI flags (`--dataset-name` and its own flags)."""
     name = args.dataset_name
     if name in ("sharegpt", "custom") and not args.dataset_path:
         raise ValueError(f"--dataset-name {name} needs --dataset-path")
     if name == "random":
-        return random_requests(tokenizer, args.num_prompts, args.random_input_len,
-                               args.random_output_len, args.random_range_ratio,
-                               args.random_prefix_len, args.seed)
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            args.seed,
+        )
     if name == "prefix-repetition":
         return prefix_repetition_requests(
-            tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
-            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len, args.seed)
+            tokenizer,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.seed,
+        )
     if name == "sharegpt":
-        return sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts,
-                                 args.sharegpt_output_len, args.seed)
+        return sharegpt_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
+        )
     if name == "custom":
-        return custom_requests(args.dataset_path, tokenizer, args.num_prompts,
-                               args.custom_output_len, shuffle=False, seed=args.seed)
+        return custom_requests(
+            args.dataset_path,
+            tokenizer,
+            args.num_prompts,
+            args.custom_output_len,
+            shuffle=False,
+            seed=args.seed,
+        )
     if name == "multi-turn":  # conversations x turns requests, capped by --num-prompts
         return multi_turn_requests(
-            tokenizer, args.multi_turn_num_conversations, args.multi_turn_turns,
-            args.multi_turn_first_len, args.multi_turn_turn_len, args.multi_turn_output_len,
-            args.seed)[:args.num_prompts]
+            tokenizer,
+            args.multi_turn_num_conversations,
+            args.multi_turn_turns,
+            args.multi_turn_first_len,
+            args.multi_turn_turn_len,
+            args.multi_turn_output_len,
+            args.seed,
+        )[: args.num_prompts]
     raise ValueError(f"dataset_name must be one of {', '.join(DATASETS)}, got {name!r}")

@@ -20,8 +20,8 @@ from hand-written timestamps.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -46,16 +46,16 @@ class RequestResult:
     `start` is None for a request that was never sent (the time limit came first).
     """
 
-    prompt_len: Optional[int]  # from the dataset; replaced by usage.prompt_tokens when sent
+    prompt_len: int | None  # from the dataset; replaced by usage.prompt_tokens when sent
     expected_output_len: int
-    start: Optional[float] = None
-    end: Optional[float] = None
+    start: float | None = None
+    end: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # content chunks only
-    output_tokens: Optional[int] = None  # usage.completion_tokens
+    output_tokens: int | None = None  # usage.completion_tokens
     success: bool = False
-    error_kind: Optional[str] = None
+    error_kind: str | None = None
     error: str = ""
-    status: Optional[int] = None
+    status: int | None = None
     generated_text: str = ""
 
     @property
@@ -67,7 +67,7 @@ class RequestResult:
         return self.end is not None
 
 
-def ttft(r: RequestResult) -> Optional[float]:
+def ttft(r: RequestResult) -> float | None:
     if not r.chunk_times or r.start is None:
         return None
     return r.chunk_times[0] - r.start
@@ -78,7 +78,7 @@ def itls(r: RequestResult) -> list[float]:
     return [t[i + 1] - t[i] for i in range(len(t) - 1)]
 
 
-def e2el(r: RequestResult) -> Optional[float]:
+def e2el(r: RequestResult) -> float | None:
     if r.start is None or r.end is None:
         return None
     return r.end - r.start
@@ -89,7 +89,7 @@ def output_token_count(r: RequestResult) -> int:
     return r.output_tokens if r.output_tokens is not None else len(r.chunk_times)
 
 
-def tpot(r: RequestResult) -> Optional[float]:
+def tpot(r: RequestResult) -> float | None:
     first, total, out = ttft(r), e2el(r), output_token_count(r)
     if first is None or total is None or out <= 1:
         return None
@@ -101,7 +101,7 @@ def percentile_key(p: float) -> str:
     return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
 
 
-def distribution(values: Sequence[float], percentiles: Iterable[float]) -> dict[str, Optional[float]]:
+def distribution(values: Sequence[float], percentiles: Iterable[float]) -> dict[str, float | None]:
     """mean, median, std and the requested percentiles (numpy's linear interpolation).
 
     Every value is None when there is nothing to summarize: an absent figure is
@@ -130,7 +130,9 @@ def meets_slos(r: RequestResult, slos_ms: dict[str, float]) -> bool:
     values = {"ttft": ttft(r), "tpot": tpot(r), "e2el": e2el(r)}
     for name, limit_ms in slos_ms.items():
         if name not in GOODPUT_METRICS:
-            raise ValueError(f"goodput metric must be one of {', '.join(GOODPUT_METRICS)}, got {name!r}")
+            raise ValueError(
+                f"goodput metric must be one of {', '.join(GOODPUT_METRICS)}, got {name!r}"
+            )
         value = values[name]
         if value is None:
             if name == "tpot":
@@ -188,10 +190,13 @@ def failure_counts(results: Iterable[RequestResult]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def summarize(results: Sequence[RequestResult], duration: float,
-              selected: Iterable[str] = LATENCY_METRICS,
-              percentiles: Iterable[float] = (50, 90, 95, 99),
-              goodput_slos_ms: Optional[dict[str, float]] = None) -> dict:
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    selected: Iterable[str] = LATENCY_METRICS,
+    percentiles: Iterable[float] = (50, 90, 95, 99),
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> dict:
     """Every figure of the run, as a flat dict (vLLM's key names plus Pagoda's).
 
     Latencies are in milliseconds; throughputs count completed requests only.
@@ -203,7 +208,9 @@ def summarize(results: Sequence[RequestResult], duration: float,
     selected = list(selected)
     for name in selected:
         if name not in LATENCY_METRICS:
-            raise ValueError(f"percentile metric must be one of {', '.join(LATENCY_METRICS)}, got {name!r}")
+            raise ValueError(
+                f"percentile metric must be one of {', '.join(LATENCY_METRICS)}, got {name!r}"
+            )
     ps = list(percentiles)
     done = [r for r in results if r.success]
     failures = failure_counts(results)

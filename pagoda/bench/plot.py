@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Optional
 
 from pagoda.bench.report import load_report
 
@@ -35,7 +34,7 @@ def _rate(report: dict) -> float:
     return math.inf if rate in (None, "inf") else float(rate)
 
 
-def load_axis(reports: list[dict]) -> tuple[str, list[float], Optional[list[str]]]:
+def load_axis(reports: list[dict]) -> tuple[str, list[float], list[str] | None]:
     """(axis title, x per report, tick labels or None) for the vs-load figures."""
     rates = [_rate(r) for r in reports]
     if all(math.isfinite(x) for x in rates):
@@ -44,15 +43,20 @@ def load_axis(reports: list[dict]) -> tuple[str, list[float], Optional[list[str]
     if all(c is not None for c in concurrencies):
         return "max concurrency", [float(c) for c in concurrencies], None
     order = sorted(set(rates))
-    return "request rate (req/s)", [float(order.index(x)) for x in rates], \
-        ["inf" if math.isinf(x) else f"{x:g}" for x in order]
+    return (
+        "request rate (req/s)",
+        [float(order.index(x)) for x in rates],
+        ["inf" if math.isinf(x) else f"{x:g}" for x in order],
+    )
 
 
 def _serve_reports(paths: list[str]) -> list[dict]:
     reports = [load_report(p) for p in paths]
     for path, report in zip(paths, reports):
         if report["kind"] != "serve":
-            raise ValueError(f"{path}: plot takes bench serve/sweep results, not kind {report['kind']!r}")
+            raise ValueError(
+                f"{path}: plot takes bench serve/sweep results, not kind {report['kind']!r}"
+            )
     return reports
 
 
@@ -92,8 +96,11 @@ def plot_vs_load(reports: list[dict], key: str, ylabel: str, path: str, dpi: int
     xlabel, xs, ticks = load_axis(reports)
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["label"] for r in reports):
-        points = sorted((x, r.get(key)) for x, r in zip(xs, reports)
-                        if r["label"] == label and r.get(key) is not None)
+        points = sorted(
+            (x, r.get(key))
+            for x, r in zip(xs, reports)
+            if r["label"] == label and r.get(key) is not None
+        )
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     if ticks is not None:
@@ -115,10 +122,20 @@ def write_plots(reports: list[dict], output_dir: str, dpi: int = 120) -> list[st
     os.makedirs(output_dir, exist_ok=True)
     return [
         plot_latency_cdf(reports, os.path.join(output_dir, "latency_cdf.png"), dpi),
-        plot_vs_load(reports, "output_throughput", "output tokens/s",
-                     os.path.join(output_dir, "throughput_vs_rate.png"), dpi),
-        plot_vs_load(reports, "p99_ttft_ms", "P99 TTFT (ms)",
-                     os.path.join(output_dir, "p99_ttft_vs_rate.png"), dpi),
+        plot_vs_load(
+            reports,
+            "output_throughput",
+            "output tokens/s",
+            os.path.join(output_dir, "throughput_vs_rate.png"),
+            dpi,
+        ),
+        plot_vs_load(
+            reports,
+            "p99_ttft_ms",
+            "P99 TTFT (ms)",
+            os.path.join(output_dir, "p99_ttft_vs_rate.png"),
+            dpi,
+        ),
     ]
 
 

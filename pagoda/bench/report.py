@@ -25,8 +25,8 @@ import datetime
 import json
 import math
 import os
+from collections.abc import Iterable
 from importlib.metadata import version
-from typing import Iterable, Optional
 
 from pagoda.bench import metrics as m
 
@@ -35,18 +35,42 @@ KINDS = ("serve", "throughput", "latency")
 MAX_ERRORS_KEPT = 20
 _COMMON_KEYS = {"schema_version": int, "kind": str, "date": str, "label": str, "config": dict}
 _KIND_KEYS = {
-    "serve": {"backend": str, "model_id": str, "num_prompts": int, "duration": float,
-              "completed": int, "failed": int, "cancelled": int, "not_sent": int,
-              "failures": dict, "request_throughput": float, "output_throughput": float,
-              "total_token_throughput": float, "max_output_tokens_per_s": float,
-              "max_concurrent_requests": int, "requests": dict, "buckets": list,
-              "server_metrics": dict},
-    "throughput": {"model_id": str, "num_prompts": int, "elapsed_time": float,
-                   "requests_per_second": float, "tokens_per_second": float,
-                   "output_tokens_per_second": float},
-    "latency": {"model_id": str, "batch_size": int, "input_len": int, "output_len": int,
-                "prefill_latency_ms": dict, "decode_step_latency_ms": dict,
-                "e2e_latency_ms": dict},
+    "serve": {
+        "backend": str,
+        "model_id": str,
+        "num_prompts": int,
+        "duration": float,
+        "completed": int,
+        "failed": int,
+        "cancelled": int,
+        "not_sent": int,
+        "failures": dict,
+        "request_throughput": float,
+        "output_throughput": float,
+        "total_token_throughput": float,
+        "max_output_tokens_per_s": float,
+        "max_concurrent_requests": int,
+        "requests": dict,
+        "buckets": list,
+        "server_metrics": dict,
+    },
+    "throughput": {
+        "model_id": str,
+        "num_prompts": int,
+        "elapsed_time": float,
+        "requests_per_second": float,
+        "tokens_per_second": float,
+        "output_tokens_per_second": float,
+    },
+    "latency": {
+        "model_id": str,
+        "batch_size": int,
+        "input_len": int,
+        "output_len": int,
+        "prefill_latency_ms": dict,
+        "decode_step_latency_ms": dict,
+        "e2e_latency_ms": dict,
+    },
 }
 
 
@@ -77,12 +101,17 @@ def config_of(args) -> dict:
 def header(kind: str, label: str, args) -> dict:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return {"schema_version": SCHEMA_VERSION, "kind": kind,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "label": label, "pagoda_version": _pagoda_version(), "config": config_of(args)}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "label": label,
+        "pagoda_version": _pagoda_version(),
+        "config": config_of(args),
+    }
 
 
-def _ms(value: Optional[float]) -> Optional[float]:
+def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000.0
 
 
@@ -96,8 +125,10 @@ def per_request_arrays(results: Iterable[m.RequestResult], detailed: bool) -> di
         "ttft_ms": [_ms(m.ttft(r)) if r.success else None for r in results],
         "tpot_ms": [_ms(m.tpot(r)) if r.success else None for r in results],
         "e2el_ms": [_ms(m.e2el(r)) if r.success else None for r in results],
-        "error_kinds": [None if r.success else (r.error_kind or ("not_sent" if not r.sent else None))
-                        for r in results],
+        "error_kinds": [
+            None if r.success else (r.error_kind or ("not_sent" if not r.sent else None))
+            for r in results
+        ],
     }
     if detailed:
         arrays["itls_ms"] = [[x * 1000.0 for x in m.itls(r)] for r in results]
@@ -105,7 +136,7 @@ def per_request_arrays(results: Iterable[m.RequestResult], detailed: bool) -> di
     return arrays
 
 
-def _bucket_label(n: Optional[int]) -> str:
+def _bucket_label(n: int | None) -> str:
     """Power-of-two ranges: 0, 1, 2-3, 4-7, ..., 128-255."""
     if n is None:
         return "unknown"
@@ -127,11 +158,16 @@ def length_buckets(results: Iterable[m.RequestResult], percentiles=(50, 99)) -> 
             key = (_bucket_label(r.prompt_len), _bucket_label(r.expected_output_len))
             groups.setdefault(key, []).append(r)
     rows = []
-    for (inp, out) in sorted(groups, key=lambda k: (_bucket_key(k[0]), _bucket_key(k[1]))):
+    for inp, out in sorted(groups, key=lambda k: (_bucket_key(k[0]), _bucket_key(k[1]))):
         members = groups[(inp, out)]
         done = [r for r in members if r.success]
-        row = {"input_len": inp, "output_len": out, "count": len(members),
-               "completed": len(done), "failed": len(members) - len(done)}
+        row = {
+            "input_len": inp,
+            "output_len": out,
+            "count": len(members),
+            "completed": len(done),
+            "failed": len(members) - len(done),
+        }
         for name, fn in (("ttft", m.ttft), ("tpot", m.tpot), ("e2el", m.e2el)):
             values = [x * 1000.0 for x in map(fn, done) if x is not None]
             stats = m.distribution(values, percentiles)
@@ -143,22 +179,30 @@ def length_buckets(results: Iterable[m.RequestResult], percentiles=(50, 99)) -> 
     return rows
 
 
-def serve_report(args, plan, summary: dict, outcome, tokenizer_name: str, base_url: str,
-                 detailed: bool = False) -> dict:
+def serve_report(
+    args, plan, summary: dict, outcome, tokenizer_name: str, base_url: str, detailed: bool = False
+) -> dict:
     """The JSON of one `bench serve` run (see the module docstring for the schema)."""
     label = args.label or f"{args.backend}:{args.model}"
     report = header("serve", label, args)
     errors = [f"{r.error_kind}: {r.error}" for r in outcome.results if r.sent and not r.success]
-    report.update({
-        "backend": args.backend, "model_id": args.model, "tokenizer_id": tokenizer_name,
-        "base_url": base_url,
-        "dataset_name": args.dataset_name, "num_prompts": len(outcome.results),
-        "request_rate": _jsonable(plan.request_rate), "burstiness": plan.burstiness,
-        "max_concurrency": plan.max_concurrency, "max_duration": plan.max_duration,
-        "stopped_by_time_limit": outcome.stopped_by_time_limit,
-        "warmup_failures": outcome.warmup_failures,
-        "goodput_slos_ms": args.goodput or None,
-    })
+    report.update(
+        {
+            "backend": args.backend,
+            "model_id": args.model,
+            "tokenizer_id": tokenizer_name,
+            "base_url": base_url,
+            "dataset_name": args.dataset_name,
+            "num_prompts": len(outcome.results),
+            "request_rate": _jsonable(plan.request_rate),
+            "burstiness": plan.burstiness,
+            "max_concurrency": plan.max_concurrency,
+            "max_duration": plan.max_duration,
+            "stopped_by_time_limit": outcome.stopped_by_time_limit,
+            "warmup_failures": outcome.warmup_failures,
+            "goodput_slos_ms": args.goodput or None,
+        }
+    )
     report.update(summary)
     report["errors"] = errors[:MAX_ERRORS_KEPT]
     report["server_metrics"] = outcome.server_metrics
@@ -181,14 +225,17 @@ def validate_report(report: dict, where: str = "report") -> dict:
         if key not in report:
             raise ValueError(f"{where}: missing key {key!r}")
         value = report[key]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float \
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            if typ is float
             else isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        )
         if not ok:
             raise ValueError(f"{where}: {key!r} must be {typ.__name__}, got {type(value).__name__}")
     return report
 
 
-def save_report(report: dict, result_dir: Optional[str], filename: Optional[str]) -> str:
+def save_report(report: dict, result_dir: str | None, filename: str | None) -> str:
     validate_report(report)
     directory = result_dir or "."
     os.makedirs(directory, exist_ok=True)
@@ -223,11 +270,15 @@ def _bucket_lines(buckets: list[dict], width: int) -> list[str]:
     """Per input/output length range: requests, failures, mean TTFT / TPOT (ms)."""
     if len(buckets) < 2:
         return []
-    lines = [" By input / output length ".center(width, "-"),
-             f"{'input':>9} {'output':>9} {'n':>5} {'fail':>4} {'TTFT':>9} {'TPOT':>9}"]
+    lines = [
+        " By input / output length ".center(width, "-"),
+        f"{'input':>9} {'output':>9} {'n':>5} {'fail':>4} {'TTFT':>9} {'TPOT':>9}",
+    ]
     for b in buckets:
-        lines.append(f"{b['input_len']:>9} {b['output_len']:>9} {b['count']:>5} {b['failed']:>4} "
-                     f"{_fmt(b['mean_ttft_ms']):>9} {_fmt(b['mean_tpot_ms']):>9}")
+        lines.append(
+            f"{b['input_len']:>9} {b['output_len']:>9} {b['count']:>5} {b['failed']:>4} "
+            f"{_fmt(b['mean_ttft_ms']):>9} {_fmt(b['mean_tpot_ms']):>9}"
+        )
     return lines
 
 
@@ -256,8 +307,12 @@ def format_serve_table(report: dict) -> str:
     row("Peak output token throughput (tok/s):", report["max_output_tokens_per_s"])
     row("Peak concurrent requests:", report["max_concurrent_requests"])
     row("Total token throughput (tok/s):", report["total_token_throughput"])
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for name, title in titles.items():
         keys = [k for k in report if k.endswith(f"_{name}_ms") and not k.startswith("std_")]
         if not keys:
@@ -271,14 +326,28 @@ def format_serve_table(report: dict) -> str:
     server = report.get("server_metrics") or {}
     if server.get("available"):
         lines.append(" Server (/metrics) ".center(width, "-"))
-        for name in ("preemptions", "prefix_cache_hit_rate", "spec_decode_acceptance_rate",
-                     "spec_decode_mean_accepted_length", "peak_kv_cache_usage"):
+        for name in (
+            "preemptions",
+            "prefix_cache_hit_rate",
+            "spec_decode_acceptance_rate",
+            "spec_decode_mean_accepted_length",
+            "peak_kv_cache_usage",
+        ):
             row(f"{name}:", server.get(name))
         for name, value in server.get("peak_memory_bytes", {}).items():
             row(f"peak {name} (MiB):", value / 2**20)
         for tier, figures in (server.get("kv_offload") or {}).items():
-            for name in ("hit_rate", "hits", "skipped_blocks", "bytes_loaded", "bytes_stored", "load_gb_per_s",
-                         "peak_usage", "failed_reads", "invalid_files"):
+            for name in (
+                "hit_rate",
+                "hits",
+                "skipped_blocks",
+                "bytes_loaded",
+                "bytes_stored",
+                "load_gb_per_s",
+                "peak_usage",
+                "failed_reads",
+                "invalid_files",
+            ):
                 row(f"kv tier {tier} {name}:", figures.get(name))
     lines.append("=" * width)
     return "\n".join(lines)

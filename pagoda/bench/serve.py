@@ -20,27 +20,27 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import aiohttp
 import numpy as np
 
 from pagoda.bench import metrics as m
+from pagoda.bench import report as rep
 from pagoda.bench.client import BACKENDS, Target, stream_request
 from pagoda.bench.datasets import SampleRequest, samples_from_args
 from pagoda.bench.server_metrics import MetricsWatcher
 from pagoda.bench.tokenizers import LocalTokenizer, ServerTokenizer
-from pagoda.bench import report as rep
 
 
 @dataclass
 class LoadPlan:
     request_rate: float = math.inf
     burstiness: float = 1.0
-    max_concurrency: Optional[int] = None
+    max_concurrency: int | None = None
     num_warmups: int = 0
-    max_duration: Optional[float] = None  # seconds; None: bounded by the prompt count alone
+    max_duration: float | None = None  # seconds; None: bounded by the prompt count alone
     seed: int = 0
     show_progress: bool = True
     metrics_interval: float = 1.0
@@ -90,12 +90,19 @@ def _progress(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm  # progress bars only
+
     return tqdm(total=total, unit="req")
 
 
-async def _timed_batch(session: aiohttp.ClientSession, target: Target, samples: list[SampleRequest],
-                       offsets: list[float], plan: LoadPlan, clock: Callable[[], float],
-                       on_done: Callable[[], None]) -> tuple[list[m.RequestResult], bool]:
+async def _timed_batch(
+    session: aiohttp.ClientSession,
+    target: Target,
+    samples: list[SampleRequest],
+    offsets: list[float],
+    plan: LoadPlan,
+    clock: Callable[[], float],
+    on_done: Callable[[], None],
+) -> tuple[list[m.RequestResult], bool]:
     """Send `samples` at `offsets` until all are done or `plan.max_duration` runs out.
 
     Returns the results (one per sample, in order) and whether the time limit hit.
@@ -136,16 +143,24 @@ async def _timed_batch(session: aiohttp.ClientSession, target: Target, samples: 
         return results, True
 
 
-async def run_load(target: Target, samples: list[SampleRequest], plan: LoadPlan,
-                   base_url: str) -> RunOutcome:
+async def run_load(
+    target: Target, samples: list[SampleRequest], plan: LoadPlan, base_url: str
+) -> RunOutcome:
     """Warm up, then run the measured load, scraping /metrics around it."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         warmup_failures: dict[str, int] = {}
         if plan.num_warmups:
             warm = [samples[i % len(samples)] for i in range(plan.num_warmups)]
             start = time.perf_counter()
-            warm_results, _ = await _timed_batch(session, target, warm, [0.0] * len(warm), plan,
-                                                 lambda: time.perf_counter() - start, lambda: None)
+            warm_results, _ = await _timed_batch(
+                session,
+                target,
+                warm,
+                [0.0] * len(warm),
+                plan,
+                lambda: time.perf_counter() - start,
+                lambda: None,
+            )
             warmup_failures = m.failure_counts(warm_results)
         watcher = MetricsWatcher(session, base_url, target.headers(), plan.metrics_interval)
         await watcher.start()
@@ -154,8 +169,15 @@ async def run_load(target: Target, samples: list[SampleRequest], plan: LoadPlan,
         t0 = time.perf_counter()
         clock = lambda: time.perf_counter() - t0  # noqa: E731 - the run clock
         try:
-            results, stopped = await _timed_batch(session, target, samples, offsets, plan, clock,
-                                                  bar.update if bar else (lambda: None))
+            results, stopped = await _timed_batch(
+                session,
+                target,
+                samples,
+                offsets,
+                plan,
+                clock,
+                bar.update if bar else (lambda: None),
+            )
         finally:
             if bar is not None:
                 bar.close()
@@ -170,11 +192,11 @@ def base_url_from_args(args) -> str:
     return f"http://{args.host}:{args.port}"
 
 
-def _api_key(args) -> Optional[str]:
+def _api_key(args) -> str | None:
     return args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
 
-def discover_model(base_url: str, api_key: Optional[str]) -> str:
+def discover_model(base_url: str, api_key: str | None) -> str:
     """The first model id of GET /v1/models, for runs without --model."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(base_url + "/v1/models", headers=headers)
@@ -199,8 +221,15 @@ def make_target(args, base_url: str) -> Target:
         sampling["top_k"] = args.top_k
     sampling.update(args.extra_body or {})
     api_key = _api_key(args)
-    return Target(resolve_url(base_url, endpoint), args.backend, args.model, api_key,
-                  args.request_timeout, args.ignore_eos, sampling)
+    return Target(
+        resolve_url(base_url, endpoint),
+        args.backend,
+        args.model,
+        api_key,
+        args.request_timeout,
+        args.ignore_eos,
+        sampling,
+    )
 
 
 def make_tokenizer(args, base_url: str):
@@ -213,14 +242,19 @@ def make_tokenizer(args, base_url: str):
         return None, str(err)
 
 
-def plan_from_args(args, request_rate: Optional[float] = None,
-                   max_concurrency: Optional[int] = None) -> LoadPlan:
+def plan_from_args(
+    args, request_rate: float | None = None, max_concurrency: int | None = None
+) -> LoadPlan:
     return LoadPlan(
         request_rate=args.request_rate if request_rate is None else request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency if max_concurrency is None else max_concurrency,
-        num_warmups=args.num_warmups, max_duration=args.max_duration, seed=args.seed,
-        show_progress=not args.disable_tqdm, metrics_interval=args.metrics_interval)
+        num_warmups=args.num_warmups,
+        max_duration=args.max_duration,
+        seed=args.seed,
+        show_progress=not args.disable_tqdm,
+        metrics_interval=args.metrics_interval,
+    )
 
 
 def prepare(args) -> tuple[str, Target, list[SampleRequest], str]:
@@ -240,15 +274,27 @@ def prepare(args) -> tuple[str, Target, list[SampleRequest], str]:
     return base_url, target, samples, tokenizer.name if tokenizer is not None else "none"
 
 
-def measure(args, base_url: str, target: Target, samples: list[SampleRequest], tokenizer_name: str,
-            plan: LoadPlan) -> dict:
+def measure(
+    args,
+    base_url: str,
+    target: Target,
+    samples: list[SampleRequest],
+    tokenizer_name: str,
+    plan: LoadPlan,
+) -> dict:
     """One measured run -> its report (printed, and saved with --save-result)."""
 
     outcome = asyncio.run(run_load(target, samples, plan, base_url))
-    summary = m.summarize(outcome.results, outcome.duration, args.percentile_metrics,
-                          args.metric_percentiles, args.goodput)
-    result = rep.serve_report(args, plan, summary, outcome, tokenizer_name, base_url,
-                              detailed=args.save_detailed)
+    summary = m.summarize(
+        outcome.results,
+        outcome.duration,
+        args.percentile_metrics,
+        args.metric_percentiles,
+        args.goodput,
+    )
+    result = rep.serve_report(
+        args, plan, summary, outcome, tokenizer_name, base_url, detailed=args.save_detailed
+    )
     print(rep.format_serve_table(result))
     if args.save_result:
         path = rep.save_report(result, args.result_dir, args.result_filename)

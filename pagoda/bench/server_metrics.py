@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Optional
 
 import aiohttp
 
@@ -24,14 +23,17 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 _TIER_LABEL = re.compile(r'tier="([^"]*)"')
 # Per-tier series are kept apart as "<name>|tier=<tier>" besides the sum over tiers.
 TIER_SEP = "|tier="
-KV_OFFLOAD_DELTAS = {"hits": "kv_offload_hits", "queries": "kv_offload_queries",
-                     "skipped_blocks": "kv_offload_skipped_blocks",
-                     "bytes_stored": "kv_offload_stored_bytes",
-                     "bytes_loaded": "kv_offload_loaded_bytes",
-                     "failed_reads": "kv_offload_failed_reads",
-                     "invalid_files": "kv_offload_invalid_files",
-                     "load_seconds_sum": "kv_offload_load_seconds_sum",
-                     "load_count": "kv_offload_load_seconds_count"}
+KV_OFFLOAD_DELTAS = {
+    "hits": "kv_offload_hits",
+    "queries": "kv_offload_queries",
+    "skipped_blocks": "kv_offload_skipped_blocks",
+    "bytes_stored": "kv_offload_stored_bytes",
+    "bytes_loaded": "kv_offload_loaded_bytes",
+    "failed_reads": "kv_offload_failed_reads",
+    "invalid_files": "kv_offload_invalid_files",
+    "load_seconds_sum": "kv_offload_load_seconds_sum",
+    "load_count": "kv_offload_load_seconds_count",
+}
 PREEMPTIONS = ("num_preemptions",)
 PREFIX_HITS = ("prefix_cache_hits", "gpu_prefix_cache_hits")
 PREFIX_QUERIES = ("prefix_cache_queries", "gpu_prefix_cache_queries")
@@ -67,12 +69,12 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def _base_name(name: str) -> str:
     for prefix in ENGINE_PREFIXES:
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
             break
-    return name[:-len("_total")] if name.endswith("_total") else name
+    return name[: -len("_total")] if name.endswith("_total") else name
 
 
-def lookup(values: dict[str, float], bases: tuple[str, ...]) -> Optional[float]:
+def lookup(values: dict[str, float], bases: tuple[str, ...]) -> float | None:
     """The first metric whose prefix-free, `_total`-free name is one of `bases`."""
     by_base = {_base_name(k): v for k, v in values.items()}
     for base in bases:
@@ -85,21 +87,22 @@ def memory_gauges(values: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in values.items() if "memory" in k and k.endswith("bytes")}
 
 
-def _delta(before: dict, after: dict, bases: tuple[str, ...]) -> Optional[float]:
+def _delta(before: dict, after: dict, bases: tuple[str, ...]) -> float | None:
     a, b = lookup(after, bases), lookup(before, bases)
     if a is None:
         return None
     return a - (b or 0.0)
 
 
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
 
 
-def summarize_server_metrics(before: dict[str, float], after: dict[str, float],
-                             samples: list[dict[str, float]]) -> dict:
+def summarize_server_metrics(
+    before: dict[str, float], after: dict[str, float], samples: list[dict[str, float]]
+) -> dict:
     """The run's server-side figures from snapshots before, during and after it."""
     snapshots = [before, *samples, after]
     peak_memory: dict[str, float] = {}
@@ -139,7 +142,7 @@ def _tier_values(values: dict[str, float], base: str) -> dict[str, float]:
     return found
 
 
-def kv_offload_summary(before: dict, after: dict, snapshots: list[dict]) -> Optional[dict]:
+def kv_offload_summary(before: dict, after: dict, snapshots: list[dict]) -> dict | None:
     """Per KV offload tier: the run's deltas, hit rate, load bandwidth (bytes loaded
     over the summed load time) and peak usage; None when the server has no tiers."""
     tiers = _tier_values(after, "kv_offload_queries")
@@ -153,8 +156,9 @@ def kv_offload_summary(before: dict, after: dict, snapshots: list[dict]) -> Opti
             row[field] = None if a is None else a - (b or 0.0)
         row["hit_rate"] = _ratio(row["hits"], row["queries"])
         seconds = row.pop("load_seconds_sum")
-        row["load_gb_per_s"] = (row["bytes_loaded"] / seconds / 1e9
-                                if seconds and row["bytes_loaded"] else None)
+        row["load_gb_per_s"] = (
+            row["bytes_loaded"] / seconds / 1e9 if seconds and row["bytes_loaded"] else None
+        )
         usage = [_tier_values(s, "kv_offload_usage_perc").get(tier) for s in snapshots]
         usage = [u for u in usage if u is not None]
         row["peak_usage"] = max(usage) if usage else None
@@ -173,19 +177,20 @@ async def scrape(session: aiohttp.ClientSession, url: str, headers: dict) -> dic
 class MetricsWatcher:
     """Scrapes `/metrics` before the run, every `interval` seconds during it, and after."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict,
-                 interval: float = 1.0) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, headers: dict, interval: float = 1.0
+    ) -> None:
         self.url = base_url.rstrip("/") + "/metrics"
         self._session, self._headers, self._interval = session, headers, interval
-        self._before: Optional[dict] = None
+        self._before: dict | None = None
         self._samples: list[dict] = []
-        self._task: Optional[asyncio.Task] = None
-        self.unavailable: Optional[str] = None
+        self._task: asyncio.Task | None = None
+        self.unavailable: str | None = None
 
     async def start(self) -> None:
         try:
             self._before = await scrape(self._session, self.url, self._headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as err:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, OSError) as err:
             self.unavailable = f"{type(err).__name__}: {err}"
             return
         if self._interval > 0:
@@ -196,7 +201,7 @@ class MetricsWatcher:
             await asyncio.sleep(self._interval)
             try:
                 self._samples.append(await scrape(self._session, self.url, self._headers))
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError):
+            except (TimeoutError, aiohttp.ClientError, RuntimeError, OSError):
                 pass  # a missed sample only coarsens the peak; before/after still bound it
 
     async def stop(self) -> dict:
@@ -207,6 +212,6 @@ class MetricsWatcher:
             return {"available": False, "reason": self.unavailable}
         try:
             after = await scrape(self._session, self.url, self._headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError) as err:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, OSError) as err:
             return {"available": False, "reason": f"after the run: {type(err).__name__}: {err}"}
         return summarize_server_metrics(self._before or {}, after, self._samples)

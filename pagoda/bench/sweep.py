@@ -13,22 +13,32 @@ import argparse
 import json
 import math
 import os
+
 from pagoda.bench import report as rep
-from pagoda.bench.serve import measure
-from pagoda.bench.serve import plan_from_args
-from pagoda.bench.serve import prepare
 from pagoda.bench.plot import write_plots
+from pagoda.bench.serve import measure, plan_from_args, prepare
 
-
-SUMMARY_KEYS = ("request_rate", "max_concurrency", "completed", "failed", "request_throughput",
-                "output_throughput", "max_output_tokens_per_s", "median_ttft_ms", "p99_ttft_ms",
-                "median_tpot_ms", "p99_tpot_ms")
+SUMMARY_KEYS = (
+    "request_rate",
+    "max_concurrency",
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "max_output_tokens_per_s",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+)
 
 
 def _float_list(text: str) -> list[float]:
     values = [float(x) for x in text.split(",") if x.strip()]
     if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"a comma-separated list of numbers > 0 (inf allowed), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of numbers > 0 (inf allowed), got {text!r}"
+        )
     return values
 
 
@@ -51,8 +61,10 @@ def sweep_points(args) -> list[tuple[str, float, object]]:
     if (args.request_rates is None) == (args.max_concurrencies is None):
         raise ValueError("sweep takes exactly one of --request-rates and --max-concurrencies")
     if args.request_rates is not None:
-        return [(f"rate{'inf' if math.isinf(r) else f'{r:g}'}", r, args.max_concurrency)
-                for r in args.request_rates]
+        return [
+            (f"rate{'inf' if math.isinf(r) else f'{r:g}'}", r, args.max_concurrency)
+            for r in args.request_rates
+        ]
     return [(f"conc{c}", args.request_rate, c) for c in args.max_concurrencies]
 
 
@@ -71,8 +83,11 @@ def main_sweep(args) -> list[dict]:
         report = measure(args, base_url, target, samples, tokenizer_name, plan)
         paths.append(rep.save_report(report, result_dir, f"{safe}-{tag}.json"))
         reports.append(report)
-    summary = {"label": args.label, "files": paths,
-               "points": [{k: r.get(k) for k in SUMMARY_KEYS} for r in reports]}
+    summary = {
+        "label": args.label,
+        "files": paths,
+        "points": [{k: r.get(k) for k in SUMMARY_KEYS} for r in reports],
+    }
     summary_path = os.path.join(result_dir, f"sweep-{safe}.json")
     with open(summary_path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)

@@ -23,9 +23,11 @@ import json
 import os
 import urllib.error
 import urllib.request
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+
 from pagoda.model.tokenizer import load_tokenizer
 
 CORPUS = (
@@ -58,8 +60,9 @@ class BenchTokenizer(Protocol):
 class ServerTokenizer:
     """The measured server's tokenizer, through its /tokenize and /detokenize routes."""
 
-    def __init__(self, base_url: str, model: str, api_key: Optional[str] = None,
-                 timeout: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None = None, timeout: float = 30.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = f"server:{self.base_url}/tokenize"
@@ -67,22 +70,28 @@ class ServerTokenizer:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._timeout = timeout
-        self.max_model_len: Optional[int] = None
+        self.max_model_len: int | None = None
         # Tokens the server adds around every prompt: the common head and tail of the
         # encodings of two one-letter texts.
         first, second = self._tokenize("a"), self._tokenize("b")
         self._lead = _common_prefix_len(first, second)
-        self._trail = _common_prefix_len(first[self._lead:][::-1], second[self._lead:][::-1])
+        self._trail = _common_prefix_len(first[self._lead :][::-1], second[self._lead :][::-1])
 
     def _post(self, route: str, body: dict) -> dict:
-        request = urllib.request.Request(self.base_url + route, data=json.dumps(body).encode(),
-                                         headers=self._headers, method="POST")
+        request = urllib.request.Request(
+            self.base_url + route,
+            data=json.dumps(body).encode(),
+            headers=self._headers,
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
-            raise RuntimeError(f"{route} on {self.base_url} answered HTTP {err.code}: {detail}") from err
+            raise RuntimeError(
+                f"{route} on {self.base_url} answered HTTP {err.code}: {detail}"
+            ) from err
         except (urllib.error.URLError, OSError) as err:
             raise RuntimeError(f"{route} on {self.base_url} is unreachable: {err}") from err
 
@@ -95,10 +104,12 @@ class ServerTokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenize(text)
-        return ids[self._lead:len(ids) - self._trail]
+        return ids[self._lead : len(ids) - self._trail]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        reply = self._post("/detokenize", {"model": self.model, "tokens": [int(t) for t in token_ids]})
+        reply = self._post(
+            "/detokenize", {"model": self.model, "tokens": [int(t) for t in token_ids]}
+        )
         if "prompt" not in reply:
             raise RuntimeError(f"/detokenize reply has no 'prompt' field: {str(reply)[:200]}")
         return reply["prompt"]
@@ -122,8 +133,9 @@ class LocalTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=False,
-                                clean_up_tokenization_spaces=False)
+        return self._tok.decode(
+            list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -141,8 +153,14 @@ def corpus_token_pool(tokenizer: BenchTokenizer) -> list[int]:
     return pool
 
 
-def build_exact_prompt(tokenizer: BenchTokenizer, pool: Sequence[int], num_tokens: int,
-                       rng: np.random.Generator, prefix: str = "", max_rounds: int = 10) -> tuple[str, int]:
+def build_exact_prompt(
+    tokenizer: BenchTokenizer,
+    pool: Sequence[int],
+    num_tokens: int,
+    rng: np.random.Generator,
+    prefix: str = "",
+    max_rounds: int = 10,
+) -> tuple[str, int]:
     """Text that starts with `prefix` and encodes to `num_tokens` tokens in all.
 
     Random pool tokens are decoded and re-encoded; merges at token boundaries change

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import TYPE_CHECKING, NewType, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
     from pagoda.core.request import Request
@@ -26,7 +27,7 @@ _ROOT_PARENT = b"\x00" * 32
 
 
 def hash_block_tokens(
-    parent: Optional[BlockHash],
+    parent: BlockHash | None,
     token_ids: Sequence[int],
     extra: tuple = (),
 ) -> BlockHash:
@@ -44,7 +45,7 @@ def hash_block_tokens(
     return BlockHash(digest.digest())
 
 
-def extend_block_hashes(request: "Request", block_size: int, extra: tuple = ()) -> None:
+def extend_block_hashes(request: Request, block_size: int, extra: tuple = ()) -> None:
     """Appends to request.block_hashes the hashes of full blocks not yet hashed.
 
     Only whole blocks of request.all_token_ids are hashed (draft tokens never are);
@@ -58,5 +59,5 @@ def extend_block_hashes(request: "Request", block_size: int, extra: tuple = ()) 
     for block_index in range(len(hashes), num_full_blocks):
         start = block_index * block_size
         parent = hashes[-1] if hashes else None
-        tokens = request.all_token_ids[start:start + block_size]
+        tokens = request.all_token_ids[start : start + block_size]
         hashes.append(hash_block_tokens(parent, tokens, extra))

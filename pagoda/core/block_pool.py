@@ -11,8 +11,9 @@ taken from its head, and taking a cached block from there evicts its hash.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, cast
+from typing import cast
 
 from pagoda.core.block_hash import BlockHash
 
@@ -26,12 +27,12 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Set while the block is in the prefix cache (full, hashed, maybe in use).
-        self.block_hash: Optional[BlockHash] = None
+        self.block_hash: BlockHash | None = None
         # The tokens the hashed block holds, compared on lookup so that a hash
         # collision is a miss rather than wrong KV.
-        self.token_ids: Optional[tuple[int, ...]] = None
-        self.prev_free: Optional[KVCacheBlock] = None
-        self.next_free: Optional[KVCacheBlock] = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         cached = self.block_hash.hex()[:8] if self.block_hash is not None else None
@@ -133,7 +134,7 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # Called with (hash, block id) when a cached block is taken for new use, before
         # its hash is dropped: the KV offload tiers store it (core/kv_offload.py).
-        self.on_evict: Optional[Callable[[BlockHash, int], None]] = None
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,14 +170,18 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
 
-    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Optional[KVCacheBlock]:
+    def get_cached_block(
+        self, block_hash: BlockHash, token_ids: tuple[int, ...]
+    ) -> KVCacheBlock | None:
         """The cached block holding exactly these tokens under this hash, else None."""
         block = self.cached_blocks.get(block_hash)
         if block is None or block.token_ids != tuple(token_ids):
             return None
         return block
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+    def cache_full_block(
+        self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]
+    ) -> bool:
         """Registers a full block under its hash; False if the hash is already taken."""
         if not self.enable_caching:
             raise ValueError("cache_full_block called on a pool with enable_caching=False")
@@ -225,8 +230,10 @@ class BlockPool:
         never been taken."""
         for block in blocks:
             if block.ref_cnt != 1 or block.block_hash is not None:
-                raise ValueError(f"only a block in use by one request and not cached can "
-                                 f"be returned unused, got {block}")
+                raise ValueError(
+                    f"only a block in use by one request and not cached can "
+                    f"be returned unused, got {block}"
+                )
         for block in reversed(blocks):
             block.ref_cnt = 0
             self.free_queue.appendleft(block)
@@ -256,7 +263,10 @@ class BlockPool:
                 _fail(f"{block} has a negative ref_cnt")
             if (block.ref_cnt == 0) != (block in self.free_queue):
                 _fail(f"{block} ref_cnt disagrees with free-list membership")
-            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
+            if (
+                block.block_hash is not None
+                and self.cached_blocks.get(block.block_hash) is not block
+            ):
                 _fail(f"{block} holds a hash the table does not map to it")
             if block.ref_cnt > 0:
                 in_use += 1

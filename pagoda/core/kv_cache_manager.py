@@ -11,8 +11,8 @@ adds the prefix-hit tokens itself after a successful allocation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from pagoda.core.block_hash import extend_block_hashes
 from pagoda.core.block_pool import BlockPool, BlockPoolAudit, KVCacheBlock
@@ -86,7 +86,9 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_index, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
-            block = self.block_pool.get_cached_block(block_hash, self._block_tokens(request, block_index))
+            block = self.block_pool.get_cached_block(
+                block_hash, self._block_tokens(request, block_index)
+            )
             if block is None:
                 break
             hits.append(block)
@@ -100,9 +102,9 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Optional[Sequence[KVCacheBlock]] = None,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         """Gives the request blocks for num_computed_tokens + hits + num_new_tokens +
         num_lookahead_tokens tokens; returns the ids of the blocks added to it (prefix
         hits first), or None, changing nothing, when too few blocks are free.
@@ -132,7 +134,11 @@ class KVCacheManager:
         return [block.block_id for block in hits + fresh]
 
     def _check_allocation_args(
-        self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock], num_lookahead_tokens: int
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: list[KVCacheBlock],
+        num_lookahead_tokens: int,
     ) -> None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -143,13 +149,20 @@ class KVCacheManager:
         if not self.enable_caching:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         if self._req_to_blocks.get(request.request_id):
-            raise ValueError(f"request {request.request_id!r} already holds blocks; "
-                             "new_computed_blocks are only for its first allocation")
+            raise ValueError(
+                f"request {request.request_id!r} already holds blocks; "
+                "new_computed_blocks are only for its first allocation"
+            )
         for block_index, block in enumerate(hits):
             # A hit evicted between lookup and allocation would hand out stale KV.
-            if block_index >= len(request.block_hashes) or block.block_hash != request.block_hashes[block_index]:
-                raise ValueError(f"new_computed_blocks[{block_index}] ({block}) no longer holds "
-                                 f"block {block_index} of request {request.request_id!r}")
+            if (
+                block_index >= len(request.block_hashes)
+                or block.block_hash != request.block_hashes[block_index]
+            ):
+                raise ValueError(
+                    f"new_computed_blocks[{block_index}] ({block}) no longer holds "
+                    f"block {block_index} of request {request.request_id!r}"
+                )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Registers the request's blocks that num_tokens real tokens fill."""
@@ -161,14 +174,17 @@ class KVCacheManager:
             block = req_blocks[block_index]
             if block.block_hash is None:  # prefix hits are registered already
                 self.block_pool.cache_full_block(
-                    block, request.block_hashes[block_index], self._block_tokens(request, block_index))
+                    block,
+                    request.block_hashes[block_index],
+                    self._block_tokens(request, block_index),
+                )
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
     def _block_tokens(self, request: Request, block_index: int) -> tuple[int, ...]:
         start = block_index * self.block_size
-        return tuple(request.all_token_ids[start:start + self.block_size])
+        return tuple(request.all_token_ids[start : start + self.block_size])
 
-    def free(self, request: Request, num_valid_tokens: Optional[int] = None) -> None:
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Releases the request's blocks, last first, so its tail is evicted first;
         its hashed blocks stay cached. Unknown requests are ignored.
 
@@ -181,12 +197,12 @@ class KVCacheManager:
         if not blocks:
             return
         if num_valid_tokens is not None:
-            for block in blocks[num_valid_tokens // self.block_size:]:
+            for block in blocks[num_valid_tokens // self.block_size :]:
                 if block.block_hash is not None and block.ref_cnt == 1:
                     self.block_pool.uncache(block)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def trim(self, request: Request, num_tokens: int) -> Optional[int]:
+    def trim(self, request: Request, num_tokens: int) -> int | None:
         """Returns the request's blocks past those num_tokens tokens need, unused (they
         were taken for slots no step writes: core/optimistic_drafts.py); the number of
         blocks it keeps, or None when it had none to spare."""
@@ -195,8 +211,10 @@ class KVCacheManager:
         if not blocks or len(blocks) <= keep:
             return None
         if keep < self._num_cached_blocks.get(request.request_id, 0):
-            raise ValueError(f"cannot trim request {request.request_id!r} to {keep} blocks: "
-                             "its cached blocks hold real tokens")
+            raise ValueError(
+                f"cannot trim request {request.request_id!r} to {keep} blocks: "
+                "its cached blocks hold real tokens"
+            )
         self.block_pool.return_unused(blocks[keep:])
         del blocks[keep:]
         return keep
@@ -216,6 +234,8 @@ class KVCacheManager:
             num_pairs += len(blocks)
         total_refs = sum(block.ref_cnt for block in self.block_pool.blocks)
         if total_refs != num_pairs:
-            raise AssertionError(f"kv cache audit failed: ref counts sum to {total_refs} "
-                                 f"but requests hold {num_pairs} blocks")
+            raise AssertionError(
+                f"kv cache audit failed: ref counts sum to {total_refs} "
+                f"but requests hold {num_pairs} blocks"
+            )
         return pool_audit

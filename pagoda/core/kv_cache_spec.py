@@ -16,8 +16,8 @@ No torch: dtypes are named by string ("bfloat16"), as in the engine config.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Bytes per element of the dtypes a KV cache may be stored in. float8_e4m3fn: FP8 KV
 # (kv_cache_dtype fp8), whose values are scaled by per-layer K/V scales that the
@@ -60,8 +60,9 @@ class FullAttentionSpec(KVCacheSpec):
         super().__post_init__()
         _require_positive(self, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"FullAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, "
-                             f"got {self.dtype!r}")
+            raise ValueError(
+                f"FullAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
+            )
 
     @property
     def page_size_bytes(self) -> int:
@@ -81,14 +82,18 @@ class MLAAttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require_positive(self, kv_lora_rank=self.kv_lora_rank,
-                          qk_rope_head_dim=self.qk_rope_head_dim)
+        _require_positive(
+            self, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
+        )
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"MLAAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, "
-                             f"got {self.dtype!r}")
+            raise ValueError(
+                f"MLAAttentionSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
+            )
         if self.dtype == FP8_KV_DTYPE:
-            raise ValueError("an FP8 KV cache (kv_cache_dtype fp8) is not supported for MLA "
-                             "yet; use kv_cache_dtype auto")
+            raise ValueError(
+                "an FP8 KV cache (kv_cache_dtype fp8) is not supported for MLA "
+                "yet; use kv_cache_dtype auto"
+            )
 
     @property
     def entry_size(self) -> int:
@@ -116,8 +121,9 @@ def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:
     return sum(spec.page_size_bytes for spec in specs)
 
 
-def num_blocks_for_budget(budget_bytes: int, specs: Sequence[KVCacheSpec],
-                          max_model_len: int) -> int:
+def num_blocks_for_budget(
+    budget_bytes: int, specs: Sequence[KVCacheSpec], max_model_len: int
+) -> int:
     """Blocks that fit in the budget; at least enough for one full-length sequence."""
     block_size = common_block_size(specs)
     num_blocks = budget_bytes // bytes_per_block(specs)
@@ -126,7 +132,8 @@ def num_blocks_for_budget(budget_bytes: int, specs: Sequence[KVCacheSpec],
         raise ValueError(
             f"the KV cache budget ({budget_bytes / 2**20:.1f} MiB) holds {num_blocks} blocks of "
             f"{block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
-            f"needs ({needed}); raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
+            f"needs ({needed}); raise kv_cache_memory / gpu_memory_utilization or lower max_model_len"
+        )
     return int(num_blocks)
 
 

@@ -7,7 +7,7 @@ what changed (CachedRequestData). Workers keep persistent per-request state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Union
+from typing import Protocol
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class SchedulerOutput:
     # after this step (ModelRunnerOutput.spec_token_ids), for sampling requests only.
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
     # KV offload tiers: blocks to move this step, or a poll for transfers in flight.
-    kv_transfers: Optional[KVTransferPlan] = None
+    kv_transfers: KVTransferPlan | None = None
     # req_id -> how many of its block ids the worker keeps: the scheduler freed the
     # rest (taken for drafts rejected since; core/optimistic_drafts.py). Applied
     # before this step's new blocks.
@@ -85,7 +85,7 @@ class ModelRunnerOutput:
     # prefill chunk that does not reach the end of the prompt.
     sampled_token_ids: list[list[int]]
     # Per request: logprobs of each sampled token, when the request asked for them.
-    logprobs: list[Optional[list[TokenLogprobs]]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     # req_id -> prompt logprobs computed this step (one entry per prompt position, the
     # first position has none and is omitted; chunked prefill appends across steps).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
@@ -94,7 +94,7 @@ class ModelRunnerOutput:
     # req_id -> error message, for a request whose step failed (bad logits, ...).
     errors: dict[str, str] = field(default_factory=dict)
     # KV offload transfers finished since the last report (None: offloading is off).
-    kv_transfers: Optional[KVTransferReport] = None
+    kv_transfers: KVTransferReport | None = None
 
 
 @dataclass
@@ -103,14 +103,14 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: Optional[list[TokenLogprobs]] = None
-    prompt_logprobs: Optional[list[TokenLogprobs]] = None
-    finish_reason: Optional[str] = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
     stop_reason: object = None
     num_cached_tokens: int = 0
     # When the scheduler first admitted the request (time.monotonic()); None if it never ran.
-    first_scheduled_time: Optional[float] = None
-    error: Optional[str] = None
+    first_scheduled_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,7 +145,7 @@ class ModelInfo:
     architecture: str
     vocab_size: int
     max_position_embeddings: int
-    eos_token_id: Union[int, list[int], None]
+    eos_token_id: int | list[int] | None
     # For the start-up log only: the weights' dtype and bytes this rank holds.
     dtype: str = ""
     weight_bytes: int = 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
 
 from pagoda.sampling_params import SamplingParams
 
@@ -23,7 +22,7 @@ class RequestStatus(enum.IntEnum):
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
-    def finish_reason(self) -> Optional[str]:
+    def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
@@ -47,10 +46,10 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: Optional[int] = None,
-        arrival_time: Optional[float] = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        group_id: Optional[str] = None,
+        group_id: str | None = None,
         sample_index: int = 0,
     ) -> None:
         if not prompt_token_ids:
@@ -81,7 +80,7 @@ class Request:
         self.block_hashes: list = []
         self.num_preemptions = 0
         self.stop_reason: object = None
-        self.first_scheduled_time: Optional[float] = None
+        self.first_scheduled_time: float | None = None
         self.max_tokens = sampling_params.max_tokens
 
     @property
@@ -108,9 +107,11 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
-    def get_finish_reason(self) -> Optional[str]:
+    def get_finish_reason(self) -> str | None:
         return self.status.finish_reason()
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -14,7 +14,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from pagoda.core.request import Request
 
@@ -116,7 +116,9 @@ class PriorityRequestQueue(RequestQueue):
         self._front_counter = itertools.count(-1, -1)
 
     def _push(self, request: Request, insertion_number: int) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, insertion_number, request))
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, insertion_number, request)
+        )
 
     def add(self, request: Request) -> None:
         self._push(request, next(self._back_counter))

@@ -26,12 +26,9 @@ still receives that step's token.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
-from pagoda.spec_decode.planning.planner import DraftPlanner
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.kv_offload.planning.manager import KVOffloadManager, LoadStart
-from pagoda.spec_decode.planning.optimistic import DraftRollback
 from pagoda.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -43,6 +40,9 @@ from pagoda.core.outputs import (
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import create_request_queue
 from pagoda.core.stop_checks import append_until_stop
+from pagoda.kv_offload.planning.manager import KVOffloadManager, LoadStart
+from pagoda.spec_decode.planning.optimistic import DraftRollback
+from pagoda.spec_decode.planning.planner import DraftPlanner
 
 
 class _StepPlan:
@@ -86,32 +86,41 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         async_scheduling: bool = False,
         num_lookahead_tokens: int = 0,
-        draft_planner: Optional[DraftPlanner] = None,
-        kv_offload: Optional[KVOffloadManager] = None,
+        draft_planner: DraftPlanner | None = None,
+        kv_offload: KVOffloadManager | None = None,
     ) -> None:
         """num_lookahead_tokens: KV slots reserved past each request's scheduled tokens
         for the drafts a proposer will add next step (speculative decoding; a proposer
         on the worker writes its drafts' KV there). draft_planner: speculative decoding
         (None: off). kv_offload: the KV offload tiers over kv_cache_manager's pool
         (None: off)."""
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be an integer >= 0, got {num_lookahead_tokens!r}")
+            raise ValueError(
+                f"num_lookahead_tokens must be an integer >= 0, got {num_lookahead_tokens!r}"
+            )
         if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: off), "
-                             f"got {long_prefill_token_threshold!r}")
+            raise ValueError(
+                "long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                f"got {long_prefill_token_threshold!r}"
+            )
         if not enable_chunked_prefill:
             if max_num_batched_tokens < max_model_len:
                 raise ValueError(
                     f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                    f"({max_model_len}) when enable_chunked_prefill is False, or long prompts never run")
+                    f"({max_model_len}) when enable_chunked_prefill is False, or long prompts never run"
+                )
             if long_prefill_token_threshold:
-                raise ValueError("long_prefill_token_threshold chunks prompts, so it needs "
-                                 "enable_chunked_prefill=True")
+                raise ValueError(
+                    "long_prefill_token_threshold chunks prompts, so it needs "
+                    "enable_chunked_prefill=True"
+                )
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -155,27 +164,32 @@ class Scheduler:
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
-                f"{self.max_model_len}: the prompt must be shorter than max_model_len")
+                f"{self.max_model_len}: the prompt must be shorter than max_model_len"
+            )
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if request.group_id is not None and request.sample_index == 0:
             self._group_leaders[request.group_id] = request
 
-    def get_request(self, request_id: str) -> Optional[Request]:
+    def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
-    def abort_requests(self, request_ids: Union[str, Iterable[str]]) -> list[Request]:
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         """Aborts requests in any state, freeing their blocks; unknown ids are ignored."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> list[Request]:
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
         """Finishes unfinished requests with `status` (e.g. a stop string matched);
         returns those finished. Unknown or already finished ids are ignored."""
         if not RequestStatus(status).finished:
             raise ValueError(f"status must be a finished status, got {RequestStatus(status).name}")
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        finished = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        finished = [
+            self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests
+        ]
         waiting = [r for r in finished if r.status != RequestStatus.RUNNING]
         self.waiting.remove_many(waiting)
         for request in finished:
@@ -239,8 +253,10 @@ class Scheduler:
         if self.draft_planner is None or not self.draft_planner.holds_batch(self.running):
             if self.draft_planner is not None:
                 self.draft_planner.plan_step(
-                    self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs,
-                    self.max_num_batched_tokens)
+                    self.running,
+                    bool(self.waiting) and len(self.running) < self.max_num_seqs,
+                    self.max_num_batched_tokens,
+                )
             self._schedule_running(plan)
             if not plan.preempted:
                 self._schedule_waiting(plan)
@@ -258,7 +274,8 @@ class Scheduler:
         planner = self.draft_planner
         if planner is not None:
             asked = planner.to_propose(
-                r for r in plan.scheduled if r.request_id in output.sampling_req_ids)
+                r for r in plan.scheduled if r.request_id in output.sampling_req_ids
+            )
             if planner.host_proposer is None:  # the worker proposes
                 output.num_drafts_to_propose = asked
         return output
@@ -285,9 +302,12 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders and (
-                (request.max_tokens is not None
-                 and request.num_output_tokens + placeholders >= request.max_tokens)
-                or request.num_tokens + placeholders >= self.max_model_len):
+            (
+                request.max_tokens is not None
+                and request.num_output_tokens + placeholders >= request.max_tokens
+            )
+            or request.num_tokens + placeholders >= self.max_model_len
+        ):
             return 0  # the step in flight samples its last token
         num_new = request.num_tokens_with_spec + placeholders - request.num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
@@ -295,11 +315,14 @@ class Scheduler:
         # Draft tokens may not take a position beyond max_model_len.
         return min(num_new, token_budget, self.max_model_len - request.num_computed_tokens)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> Optional[list[int]]:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: _StepPlan
+    ) -> list[int] | None:
         lookahead = self._lookahead(request, num_new)
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new, num_lookahead_tokens=lookahead)
+                request, num_new, num_lookahead_tokens=lookahead
+            )
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._lowest_running()
@@ -309,8 +332,13 @@ class Scheduler:
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Lookahead slots, none past max_model_len (no draft goes there)."""
-        return max(0, min(self.num_lookahead_tokens,
-                          self.max_model_len - request.num_computed_tokens - num_new))
+        return max(
+            0,
+            min(
+                self.num_lookahead_tokens,
+                self.max_model_len - request.num_computed_tokens - num_new,
+            ),
+        )
 
     def _lowest_running(self) -> Request:
         """The running request to preempt first: the latest (fcfs), or the largest
@@ -339,8 +367,12 @@ class Scheduler:
 
     def _schedule_drafts(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         """Keeps the draft tokens that fit in this step's num_new, drops the rest."""
-        num_drafts = (request.num_computed_tokens + num_new - request.num_tokens
-                      - request.num_output_placeholders)
+        num_drafts = (
+            request.num_computed_tokens
+            + num_new
+            - request.num_tokens
+            - request.num_output_placeholders
+        )
         if num_drafts > 0:
             del request.spec_token_ids[num_drafts:]
             plan.spec_tokens[request.request_id] = list(request.spec_token_ids)
@@ -376,7 +408,9 @@ class Scheduler:
             started = self.kv_offload.start_load(request, hit_blocks)
             if started == LoadStart.WAIT:
                 if self.waiting.pop() is not request:
-                    raise RuntimeError("internal error: the loading request must be the head of the queue")
+                    raise RuntimeError(
+                        "internal error: the loading request must be the head of the queue"
+                    )
                 return True  # it waits for its blocks, out of the queue, computing nothing
             if started == LoadStart.INLINE:  # loaded before this step's forward: hits now
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -404,16 +438,19 @@ class Scheduler:
             self.kv_offload.release(request)  # its load, if any, is over
         return True
 
-    def _allocate_for_waiting(self, request: Request, num_new: int, hit_blocks: list,
-                              plan: _StepPlan) -> Optional[list[int]]:
+    def _allocate_for_waiting(
+        self, request: Request, num_new: int, hit_blocks: list, plan: _StepPlan
+    ) -> list[int] | None:
         """allocate_slots; under the priority policy, preempts strictly lower-priority
         running requests while there is no room."""
         # The hits are not in num_computed_tokens yet (added once admitted).
-        lookahead = self._lookahead(request, num_new + len(hit_blocks) * self.kv_cache_manager.block_size)
+        lookahead = self._lookahead(
+            request, num_new + len(hit_blocks) * self.kv_cache_manager.block_size
+        )
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new, new_computed_blocks=hit_blocks,
-                num_lookahead_tokens=lookahead)
+                request, num_new, new_computed_blocks=hit_blocks, num_lookahead_tokens=lookahead
+            )
             if new_block_ids is not None or self.policy != "priority" or not self.running:
                 return new_block_ids
             victim = self._lowest_running()
@@ -428,21 +465,25 @@ class Scheduler:
             rid = request.request_id
             num_sent = self._num_tokens_sent.get(rid)
             if num_sent is None:
-                new_reqs.append(NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(rid),
-                    num_computed_tokens=request.num_computed_tokens,
-                ))
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.get_block_ids(rid),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
             else:
-                cached_reqs.append(CachedRequestData(
-                    req_id=rid,
-                    new_token_ids=request.all_token_ids[num_sent:],
-                    new_block_ids=plan.new_block_ids[rid],
-                    num_computed_tokens=request.num_computed_tokens,
-                ))
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=rid,
+                        new_token_ids=request.all_token_ids[num_sent:],
+                        new_block_ids=plan.new_block_ids[rid],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
             self._num_tokens_sent[rid] = request.num_tokens
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -458,8 +499,9 @@ class Scheduler:
 
     # ------------------------------------------------------- update_from_output
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Applies one step's results; returns an output per request that has news."""
         runner = model_runner_output
         if self.kv_offload is not None:
@@ -478,8 +520,9 @@ class Scheduler:
                 request.num_output_placeholders -= 1 + len(drafts)
             index = index_of.get(rid)
             sampled = runner.sampled_token_ids[index] if index is not None else []
-            error = runner.errors.get(rid) or self._check_sampled(request, sampled, drafts,
-                                                                  expects_sample)
+            error = runner.errors.get(rid) or self._check_sampled(
+                request, sampled, drafts, expects_sample
+            )
             if error is not None:
                 outputs.append(self._finish_with_error(request, error))
                 continue
@@ -491,22 +534,35 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _check_sampled(request: Request, sampled: list[int], drafts: list[int],
-                       expects_sample: bool) -> Optional[str]:
+    def _check_sampled(
+        request: Request, sampled: list[int], drafts: list[int], expects_sample: bool
+    ) -> str | None:
         """A message if the runner's tokens for this request break the contract."""
         if len(sampled) > len(drafts) + 1:
-            return (f"model runner returned {len(sampled)} tokens for request {request.request_id!r} "
-                    f"with {len(drafts)} draft tokens scheduled (at most {len(drafts) + 1})")
+            return (
+                f"model runner returned {len(sampled)} tokens for request {request.request_id!r} "
+                f"with {len(drafts)} draft tokens scheduled (at most {len(drafts) + 1})"
+            )
         if not sampled and expects_sample:
-            return (f"model runner returned no token for request {request.request_id!r} "
-                    "although all its tokens were computed")
+            return (
+                f"model runner returned no token for request {request.request_id!r} "
+                "although all its tokens were computed"
+            )
         if sampled and not expects_sample:
-            return (f"model runner sampled a token for request {request.request_id!r} "
-                    "from a prefill chunk short of the end of its tokens")
+            return (
+                f"model runner sampled a token for request {request.request_id!r} "
+                "from a prefill chunk short of the end of its tokens"
+            )
         return None
 
-    def _apply_step(self, request: Request, sampled: list[int], drafts: list[int],
-                    runner: ModelRunnerOutput, index: Optional[int]) -> list[EngineCoreOutput]:
+    def _apply_step(
+        self,
+        request: Request,
+        sampled: list[int],
+        drafts: list[int],
+        runner: ModelRunnerOutput,
+        index: int | None,
+    ) -> list[EngineCoreOutput]:
         rid = request.request_id
         preempted = request.status == RequestStatus.PREEMPTED  # while this step was in flight
         if sampled and not preempted:
@@ -516,10 +572,11 @@ class Scheduler:
             self.draft_planner.observe(request, drafts, sampled)
         new_token_ids = append_until_stop(request, sampled, self.max_model_len)
         new_logprobs = None
-        row_logprobs = (runner.logprobs[index]
-                        if index is not None and index < len(runner.logprobs) else None)
+        row_logprobs = (
+            runner.logprobs[index] if index is not None and index < len(runner.logprobs) else None
+        )
         if row_logprobs is not None:
-            new_logprobs = row_logprobs[:len(new_token_ids)]
+            new_logprobs = row_logprobs[: len(new_token_ids)]
         prompt_logprobs = None
         if not preempted:  # else they come again when its prompt is recomputed
             prompt_logprobs = self._new_prompt_logprobs(request, runner.prompt_logprobs.get(rid))
@@ -534,24 +591,28 @@ class Scheduler:
         elif sampled:
             if self.draft_planner is not None:
                 request.spec_token_ids = self.draft_planner.next_drafts(
-                    request, runner.spec_token_ids.get(rid))
+                    request, runner.spec_token_ids.get(rid)
+                )
             else:
                 request.spec_token_ids = list(runner.spec_token_ids.get(rid, ()))
         if not new_token_ids and prompt_logprobs is None and finish_reason is None:
             return []  # a prefill chunk short of the prompt's end
-        return [EngineCoreOutput(
-            req_id=rid,
-            new_token_ids=new_token_ids,
-            new_logprobs=new_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            finish_reason=finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-        )]
+        return [
+            EngineCoreOutput(
+                req_id=rid,
+                new_token_ids=new_token_ids,
+                new_logprobs=new_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                finish_reason=finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                first_scheduled_time=request.first_scheduled_time,
+            )
+        ]
 
-    def _new_prompt_logprobs(self, request: Request,
-                             entries: Optional[list[TokenLogprobs]]) -> Optional[list[TokenLogprobs]]:
+    def _new_prompt_logprobs(
+        self, request: Request, entries: list[TokenLogprobs] | None
+    ) -> list[TokenLogprobs] | None:
         """The prompt logprobs not emitted before (a preempted request computes its
         prompt, and so its prompt logprobs, again)."""
         if entries is None:
@@ -559,7 +620,7 @@ class Scheduler:
         rid = request.request_id
         received = self._prompt_logprobs_received.get(rid, 0)
         emitted = self._prompt_logprobs_emitted.get(rid, 0)
-        fresh = entries[max(0, emitted - received):]
+        fresh = entries[max(0, emitted - received) :]
         self._prompt_logprobs_received[rid] = received + len(entries)
         self._prompt_logprobs_emitted[rid] = max(emitted, received + len(entries))
         return fresh or None

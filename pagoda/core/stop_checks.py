@@ -28,7 +28,11 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> bool:
     """Sets a finished status if the request must stop after token_id (just appended)."""
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+        if (
+            not params.ignore_eos
+            and request.eos_token_id is not None
+            and token_id == request.eos_token_id
+        ):
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None  # as vLLM: eos is not a stop_reason
             return True
@@ -36,8 +40,9 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
             return True
-    if ((request.max_tokens is not None and request.num_output_tokens >= request.max_tokens)
-            or request.num_tokens >= max_model_len):
+    if (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ) or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

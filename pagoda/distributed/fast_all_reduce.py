@@ -24,7 +24,7 @@ import importlib
 import logging
 import os
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,13 @@ _ALIGNMENT = 16
 class SymmMemAllReduce:
     """Sums a tensor over the group through one symmetric buffer (see the module doc)."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int,
-                 reduce_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]):
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        group_name: str,
+        max_bytes: int,
+        reduce_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ):
         self.buffer = buffer
         self.group_name = group_name
         self.max_bytes = max_bytes
@@ -54,19 +59,25 @@ class SymmMemAllReduce:
 
     def can_reduce(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return (x.dtype == self.buffer.dtype and x.is_cuda and nbytes <= self.max_bytes
-                and nbytes % _ALIGNMENT == 0 and nbytes > 0)
+        return (
+            x.dtype == self.buffer.dtype
+            and x.is_cuda
+            and nbytes <= self.max_bytes
+            and nbytes % _ALIGNMENT == 0
+            and nbytes > 0
+        )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, as a new tensor (x is left as it was)."""
-        staged = self.buffer[:x.numel()].view(x.shape)
+        staged = self.buffer[: x.numel()].view(x.shape)
         out = torch.empty_like(x)
         self._reduce_into(staged, x.contiguous(), out)
         return out
 
     @classmethod
-    def create(cls, group, device: torch.device, dtype: torch.dtype,
-               buffer_bytes: int = BUFFER_BYTES) -> Optional["SymmMemAllReduce"]:
+    def create(
+        cls, group, device: torch.device, dtype: torch.dtype, buffer_bytes: int = BUFFER_BYTES
+    ) -> SymmMemAllReduce | None:
         """The fast path for this group, or None (with a log line saying why) where the
         torch build, the dtype or the GPUs do not allow it. Collective: every rank calls
         it with the same arguments."""
@@ -75,8 +86,10 @@ class SymmMemAllReduce:
             logger.info("fast all-reduce off (%s=%d)", MAX_BYTES_ENV, max_bytes)
             return None
         if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
-            raise RuntimeError("the fast all-reduce needs TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
-                               "(pagoda.distributed.parallel_state.keep_multicast_off)")
+            raise RuntimeError(
+                "the fast all-reduce needs TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
+                "(pagoda.distributed.parallel_state.keep_multicast_off)"
+            )
         reason = _unsupported_reason(dtype)
         if reason:
             logger.info("fast all-reduce unavailable (%s); using NCCL for every size", reason)
@@ -84,8 +97,11 @@ class SymmMemAllReduce:
         try:
             fast = _build(group, device, dtype, buffer_bytes, min(max_bytes, buffer_bytes))
         except Exception as exc:  # noqa: BLE001 - any failure leaves NCCL in charge
-            logger.warning("fast all-reduce unavailable (%s: %s); using NCCL for every size",
-                           type(exc).__name__, exc)
+            logger.warning(
+                "fast all-reduce unavailable (%s: %s); using NCCL for every size",
+                type(exc).__name__,
+                exc,
+            )
             return None
         return fast
 
@@ -107,18 +123,22 @@ def _reduce_function(group_name: str) -> Callable[[torch.Tensor, torch.Tensor, t
     """(staged, x, out) -> out = sum over ranks of x; staged is x's slot in the buffer."""
     ops = torch.ops.symm_mem
     if hasattr(ops, "one_shot_all_reduce_copy_out"):
+
         def reduce_copying_in_kernel(staged, x, out):
             ops.one_shot_all_reduce_copy_out(staged, x, "sum", group_name, out)
+
         return reduce_copying_in_kernel
 
     def reduce_after_copy(staged, x, out):
         staged.copy_(x)
         ops.one_shot_all_reduce_out(staged, "sum", group_name, out)
+
     return reduce_after_copy
 
 
-def _build(group, device: torch.device, dtype: torch.dtype, buffer_bytes: int,
-           max_bytes: int) -> SymmMemAllReduce:
+def _build(
+    group, device: torch.device, dtype: torch.dtype, buffer_bytes: int, max_bytes: int
+) -> SymmMemAllReduce:
     import torch.distributed._symmetric_memory as symm_mem  # CUDA builds of torch only
 
     group_name = group.group_name
@@ -129,15 +149,18 @@ def _build(group, device: torch.device, dtype: torch.dtype, buffer_bytes: int,
     buffer = symm_mem.empty(buffer_bytes // dtype.itemsize, dtype=dtype, device=device)
     handle = symm_mem.rendezvous(buffer, group_name)
     if getattr(handle, "multicast_ptr", 0):
-        raise RuntimeError("symmetric memory came back with a multicast mapping despite "
-                           "TORCH_SYMM_MEM_DISABLE_MULTICAST=1")
+        raise RuntimeError(
+            "symmetric memory came back with a multicast mapping despite "
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST=1"
+        )
     fast = SymmMemAllReduce(buffer, group_name, max_bytes, _reduce_function(group_name))
     _check_against_nccl(fast, group, device, dtype)
     return fast
 
 
-def _check_against_nccl(fast: SymmMemAllReduce, group, device: torch.device,
-                        dtype: torch.dtype) -> None:
+def _check_against_nccl(
+    fast: SymmMemAllReduce, group, device: torch.device, dtype: torch.dtype
+) -> None:
     """One reduction both ways at start-up; a disagreement refuses the fast path."""
 
     rank = dist.get_rank(group)

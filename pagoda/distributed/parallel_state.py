@@ -18,34 +18,44 @@ on CPU, go through torch.distributed.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
+
 from pagoda.distributed.fast_all_reduce import SymmMemAllReduce
 
-MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 _world_size = 1
 _rank = 0
 _fast_all_reduce = None  # a SymmMemAllReduce once set up (CUDA, world > 1), else None
 
 
-def keep_multicast_off(environ: Optional[dict] = None) -> None:
+def keep_multicast_off(environ: dict | None = None) -> None:
     """Sets the variables that keep NVLink multicast off (in os.environ by default);
     raises if one is already set to turn it on."""
     env = os.environ if environ is None else environ
     for name, value in MULTICAST_OFF_ENV.items():
         if env.get(name, value) != value:
-            raise RuntimeError(f"{name}={env[name]!r} would turn NVLink multicast on; Pagoda "
-                               f"requires {name}={value}")
+            raise RuntimeError(
+                f"{name}={env[name]!r} would turn NVLink multicast on; Pagoda "
+                f"requires {name}={value}"
+            )
         env[name] = value
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
-                     custom_all_reduce: bool = True,
-                     dtype: torch.dtype = torch.bfloat16) -> None:
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str,
+    custom_all_reduce: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Joins the tensor-parallel group as `rank` of `world_size` (backend "nccl" or
     "gloo"; init_method e.g. "tcp://127.0.0.1:PORT"). With NCCL and custom_all_reduce,
     also sets up the one-shot path for small all-reduces of `dtype` (the model's)."""
@@ -54,8 +64,7 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
         raise ValueError(f"need 0 <= rank < world_size, got {rank}, {world_size}")
     keep_multicast_off()
     if world_size > 1:
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _world_size, _rank = world_size, rank
     if world_size > 1 and backend == "nccl" and custom_all_reduce:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -104,8 +113,7 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _world_size == 1:
         return x
     dim = dim % x.dim()
-    flat = torch.empty((_world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                       device=x.device)
+    flat = torch.empty((_world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_flat(flat, x.contiguous())
     parts = flat.view(_world_size, *x.shape)
     if dim == 0:

@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pagoda.engine import trace
 from pagoda.outputs import RequestOutput
@@ -73,9 +74,9 @@ class RequestTimings:
 
     request_id: str
     arrival_time: float
-    first_token_time: Optional[float]
+    first_token_time: float | None
     finished_time: float
-    queue_time: Optional[float]  # arrival -> first scheduled, when the engine told us
+    queue_time: float | None  # arrival -> first scheduled, when the engine told us
     num_prompt_tokens: int
     num_generation_tokens: int
     finish_reason: str  # "stop" | "length" | "abort" | "error"
@@ -90,8 +91,8 @@ class _Stream:
     queue: asyncio.Queue
     num_prompt_tokens: int = 0
     # Set on the loop thread from the first output whose metrics carry it.
-    first_scheduled_time: Optional[float] = None
-    trace: Optional[trace.RequestTrace] = None  # only with PAGODA_TTFT_TRACE
+    first_scheduled_time: float | None = None
+    trace: trace.RequestTrace | None = None  # only with PAGODA_TTFT_TRACE
 
 
 # Inbox commands, handled on the loop thread in the order they were posted.
@@ -128,22 +129,25 @@ class AsyncEngine:
     (e.g. the HTTP server) can come up and answer "loading" while it runs.
     """
 
-    def __init__(self, engine_factory: Callable[[], Any],
-                 timings_listener: Optional[Callable[[RequestTimings], None]] = None) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        timings_listener: Callable[[RequestTimings], None] | None = None,
+    ) -> None:
         self._engine_factory = engine_factory
         self.timings_listener = timings_listener
         self.engine: Any = None
-        self.load_error: Optional[BaseException] = None
+        self.load_error: BaseException | None = None
         # Why the loop stopped serving after a failed step (its executor's workers are
         # gone), in one line; set before the failed requests hear of it.
-        self.dead_reason: Optional[str] = None
+        self.dead_reason: str | None = None
         self._ready = threading.Event()  # set when loading ended, successfully or not
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # guarded by _cond
         self._stop_requested = False  # guarded by _cond
         self._loop_ended = False  # guarded by _cond: nothing handles the inbox any more
         self._draining = False
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         # Loop-thread state: request id -> stream, and those whose first-scheduled time
         # has not arrived yet.
         self._streams: dict[str, _Stream] = {}
@@ -152,8 +156,9 @@ class AsyncEngine:
         self._in_flight_changed = asyncio.Event()
 
     @classmethod
-    def from_engine_args(cls, engine_args, **kwargs) -> "AsyncEngine":
+    def from_engine_args(cls, engine_args, **kwargs) -> AsyncEngine:
         from pagoda.engine.llm_engine import LLMEngine
+
         return cls(lambda: LLMEngine.from_engine_args(engine_args), **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,7 +186,7 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
-    def wait_loaded(self, timeout: Optional[float] = None) -> bool:
+    def wait_loaded(self, timeout: float | None = None) -> bool:
         """Blocks until loading ended (check `load_error`); False on timeout."""
         return self._ready.wait(timeout)
 
@@ -207,7 +212,7 @@ class AsyncEngine:
         if self._thread is not None and self.is_ready:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def close(self, timeout: Optional[float] = None) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """From a thread that runs no event loop: stops the loop now (requests in flight
         fail) and waits up to `timeout` s for the engine's shutdown. Idempotent."""
         self.start_draining()
@@ -219,7 +224,7 @@ class AsyncEngine:
         self._in_flight_changed.clear()
         try:
             await asyncio.wait_for(self._in_flight_changed.wait(), timeout=max(timeout, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _note_in_flight(self, delta: int) -> None:
@@ -228,8 +233,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Streams delta RequestOutputs until the request finishes.
 
         Closing or cancelling the iterator before the end aborts the request, so its
@@ -295,13 +301,18 @@ class AsyncEngine:
         if self._draining:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         if not self.is_ready:
-            raise EngineNotReadyError("the model is still loading" if self.load_error is None
-                                      else f"the model failed to load: {self.load_error}")
+            raise EngineNotReadyError(
+                "the model is still loading"
+                if self.load_error is None
+                else f"the model failed to load: {self.load_error}"
+            )
         if not self.is_running:
-            raise EngineNotReadyError("the engine loop has stopped" + (
-                f": {self.dead_reason}" if self.dead_reason is not None else ""))
+            raise EngineNotReadyError(
+                "the engine loop has stopped"
+                + (f": {self.dead_reason}" if self.dead_reason is not None else "")
+            )
 
-    def _report(self, timings: "RequestTimings") -> None:
+    def _report(self, timings: RequestTimings) -> None:
         if self.timings_listener is None:
             return
         try:
@@ -328,8 +339,11 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter
             # A ValueError is the user's to fix (a bad path, a bad flag) and the waiter
             # reports it in one line; a traceback only helps with anything else.
-            logger.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,
-                       "engine failed to load", exc_info=True)
+            logger.log(
+                logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,
+                "engine failed to load",
+                exc_info=True,
+            )
             self.load_error = exc
             self._ready.set()
             return
@@ -387,9 +401,14 @@ class AsyncEngine:
         if command.stream.trace is not None:
             command.stream.trace.mark("picked_up")
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time, priority=command.priority,
-                                    output_kind="delta")
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                arrival_time=command.arrival_time,
+                priority=command.priority,
+                output_kind="delta",
+            )
         except Exception as exc:  # the request is refused: it alone fails
             _deliver(command.stream, [exc])
             return
@@ -415,8 +434,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every request in flight")
             # Health first: once a client sees its request fail, /health already says why.
             healthy = self._healthy()
-            self._fail_all(EngineStepError(f"the engine step failed: {_one_line(exc)}"),
-                           abort=True)
+            self._fail_all(EngineStepError(f"the engine step failed: {_one_line(exc)}"), abort=True)
             return healthy
         self._note_scheduled(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
@@ -521,7 +539,7 @@ def _deliver_many(items: list) -> None:
         stream.queue.put_nowait(item)
 
 
-def _request_error(output: RequestOutput) -> Optional[str]:
+def _request_error(output: RequestOutput) -> str | None:
     if output.error is not None:
         return output.error
     if any(c.finish_reason == "error" for c in output.outputs):
@@ -549,8 +567,8 @@ class _TimingTracker:
         self.request_id = request_id
         self.arrival = arrival
         self.num_prompt_tokens = num_prompt_tokens
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.num_generation_tokens = 0
         self.inter_token_latencies: list[float] = []
 
@@ -564,15 +582,23 @@ class _TimingTracker:
         elif self.last_token_time is not None:
             # One gap per step; several tokens in one step share it evenly.
             self.inter_token_latencies.extend(
-                [(now - self.last_token_time) / new_tokens] * new_tokens)
+                [(now - self.last_token_time) / new_tokens] * new_tokens
+            )
         self.last_token_time = now
         self.num_generation_tokens += new_tokens
 
-    def finish(self, finish_reason: str, first_scheduled_time: Optional[float]) -> RequestTimings:
-        queue_time = None if first_scheduled_time is None else max(0.0, first_scheduled_time - self.arrival)
+    def finish(self, finish_reason: str, first_scheduled_time: float | None) -> RequestTimings:
+        queue_time = (
+            None if first_scheduled_time is None else max(0.0, first_scheduled_time - self.arrival)
+        )
         return RequestTimings(
-            request_id=self.request_id, arrival_time=self.arrival,
-            first_token_time=self.first_token_time, finished_time=time.monotonic(),
-            queue_time=queue_time, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, finish_reason=finish_reason,
-            inter_token_latencies=self.inter_token_latencies)
+            request_id=self.request_id,
+            arrival_time=self.arrival,
+            first_token_time=self.first_token_time,
+            finished_time=time.monotonic(),
+            queue_time=queue_time,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            finish_reason=finish_reason,
+            inter_token_latencies=self.inter_token_latencies,
+        )

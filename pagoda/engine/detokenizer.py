@@ -21,7 +21,7 @@ tokens exactly as written (vLLM's fast path behaves the same).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pagoda.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
         self.output_token_ids: list[int] = []
         self.output_text = ""
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: str | None = None
         self.finished = False
         self._num_sent = 0
         # Stop strings are searched from here on (text produced before min_tokens is exempt).
@@ -68,11 +68,13 @@ class IncrementalDetokenizer:
         skip = self.skip_special_tokens
         if backend is not None:  # the Rust tokenizer: fast, and never "cleans up" spaces
             return lambda ids: backend.decode(ids, skip_special_tokens=skip)
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        return lambda ids: tokenizer.decode(
+            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+        )
 
     # ------------------------------------------------------------------ feeding tokens
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> Optional[str]:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Appends tokens; returns the stop string that matched, or None.
 
         `stop_terminated`: the last token ended generation (eos or a stop token id);
@@ -97,15 +99,15 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> str:
         """Text completed by the tokens after read_offset ("" while a character is incomplete)."""
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset:])
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
-    def finish(self) -> Optional[str]:
+    def finish(self) -> str | None:
         """Marks the sequence finished: flushes held-back text; returns a stop string found in it."""
         if self.finished:
             return None
@@ -113,9 +115,9 @@ class IncrementalDetokenizer:
         if self.detokenize and self.read_offset < len(self.tokens):
             # An incomplete character at the very end: emit it as the one-shot decode would.
             text_before = len(self.output_text)
-            prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            full_text = self._decode(self.tokens[self.prefix_offset:])
-            self.output_text += full_text[len(prefix_text):]
+            prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            full_text = self._decode(self.tokens[self.prefix_offset :])
+            self.output_text += full_text[len(prefix_text) :]
             self.read_offset = len(self.tokens)
             stop = self._check_stop_strings(text_before)
         self.finished = True
@@ -123,7 +125,7 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ stop strings
 
-    def _check_stop_strings(self, text_before: int) -> Optional[str]:
+    def _check_stop_strings(self, text_before: int) -> str | None:
         """Finds the earliest stop string ending in the new text; truncates the output there."""
         if not self.stop_strings or len(self.output_text) == text_before:
             return None
@@ -151,11 +153,11 @@ class IncrementalDetokenizer:
 
     def visible_text(self) -> str:
         """output_text without the tail that could still turn out to be a stop string."""
-        return self.output_text[:self._visible_length()]
+        return self.output_text[: self._visible_length()]
 
     def get_delta_text(self) -> str:
         """Visible text not returned by a previous call."""
         end = self._visible_length()
-        delta = self.output_text[self._num_sent:end]
+        delta = self.output_text[self._num_sent : end]
         self._num_sent = end
         return delta

@@ -17,18 +17,23 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from pagoda.config import EngineArgs, EngineConfig, ModelConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.outputs import EngineCoreOutput, RunnerOutputFuture, SchedulerOutput, StepExtras
+from pagoda.core.outputs import (
+    EngineCoreOutput,
+    ModelInfo,
+    RunnerOutputFuture,
+    SchedulerOutput,
+    StepExtras,
+)
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine import trace
-from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.output_processor import OutputKind, OutputProcessor
 from pagoda.engine.release import freeze_heap, release_after_shutdown
-from pagoda.core.outputs import ModelInfo
 from pagoda.executor.base import Executor
 from pagoda.executor.factory import get_executor_class
 from pagoda.outputs import RequestOutput
@@ -37,7 +42,7 @@ from pagoda.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-PromptInput = Union[str, list[int], dict]
+PromptInput = str | list[int] | dict
 
 
 class EngineShutDownError(RuntimeError):
@@ -46,8 +51,13 @@ class EngineShutDownError(RuntimeError):
 
 # What the bookkeeping holds (block pool, requests, offload tiers' indexes, the step in
 # flight), dropped by shutdown(); config, tokenizer and model facts stay.
-_DROPPED_ON_SHUTDOWN = ("scheduler", "kv_cache_manager", "kv_offload", "output_processor",
-                        "_in_flight")
+_DROPPED_ON_SHUTDOWN = (
+    "scheduler",
+    "kv_cache_manager",
+    "kv_offload",
+    "output_processor",
+    "_in_flight",
+)
 
 
 @dataclass
@@ -62,10 +72,10 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     # Speculative decoding (None when off): pagoda.spec_decode.planning.planner.SpecDecodingStats.
-    spec_decode: Optional[object] = None
+    spec_decode: object | None = None
     structured: object = None  # pagoda.structured.stats.StructuredStatsSnapshot
     # Per KV offload tier (top first), KVOffloadManager.stats(); None: offloading is off.
-    kv_offload: Optional[list[dict]] = None
+    kv_offload: list[dict] | None = None
     # For the live dashboard (defaults keep hand-made stats short): requests preempted
     # and waiting to recompute, non-empty steps run and tokens they scheduled (totals),
     # and the capacities those compare to.
@@ -78,15 +88,21 @@ class EngineStats:
 
 
 def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
+    return (
+        f"{num_bytes / (1 << 30):.2f} GiB"
+        if num_bytes >= 1 << 30
+        else f"{num_bytes / (1 << 20):.1f} MiB"
+    )
 
 
 def resolve_model_path(model_config: ModelConfig) -> str:
     """The model's local path (a hub id becomes its cached snapshot) or preset name."""
     from pagoda.model.hub import resolve_model
+
     model = resolve_model(model_config)
     if model is None:
         from pagoda.model.tokenizer import embedded_model_path
+
         return str(embedded_model_path())
     return model
 
@@ -95,8 +111,9 @@ ExecutorFactory = Callable[[EngineConfig, str], Executor]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig,
-                 executor_factory: Optional[ExecutorFactory] = None) -> None:
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory | None = None
+    ) -> None:
         """executor_factory(config, model_path) builds the executor (default: the one
         get_executor_class picks for the parallel config)."""
         self.config = config
@@ -114,8 +131,9 @@ class LLMEngine:
             _close(self.executor, getattr(self, "structured", None), config.cache.kv_offloading)
             raise
         # An engine dropped without shutdown() releases the same when it is collected.
-        self._finalizer = weakref.finalize(self, _close_collected, self.executor,
-                                           self.structured, config.cache.kv_offloading)
+        self._finalizer = weakref.finalize(
+            self, _close_collected, self.executor, self.structured, config.cache.kv_offloading
+        )
         # Everything built so far (the block pool's blocks, the model's modules) lives
         # as long as the engine: freezing it keeps the cyclic GC from walking it on
         # every full collection; with a large block pool one such pause stalls a step
@@ -127,12 +145,22 @@ class LLMEngine:
     def _log_ready(self) -> None:
         """The start-up summary a user reads before the first request (INFO, the default)."""
         info, kv = self.model_info, self.kv_cache_config
-        logger.info("model %s: %s, %s on %s, weights %s", self.model_path, info.architecture,
-                    info.dtype or self.config.model.dtype, self.config.device.device,
-                    _gib(info.weight_bytes))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max_model_len %d",
-                    self.num_blocks, kv.block_size, self.num_blocks * kv.block_size,
-                    getattr(kv.layer_specs[0], "dtype", "?"), self.max_model_len)
+        logger.info(
+            "model %s: %s, %s on %s, weights %s",
+            self.model_path,
+            info.architecture,
+            info.dtype or self.config.model.dtype,
+            self.config.device.device,
+            _gib(info.weight_bytes),
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s); max_model_len %d",
+            self.num_blocks,
+            kv.block_size,
+            self.num_blocks * kv.block_size,
+            getattr(kv.layer_specs[0], "dtype", "?"),
+            self.max_model_len,
+        )
         logger.info("engine ready in %.1fs", self.startup_seconds)
 
     def _start(self, config: EngineConfig) -> None:
@@ -147,30 +175,48 @@ class LLMEngine:
         self.kv_cache_config = kv_config
         self.num_blocks = kv_config.num_blocks
         # The block manager's blocks are the pool's: the size the layers' specs declare.
-        self.kv_cache_manager = KVCacheManager(kv_config.num_blocks, kv_config.block_size,
-                                               enable_caching=config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            kv_config.num_blocks,
+            kv_config.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+        )
         self.kv_offload = self._build_kv_offload(config)
         sched = config.scheduler
         from pagoda.spec_decode.engine_setup import build_draft_planner
+
         planner, lookahead = build_draft_planner(
-            config.speculative, config.device.device, self.max_model_len,
-            info.num_hidden_layers, info.draft_weight_bytes / max(info.weight_bytes, 1),
-            async_scheduling=sched.async_scheduling)
+            config.speculative,
+            config.device.device,
+            self.max_model_len,
+            info.num_hidden_layers,
+            info.draft_weight_bytes / max(info.weight_bytes, 1),
+            async_scheduling=sched.async_scheduling,
+        )
+        token_budget = sched.max_num_batched_tokens
+        assert token_budget is not None, "EngineArgs.create_engine_config resolves the budget"
         self.scheduler = Scheduler(
-            self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len, policy=sched.policy,
+            self.kv_cache_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=token_budget,
+            max_model_len=self.max_model_len,
+            policy=sched.policy,
             enable_chunked_prefill=sched.enable_chunked_prefill,
-            async_scheduling=sched.async_scheduling, num_lookahead_tokens=lookahead,
-            draft_planner=planner, kv_offload=self.kv_offload)
+            async_scheduling=sched.async_scheduling,
+            num_lookahead_tokens=lookahead,
+            draft_planner=planner,
+            kv_offload=self.kv_offload,
+        )
         self.async_scheduling = sched.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
-        self._in_flight: Optional[tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock]] = None
+        self._in_flight: tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock] | None = None
         self.output_processor = OutputProcessor(self.tokenizer)
         structured = config.structured_outputs
         self.structured = StructuredOutputManager(
-            self.tokenizer, info.vocab_size, structured.reasoning_parser,
-            structured.thinking_token_budget)
+            self.tokenizer,
+            info.vocab_size,
+            structured.reasoning_parser,
+            structured.thinking_token_budget,
+        )
         if planner is not None:  # grammar masks and forced thinking ends follow kept tokens
             # Through the manager, not the engine: the scheduler must not reference its
             # engine (a cycle would keep a dropped engine from being freed at once).
@@ -193,6 +239,7 @@ class LLMEngine:
             return None
         from pagoda.kv_offload.planning.manager import KVOffloadManager
         from pagoda.kv_offload.planning.tiers import TierIndex, TierStack
+
         inventory = self.executor.collective_rpc("kv_offload_inventory")[0]
         tiers = [TierIndex(inventory.tiers[0].name, inventory.tiers[0].capacity, slotted=True)]
         for entry in inventory.tiers[1:]:
@@ -204,17 +251,26 @@ class LLMEngine:
         logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
         from pagoda.config import parse_tier_bandwidths
         from pagoda.kv_offload.planning.cost import LoadCostModel
+
         bandwidth = config.cache.kv_offloading_bandwidth
-        cost = LoadCostModel([t.name for t in tiers], inventory.block_bytes,
-                             self.kv_cache_manager.block_size, inventory.prefill_sample,
-                             inventory.load_samples,
-                             parse_tier_bandwidths(bandwidth) if bandwidth else None)
-        return KVOffloadManager(self.kv_cache_manager, TierStack(tiers),
-                                inventory.max_blocks_per_step, cost,
-                                max_inline_blocks_per_step=inventory.max_inline_blocks_per_step)
+        cost = LoadCostModel(
+            [t.name for t in tiers],
+            inventory.block_bytes,
+            self.kv_cache_manager.block_size,
+            inventory.prefill_sample,
+            inventory.load_samples,
+            parse_tier_bandwidths(bandwidth) if bandwidth else None,
+        )
+        return KVOffloadManager(
+            self.kv_cache_manager,
+            TierStack(tiers),
+            inventory.max_blocks_per_step,
+            cost,
+            max_inline_blocks_per_step=inventory.max_inline_blocks_per_step,
+        )
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     # ---- set-up helpers ---------------------------------------------------------------
@@ -225,21 +281,25 @@ class LLMEngine:
         if wanted is None:
             return limit
         if wanted > limit:
-            raise ValueError(f"max_model_len ({wanted}) is larger than the model's maximum "
-                             f"context length ({limit})")
+            raise ValueError(
+                f"max_model_len ({wanted}) is larger than the model's maximum "
+                f"context length ({limit})"
+            )
         return wanted
 
     def _load_tokenizer(self, config: EngineConfig):
         from pagoda.model.tokenizer import load_tokenizer
+
         if config.model.skip_tokenizer_init:
             return None
         from pagoda.model.hub import resolve_tokenizer
+
         source = resolve_tokenizer(config.model) or self.model_path
         if config.model.tokenizer is None and not _looks_like_path(source):
             return None  # a preset shape (dummy weights) has no tokenizer: token ids only
         return load_tokenizer(source, chat_template=config.model.chat_template)
 
-    def _eos_token_id(self, info: ModelInfo) -> Optional[int]:
+    def _eos_token_id(self, info: ModelInfo) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             return int(self.tokenizer.eos_token_id)
         eos = info.eos_token_id
@@ -248,7 +308,7 @@ class LLMEngine:
         return eos
 
     # ---- requests ---------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -257,11 +317,14 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or set tokenizer=")
             from pagoda.model.tokenizer import encode
+
             return prompt, encode(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise TypeError("a prompt must be a string, a list of token ids, or a dict with "
-                        "'prompt' or 'prompt_token_ids'")
+        raise TypeError(
+            "a prompt must be a string, a list of token ids, or a dict with "
+            "'prompt' or 'prompt_token_ids'"
+        )
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -269,15 +332,22 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
-                f"{self.max_model_len}: the prompt must leave room for at least one generated token")
+                f"{self.max_model_len}: the prompt must leave room for at least one generated token"
+            )
         vocab = self.model_info.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def add_request(self, request_id: Optional[str], prompt: PromptInput,
-                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, output_kind: str = "cumulative") -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        output_kind: OutputKind = "cumulative",
+    ) -> str:
         self._check_open()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -289,8 +359,12 @@ class LLMEngine:
         params = self._finalize_params(params, len(token_ids))
         self.structured.check_params(params)
         constrained = self.structured.wants(params)
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, token_ids, params, output_kind, child_ids)
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        )
+        self.output_processor.add_request(
+            request_id, text, token_ids, params, output_kind, child_ids
+        )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for index, child_id in enumerate(child_ids):
             child_params = params
@@ -299,8 +373,15 @@ class LLMEngine:
                 # clone() re-runs __post_init__, which resets the engine-filled stop ids.
                 child_params.all_stop_token_ids = set(params.all_stop_token_ids)
             request = Request(
-                child_id, token_ids, child_params, self.eos_token_id, arrival, priority,
-                group_id=request_id if params.n > 1 else None, sample_index=index)
+                child_id,
+                token_ids,
+                child_params,
+                self.eos_token_id,
+                arrival,
+                priority,
+                group_id=request_id if params.n > 1 else None,
+                sample_index=index,
+            )
             if constrained and not self.structured.add_request(child_id, child_params, token_ids):
                 self._held[child_id] = request  # scheduled once its grammar is compiled
             else:
@@ -317,13 +398,13 @@ class LLMEngine:
             params.detokenize = False
             if params.stop:
                 raise ValueError("stop strings need a tokenizer; this model has none")
-        stop_ids = set(params.stop_token_ids)
+        stop_ids = set(params.stop_token_ids or ())
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids.add(self.eos_token_id)
         params.all_stop_token_ids = stop_ids
         return params
 
-    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> None:
         if self._shut_down:
             return  # every request ended with the engine
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -344,8 +425,12 @@ class LLMEngine:
         # step waits briefly for one) so their pins are released without a new request.
         if self._shut_down:
             return False
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or bool(self._held) or self.kv_transfers_in_flight())
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._held)
+            or self.kv_transfers_in_flight()
+        )
 
     def has_work(self) -> bool:
         """Whether step() would do something now; False while the only unfinished
@@ -353,8 +438,12 @@ class LLMEngine:
         `structured.on_ready` wakes it)."""
         if self._shut_down:
             return False
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or self.structured.has_ready_pending() or self.kv_transfers_in_flight())
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or self.structured.has_ready_pending()
+            or self.kv_transfers_in_flight()
+        )
 
     def kv_transfers_in_flight(self) -> bool:
         return not self._shut_down and self.kv_offload is not None and self.kv_offload.has_in_flight
@@ -402,8 +491,12 @@ class LLMEngine:
                 self._in_flight = (scheduler_output, launched, clock)
         return outputs
 
-    def _process_step(self, scheduler_output: SchedulerOutput, launched: RunnerOutputFuture,
-                      clock: trace.StepClock) -> list[RequestOutput]:
+    def _process_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        launched: RunnerOutputFuture,
+        clock: trace.StepClock,
+    ) -> list[RequestOutput]:
         """Applies one executed step: scheduler update, then detokenize and stop strings."""
         runner_output = launched.result()
         clock.lap("step_result_ready")
@@ -430,8 +523,11 @@ class LLMEngine:
         failed (their RequestOutput carries the compiler's reason). Idle with nothing
         but held requests, waits for a compile (the async engine never gets here then:
         it steps only when has_work())."""
-        if (self._in_flight is None and not self.scheduler.has_unfinished_requests()
-                and not self.structured.has_ready_pending()):
+        if (
+            self._in_flight is None
+            and not self.scheduler.has_unfinished_requests()
+            and not self.structured.has_ready_pending()
+        ):
             self.structured.wait_for_pending()
         failed = []
         for child_id, error in self.structured.pop_ready():
@@ -464,7 +560,7 @@ class LLMEngine:
             if out.finished:
                 structured.remove(out.req_id)
 
-    def _step_extras(self, scheduler_output: SchedulerOutput) -> Optional[StepExtras]:
+    def _step_extras(self, scheduler_output: SchedulerOutput) -> StepExtras | None:
         """This step's grammar bitmasks (None when no request is constrained)."""
         if not self.structured.has_constraints() or not scheduler_output.sampling_req_ids:
             return None
@@ -479,24 +575,34 @@ class LLMEngine:
         self._check_open()
         stats = self.kv_cache_manager.prefix_cache_stats
         return EngineStats(
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage, num_blocks=self.num_blocks,
-            prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_blocks=self.num_blocks,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions_total,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
             spec_decode=self._spec_decode_stats(),
             structured=self.structured.stats.snapshot(),
             kv_offload=None if self.kv_offload is None else self.kv_offload.stats(),
-            num_preempted=sum(1 for r in self.scheduler.waiting if r.status == RequestStatus.PREEMPTED),
-            num_steps=self.num_steps_total, scheduled_tokens=self.scheduled_tokens_total,
+            num_preempted=sum(
+                1 for r in self.scheduler.waiting if r.status == RequestStatus.PREEMPTED
+            ),
+            num_steps=self.num_steps_total,
+            scheduled_tokens=self.scheduled_tokens_total,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            max_num_seqs=self.scheduler.max_num_seqs, block_size=self.kv_cache_config.block_size)
+            max_num_seqs=self.scheduler.max_num_seqs,
+            block_size=self.kv_cache_config.block_size,
+        )
 
     def _spec_decode_stats(self):
         planner = self.scheduler.draft_planner
         if planner is None:
             return None
         import copy
+
         return copy.deepcopy(planner.stats)  # a snapshot: the engine thread keeps counting
 
     def audit_kv_cache(self):
@@ -516,8 +622,9 @@ class LLMEngine:
 
     def _check_open(self) -> None:
         if self._shut_down:
-            raise EngineShutDownError("this engine was shut down (LLM.shutdown()); make a new "
-                                      "one to generate again")
+            raise EngineShutDownError(
+                "this engine was shut down (LLM.shutdown()); make a new one to generate again"
+            )
 
     def shutdown(self) -> None:
         """Stops every thread the engine started (grammar compiles, KV offload I/O),
@@ -540,8 +647,9 @@ class LLMEngine:
             release_after_shutdown(self)
 
 
-def _close_collected(executor: Executor, structured: Optional[StructuredOutputManager],
-                     kv_offloading: bool) -> None:
+def _close_collected(
+    executor: Executor, structured: StructuredOutputManager | None, kv_offloading: bool
+) -> None:
     """The finalizer of an engine collected without shutdown()."""
     try:
         _close(executor, structured, kv_offloading)
@@ -549,8 +657,9 @@ def _close_collected(executor: Executor, structured: Optional[StructuredOutputMa
         release_after_shutdown(None)
 
 
-def _close(executor: Executor, structured: Optional[StructuredOutputManager],
-           kv_offloading: bool) -> None:
+def _close(
+    executor: Executor, structured: StructuredOutputManager | None, kv_offloading: bool
+) -> None:
     """Everything an engine started, stopped: the grammar compile pool, the KV offload
     tiers (their I/O threads, the disk lock, pinned memory), the executor's workers.
     Holds no reference to the engine, so that its finalizer can run it."""
@@ -568,4 +677,5 @@ def _close(executor: Executor, structured: Optional[StructuredOutputManager],
 
 def _looks_like_path(source: str) -> bool:
     import os
+
     return os.path.exists(source)

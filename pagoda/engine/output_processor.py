@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -33,9 +34,9 @@ class _SampleState:
     index: int
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: Optional[SampleLogprobs] = None
-    cumulative_logprob: Optional[float] = None
-    finish_reason: Optional[str] = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
     stop_reason: object = None
     # How much of token_ids / logprobs earlier "delta" outputs already carried.
     num_sent_tokens: int = 0
@@ -49,21 +50,21 @@ class _SampleState:
 @dataclasses.dataclass
 class _RequestState:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     output_kind: OutputKind
     samples: dict[str, _SampleState]  # child id -> state
     arrival_time: float
     # The earliest first-admission time of its samples, as the scheduler reports it.
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: Optional[list[dict[int, Logprob]]] = None  # positions 1.. of the prompt
+    prompt_logprobs: list[dict[int, Logprob]] | None = None  # positions 1.. of the prompt
     prompt_logprobs_sent: bool = False
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,7 +72,10 @@ class _RequestState:
 
     @property
     def prompt_logprobs_complete(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) >= len(self.prompt_token_ids) - 1
+        return (
+            self.prompt_logprobs is not None
+            and len(self.prompt_logprobs) >= len(self.prompt_token_ids) - 1
+        )
 
 
 class OutputProcessor:
@@ -89,12 +93,12 @@ class OutputProcessor:
     def add_request(
         self,
         request_id: str,
-        prompt: Optional[str],
+        prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind = "cumulative",
-        child_ids: Optional[list[str]] = None,
-        arrival_time: Optional[float] = None,
+        child_ids: list[str] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Registers a user request whose samples run as core requests `child_ids` (in index order)."""
         if output_kind not in OUTPUT_KINDS:
@@ -104,7 +108,9 @@ class OutputProcessor:
         child_ids = [request_id] if child_ids is None else list(child_ids)
         if len(child_ids) != params.n:
             raise ValueError(f"child_ids must hold n={params.n} ids, got {len(child_ids)}")
-        if len(set(child_ids)) != len(child_ids) or any(c in self._child_to_request for c in child_ids):
+        if len(set(child_ids)) != len(child_ids) or any(
+            c in self._child_to_request for c in child_ids
+        ):
             raise ValueError(f"child_ids must be unique and unused, got {child_ids}")
         samples = {
             child_id: _SampleState(
@@ -116,8 +122,12 @@ class OutputProcessor:
             for index, child_id in enumerate(child_ids)
         }
         self._requests[request_id] = _RequestState(
-            request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
-            params=params, output_kind=output_kind, samples=samples,
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            output_kind=output_kind,
+            samples=samples,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
         for child_id in child_ids:
@@ -140,7 +150,9 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ one step
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Applies one step's outputs; returns (RequestOutputs to emit, child ids to abort)."""
         now = self.clock()
         # request id -> children with new tokens or newly finished (dict: keeps arrival order)
@@ -171,12 +183,15 @@ class OutputProcessor:
                 self._forget(state)
         return request_outputs, ids_to_abort
 
-    def _apply(self, state: _RequestState, sample: _SampleState, core_output: EngineCoreOutput, now: float) -> bool:
+    def _apply(
+        self, state: _RequestState, sample: _SampleState, core_output: EngineCoreOutput, now: float
+    ) -> bool:
         """Updates one sample; returns True when a stop string ended it while the core had not."""
         new_ids = core_output.new_token_ids
         scheduled = core_output.first_scheduled_time
-        if scheduled is not None and (state.first_scheduled_time is None
-                                      or scheduled < state.first_scheduled_time):
+        if scheduled is not None and (
+            state.first_scheduled_time is None or scheduled < state.first_scheduled_time
+        ):
             state.first_scheduled_time = scheduled
         if new_ids:
             if state.first_token_time is None:
@@ -187,14 +202,19 @@ class OutputProcessor:
         if core_output.new_logprobs and sample.logprobs is not None:
             for position in core_output.new_logprobs:
                 sample.logprobs.append(self._to_logprob_dict(position, state.params.detokenize))
-                sample.cumulative_logprob += position.logprobs[0]
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + position.logprobs[
+                    0
+                ]
         if core_output.prompt_logprobs and sample.index == 0:  # the samples share one prompt
             state.prompt_logprobs = (state.prompt_logprobs or []) + [
-                self._to_logprob_dict(p, state.params.detokenize) for p in core_output.prompt_logprobs
+                self._to_logprob_dict(p, state.params.detokenize)
+                for p in core_output.prompt_logprobs
             ]
 
         # A token id (eos / stop_token_ids) that ended generation: its text is not output.
-        stop_terminated = core_output.finish_reason == "stop" and not isinstance(core_output.stop_reason, str)
+        stop_terminated = core_output.finish_reason == "stop" and not isinstance(
+            core_output.stop_reason, str
+        )
         stop_string = sample.detokenizer.update(new_ids, stop_terminated=stop_terminated)
         if stop_string is None and core_output.finished:
             stop_string = sample.detokenizer.finish()
@@ -205,7 +225,10 @@ class OutputProcessor:
             state.error = core_output.error
             sample.finish_reason = core_output.finish_reason or "error"
         elif core_output.finished:
-            sample.finish_reason, sample.stop_reason = core_output.finish_reason, core_output.stop_reason
+            sample.finish_reason, sample.stop_reason = (
+                core_output.finish_reason,
+                core_output.stop_reason,
+            )
         return False
 
     def _forget(self, state: _RequestState) -> None:
@@ -215,7 +238,9 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ building outputs
 
-    def _make_request_output(self, state: _RequestState, changed_children: set[str]) -> Optional[RequestOutput]:
+    def _make_request_output(
+        self, state: _RequestState, changed_children: set[str]
+    ) -> RequestOutput | None:
         finished = state.finished
         if state.output_kind == "final_only" and not finished:
             return None
@@ -224,8 +249,8 @@ class OutputProcessor:
             children = [c for c, s in state.samples.items() if c in changed_children]
         else:
             children = list(state.samples)
-        completions = [self._make_completion(state.samples[c], delta) for c in children]
-        completions = [c for c in completions if c is not None]
+        made = (self._make_completion(state.samples[c], delta) for c in children)
+        completions = [c for c in made if c is not None]
         if not completions and not finished:
             return None
         completions.sort(key=lambda c: c.index)
@@ -241,36 +266,45 @@ class OutputProcessor:
             error=state.error,
         )
 
-    def _make_completion(self, sample: _SampleState, delta: bool) -> Optional[CompletionOutput]:
+    def _make_completion(self, sample: _SampleState, delta: bool) -> CompletionOutput | None:
         """The sample's output: everything so far, or (delta) only what is new since last time."""
         if not delta:
             return CompletionOutput(
-                index=sample.index, text=sample.detokenizer.visible_text(), token_ids=list(sample.token_ids),
+                index=sample.index,
+                text=sample.detokenizer.visible_text(),
+                token_ids=list(sample.token_ids),
                 cumulative_logprob=sample.cumulative_logprob,
                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
             )
         text = sample.detokenizer.get_delta_text()
-        token_ids = sample.token_ids[sample.num_sent_tokens:]
+        token_ids = sample.token_ids[sample.num_sent_tokens :]
         if not text and not token_ids and not sample.finished:
             return None  # nothing new to say (e.g. a prefill chunk)
         sample.num_sent_tokens = len(sample.token_ids)
         logprobs = None
         if sample.logprobs is not None:
-            logprobs = sample.logprobs[sample.num_sent_logprobs:]
+            logprobs = sample.logprobs[sample.num_sent_logprobs :]
             sample.num_sent_logprobs = len(sample.logprobs)
         return CompletionOutput(
-            index=sample.index, text=text, token_ids=token_ids,
-            cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
-            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+            index=sample.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
         )
 
-    def _take_prompt_logprobs(self, state: _RequestState, delta: bool) -> Optional[PromptLogprobs]:
+    def _take_prompt_logprobs(self, state: _RequestState, delta: bool) -> PromptLogprobs | None:
         """[None, position 1, ...] once every prompt position has arrived; in delta mode only once."""
         if not state.prompt_logprobs_complete or (delta and state.prompt_logprobs_sent):
             return None
         state.prompt_logprobs_sent = True
-        return [None] + list(state.prompt_logprobs)
+        logprobs: PromptLogprobs = [None]
+        logprobs.extend(state.prompt_logprobs or ())
+        return logprobs
 
     def _metrics(self, state: _RequestState) -> dict:
         return {

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,34 @@ ENV_VAR = "PAGODA_TTFT_TRACE"
 _target = os.environ.get(ENV_VAR) or None
 ENABLED = _target is not None
 
-STAGES = ("arrival", "body_read", "parsed", "tokenized", "prepared", "posted", "picked_up",
-          "added", "step_schedule_start", "step_scheduled", "step_forward_launched", "step_launched",
-          "next_step_launched", "step_result_ready", "step_updated", "step_processed",
-          "delivered", "consumed", "headers_sent", "first_body", "first_text")
+STAGES = (
+    "arrival",
+    "body_read",
+    "parsed",
+    "tokenized",
+    "prepared",
+    "posted",
+    "picked_up",
+    "added",
+    "step_schedule_start",
+    "step_scheduled",
+    "step_forward_launched",
+    "step_launched",
+    "next_step_launched",
+    "step_result_ready",
+    "step_updated",
+    "step_processed",
+    "delivered",
+    "consumed",
+    "headers_sent",
+    "first_body",
+    "first_text",
+)
 
-_current: contextvars.ContextVar[Optional["RequestTrace"]] = contextvars.ContextVar(
-    "pagoda_ttft_trace", default=None)
-_by_id: dict[str, "RequestTrace"] = {}  # engine request id -> trace, while in flight
+_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
+    "pagoda_ttft_trace", default=None
+)
+_by_id: dict[str, RequestTrace] = {}  # engine request id -> trace, while in flight
 _write_lock = threading.Lock()
 
 
@@ -60,25 +80,29 @@ class RequestTrace:
         self.path = path
         self.first_token_done = False
 
-    def mark(self, stage: str, at: Optional[float] = None) -> None:
+    def mark(self, stage: str, at: float | None = None) -> None:
         if stage not in self.times:
             self.times[stage] = time.monotonic() if at is None else at
 
     def to_json(self) -> dict:
         arrival = self.times["arrival"]
         ordered = sorted(self.times.items(), key=lambda kv: kv[1])
-        return {"request_ids": self.request_ids, "path": self.path, "arrival": arrival,
-                "ms": {stage: round((t - arrival) * 1e3, 3) for stage, t in ordered}}
+        return {
+            "request_ids": self.request_ids,
+            "path": self.path,
+            "arrival": arrival,
+            "ms": {stage: round((t - arrival) * 1e3, 3) for stage, t in ordered},
+        }
 
 
-def set_enabled(target: Optional[str]) -> None:
+def set_enabled(target: str | None) -> None:
     """Turns tracing on (a file path or "log") or off; for tests and benchmarks in-process."""
     global _target, ENABLED
     _target = target or None
     ENABLED = _target is not None
 
 
-def open_trace(path: str = "") -> Optional[RequestTrace]:
+def open_trace(path: str = "") -> RequestTrace | None:
     """Starts the trace of an arriving HTTP request (None when tracing is off)."""
     if not ENABLED:
         return None
@@ -87,7 +111,7 @@ def open_trace(path: str = "") -> Optional[RequestTrace]:
     return trace
 
 
-def current() -> Optional[RequestTrace]:
+def current() -> RequestTrace | None:
     return _current.get() if ENABLED else None
 
 
@@ -99,7 +123,7 @@ def mark(stage: str) -> None:
             trace.mark(stage)
 
 
-def register(request_id: str) -> Optional[RequestTrace]:
+def register(request_id: str) -> RequestTrace | None:
     """Files the current context's trace under an engine request id; returns it."""
     if not ENABLED:
         return None
@@ -110,11 +134,11 @@ def register(request_id: str) -> Optional[RequestTrace]:
     return trace
 
 
-def lookup(request_id: str) -> Optional[RequestTrace]:
+def lookup(request_id: str) -> RequestTrace | None:
     return _by_id.get(request_id) if ENABLED else None
 
 
-def mark_id(request_id: str, stage: str, at: Optional[float] = None) -> None:
+def mark_id(request_id: str, stage: str, at: float | None = None) -> None:
     """Marks a stage by engine request id, from any thread."""
     if ENABLED:
         trace = _by_id.get(request_id)
@@ -134,7 +158,7 @@ def mark_first_token(request_ids: Iterable[str], step_times: dict[str, float]) -
                 trace.mark(stage, at)
 
 
-def finish(trace: Optional[RequestTrace]) -> None:
+def finish(trace: RequestTrace | None) -> None:
     """Writes the trace (JSON line or log line) and forgets its request ids."""
     if trace is None:
         return
@@ -162,7 +186,7 @@ class StepClock:
         self.times: dict[str, float] = {"step_schedule_start": time.monotonic()}
 
     @staticmethod
-    def start() -> "StepClock":
+    def start() -> StepClock:
         return StepClock() if ENABLED else NULL_CLOCK
 
     def lap(self, stage: str) -> None:
@@ -170,8 +194,10 @@ class StepClock:
 
     def first_tokens(self, request_outputs) -> None:
         """Hands this step's times to the traces of requests that got their first token."""
-        mark_first_token((out.request_id for out in request_outputs
-                          if any(c.token_ids for c in out.outputs)), self.times)
+        mark_first_token(
+            (out.request_id for out in request_outputs if any(c.token_ids for c in out.outputs)),
+            self.times,
+        )
 
 
 class _NullClock(StepClock):

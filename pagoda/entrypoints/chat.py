@@ -13,7 +13,7 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Optional
+
 from pagoda.model.tokenizer import apply_chat_template
 
 BANNER = "pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits."
@@ -30,7 +30,7 @@ class _InterruptFlag:
     def _handle(self, signum, frame) -> None:
         self.raised = True
 
-    def __enter__(self) -> "_InterruptFlag":
+    def __enter__(self) -> _InterruptFlag:
         if threading.current_thread() is threading.main_thread():  # signals need it
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -43,8 +43,10 @@ class _InterruptFlag:
 def stream_reply(llm, token_ids: list[int], params) -> tuple[str, bool]:
     """Prints the reply as it streams; returns (text so far, whether Ctrl-C stopped it)."""
     pieces: list[str] = []
-    with _InterruptFlag() as interrupt, \
-            contextlib.closing(llm.stream({"prompt_token_ids": token_ids}, params)) as outputs:
+    with (
+        _InterruptFlag() as interrupt,
+        contextlib.closing(llm.stream({"prompt_token_ids": token_ids}, params)) as outputs,
+    ):
         # Closing the stream (also on an early break) aborts the request in the engine.
         for out in outputs:
             piece = out.outputs[0].text
@@ -56,7 +58,7 @@ def stream_reply(llm, token_ids: list[int], params) -> tuple[str, bool]:
     return "".join(pieces), interrupt.raised
 
 
-def run_chat(llm, params, system: Optional[str]) -> int:
+def run_chat(llm, params, system: str | None) -> int:
     """The REPL loop; returns the exit status."""
     tokenizer = llm.get_tokenizer()
     template = llm.llm_engine.config.model.chat_template

@@ -12,14 +12,23 @@ import importlib.util
 import sys
 
 import pagoda
-from pagoda.entrypoints.cli_args import (add_engine_args, add_sampling_args, cli_error_message,
-                                         engine_args_from_namespace, sampling_params_from_namespace)
-from pagoda.entrypoints.cli_parser import (PagodaArgumentParser, add_log_level_everywhere,
-                                           configure_logging)
+from pagoda.entrypoints.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    cli_error_message,
+    engine_args_from_namespace,
+    sampling_params_from_namespace,
+)
+from pagoda.entrypoints.cli_parser import (
+    PagodaArgumentParser,
+    add_log_level_everywhere,
+    configure_logging,
+)
 
 
 def _make_llm(ns):
     from pagoda.entrypoints.llm import LLM  # per command: start-up time
+
     args = engine_args_from_namespace(ns)
     return LLM(**vars(args))
 
@@ -51,12 +60,14 @@ def check_context(engine, prompt, max_tokens) -> None:
         raise ValueError(
             f"this model's maximum context length is {limit} tokens, but "
             f"{len(token_ids) + max_tokens} were requested ({len(token_ids)} in the prompt, "
-            f"{max_tokens} for the completion): shorten the prompt or lower --max-tokens")
+            f"{max_tokens} for the completion): shorten the prompt or lower --max-tokens"
+        )
 
 
 def cmd_chat(ns) -> int:
     """An interactive REPL that streams the reply token by token (entrypoints/chat.py)."""
     from pagoda.entrypoints.chat import run_chat  # per command: start-up time
+
     llm = _make_llm(ns)
     return run_chat(llm, sampling_params_from_namespace(ns), ns.system)
 
@@ -83,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     # it by name, so that a real import error inside Pagoda's server code still surfaces.
     if importlib.util.find_spec("fastapi") is not None:
         from pagoda.entrypoints.openai.cli import add_serve_parser  # per command: start-up time
+
         add_serve_parser(sub)
 
     from pagoda.bench.cli import add_bench_subparsers  # imports no server stack
+
     add_bench_subparsers(sub)
     add_log_level_everywhere(parser)  # last: it walks every subcommand added above
     return parser

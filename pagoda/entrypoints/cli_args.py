@@ -29,7 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         alias = field.metadata["alias"]
         names = (cli_flag(field.name),) + ((alias,) if alias else ())
         groups[field.metadata["group"]].add_argument(
-            *names, **_argparse_options(field, hints[field.name]))
+            *names, **_argparse_options(field, hints[field.name])
+        )
 
 
 def _argparse_options(field: dataclasses.Field, annotation) -> dict:
@@ -44,11 +45,14 @@ def _argparse_options(field: dataclasses.Field, annotation) -> dict:
     if meta["parse"] is not None:
         options["type"] = _argparse_type(meta["parse"])
     elif value_type is bool:
-        options["action"] = ("store_true" if field.default is False
-                             else argparse.BooleanOptionalAction)
+        options["action"] = (
+            "store_true" if field.default is False else argparse.BooleanOptionalAction
+        )
     elif value_type is None:
-        raise TypeError(f"engine flag {field.name} ({annotation}) needs flag(..., parse=...) "
-                        f"to be read from the command line")
+        raise TypeError(
+            f"engine flag {field.name} ({annotation}) needs flag(..., parse=...) "
+            f"to be read from the command line"
+        )
     elif value_type is not str:
         options["type"] = value_type
     return options
@@ -62,11 +66,13 @@ def _value_type(annotation):
 
 def _argparse_type(parse):
     """A flag parser whose ValueError argparse prints as "argument --flag: message"."""
+
     def convert(text: str):
         try:
             return parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+
     convert.__name__ = parse.__name__
     return convert
 
@@ -82,6 +88,7 @@ def cli_error_message(exc: BaseException) -> str:
     bare name with an underscore (`max_model_len`), or one the ConfigError names in its
     `fields` (`device`), becomes its flag. Quoted names, paths and dotted names stay.
     """
+
     def assignment(match: re.Match) -> str:
         name = match.group(1)
         if name not in ENGINE_FLAGS:
@@ -101,8 +108,10 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed flags; a flag the machine cannot honour is a ValueError
     that names the flag to use instead (the CLI prints it as one line)."""
     if getattr(ns, "device", None) == "cuda" and not _cuda_available():
-        raise ValueError("--device cuda: no CUDA GPU is available on this machine; "
-                         "use --device cpu (or leave --device out to pick automatically)")
+        raise ValueError(
+            "--device cuda: no CUDA GPU is available on this machine; "
+            "use --device cpu (or leave --device out to pick automatically)"
+        )
     chat_template = ns.chat_template
     if chat_template is not None:
         if os.path.isfile(chat_template):
@@ -127,6 +136,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_namespace(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                          top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
-                          seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )

@@ -14,7 +14,7 @@ import argparse
 import difflib
 import logging
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_LOG_LEVEL = "INFO"
@@ -30,9 +30,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         # Identity, not ==: a default of 0 is worth showing (0 == False).
-        if ("default" in text or default is None or default is False
-                or default == argparse.SUPPRESS
-                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or not action.option_strings
+            or isinstance(action, argparse._HelpAction)
+        ):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -48,7 +53,7 @@ class PagodaArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace=None):
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         # A parser with subcommands passes what it did not know on to its caller: the
         # leaf subcommand already judged its own leftovers (below), so only a leaf, or
@@ -67,9 +72,10 @@ class PagodaArgumentParser(argparse.ArgumentParser):
         formatter = self._get_formatter()
         positionals = [a for a in self._actions if not a.option_strings]
         formatter.add_usage(None, positionals, [], prefix="")
-        words = formatter.format_help().split()[len(self.prog.split()):]
-        return " ".join(["usage:", self.prog, "[options]", *words,
-                         f"({self.prog} --help lists the options)"])
+        words = formatter.format_help().split()[len(self.prog.split()) :]
+        return " ".join(
+            ["usage:", self.prog, "[options]", *words, f"({self.prog} --help lists the options)"]
+        )
 
     def _unknown_message(self, extras: list[str]) -> str:
         message = f"unrecognized arguments: {' '.join(extras)}"
@@ -90,14 +96,23 @@ def add_log_level_everywhere(parser: argparse.ArgumentParser) -> None:
     """`--log-level` on the top level (holding the default) and on every subcommand at
     any depth; the subcommands' copies default to SUPPRESS, so a value given before the
     subcommand is not overwritten by theirs."""
-    parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
-                        choices=LOG_LEVELS, help="logging level of Pagoda's messages")
+    parser.add_argument(
+        "--log-level",
+        default=DEFAULT_LOG_LEVEL,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level of Pagoda's messages",
+    )
     for sub in _subcommand_parsers(parser):
         sub._pagoda_nested = True
         if "--log-level" not in sub._option_string_actions:
-            sub.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
-                             choices=LOG_LEVELS,
-                             help=f"logging level of Pagoda's messages (default {DEFAULT_LOG_LEVEL})")
+            sub.add_argument(
+                "--log-level",
+                default=argparse.SUPPRESS,
+                type=str.upper,
+                choices=LOG_LEVELS,
+                help=f"logging level of Pagoda's messages (default {DEFAULT_LOG_LEVEL})",
+            )
 
 
 def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -113,6 +128,10 @@ def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.Argume
 def configure_logging(level: str) -> None:
     """Pagoda's loggers at `level` on stderr; other libraries stay at WARNING unless
     DEBUG is asked for (their INFO chatter is not Pagoda's to print)."""
-    logging.basicConfig(level=logging.DEBUG if level == "DEBUG" else logging.WARNING,
-                        format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT, stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if level == "DEBUG" else logging.WARNING,
+        format=LOG_FORMAT,
+        datefmt=LOG_DATE_FORMAT,
+        stream=sys.stderr,
+    )
     logging.getLogger("pagoda").setLevel(level)

@@ -9,7 +9,8 @@ after LLM, on the same disk-tier directory too.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import EngineShutDownError, LLMEngine, PromptInput
@@ -23,7 +24,7 @@ class LLM:
     """Offline generation. `LLM()` serves the embedded SmolLM2-135M-Instruct on CPU
     (or the GPU when present); keyword arguments take vLLM's engine argument names."""
 
-    def __init__(self, model: Optional[str] = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
@@ -38,7 +39,7 @@ class LLM:
     def is_shut_down(self) -> bool:
         return self.llm_engine.is_shut_down
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -53,8 +54,8 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptInput, Sequence[PromptInput]],
-        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the prompts' order.
@@ -77,28 +78,35 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[Messages, Sequence[Messages]],
-        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        chat_template: Optional[str] = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates;
         `chat_template_kwargs` are extra template variables (e.g. enable_thinking)."""
         from pagoda.model.tokenizer import apply_chat_template
+
         self._check_open()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt,
-                                                            chat_template, chat_template_kwargs)}
-                   for conv in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    tokenizer, conv, add_generation_prompt, chat_template, chat_template_kwargs
+                )
+            }
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stream(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None
-               ) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yields delta outputs of one request as its tokens are produced."""
         self._check_open()
         engine = self.llm_engine
@@ -119,6 +127,7 @@ class LLM:
         bar = None
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while len(finished) < len(ids):
@@ -132,7 +141,9 @@ class LLM:
                     raise RuntimeError(f"engine stopped with requests unfinished: {missing}")
             # KV offload stores and disk writes still in flight finish before this returns,
             # so the next call finds those blocks in the tiers.
-            while engine.kv_transfers_in_flight() and not engine.scheduler.has_unfinished_requests():
+            while (
+                engine.kv_transfers_in_flight() and not engine.scheduler.has_unfinished_requests()
+            ):
                 engine.step()
         finally:
             if bar is not None:

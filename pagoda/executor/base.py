@@ -18,7 +18,8 @@ share of the model (`TensorParallel(rank, size)`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig
@@ -42,8 +43,9 @@ class Executor(ABC):
 
     # ---- what each implementation provides -------------------------------------------
     @abstractmethod
-    def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                       kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> list[Any]:
         """Calls `method(*args, **kwargs)` on every worker; returns their results by rank."""
 
     @abstractmethod
@@ -75,6 +77,6 @@ class Executor(ABC):
         """Launches the step's forward on every worker."""
         self.collective_rpc("execute_model", (scheduler_output,))
 
-    def sample_tokens(self, step_extras: Optional[StepExtras] = None) -> RunnerOutputFuture:
+    def sample_tokens(self, step_extras: StepExtras | None = None) -> RunnerOutputFuture:
         """Launches the step's sampling; rank 0's output is the step's."""
         return self.collective_rpc("sample_tokens", (step_extras or StepExtras(),))[0]

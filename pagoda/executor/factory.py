@@ -16,14 +16,18 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
     backend = getattr(config.parallel, "distributed_executor_backend", None) or "mp"
     if backend == "ray":
         from pagoda.executor.ray_executor import RayExecutor, require_ray  # Ray: optional
+
         require_ray()
         return RayExecutor
     if backend not in ("mp", "uni"):
-        raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'uni', "
-                         f"got {backend!r}")
+        raise ValueError(
+            f"distributed_executor_backend must be 'mp', 'ray' or 'uni', got {backend!r}"
+        )
     if config.parallel.tensor_parallel_size == 1:
         return UniProcExecutor
     if backend == "uni":
-        raise ValueError("distributed_executor_backend='uni' runs one worker in process: "
-                         "it needs tensor_parallel_size 1")
+        raise ValueError(
+            "distributed_executor_backend='uni' runs one worker in process: "
+            "it needs tensor_parallel_size 1"
+        )
     return MultiprocExecutor

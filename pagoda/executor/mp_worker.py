@@ -26,15 +26,15 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any
 
-from pagoda.executor.mp_protocol import (FAILED, OK, PROTOCOL_VERSION, SHUTDOWN,
-                                         STARTUP_SEQ, Reply)
+from pagoda.executor.mp_protocol import FAILED, OK, PROTOCOL_VERSION, SHUTDOWN, STARTUP_SEQ, Reply
 from pagoda.executor.worker_setup import WorkerSpec, build_worker, leave_group, reply_payload
 
 
-def worker_main(spec: WorkerSpec, requests: Connection, replies: Connection,
-                lifeline: Connection) -> None:
+def worker_main(
+    spec: WorkerSpec, requests: Connection, replies: Connection, lifeline: Connection
+) -> None:
     """The process's target: start, report readiness, serve until told to stop."""
     # Ctrl-C reaches the whole process group: the engine process handles it and stops
     # the workers itself, so a worker must not die of it mid-step first.
@@ -55,7 +55,7 @@ def worker_main(spec: WorkerSpec, requests: Connection, replies: Connection,
     sys.exit(1 if failed else 0)
 
 
-def _serve(worker: Any, requests: Connection, sender: "_ReplySender") -> bool:
+def _serve(worker: Any, requests: Connection, sender: _ReplySender) -> bool:
     """Serves requests until SHUTDOWN, the engine's pipe closes, or a failure;
     returns True after a failure."""
     while True:
@@ -67,8 +67,11 @@ def _serve(worker: Any, requests: Connection, sender: "_ReplySender") -> bool:
         if sender.failed:
             return True  # a failed future was reported; this worker's state is unknown
         if version != PROTOCOL_VERSION:
-            sender.send_failure(seq, method, f"protocol version {version!r} received, this "
-                                             f"worker speaks {PROTOCOL_VERSION}")
+            sender.send_failure(
+                seq,
+                method,
+                f"protocol version {version!r} received, this worker speaks {PROTOCOL_VERSION}",
+            )
             return True
         if method == SHUTDOWN:
             return False
@@ -89,10 +92,11 @@ class _ReplySender:
         self.rank = rank
         self._conn = replies
         self._send_lock = threading.Lock()  # the sender thread and failures share the pipe
-        self._queue: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self.failed = False
-        self._thread = threading.Thread(target=self._run, name=f"pagoda-tp{rank}-replies",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"pagoda-tp{rank}-replies", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -105,7 +109,7 @@ class _ReplySender:
         with self._send_lock:
             self._conn.send_bytes(data)
 
-    def send_failure(self, seq: int, method: Optional[str], text: str) -> None:
+    def send_failure(self, seq: int, method: str | None, text: str) -> None:
         """Reports a failure (terminal: the main loop stops at its next request)."""
         self.failed = True
         try:

@@ -40,15 +40,15 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
 from pagoda.executor.base import Executor, ExecutorDeadError
-from pagoda.executor.mp_protocol import (FAILED, PROTOCOL_VERSION, SHUTDOWN, STARTUP_SEQ,
-                                         Reply)
+from pagoda.executor.mp_protocol import FAILED, PROTOCOL_VERSION, SHUTDOWN, STARTUP_SEQ, Reply
 from pagoda.executor.mp_worker import worker_main
 from pagoda.executor.timeouts import ExecutorTimeouts, remaining
 from pagoda.executor.worker_setup import WorkerFactory, WorkerSpec, choose_workers
@@ -92,7 +92,7 @@ class _WorkerProcesses:
 
     def __init__(self, shutdown_timeout_s: float) -> None:
         self.ranks: list[_Rank] = []
-        self.lifeline: Optional[Connection] = None  # write end; never written
+        self.lifeline: Connection | None = None  # write end; never written
         self.shutdown_timeout_s = shutdown_timeout_s
 
     def stop(self) -> None:
@@ -152,7 +152,7 @@ def _ranks_text(ranks) -> str:
 class _StepFuture:
     """One step's output: rank 0's reply to sample_tokens (a RunnerOutputFuture)."""
 
-    def __init__(self, executor: "MultiprocExecutor", call: _Call) -> None:
+    def __init__(self, executor: MultiprocExecutor, call: _Call) -> None:
         self._executor = executor
         self._call = call
 
@@ -163,17 +163,22 @@ class _StepFuture:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: str,
-                 worker_factory: Optional[WorkerFactory] = None,
-                 world_size: Optional[int] = None,
-                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        worker_factory: WorkerFactory | None = None,
+        world_size: int | None = None,
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ) -> None:
         """worker_factory(config, model_path, rank) builds each rank's worker in its
         process (default: ModelRunner); it must pickle (a module-level callable).
         world_size: the number of processes (default: tensor_parallel_size; tests
         set it to run fake workers)."""
         super().__init__(config, model_path)
-        worker_factory, self.world_size = choose_workers(config, model_path, worker_factory,
-                                                         world_size)
+        worker_factory, self.world_size = choose_workers(
+            config, model_path, worker_factory, world_size
+        )
         self.timeouts = ExecutorTimeouts.from_env()
         self._warm = False  # True once a step's output arrived (timeouts.limit)
         self._dead_reasons: list[str] = []
@@ -201,6 +206,7 @@ class MultiprocExecutor(Executor):
         # Every process keeps NVLink multicast off from its first instruction: set in
         # this process's environment, which the spawned workers inherit.
         from pagoda.distributed.parallel_state import keep_multicast_off
+
         keep_multicast_off()
         ctx = multiprocessing.get_context("spawn")
         backend = "nccl" if self.config.device.device == "cuda" else "gloo"
@@ -211,15 +217,31 @@ class MultiprocExecutor(Executor):
         finally:
             lifeline_read.close()  # only the workers hold the read end: EOF = engine gone
 
-    def _spawn_ranks(self, ctx, worker_factory: WorkerFactory, init_method: str,
-                     backend: str, lifeline_read: Connection) -> None:
+    def _spawn_ranks(
+        self,
+        ctx,
+        worker_factory: WorkerFactory,
+        init_method: str,
+        backend: str,
+        lifeline_read: Connection,
+    ) -> None:
         for rank in range(self.world_size):
-            spec = WorkerSpec(rank, self.world_size, self.config, self.model_path,
-                              init_method, backend, worker_factory)
+            spec = WorkerSpec(
+                rank,
+                self.world_size,
+                self.config,
+                self.model_path,
+                init_method,
+                backend,
+                worker_factory,
+            )
             req_read, req_write = ctx.Pipe(duplex=False)
             rep_read, rep_write = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_main, name=f"pagoda-tp-worker-{rank}",
-                                  args=(spec, req_read, rep_write, lifeline_read))
+            process = ctx.Process(
+                target=worker_main,
+                name=f"pagoda-tp-worker-{rank}",
+                args=(spec, req_read, rep_write, lifeline_read),
+            )
             try:
                 process.start()
             except BaseException:
@@ -247,7 +269,8 @@ class MultiprocExecutor(Executor):
                 raise WorkerStartupError(
                     f"tensor-parallel worker {_ranks_text(waiting)} (of {self.world_size}) "
                     f"not ready within {self.timeouts.describe(False)}: still loading, or "
-                    f"stuck joining the group?")
+                    f"stuck joining the group?"
+                )
             for obj in ready:
                 r = by_object[obj]
                 if r.rank in failures or r.rank not in waiting:
@@ -256,7 +279,9 @@ class MultiprocExecutor(Executor):
                     _, seq, status, payload = pickle.loads(r.replies.recv_bytes())
                 except EOFError:
                     r.process.join(REAP_TIMEOUT_S)
-                    failures[r.rank] = f"the process {_describe_exit(r.process)} before it was ready"
+                    failures[r.rank] = (
+                        f"the process {_describe_exit(r.process)} before it was ready"
+                    )
                     continue
                 if seq != STARTUP_SEQ:
                     failures[r.rank] = f"sent {seq=} before its start-up report"
@@ -268,21 +293,27 @@ class MultiprocExecutor(Executor):
                 rank = min(failures)
                 raise WorkerStartupError(
                     f"tensor-parallel worker rank {rank} (of {self.world_size}) failed to "
-                    f"start:\n{failures[rank]}")
+                    f"start:\n{failures[rank]}"
+                )
 
     # ---- sending ----------------------------------------------------------------------
-    def _send(self, method: str, args: Sequence[Any], kwargs: Optional[dict],
-              reply: str) -> _Call:
+    def _send(self, method: str, args: Sequence[Any], kwargs: dict | None, reply: str) -> _Call:
         """Sends one request to every rank; returns the call its replies fill in
         (registered before sending, so that every reply finds it)."""
         self._raise_if_dead()
         seq = next(self._seq)
-        data = pickle.dumps((PROTOCOL_VERSION, seq, method, tuple(args), kwargs or {}, reply),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(
+            (PROTOCOL_VERSION, seq, method, tuple(args), kwargs or {}, reply),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
         owed = set() if reply == Reply.ERRORS_ONLY else {r.rank for r in self._procs.ranks}
-        call = _Call(method, [None] * self.world_size, owed,
-                     time.monotonic() + self.timeouts.limit(self._warm),
-                     self.timeouts.describe(self._warm))
+        call = _Call(
+            method,
+            [None] * self.world_size,
+            owed,
+            time.monotonic() + self.timeouts.limit(self._warm),
+            self.timeouts.describe(self._warm),
+        )
         if owed:
             self._calls[seq] = call
         for r in self._procs.ranks:
@@ -311,11 +342,13 @@ class MultiprocExecutor(Executor):
     def _note_overdue(self, call: _Call) -> None:
         """The call's deadline passed with replies still owed: the executor is dead
         (the ranks may be stuck in a collective or on their device; shutdown kills them)."""
-        self._set_dead(f"tensor-parallel worker {_ranks_text(call.owed)} (of "
-                       f"{self.world_size}) sent no reply to {call.method!r} within "
-                       f"{call.limit}: stuck in a collective or on its device?")
+        self._set_dead(
+            f"tensor-parallel worker {_ranks_text(call.owed)} (of "
+            f"{self.world_size}) sent no reply to {call.method!r} within "
+            f"{call.limit}: stuck in a collective or on its device?"
+        )
 
-    def _receive(self, timeout: Optional[float]) -> None:
+    def _receive(self, timeout: float | None) -> None:
         """Reads every reply that is ready (waiting up to `timeout` for one) and notes
         dead processes. Holds _recv_lock."""
         if self._shut_down:
@@ -351,8 +384,10 @@ class MultiprocExecutor(Executor):
             self._failed_ranks.add(rank)
             self._set_dead(f"tensor-parallel worker rank {rank} failed in {method!r}:\n{text}")
         elif version != PROTOCOL_VERSION or call is None or rank not in call.owed:
-            self._set_dead(f"tensor-parallel worker rank {rank} sent an unexpected reply "
-                           f"(version {version}, seq {seq})")
+            self._set_dead(
+                f"tensor-parallel worker rank {rank} sent an unexpected reply "
+                f"(version {version}, seq {seq})"
+            )
         else:
             call.results[rank] = payload
             call.owed.discard(rank)
@@ -366,8 +401,7 @@ class MultiprocExecutor(Executor):
         self._failed_ranks.add(r.rank)
         r.process.join(REAP_TIMEOUT_S)  # it is exiting: this reads its exit code
         why = _describe_exit(r.process) + (f"; {detail}" if detail else "")
-        self._set_dead(f"tensor-parallel worker rank {r.rank} (pid {r.process.pid}) "
-                       f"died: {why}")
+        self._set_dead(f"tensor-parallel worker rank {r.rank} (pid {r.process.pid}) died: {why}")
 
     def _set_dead(self, reason: str) -> None:
         """Records a failure. Every one noticed before shutdown is kept, in the order
@@ -376,7 +410,7 @@ class MultiprocExecutor(Executor):
         self._dead_reasons.append(reason)
 
     @property
-    def _dead_reason(self) -> Optional[str]:
+    def _dead_reason(self) -> str | None:
         return "\n".join(self._dead_reasons) if self._dead_reasons else None
 
     def _raise_if_dead(self) -> None:
@@ -384,8 +418,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorDeadError(self._dead_reason)
 
     # ---- the Executor interface -------------------------------------------------------
-    def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                       kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> list[Any]:
         call = self._send(method, args, kwargs, Reply.ALL)
         return list(self._wait_for(call, ranks=range(self.world_size)))
 
@@ -393,9 +428,8 @@ class MultiprocExecutor(Executor):
         """Sends the step to every rank; a failure surfaces at the next wait."""
         self._send("execute_model", (scheduler_output,), None, Reply.ERRORS_ONLY)
 
-    def sample_tokens(self, step_extras: Optional[StepExtras] = None) -> _StepFuture:
-        call = self._send("sample_tokens", (step_extras or StepExtras(),), None,
-                          Reply.RANK0_FUTURE)
+    def sample_tokens(self, step_extras: StepExtras | None = None) -> _StepFuture:
+        call = self._send("sample_tokens", (step_extras or StepExtras(),), None, Reply.RANK0_FUTURE)
         return _StepFuture(self, call)
 
     def check_health(self) -> None:

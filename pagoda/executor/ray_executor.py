@@ -37,8 +37,9 @@ import pickle
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput, StepExtras
@@ -62,8 +63,10 @@ def require_ray():
     try:
         import ray
     except ImportError as exc:
-        raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not "
-                         f"installed: {RAY_INSTALL_HINT}") from exc
+        raise ValueError(
+            f"distributed_executor_backend='ray' needs Ray, which is not "
+            f"installed: {RAY_INSTALL_HINT}"
+        ) from exc
     return ray
 
 
@@ -106,6 +109,7 @@ class _RayResources:
                 pass
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
+
             try:
                 remove_placement_group(self.placement_group)
             except Exception:  # noqa: BLE001 - best effort
@@ -119,10 +123,10 @@ class _RayResources:
 class _StepFuture:
     """One step's output: rank 0's answer to result(seq of its sample_tokens)."""
 
-    def __init__(self, executor: "RayExecutor", call: _Call) -> None:
+    def __init__(self, executor: RayExecutor, call: _Call) -> None:
         self._executor = executor
         self._call = call
-        self._output: Optional[_Call] = None
+        self._output: _Call | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
@@ -133,16 +137,21 @@ class _StepFuture:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: str,
-                 worker_factory: Optional[WorkerFactory] = None,
-                 world_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        worker_factory: WorkerFactory | None = None,
+        world_size: int | None = None,
+    ) -> None:
         """worker_factory(config, model_path, rank) builds each rank's worker in its
         actor (default: ModelRunner); it must pickle (a module-level callable).
         world_size: the number of actors (default: tensor_parallel_size)."""
         self._ray = require_ray()
         super().__init__(config, model_path)
-        worker_factory, self.world_size = choose_workers(config, model_path, worker_factory,
-                                                         world_size)
+        worker_factory, self.world_size = choose_workers(
+            config, model_path, worker_factory, world_size
+        )
         self.timeouts = ExecutorTimeouts.from_env()
         self._warm = False
         self._dead_reasons: list[str] = []
@@ -164,6 +173,7 @@ class RayExecutor(Executor):
     # ---- start-up ---------------------------------------------------------------------
     def _start(self, worker_factory: WorkerFactory) -> None:
         from pagoda.distributed.parallel_state import MULTICAST_OFF_ENV, keep_multicast_off
+
         keep_multicast_off()  # this process; the actors get it from their runtime_env
         device = self.config.device.device
         self._resources.started_ray = _connect(self._ray, self.world_size, device)
@@ -173,26 +183,40 @@ class RayExecutor(Executor):
         call = self._send_each("rendezvous_address", lambda rank: () if rank == 0 else None)
         ip, port = self._wait_started(call, (0,))[0]
         backend = "nccl" if device == "cuda" else "gloo"
-        layout: list[tuple[Optional[str], Optional[int]]] = [(None, None)] * self.world_size
+        layout: list[tuple[str | None, int | None]] = [(None, None)] * self.world_size
         if device == "cuda":
             call = self._send_each("node_and_gpus", lambda rank: ())
             layout = cuda_layout(self._wait_started(call, range(self.world_size)))
-        specs = [WorkerSpec(rank, self.world_size, self.config, self.model_path,
-                            f"tcp://{_url_host(ip)}:{port}", backend, worker_factory,
-                            device_index=layout[rank][1], cuda_visible_devices=layout[rank][0])
-                 for rank in range(self.world_size)]
+        specs = [
+            WorkerSpec(
+                rank,
+                self.world_size,
+                self.config,
+                self.model_path,
+                f"tcp://{_url_host(ip)}:{port}",
+                backend,
+                worker_factory,
+                device_index=layout[rank][1],
+                cuda_visible_devices=layout[rank][0],
+            )
+            for rank in range(self.world_size)
+        ]
         call = self._send_each("start", lambda rank: (specs[rank],))
         self.pids = list(self._wait_started(call, range(self.world_size)))
 
     def _make_actors(self, placement, device: str, env: dict[str, str]) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         actor_class = self._ray.remote(concurrency_groups={WATCH_GROUP: 1})(RayWorker)
         for rank in range(self.world_size):
             actor = actor_class.options(
-                num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0,
+                num_cpus=0 if device == "cuda" else 1,
+                num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": env}).remote()
+                    placement, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": env},
+            ).remote()
             self._resources.actors.append(actor)
             self._seqs.append(itertools.count())
             watch = actor.watch.options(concurrency_group=WATCH_GROUP).remote()
@@ -203,8 +227,10 @@ class RayExecutor(Executor):
         try:
             return self._wait(call, ranks)
         except ExecutorDeadError as exc:
-            raise WorkerStartupError(f"the Ray actors of the {self.world_size} "
-                                     f"tensor-parallel ranks failed to start:\n{exc}") from None
+            raise WorkerStartupError(
+                f"the Ray actors of the {self.world_size} "
+                f"tensor-parallel ranks failed to start:\n{exc}"
+            ) from None
 
     @property
     def actors(self) -> list:
@@ -217,9 +243,13 @@ class RayExecutor(Executor):
         args_of is not None (seq: the next number of that actor's sequence); returns the
         call, its refs registered in _owed."""
         self._raise_if_dead()
-        call = _Call(method, [-1] * self.world_size, [None] * self.world_size,
-                     deadline=time.monotonic() + self.timeouts.limit(self._warm),
-                     limit=self.timeouts.describe(self._warm))
+        call = _Call(
+            method,
+            [-1] * self.world_size,
+            [None] * self.world_size,
+            deadline=time.monotonic() + self.timeouts.limit(self._warm),
+            limit=self.timeouts.describe(self._warm),
+        )
         for rank, actor in enumerate(self._resources.actors):
             args = args_of(rank)
             if args is None:
@@ -230,10 +260,10 @@ class RayExecutor(Executor):
             self._owed[ref] = (call, rank)
         return call
 
-    def _send(self, method: str, args: Sequence[Any], kwargs: Optional[dict],
-              reply: str) -> _Call:
-        request = pickle.dumps((method, tuple(args), kwargs or {}),
-                               protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
+    def _send(self, method: str, args: Sequence[Any], kwargs: dict | None, reply: str) -> _Call:
+        request = pickle.dumps(
+            (method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL
+        )  # once, for every rank
         call = self._send_each("call", lambda rank: (request, reply))
         call.method = method
         return call
@@ -259,7 +289,7 @@ class RayExecutor(Executor):
         self._raise_if_dead()  # a failed answer is taken off call.refs too
         return call.results
 
-    def _receive(self, timeout: Optional[float]) -> None:
+    def _receive(self, timeout: float | None) -> None:
         """Takes every answer (or death) that is ready, waiting up to `timeout` for one."""
         if self._shut_down:
             return
@@ -283,25 +313,27 @@ class RayExecutor(Executor):
             self._take_death(rank, None, exc)
         except Exception as exc:  # noqa: BLE001 - the worker's exception, with traceback
             # Ray's RayTaskError text: the exception and the worker's traceback.
-            self._fail(rank, f"tensor-parallel worker rank {rank} failed in "
-                             f"{call.method!r}:\n{exc}")
+            self._fail(
+                rank, f"tensor-parallel worker rank {rank} failed in {call.method!r}:\n{exc}"
+            )
 
-    def _take_death(self, rank: int, watch_ref, exc: Optional[BaseException] = None) -> None:
+    def _take_death(self, rank: int, watch_ref, exc: BaseException | None = None) -> None:
         if exc is None:
             try:
                 self._ray.get(watch_ref)
             except Exception as error:  # noqa: BLE001 - the reason Ray gives
                 exc = error
         pid = self.pids[rank] if rank < len(self.pids) else "unknown"
-        self._fail(rank, f"tensor-parallel worker rank {rank} (pid {pid}) died: "
-                         f"{_death_text(exc)}")
+        self._fail(rank, f"tensor-parallel worker rank {rank} (pid {pid}) died: {_death_text(exc)}")
 
     def _note_overdue(self, call: _Call) -> None:
         ranks = sorted(call.refs)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        self._set_dead(f"tensor-parallel worker {who} (of {self.world_size}) sent no reply "
-                       f"to {call.method!r} within {call.limit}: stuck in a collective or "
-                       f"on its device?")
+        self._set_dead(
+            f"tensor-parallel worker {who} (of {self.world_size}) sent no reply "
+            f"to {call.method!r} within {call.limit}: stuck in a collective or "
+            f"on its device?"
+        )
 
     def _fail(self, rank: int, reason: str) -> None:
         if rank in self._failed_ranks or self._shut_down:
@@ -318,8 +350,9 @@ class RayExecutor(Executor):
             raise ExecutorDeadError("\n".join(self._dead_reasons))
 
     # ---- the Executor interface -------------------------------------------------------
-    def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                       kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> list[Any]:
         call = self._send(method, args, kwargs, Reply.ALL)
         return list(self._wait(call, range(self.world_size)))
 
@@ -327,9 +360,8 @@ class RayExecutor(Executor):
         """Sends the step to every rank; a failure surfaces at the next wait."""
         self._send("execute_model", (scheduler_output,), None, Reply.ERRORS_ONLY)
 
-    def sample_tokens(self, step_extras: Optional[StepExtras] = None) -> _StepFuture:
-        call = self._send("sample_tokens", (step_extras or StepExtras(),), None,
-                          Reply.RANK0_FUTURE)
+    def sample_tokens(self, step_extras: StepExtras | None = None) -> _StepFuture:
+        call = self._send("sample_tokens", (step_extras or StepExtras(),), None, Reply.RANK0_FUTURE)
         return _StepFuture(self, call)
 
     def check_health(self) -> None:
@@ -364,8 +396,9 @@ def _connect(ray, world_size: int, device: str) -> bool:
     # A local runtime: one CPU per rank at least (a bundle each on a CPU run), the
     # GPUs Ray detects, a small object store, no dashboard.
     num_cpus = max(os.cpu_count() or 1, world_size if device != "cuda" else 1)
-    ray.init(num_cpus=num_cpus, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-             include_dashboard=False)
+    ray.init(
+        num_cpus=num_cpus, object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False
+    )
     return True
 
 
@@ -373,18 +406,23 @@ def _place(ray, world_size: int, device: str, timeout_s: float):
     """A placement group of one bundle per rank, packed on as few nodes as possible;
     refused at once if the cluster does not have that many GPUs (CPUs) in all."""
     from ray.util.placement_group import placement_group, remove_placement_group
+
     resource = "GPU" if device == "cuda" else "CPU"
     total = ray.cluster_resources().get(resource, 0)
     if total < world_size:
-        raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} {resource}(s) "
-                         f"in the Ray cluster, which has {total:g}")
+        raise ValueError(
+            f"tensor_parallel_size {world_size} needs {world_size} {resource}(s) "
+            f"in the Ray cluster, which has {total:g}"
+        )
     group = placement_group([{resource: 1}] * world_size, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=None if math.isinf(timeout_s) else timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise WorkerStartupError(f"Ray could not reserve {world_size} bundle(s) of "
-                                 f"{{{resource!r}: 1}} within {timeout_s:g} s (in use by "
-                                 f"other jobs?)")
+        raise WorkerStartupError(
+            f"Ray could not reserve {world_size} bundle(s) of "
+            f"{{{resource!r}: 1}} within {timeout_s:g} s (in use by "
+            f"other jobs?)"
+        )
     return group
 
 
@@ -395,25 +433,25 @@ def cuda_layout(placements: Sequence[tuple[str, list[str]]]) -> list[tuple[str, 
     on_node: dict[str, list[str]] = {}
     for rank, (node, gpus) in enumerate(placements):
         if len(gpus) != 1:
-            raise RuntimeError(f"Ray gave tensor-parallel rank {rank} the GPUs {gpus}; "
-                               f"each rank needs exactly one")
+            raise RuntimeError(
+                f"Ray gave tensor-parallel rank {rank} the GPUs {gpus}; each rank needs exactly one"
+            )
         on_node.setdefault(node, []).extend(gpus)
     for gpus in on_node.values():
         gpus.sort(key=lambda g: (len(g), g))  # numeric order for plain indices
-    return [(",".join(on_node[node]), on_node[node].index(gpus[0]))
-            for node, gpus in placements]
+    return [(",".join(on_node[node]), on_node[node].index(gpus[0])) for node, gpus in placements]
 
 
 def _url_host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip  # an IPv6 address goes in brackets
 
 
-def _death_text(exc: Optional[BaseException]) -> str:
+def _death_text(exc: BaseException | None) -> str:
     """Ray's reason for an actor's death, on one line."""
     if exc is None:
         return "its actor ended"
     text = " ".join(str(exc).split())
     marker = "The actor is dead because"
     if marker in text:
-        text = text[text.index(marker):]
+        text = text[text.index(marker) :]
     return text[:400]

@@ -28,7 +28,7 @@ import pickle
 import socket
 import threading
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 from pagoda.distributed.parallel_state import MULTICAST_OFF_ENV
 from pagoda.executor.mp_protocol import Reply
@@ -46,13 +46,14 @@ class RayWorker:
         self._rank = -1
         self._next_seq = 0
         self._futures: dict[int, Any] = {}  # seq of a sample_tokens call -> its future
-        self._failure: Optional[str] = None
+        self._failure: str | None = None
 
     # ---- the default group: in order, one at a time ------------------------------------
     def rendezvous_address(self, seq: int) -> tuple[str, int]:
         """This node's IP and a TCP port free on it: the group's rendezvous (rank 0)."""
         self._in_order(seq)
         import ray
+
         ip = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((ip, 0))
@@ -62,6 +63,7 @@ class RayWorker:
         """The Ray node this actor runs on and the ids of the GPUs Ray gave it."""
         self._in_order(seq)
         import ray
+
         context = ray.get_runtime_context()
         return context.get_node_id(), [str(i) for i in context.get_accelerator_ids().get("GPU", [])]
 
@@ -88,10 +90,11 @@ class RayWorker:
         ModelRunnerOutput, None on the other ranks."""
         self._in_order(seq)
         future = self._futures.pop(of_seq)
-        return self._run(lambda: reply_payload(self._rank, Reply.RANK0_FUTURE, future),
-                         "sample_tokens")
+        return self._run(
+            lambda: reply_payload(self._rank, Reply.RANK0_FUTURE, future), "sample_tokens"
+        )
 
-    def multicast_env_at_start(self) -> dict[str, Optional[str]]:
+    def multicast_env_at_start(self) -> dict[str, str | None]:
         """The NVLink multicast variables as the process started (any time, no seq)."""
         return dict(self._env_at_start)
 
@@ -103,8 +106,9 @@ class RayWorker:
     # ---- helpers -----------------------------------------------------------------------
     def _in_order(self, seq: int) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"this worker failed earlier and serves no more calls: "
-                               f"{self._failure}")
+            raise RuntimeError(
+                f"this worker failed earlier and serves no more calls: {self._failure}"
+            )
         if seq != self._next_seq:
             self._failure = f"call {seq} arrived when call {self._next_seq} was due"
             raise RuntimeError(f"calls out of order: {self._failure}")

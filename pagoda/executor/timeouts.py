@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 TIMEOUT_ENV = "PAGODA_EXECUTOR_TIMEOUT_S"
 STARTUP_TIMEOUT_ENV = "PAGODA_EXECUTOR_STARTUP_TIMEOUT_S"
@@ -46,10 +46,12 @@ class ExecutorTimeouts:
     startup_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ExecutorTimeouts":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExecutorTimeouts:
         env = os.environ if environ is None else environ
-        return cls(_read(env, TIMEOUT_ENV, DEFAULT_TIMEOUT_S),
-                   _read(env, STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S))
+        return cls(
+            _read(env, TIMEOUT_ENV, DEFAULT_TIMEOUT_S),
+            _read(env, STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S),
+        )
 
     def limit(self, warm: bool) -> float:
         """The limit for a request sent now: warm once a step's output has arrived."""
@@ -61,7 +63,7 @@ class ExecutorTimeouts:
         return f"{self.limit(warm):g} s ({name})"
 
 
-def remaining(deadline: float, now: float) -> Optional[float]:
+def remaining(deadline: float, now: float) -> float | None:
     """Seconds left until deadline (>= 0), None for no deadline (inf): a wait()'s timeout."""
     if math.isinf(deadline):
         return None

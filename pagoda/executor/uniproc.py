@@ -8,25 +8,32 @@ Shutting down releases the worker in this process (its weights and KV pool).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.executor.base import Executor, ExecutorDeadError
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: str,
-                 worker_factory: Optional[Callable[[EngineConfig, str], Any]] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        worker_factory: Callable[[EngineConfig, str], Any] | None = None,
+    ) -> None:
         """worker_factory(config, model_path) builds the worker (default: ModelRunner)."""
         super().__init__(config, model_path)
         if worker_factory is None:
             from pagoda.worker.model_runner import ModelRunner
+
             worker_factory = ModelRunner
         self.runner = worker_factory(config, model_path)
-        self._dead_reason: Optional[str] = None
+        self._dead_reason: str | None = None
 
-    def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                       kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> list[Any]:
         self.check_health()
         return [getattr(self.runner, method)(*args, **(kwargs or {}))]
 

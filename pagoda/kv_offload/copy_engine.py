@@ -47,16 +47,22 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
-from pagoda.kv_offload.planning.tiers import KVTransferPlan, KVTransferReport, LoadJob, TierIOStats, TierWrite
+from pagoda.attention.kv_pool import KVCachePool
 from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.kv_offload.cpu_tier import BlockLayout, CpuTier
+from pagoda.kv_offload.planning.tiers import (
+    KVTransferPlan,
+    KVTransferReport,
+    LoadJob,
+    TierIOStats,
+    TierWrite,
+)
 from pagoda.kv_offload.tier_api import KVBlockFormat, KVTier, load_tier_plugin
-from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +99,7 @@ class OffloadInventory:
     max_inline_blocks_per_step: int = 0  # blocks a step may load inline (0: none)
     # Start-up measurements for the cost model (worker/kv_cost_probe.py): one prefill
     # forward's (tokens, seconds), and per tier name a load's (bytes, seconds).
-    prefill_sample: Optional[tuple[int, float]] = None
+    prefill_sample: tuple[int, float] | None = None
     load_samples: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
@@ -103,7 +109,7 @@ def _timed_event(stream) -> torch.cuda.Event:
     return event
 
 
-def _elapsed(start, done: Optional[torch.cuda.Event]) -> float:
+def _elapsed(start, done: torch.cuda.Event | None) -> float:
     """Seconds a copy took: on CUDA the device time between its two events (what the
     copy engine measures as transfer latency and bandwidth), on CPU the wall time."""
     if done is None:
@@ -154,19 +160,28 @@ class _IOThread:
                 return  # the engine was dropped by this thread's last call: it stops next
             self._thread.join(timeout=IO_CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
-                logger.warning("KV offload thread %s did not stop within %.0fs",
-                               self._thread.name, IO_CLOSE_TIMEOUT_S)
+                logger.warning(
+                    "KV offload thread %s did not stop within %.0fs",
+                    self._thread.name,
+                    IO_CLOSE_TIMEOUT_S,
+                )
 
 
 @dataclass
 class _Load:
     job: LoadJob
-    after: Optional[torch.cuda.Event]  # compute-stream event of the step that planned it
+    after: torch.cuda.Event | None  # compute-stream event of the step that planned it
 
 
 class KVCopyEngine:
-    def __init__(self, pool: KVCachePool, layout: BlockLayout, cpu: CpuTier,
-                 lower: list[KVTier], device: torch.device) -> None:
+    def __init__(
+        self,
+        pool: KVCachePool,
+        layout: BlockLayout,
+        cpu: CpuTier,
+        lower: list[KVTier],
+        device: torch.device,
+    ) -> None:
         self.pool, self.layout, self.cpu, self.lower = pool, layout, cpu, lower
         self.device = device
         self.cuda = device.type == "cuda"
@@ -185,8 +200,15 @@ class KVCopyEngine:
         self.writer = _IOThread("pagoda-kv-write")
         # Closed by close(), or when the engine is collected without it: the threads,
         # the tiers (the disk lock) and the pinned slots never outlive the copy engine.
-        self._finalizer = weakref.finalize(self, _close_tiers, self.reader, self.writer,
-                                           self.lower, self.cpu, device if self.cuda else None)
+        self._finalizer = weakref.finalize(
+            self,
+            _close_tiers,
+            self.reader,
+            self.writer,
+            self.lower,
+            self.cpu,
+            device if self.cuda else None,
+        )
 
     # ---- a step's plan ----------------------------------------------------------------
     def execute(self, plan: KVTransferPlan) -> None:
@@ -214,7 +236,7 @@ class KVCopyEngine:
             else:
                 self._issue_load(load, len(job.gpu_block_ids))
 
-    def _store(self, plan: KVTransferPlan) -> Optional[torch.cuda.Event]:
+    def _store(self, plan: KVTransferPlan) -> torch.cuda.Event | None:
         start = time.perf_counter()
         slots = list(plan.store_cpu_slots)
         ids = host_to_device(plan.store_gpu_block_ids, torch.long, self.device)
@@ -241,11 +263,18 @@ class KVCopyEngine:
 
     def _copy_runs_to_cpu(self, staging: torch.Tensor, slots: list[int]) -> None:
         for index, slot, length in _runs(slots):
-            self.cpu.data[slot:slot + length].copy_(staging[index:index + length],
-                                                    non_blocking=self.cuda)
+            self.cpu.data[slot : slot + length].copy_(
+                staging[index : index + length], non_blocking=self.cuda
+            )
 
-    def _finish_store(self, store_id: int, start, slots: list[int], hashes: list[bytes],
-                      done: Optional[torch.cuda.Event] = None) -> None:
+    def _finish_store(
+        self,
+        store_id: int,
+        start,
+        slots: list[int],
+        hashes: list[bytes],
+        done: torch.cuda.Event | None = None,
+    ) -> None:
         for slot, block_hash in zip(slots, hashes):
             self.cpu.bind(block_hash, slot)
         self._report.stores_done.append(store_id)
@@ -298,15 +327,18 @@ class KVCopyEngine:
         scatter per layer into the pool's blocks."""
         staging = torch.empty(len(slots), self.block_bytes, dtype=torch.uint8, device=self.device)
         for index, slot, length in _runs(slots):
-            staging[index:index + length].copy_(self.cpu.data[slot:slot + length],
-                                                non_blocking=self.cuda)
+            staging[index : index + length].copy_(
+                self.cpu.data[slot : slot + length], non_blocking=self.cuda
+            )
         ids = host_to_device(block_ids, torch.long, self.device)
         for page in self.layout.pages:
-            self.layout.scatter(self.pool.cache(page.index), page, ids,
-                                self.layout.layer_view(staging, page))
+            self.layout.scatter(
+                self.pool.cache(page.index), page, ids, self.layout.layer_view(staging, page)
+            )
 
-    def _finish_load(self, counts: list[tuple[int, int]], start,
-                     done: Optional[torch.cuda.Event] = None) -> None:
+    def _finish_load(
+        self, counts: list[tuple[int, int]], start, done: torch.cuda.Event | None = None
+    ) -> None:
         """Reports the jobs of one batch of copies: (job id, intact blocks) each."""
         for job_id, num_blocks in counts:
             self._report.loads_done[job_id] = num_blocks
@@ -338,7 +370,9 @@ class KVCopyEngine:
             for read in reads:
                 self.cpu.unbind_slot(read.cpu_slot)
             try:
-                got = tier.load([r.block_hash for r in reads], [self.cpu.row(r.cpu_slot) for r in reads])
+                got = tier.load(
+                    [r.block_hash for r in reads], [self.cpu.row(r.cpu_slot) for r in reads]
+                )
             except Exception:  # noqa: BLE001 - a tier failing is a miss, not a crash
                 logger.exception("KV tier %s: load failed", tier.name)
                 got = 0
@@ -349,8 +383,12 @@ class KVCopyEngine:
                 return block_of_slot[reads[got].cpu_slot]
         return len(job.cpu_slots)
 
-    def _write(self, evictions: list[tuple[int, bytes]], writes: list[TierWrite],
-               store_event: Optional[torch.cuda.Event]) -> None:
+    def _write(
+        self,
+        evictions: list[tuple[int, bytes]],
+        writes: list[TierWrite],
+        store_event: torch.cuda.Event | None,
+    ) -> None:
         """Writer thread: evictions, then the writes (after the slots' store landed);
         every write is reported, as failed if anything went wrong."""
         results = {write.op_id: False for write in writes}
@@ -366,7 +404,9 @@ class KVCopyEngine:
                 tier = self.lower[tier_index - 1]
                 start = time.perf_counter()
                 try:
-                    tier.store([op.block_hash for op in ops], [self.cpu.row(op.cpu_slot) for op in ops])
+                    tier.store(
+                        [op.block_hash for op in ops], [self.cpu.row(op.cpu_slot) for op in ops]
+                    )
                 except Exception:  # noqa: BLE001 - the blocks are then simply not stored there
                     logger.exception("KV tier %s: store failed", tier.name)
                     continue
@@ -447,8 +487,13 @@ class KVCopyEngine:
         self._pending_stores, self._pending_loads = [], []
 
 
-def _close_tiers(reader: _IOThread, writer: _IOThread, lower: list[KVTier], cpu: CpuTier,
-                 cuda_device: Optional[torch.device]) -> None:
+def _close_tiers(
+    reader: _IOThread,
+    writer: _IOThread,
+    lower: list[KVTier],
+    cpu: CpuTier,
+    cuda_device: torch.device | None,
+) -> None:
     try:
         reader.close()
         writer.close()
@@ -474,23 +519,35 @@ def unique_names(tiers: list[KVTier]) -> None:
         seen.add(tier.name)
 
 
-def build_kv_offload(config, pool: KVCachePool, model_id: str, dtype: torch.dtype,
-                     device: torch.device) -> tuple[KVCopyEngine, OffloadInventory]:
+def build_kv_offload(
+    config, pool: KVCachePool, model_id: str, dtype: torch.dtype, device: torch.device
+) -> tuple[KVCopyEngine, OffloadInventory]:
     """The copy engine over the tiers the cache config asks for, and their inventory."""
     from pagoda.kv_offload.disk_tier import DiskTier
+
     cache = config.cache
     layout = BlockLayout(pool.config.layer_specs)
-    fmt = KVBlockFormat(model_id, str(dtype).removeprefix("torch."), pool.block_size,
-                        layout.description, layout.block_bytes)
+    fmt = KVBlockFormat(
+        model_id,
+        str(dtype).removeprefix("torch."),
+        pool.block_size,
+        layout.description,
+        layout.block_bytes,
+    )
     num_slots = int(cache.kv_offloading_size * GIB) // layout.block_bytes
     if num_slots < 1:
-        raise ValueError(f"--kv-offloading-size {cache.kv_offloading_size} GiB holds no KV block "
-                         f"of {layout.block_bytes} bytes")
+        raise ValueError(
+            f"--kv-offloading-size {cache.kv_offloading_size} GiB holds no KV block "
+            f"of {layout.block_bytes} bytes"
+        )
     lower: list[KVTier] = []
     try:
         if cache.kv_offloading_disk_path is not None:
-            lower.append(DiskTier(fmt, cache.kv_offloading_disk_path,
-                                  int(cache.kv_offloading_disk_size * GIB)))
+            lower.append(
+                DiskTier(
+                    fmt, cache.kv_offloading_disk_path, int(cache.kv_offloading_disk_size * GIB)
+                )
+            )
         if cache.kv_offloading_tier is not None:
             lower.append(load_tier_plugin(cache.kv_offloading_tier, fmt))
     except BaseException:
@@ -505,5 +562,6 @@ def build_kv_offload(config, pool: KVCachePool, model_id: str, dtype: torch.dtyp
         + [TierInventory(t.name, t.capacity_blocks(), list(t.contents())) for t in lower],
         max_blocks_per_step=max(1, MAX_TRANSFER_BYTES_PER_STEP // layout.block_bytes),
         block_bytes=layout.block_bytes,
-        max_inline_blocks_per_step=MAX_INLINE_LOAD_BYTES_PER_STEP // layout.block_bytes)
+        max_inline_blocks_per_step=MAX_INLINE_LOAD_BYTES_PER_STEP // layout.block_bytes,
+    )
     return engine, inventory

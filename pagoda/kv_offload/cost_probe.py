@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -56,8 +56,9 @@ def prefill_sample(runner, num_tokens: int) -> tuple[int, float]:
     positions = torch.arange(num_tokens, device=device)
 
     def forward() -> None:
-        with forward_context(runner.backend, runner.backend.build_metadata(metadata),
-                             runner.kv_pool):
+        with forward_context(
+            runner.backend, runner.backend.build_metadata(metadata), runner.kv_pool
+        ):
             hidden = runner.model(ids, positions)
         runner.model.compute_logits(hidden[-1:])
 
@@ -69,20 +70,29 @@ def prefill_sample(runner, num_tokens: int) -> tuple[int, float]:
 def cpu_load_sample(engine: KVCopyEngine, num_pool_blocks: int) -> tuple[int, float]:
     """(bytes, seconds) of copying CPU slots 0.. into pool blocks 0.. (after one block to
     warm the path up)."""
-    n = min(engine.cpu.capacity_blocks(), num_pool_blocks, PROBE_MAX_BLOCKS,
-            max(1, PROBE_MAX_BYTES // engine.block_bytes))
+    n = min(
+        engine.cpu.capacity_blocks(),
+        num_pool_blocks,
+        PROBE_MAX_BLOCKS,
+        max(1, PROBE_MAX_BYTES // engine.block_bytes),
+    )
     engine._copy_slots_to_pool([0], [0])
-    seconds = _timed(engine.device, lambda: engine._copy_slots_to_pool(list(range(n)),
-                                                                       list(range(n))))
+    seconds = _timed(
+        engine.device, lambda: engine._copy_slots_to_pool(list(range(n)), list(range(n)))
+    )
     return n * engine.block_bytes, seconds
 
 
-def lower_load_sample(engine: KVCopyEngine, tier) -> Optional[tuple[int, float]]:
+def lower_load_sample(engine: KVCopyEngine, tier) -> tuple[int, float] | None:
     """(bytes, seconds) of the tier reading its most recent blocks into CPU slots 0..;
     None when it holds none (or none reads back intact)."""
     held = tier.contents()
-    n = min(len(held), engine.cpu.capacity_blocks(), PROBE_MAX_BLOCKS,
-            max(1, PROBE_MAX_BYTES // engine.block_bytes))
+    n = min(
+        len(held),
+        engine.cpu.capacity_blocks(),
+        PROBE_MAX_BLOCKS,
+        max(1, PROBE_MAX_BYTES // engine.block_bytes),
+    )
     if n == 0:
         return None
     hashes = held[-n:]
@@ -98,10 +108,17 @@ def measure_start_rates(runner, inventory: OffloadInventory) -> OffloadInventory
     again (a probe read that found a block corrupt drops it)."""
     engine: KVCopyEngine = runner.kv_offload
     cache, sched = runner.config.cache, runner.config.scheduler
-    pinned = (parse_tier_bandwidths(cache.kv_offloading_bandwidth)
-              if cache.kv_offloading_bandwidth else {})
-    num_tokens = min(PROBE_MAX_TOKENS, sched.max_num_batched_tokens,
-                     runner.arch.max_position_embeddings, runner.num_blocks * runner.block_size)
+    pinned = (
+        parse_tier_bandwidths(cache.kv_offloading_bandwidth)
+        if cache.kv_offloading_bandwidth
+        else {}
+    )
+    num_tokens = min(
+        PROBE_MAX_TOKENS,
+        sched.max_num_batched_tokens,
+        runner.arch.max_position_embeddings,
+        runner.num_blocks * runner.block_size,
+    )
     prefill = prefill_sample(runner, num_tokens)
     samples: dict[str, tuple[int, float]] = {}
     if engine.cpu.name not in pinned:
@@ -111,11 +128,13 @@ def measure_start_rates(runner, inventory: OffloadInventory) -> OffloadInventory
             sample = lower_load_sample(engine, tier)
             if sample is not None:
                 samples[tier.name] = sample
-    logger.info("KV tiers' cost model at start-up: prefill %.0f tokens/s; load %s",
-                prefill[0] / prefill[1],
-                ", ".join(f"{name} {b / s / 1e9:.2f} GB/s" for name, (b, s) in samples.items())
-                or "all pinned")
+    logger.info(
+        "KV tiers' cost model at start-up: prefill %.0f tokens/s; load %s",
+        prefill[0] / prefill[1],
+        ", ".join(f"{name} {b / s / 1e9:.2f} GB/s" for name, (b, s) in samples.items())
+        or "all pinned",
+    )
     tiers = [inventory.tiers[0]] + [
-        TierInventory(t.name, t.capacity_blocks(), list(t.contents())) for t in engine.lower]
-    return dataclasses.replace(inventory, tiers=tiers, prefill_sample=prefill,
-                               load_samples=samples)
+        TierInventory(t.name, t.capacity_blocks(), list(t.contents())) for t in engine.lower
+    ]
+    return dataclasses.replace(inventory, tiers=tiers, prefill_sample=prefill, load_samples=samples)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -50,8 +50,10 @@ def _page_of(spec: KVCacheSpec, index: int) -> tuple[str, int, tuple[int, ...]]:
     if type(spec) is MLAAttentionSpec:
         shape = (spec.block_size, spec.entry_size)
         return f"mla:{'x'.join(map(str, shape))}:{spec.dtype}", 0, shape
-    raise ValueError(f"KV offloading supports full-attention and MLA layers; layer {index} "
-                     f"is {type(spec).__name__}")
+    raise ValueError(
+        f"KV offloading supports full-attention and MLA layers; layer {index} "
+        f"is {type(spec).__name__}"
+    )
 
 
 class BlockLayout:
@@ -62,8 +64,16 @@ class BlockLayout:
         runs: list[list] = []  # consecutive layers of one kind, e.g. 30x[full:2x16x3x64:float32]
         for index, spec in enumerate(specs):
             kind, block_dim, shape = _page_of(spec, index)
-            pages.append(LayerPage(index, offset, spec.page_size_bytes,
-                                   getattr(torch, spec.dtype), block_dim, shape))
+            pages.append(
+                LayerPage(
+                    index,
+                    offset,
+                    spec.page_size_bytes,
+                    getattr(torch, spec.dtype),
+                    block_dim,
+                    shape,
+                )
+            )
             offset += spec.page_size_bytes
             if runs and runs[-1][0] == kind:
                 runs[-1][1] += 1
@@ -75,7 +85,7 @@ class BlockLayout:
 
     def layer_view(self, blocks: torch.Tensor, page: LayerPage) -> torch.Tensor:
         """blocks [n, block_bytes] uint8 -> that layer's pages [n, *block_shape] (a view)."""
-        raw = blocks[:, page.offset:page.offset + page.nbytes]
+        raw = blocks[:, page.offset : page.offset + page.nbytes]
         return raw.view(page.dtype).view(blocks.shape[0], *page.block_shape)
 
     @staticmethod
@@ -86,8 +96,9 @@ class BlockLayout:
         return picked if page.block_dim == 0 else picked.movedim(page.block_dim, 0)
 
     @staticmethod
-    def scatter(cache: torch.Tensor, page: LayerPage, ids: torch.Tensor,
-                pages: torch.Tensor) -> None:
+    def scatter(
+        cache: torch.Tensor, page: LayerPage, ids: torch.Tensor, pages: torch.Tensor
+    ) -> None:
         """Writes pages [n, *block_shape] into the pool's blocks `ids` of one layer."""
         source = pages if page.block_dim == 0 else pages.movedim(0, page.block_dim)
         as_bits(cache).index_copy_(page.block_dim, ids, as_bits(source))
@@ -106,12 +117,15 @@ class CpuTier(KVTier):
         self.data = torch.empty(num_slots, block_bytes, dtype=torch.uint8)
         self._num_slots = num_slots
         if pin_memory:
-            status = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(),
-                                                               self.data.numel(), 0))
+            status = int(
+                torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)
+            )
             if status != 0:
-                raise RuntimeError(f"pinning {self.data.numel() / 2**30:.2f} GiB of host memory "
-                                   f"for the CPU KV tier failed (cudaError {status}); lower "
-                                   "--kv-offloading-size")
+                raise RuntimeError(
+                    f"pinning {self.data.numel() / 2**30:.2f} GiB of host memory "
+                    f"for the CPU KV tier failed (cudaError {status}); lower "
+                    "--kv-offloading-size"
+                )
             # Registered memory is unregistered before it is freed, by close() or when
             # the tier is collected (the finalizer holds the tensor until then).
             self._unpin = weakref.finalize(self, _unregister, self.data)

@@ -47,8 +47,8 @@ import struct
 import threading
 import weakref
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
 
 import torch
 
@@ -79,15 +79,20 @@ def _flag() -> str:
 class DiskTier(KVTier):
     name = "disk"
 
-    def __init__(self, block_format: KVBlockFormat, path: str, size_bytes: int,
-                 io_threads: int = DEFAULT_IO_THREADS) -> None:
+    def __init__(
+        self,
+        block_format: KVBlockFormat,
+        path: str,
+        size_bytes: int,
+        io_threads: int = DEFAULT_IO_THREADS,
+    ) -> None:
         if not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be an integer >= 1, got {io_threads!r}")
         self.format = block_format
         self.path = os.path.abspath(path)
         self._identity = block_format.describe()
-        self._io: Optional[ThreadPoolExecutor] = None
-        self._lock_fd: Optional[int] = None
+        self._io: ThreadPoolExecutor | None = None
+        self._lock_fd: int | None = None
         self._release = None  # finalize(): the lock and the I/O pool, set with the lock
         self._held: dict[bytes, None] = {}  # insertion order = LRU at start-up
         self._guard = threading.Lock()
@@ -95,8 +100,10 @@ class DiskTier(KVTier):
         file_bytes = block_format.block_bytes + _PREFIX.size + HEADER_RESERVE
         self._capacity = int(size_bytes) // file_bytes
         if self._capacity < 1:
-            raise DiskTierError(f"--kv-offloading-disk-size: {size_bytes} bytes hold no block of "
-                                f"{file_bytes} bytes; give more space")
+            raise DiskTierError(
+                f"--kv-offloading-disk-size: {size_bytes} bytes hold no block of "
+                f"{file_bytes} bytes; give more space"
+            )
         self._open_directory()
         try:
             self._scan()
@@ -112,16 +119,19 @@ class DiskTier(KVTier):
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as err:
-            raise DiskTierError(f"{_flag()} {self.path}: cannot create the directory: "
-                                f"{err.strerror}") from err
+            raise DiskTierError(
+                f"{_flag()} {self.path}: cannot create the directory: {err.strerror}"
+            ) from err
         if not os.path.isdir(self.path):
             raise DiskTierError(f"{_flag()} {self.path} is not a directory")
         lock_path = os.path.join(self.path, LOCK_NAME)
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise DiskTierError(f"{_flag()} {self.path} is not writable ({err.strerror}): the "
-                                "disk tier needs a directory it can write to") from err
+            raise DiskTierError(
+                f"{_flag()} {self.path} is not writable ({err.strerror}): the "
+                "disk tier needs a directory it can write to"
+            ) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -141,8 +151,10 @@ class DiskTier(KVTier):
             os.remove(probe)
         except OSError as err:
             self.close()
-            raise DiskTierError(f"{_flag()} {self.path} is not writable ({err.strerror}): the "
-                                "disk tier needs a directory it can write to") from err
+            raise DiskTierError(
+                f"{_flag()} {self.path} is not writable ({err.strerror}): the "
+                "disk tier needs a directory it can write to"
+            ) from err
 
     def _scan(self) -> None:
         found: list[tuple[float, bytes, str]] = []
@@ -166,7 +178,7 @@ class DiskTier(KVTier):
             _unlink(file_path)
         self._held = {block_hash: None for _, block_hash, _ in found[extra:]}
 
-    def _check_header(self, file_path: str, name: str) -> Optional[bytes]:
+    def _check_header(self, file_path: str, name: str) -> bytes | None:
         """The file's block hash if its header is ours and its size exact; else counts
         it invalid (deleting it when it is of our format but truncated)."""
         try:
@@ -204,8 +216,9 @@ class DiskTier(KVTier):
     def store(self, block_hashes: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
         for block in blocks:
             if block.numel() != self.format.block_bytes:
-                raise ValueError(f"block of {block.numel()} bytes, the format says "
-                                 f"{self.format.block_bytes}")
+                raise ValueError(
+                    f"block of {block.numel()} bytes, the format says {self.format.block_bytes}"
+                )
         written: list[bytes] = []
         try:
             for block_hash in self._each(self._write_block, block_hashes, blocks):
@@ -255,8 +268,12 @@ class DiskTier(KVTier):
         is not loaded, so it is not judged either."""
         for index, status in enumerate(self._each(self._read_block, block_hashes, out)):
             if status != _OK:
-                return self._reject(block_hashes[index], self._file(block_hashes[index]),
-                                    delete=status == _CORRUPT, index=index)
+                return self._reject(
+                    block_hashes[index],
+                    self._file(block_hashes[index]),
+                    delete=status == _CORRUPT,
+                    index=index,
+                )
         with self._guard:
             self._counts["reads"] += len(block_hashes)
         return len(block_hashes)
@@ -271,7 +288,10 @@ class DiskTier(KVTier):
             size = os.fstat(fd).st_size
             header, data_offset = _read_header_at(fd)
             view = memoryview(target.numpy())
-            if size != data_offset + self.format.block_bytes or view.nbytes != self.format.block_bytes:
+            if (
+                size != data_offset + self.format.block_bytes
+                or view.nbytes != self.format.block_bytes
+            ):
                 return _CORRUPT
             got = _read_all(fd, view, data_offset)
         except ValueError:
@@ -280,9 +300,12 @@ class DiskTier(KVTier):
             return _GONE
         finally:
             os.close(fd)
-        ok = ({k: header.get(k) for k in self._identity} == self._identity
-              and header.get("block_hash") == block_hash.hex()
-              and got == self.format.block_bytes and header.get("crc32") == zlib.crc32(view))
+        ok = (
+            {k: header.get(k) for k in self._identity} == self._identity
+            and header.get("block_hash") == block_hash.hex()
+            and got == self.format.block_bytes
+            and header.get("crc32") == zlib.crc32(view)
+        )
         return _OK if ok else _CORRUPT
 
     def _reject(self, block_hash: bytes, file_path: str, delete: bool, index: int) -> int:
@@ -304,7 +327,10 @@ class DiskTier(KVTier):
 
     def stats(self) -> dict[str, float]:
         with self._guard:
-            return {"blocks": float(len(self._held)), **{k: float(v) for k, v in self._counts.items()}}
+            return {
+                "blocks": float(len(self._held)),
+                **{k: float(v) for k, v in self._counts.items()},
+            }
 
     def close(self) -> None:
         """Stops the I/O pool and releases the directory's lock (idempotent)."""
@@ -313,7 +339,7 @@ class DiskTier(KVTier):
         self._lock_fd = None
 
 
-def _release_directory(lock_fd: int, io: Optional[ThreadPoolExecutor]) -> None:
+def _release_directory(lock_fd: int, io: ThreadPoolExecutor | None) -> None:
     try:
         if io is not None:
             io.shutdown(wait=True)
@@ -327,15 +353,21 @@ def _release_directory(lock_fd: int, io: Optional[ThreadPoolExecutor]) -> None:
 def _in_use_message(path: str, owner: str) -> str:
     """Why the directory's lock is taken, with what to do about it."""
     if owner == str(os.getpid()):
-        return (f"{_flag()} {path} is in use by this process: an engine made earlier on "
-                "this directory is still open; call LLM.shutdown() on it (or make it in "
-                "`with LLM(...) as llm:`) before making another, or give each its own directory")
+        return (
+            f"{_flag()} {path} is in use by this process: an engine made earlier on "
+            "this directory is still open; call LLM.shutdown() on it (or make it in "
+            "`with LLM(...) as llm:`) before making another, or give each its own directory"
+        )
     if owner.isdigit() and not _pid_alive(int(owner)):
-        return (f"{_flag()} {path} is locked, though its owner (pid {owner}) has exited: a "
-                "process it started still holds the lock; stop that process or give this "
-                "server its own directory")
-    return (f"{_flag()} {path} is in use by another Pagoda server (pid {owner}); give each "
-            "server its own directory")
+        return (
+            f"{_flag()} {path} is locked, though its owner (pid {owner}) has exited: a "
+            "process it started still holds the lock; stop that process or give this "
+            "server its own directory"
+        )
+    return (
+        f"{_flag()} {path} is in use by another Pagoda server (pid {owner}); give each "
+        "server its own directory"
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -357,7 +389,7 @@ def _read_header_at(fd: int) -> tuple[dict, int]:
     if magic != MAGIC or version != VERSION or header_len > 1 << 16:
         raise ValueError("not a Pagoda KV block file of this version")
     end = _PREFIX.size + header_len
-    raw = head[_PREFIX.size:end]
+    raw = head[_PREFIX.size : end]
     if len(raw) < header_len:
         raw += os.pread(fd, header_len - len(raw), _PREFIX.size + len(raw))
     if len(raw) != header_len:

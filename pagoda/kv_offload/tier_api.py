@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -43,8 +43,13 @@ class KVBlockFormat:
     block_bytes: int  # bytes of one block over every layer
 
     def describe(self) -> dict:
-        return {"model_id": self.model_id, "dtype": self.dtype, "block_size": self.block_size,
-                "layout": self.layout, "block_bytes": self.block_bytes}
+        return {
+            "model_id": self.model_id,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "layout": self.layout,
+            "block_bytes": self.block_bytes,
+        }
 
 
 class KVTier(ABC):
@@ -95,14 +100,20 @@ def load_tier_plugin(spec: str, block_format: KVBlockFormat) -> KVTier:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"--kv-offloading-tier {spec}: cannot import {module_name!r}: {err}") from err
+        raise ValueError(
+            f"--kv-offloading-tier {spec}: cannot import {module_name!r}: {err}"
+        ) from err
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, KVTier):
-        raise ValueError(f"--kv-offloading-tier {spec}: {class_name!r} in {module_name!r} is not "
-                         "a subclass of pagoda.kv_offload.tier_api.KVTier")
+        raise ValueError(
+            f"--kv-offloading-tier {spec}: {class_name!r} in {module_name!r} is not "
+            "a subclass of pagoda.kv_offload.tier_api.KVTier"
+        )
     tier = cls(block_format)
     capacity = tier.capacity_blocks()
     if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"--kv-offloading-tier {spec}: capacity_blocks() must be an integer "
-                         f">= 1, got {capacity!r}")
+        raise ValueError(
+            f"--kv-offloading-tier {spec}: capacity_blocks() must be an integer "
+            f">= 1, got {capacity!r}"
+        )
     return tier

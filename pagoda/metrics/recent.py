@@ -24,7 +24,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 PERCENTILES = (50, 90, 99)
 
@@ -39,16 +40,24 @@ class RequestSummary:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int
     output_tokens: int
-    queue_s: Optional[float]  # arrival -> first scheduled
-    ttft_s: Optional[float]  # None: no token was generated
-    itl_mean_s: Optional[float]  # None: fewer than two tokens
+    queue_s: float | None  # arrival -> first scheduled
+    ttft_s: float | None  # None: no token was generated
+    itl_mean_s: float | None  # None: fewer than two tokens
     e2e_s: float
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"seq": self.seq, "id": self.request_id, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "queue_s": self.queue_s, "ttft_s": self.ttft_s, "itl_mean_s": self.itl_mean_s,
-                "e2e_s": self.e2e_s, "finished_ago_s": max(0.0, now - self.finished_at)}
+        return {
+            "seq": self.seq,
+            "id": self.request_id,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
+            "itl_mean_s": self.itl_mean_s,
+            "e2e_s": self.e2e_s,
+            "finished_ago_s": max(0.0, now - self.finished_at),
+        }
 
 
 def nearest_rank(sorted_values: list[float], percentile: float) -> float:
@@ -57,7 +66,7 @@ def nearest_rank(sorted_values: list[float], percentile: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(rank - 1, 0))]
 
 
-def summarize(values: Iterable[float]) -> Optional[dict[str, float]]:
+def summarize(values: Iterable[float]) -> dict[str, float] | None:
     """{"n", "p50", "p90", "p99"} of the values; None when there are none."""
     ordered = sorted(values)
     if not ordered:
@@ -69,23 +78,30 @@ def summarize(values: Iterable[float]) -> Optional[dict[str, float]]:
 
 
 class RequestLog:
-    def __init__(self, window_s: float = 120.0, max_requests: int = 200,
-                 max_window_requests: int = 4000, max_itl_samples: int = 10000) -> None:
+    def __init__(
+        self,
+        window_s: float = 120.0,
+        max_requests: int = 200,
+        max_window_requests: int = 4000,
+        max_itl_samples: int = 10000,
+    ) -> None:
         if window_s <= 0 or min(max_requests, max_window_requests, max_itl_samples) < 1:
-            raise ValueError("window_s must be > 0; max_requests, max_window_requests and "
-                             "max_itl_samples >= 1")
+            raise ValueError(
+                "window_s must be > 0; max_requests, max_window_requests and max_itl_samples >= 1"
+            )
         self.window_s = window_s
         self.max_itl_samples = max_itl_samples
         self._summaries: collections.deque[RequestSummary] = collections.deque(maxlen=max_requests)
         # Within the window, oldest first: (finished_at, ttft or None, e2e) per request,
         # and (finished_at, inter-token latencies) per request that has some.
-        self._window: collections.deque[tuple[float, Optional[float], float]] = \
-            collections.deque(maxlen=max_window_requests)
+        self._window: collections.deque[tuple[float, float | None, float]] = collections.deque(
+            maxlen=max_window_requests
+        )
         self._itl_chunks: collections.deque[tuple[float, list[float]]] = collections.deque()
         self._num_itl = 0
         self._seq = 0
         self.finished_by_reason: collections.Counter[str] = collections.Counter()
-        self._cache: Optional[dict[str, Any]] = None
+        self._cache: dict[str, Any] | None = None
 
     @property
     def last_seq(self) -> int:
@@ -99,14 +115,24 @@ class RequestLog:
         """Records one finished request (an AsyncEngine RequestTimings)."""
         self._seq += 1
         finished = timings.finished_time
-        ttft = None if timings.first_token_time is None else timings.first_token_time - timings.arrival_time
+        ttft = (
+            None
+            if timings.first_token_time is None
+            else timings.first_token_time - timings.arrival_time
+        )
         itls = timings.inter_token_latencies
         summary = RequestSummary(
-            seq=self._seq, request_id=timings.request_id, finished_at=finished,
-            finish_reason=timings.finish_reason, prompt_tokens=timings.num_prompt_tokens,
-            output_tokens=timings.num_generation_tokens, queue_s=timings.queue_time, ttft_s=ttft,
+            seq=self._seq,
+            request_id=timings.request_id,
+            finished_at=finished,
+            finish_reason=timings.finish_reason,
+            prompt_tokens=timings.num_prompt_tokens,
+            output_tokens=timings.num_generation_tokens,
+            queue_s=timings.queue_time,
+            ttft_s=ttft,
             itl_mean_s=sum(itls) / len(itls) if itls else None,
-            e2e_s=finished - timings.arrival_time)
+            e2e_s=finished - timings.arrival_time,
+        )
         self._summaries.append(summary)
         self.finished_by_reason[timings.finish_reason] += 1
         self._window.append((finished, ttft, summary.e2e_s))

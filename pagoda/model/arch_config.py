@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagoda.attention.selector import AttentionShape
 from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_softmax_scale
@@ -35,33 +35,41 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # Fields a llama3 rope_scaling dict must carry.
-_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings")}
+_ROPE_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 # HF model_type -> architecture, for config.json files without an "architectures" list.
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM",
-                       "deepseek_v2": "DeepseekV2ForCausalLM",
-                       "deepseek_v3": "DeepseekV3ForCausalLM"}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 _GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
 
 
 def check_architecture(name: str) -> None:
     if name not in _ARCH_DEFAULTS:
-        raise ValueError(f"unsupported architecture {name!r}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
-def normalize_rope_scaling(rope_scaling: Optional[dict]) -> Optional[dict]:
+def normalize_rope_scaling(rope_scaling: dict | None) -> dict | None:
     """Validated copy of a rope scaling dict with the type under "rope_type"; None = default."""
     if rope_scaling is None:
         return None
     scaling = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_theta")}
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return None
     missing = [k for k in _ROPE_KEYS[rope_type] if scaling.get(k) is None]
@@ -84,39 +92,51 @@ class ArchConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # None (plain rotary) or a dict with rope_type "llama3" / "yarn" and its fields.
-    rope_scaling: Optional[dict] = field(default=None, hash=False)
+    rope_scaling: dict | None = field(default=None, hash=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype, used when dtype="auto"
-    bos_token_id: Optional[int] = None
-    eos_token_id: Union[int, list[int], None] = field(default=None, hash=False)
-    moe: Optional[MoEConfig] = None  # experts and routing; None for dense models
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = field(default=None, hash=False)
+    moe: MoEConfig | None = None  # experts and routing; None for dense models
     # Multi-head latent attention's shape: set exactly for the DeepSeek architectures,
     # whose head_dim is then the rotary width (qk_rope_head_dim).
-    mla: Optional[MLAConfig] = None
+    mla: MLAConfig | None = None
     # The checkpoint's quantization_config (config.json), as is; None: float weights.
     # pagoda.model.quant.registry turns it into the layers' methods or refuses it.
-    quantization_config: Optional[dict] = field(default=None, hash=False, compare=False)
+    quantization_config: dict | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
-                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                f"{', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
         if self.torch_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r}; supported: "
-                             f"{', '.join(SUPPORTED_DTYPES)}")
+            raise ValueError(
+                f"unsupported torch_dtype {self.torch_dtype!r}; supported: "
+                f"{', '.join(SUPPORTED_DTYPES)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
-            raise ValueError(f"{self.architecture} " + ("needs an MoE config (moe=MoEConfig(...))"
-                             if self.moe is None else "has no experts: moe must be None"))
+            raise ValueError(
+                f"{self.architecture} "
+                + (
+                    "needs an MoE config (moe=MoEConfig(...))"
+                    if self.moe is None
+                    else "has no experts: moe must be None"
+                )
+            )
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
         _check_mla(self)
 
@@ -141,18 +161,23 @@ class ArchConfig:
         """What one of tp_size ranks' attention backend computes: its share of the heads."""
         heads = self.num_attention_heads // tp_size
         if self.mla is not None:
-            return AttentionShape(heads, heads, self.mla.kv_lora_rank,
-                                  mla_softmax_scale(self.mla, self.rope_scaling),
-                                  kv_lora_rank=self.mla.kv_lora_rank,
-                                  qk_rope_head_dim=self.mla.qk_rope_head_dim)
-        return AttentionShape(heads, max(1, self.num_key_value_heads // tp_size),
-                              self.head_dim, self.head_dim ** -0.5)
+            return AttentionShape(
+                heads,
+                heads,
+                self.mla.kv_lora_rank,
+                mla_softmax_scale(self.mla, self.rope_scaling),
+                kv_lora_rank=self.mla.kv_lora_rank,
+                qk_rope_head_dim=self.mla.qk_rope_head_dim,
+            )
+        return AttentionShape(
+            heads, max(1, self.num_key_value_heads // tp_size), self.head_dim, self.head_dim**-0.5
+        )
 
-    def replace(self, **changes: Any) -> "ArchConfig":
+    def replace(self, **changes: Any) -> ArchConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ArchConfig":
+    def from_hf_config(cls, config: dict) -> ArchConfig:
         """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         arch = _hf_architecture(config)
         _reject_sliding_window(arch, config)
@@ -166,8 +191,11 @@ class ArchConfig:
             num_hidden_layers=config["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=(mla.qk_rope_head_dim if mla is not None
-                      else config.get("head_dim") or config["hidden_size"] // heads),
+            head_dim=(
+                mla.qk_rope_head_dim
+                if mla is not None
+                else config.get("head_dim") or config["hidden_size"] // heads
+            ),
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -175,8 +203,9 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias",
-                                           _ARCH_DEFAULTS[arch]["attention_bias"])),
+            attention_bias=bool(
+                config.get("attention_bias", _ARCH_DEFAULTS[arch]["attention_bias"])
+            ),
             qk_norm=_ARCH_DEFAULTS[arch]["qk_norm"],
             hidden_act=config.get("hidden_act", "silu"),
             torch_dtype=_hf_dtype(config),
@@ -188,7 +217,7 @@ class ArchConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, reader) -> "ArchConfig":
+    def from_gguf_metadata(cls, reader) -> ArchConfig:
         """From a gguf.GGUFReader's metadata (llama.* keys) and its tensor list."""
         return _from_gguf(cls, reader)
 
@@ -202,8 +231,10 @@ def _hf_architecture(config: dict) -> str:
     elif config.get("model_type") in _MODEL_TYPE_TO_ARCH:
         arch = _MODEL_TYPE_TO_ARCH[config["model_type"]]
     else:
-        raise ValueError(f"config.json names no architecture (model_type "
-                         f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"config.json names no architecture (model_type "
+            f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     check_architecture(arch)
     return arch
 
@@ -211,29 +242,34 @@ def _hf_architecture(config: dict) -> str:
 def _check_mla(arch: ArchConfig) -> None:
     is_mla = arch.architecture in MLA_ARCHITECTURES
     if is_mla != (arch.mla is not None):
-        raise ValueError(f"{arch.architecture} {'needs' if is_mla else 'takes no'} an MLA config "
-                         f"(mla=...)")
+        raise ValueError(
+            f"{arch.architecture} {'needs' if is_mla else 'takes no'} an MLA config (mla=...)"
+        )
     if is_mla and arch.head_dim != arch.mla.qk_rope_head_dim:
-        raise ValueError(f"{arch.architecture}: head_dim ({arch.head_dim}) must be the rotary "
-                         f"width qk_rope_head_dim ({arch.mla.qk_rope_head_dim})")
+        raise ValueError(
+            f"{arch.architecture}: head_dim ({arch.head_dim}) must be the rotary "
+            f"width qk_rope_head_dim ({arch.mla.qk_rope_head_dim})"
+        )
 
 
-def _hf_mla(arch: str, config: dict) -> Optional[MLAConfig]:
+def _hf_mla(arch: str, config: dict) -> MLAConfig | None:
     """The MLA shape of a DeepSeek config (None for other architectures)."""
     if arch not in MLA_ARCHITECTURES:
         return None
     return MLAConfig.from_hf_config(arch, config)
 
 
-def _hf_quantization_config(config: dict) -> Optional[dict]:
+def _hf_quantization_config(config: dict) -> dict | None:
     """config.json's quantization_config (None when absent); a value that is not an
     object with a quant_method is refused here, before any weight is read."""
     quant = config.get("quantization_config")
     if not quant:
         return None
     if not isinstance(quant, dict) or not isinstance(quant.get("quant_method"), str):
-        raise ValueError(f"config.json's quantization_config must be an object with a "
-                         f"quant_method, got {quant!r}")
+        raise ValueError(
+            f"config.json's quantization_config must be an object with a "
+            f"quant_method, got {quant!r}"
+        )
     return dict(quant)
 
 
@@ -245,8 +281,10 @@ def _reject_sliding_window(arch: str, config: dict) -> None:
     # use_sliding_window is true; Mistral's applies whenever it is set.
     uses_window = config.get("use_sliding_window", arch == "MistralForCausalLM")
     if uses_window:
-        raise ValueError(f"sliding_window={window} is not supported (sliding-window attention "
-                         f"is not implemented); only full attention models load")
+        raise ValueError(
+            f"sliding_window={window} is not supported (sliding-window attention "
+            f"is not implemented); only full attention models load"
+        )
 
 
 def _reject_unsupported_biases(arch: str, config: dict) -> None:
@@ -255,11 +293,13 @@ def _reject_unsupported_biases(arch: str, config: dict) -> None:
     # Only Qwen2's layout (bias on q/k/v, none on o_proj) is implemented; Llama's and
     # Qwen3's attention_bias would also put a bias on o_proj.
     if config.get("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise ValueError(f"attention_bias=true is not supported for {arch} (it would add an "
-                         f"o_proj bias); only Qwen2ForCausalLM's q/k/v bias is")
+        raise ValueError(
+            f"attention_bias=true is not supported for {arch} (it would add an "
+            f"o_proj bias); only Qwen2ForCausalLM's q/k/v bias is"
+        )
 
 
-def _hf_rope(config: dict) -> tuple[float, Optional[dict]]:
+def _hf_rope(config: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4.x's fields."""
     params = config.get("rope_parameters")
     if params is not None:
@@ -286,21 +326,27 @@ def _gguf_field(reader, key: str, default: Any = dataclasses.MISSING) -> Any:
 def _from_gguf(cls, reader) -> ArchConfig:
     gguf_arch = _gguf_field(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCH_TO_ARCH:
-        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: "
-                         f"{', '.join(_GGUF_ARCH_TO_ARCH)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: "
+            f"{', '.join(_GGUF_ARCH_TO_ARCH)}"
+        )
     p = gguf_arch + "."
     tensor_names = {t.name for t in reader.tensors}
     scaling = _gguf_field(reader, p + "rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"GGUF rope scaling ({scaling!r}, rope_freqs tensor: "
-                         f"{'rope_freqs.weight' in tensor_names}) is not supported")
+        raise ValueError(
+            f"GGUF rope scaling ({scaling!r}, rope_freqs tensor: "
+            f"{'rope_freqs.weight' in tensor_names}) is not supported"
+        )
     hidden = int(_gguf_field(reader, p + "embedding_length"))
     heads = int(_gguf_field(reader, p + "attention.head_count"))
     head_dim = int(_gguf_field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(_gguf_field(reader, p + "rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(f"partial rotary (rope.dimension_count {rope_dim} != head_dim "
-                         f"{head_dim}) is not supported")
+        raise ValueError(
+            f"partial rotary (rope.dimension_count {rope_dim} != head_dim "
+            f"{head_dim}) is not supported"
+        )
     return cls(
         architecture=_GGUF_ARCH_TO_ARCH[gguf_arch],
         hidden_size=hidden,

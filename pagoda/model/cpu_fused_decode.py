@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
 
 import torch
 
@@ -47,61 +46,88 @@ _MAX_HEAD_DIM = 256  # cpu_layer.c's MAX_D_VECS * 8
 
 
 class _Layer(ctypes.Structure):  # cpu_layer.c's pagoda_layer
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
-                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_kind", ctypes.c_int32), ("o_kind", ctypes.c_int32),
-                ("gate_up_kind", ctypes.c_int32), ("down_kind", ctypes.c_int32),
-                ("kv_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("qkv_kind", ctypes.c_int32),
+        ("o_kind", ctypes.c_int32),
+        ("gate_up_kind", ctypes.c_int32),
+        ("down_kind", ctypes.c_int32),
+        ("kv_cache", ctypes.c_void_p),
+    ]
 
 
 class _Model(ctypes.Structure):  # pagoda_model
-    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64),
-                ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
-                ("cache_slots", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("quantize_one_row", ctypes.c_int32), ("final_norm", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p)]
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("cache_slots", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("quantize_one_row", ctypes.c_int32),
+        ("final_norm", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
 
 
 class _Step(ctypes.Structure):  # pagoda_step
-    _fields_ = [("rows", ctypes.c_int64), ("positions", ctypes.c_void_p),
-                ("slot_mapping", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-                ("max_seq_len", ctypes.c_int64)]
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("max_seq_len", ctypes.c_int64),
+    ]
 
 
-def _library() -> Optional[ctypes.CDLL]:
+def _library() -> ctypes.CDLL | None:
     so = native_kernel()
     if so is not None and so.pagoda_llama_decode.argtypes is None:
         ptr = ctypes.c_void_p
         so.pagoda_llama_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         so.pagoda_llama_decode.restype = ctypes.c_int
-        so.pagoda_llama_scratch_bytes.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64,
-                                                  ctypes.c_int]
+        so.pagoda_llama_scratch_bytes.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         so.pagoda_llama_scratch_bytes.restype = ctypes.c_int64
     return so
 
 
 def _linears(layer) -> dict:
     attn, mlp = layer.self_attn, layer.mlp
-    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
-            "down": mlp.down_proj}
+    return {
+        "qkv": attn.qkv_proj,
+        "o": attn.o_proj,
+        "gate_up": mlp.gate_up_proj,
+        "down": mlp.down_proj,
+    }
 
 
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
 
-def _layer_blocker(layer, index: int, first) -> Optional[str]:
+def _layer_blocker(layer, index: int, first) -> str | None:
     attn = layer.self_attn
     if attn.qk_norm:
         return f"layer {index} has qk_norm"
     if type(layer.mlp) is not LlamaMLP:
         return f"layer {index}'s feed-forward is not a dense Llama MLP"
     if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
-            first.num_heads, first.num_kv_heads, first.head_dim):
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+    ):
         return f"layer {index} has another head geometry than layer 0"
     for name, linear in _linears(layer).items():
         if linear.tp_size != 1:
@@ -119,7 +145,7 @@ def _layer_blocker(layer, index: int, first) -> Optional[str]:
     return None
 
 
-def fused_decode_blocker(model) -> Optional[str]:
+def fused_decode_blocker(model) -> str | None:
     """Why the fused decode step cannot run this LlamaModel (None: it can, on the steps
     that qualify); the per-model half of the conditions in the module docstring."""
     if native_kernel() is None:
@@ -159,14 +185,19 @@ class FusedDecode:
         self.hidden = model.embed_tokens.weight.shape[1]
         self.max_positions = model.rotary_emb.cos_cache.shape[0]  # rows of the cos/sin tables
         self.head_dim, self.kv_heads = attn.head_dim, attn.num_kv_heads
-        self.desc = _Model(num_layers=len(model.layers), hidden=self.hidden,
-                           heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                           head_dim=attn.head_dim,
-                           inter=first.mlp.down_proj.in_per_rank,
-                           eps=model.norm.eps, scale=attn.attn.scale,
-                           final_norm=model.norm.weight.data_ptr(),
-                           cos=model.rotary_emb.cos_cache.data_ptr(),
-                           sin=model.rotary_emb.sin_cache.data_ptr())
+        self.desc = _Model(
+            num_layers=len(model.layers),
+            hidden=self.hidden,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            inter=first.mlp.down_proj.in_per_rank,
+            eps=model.norm.eps,
+            scale=attn.attn.scale,
+            final_norm=model.norm.weight.data_ptr(),
+            cos=model.rotary_emb.cos_cache.data_ptr(),
+            sin=model.rotary_emb.sin_cache.data_ptr(),
+        )
         self.layers = (_Layer * len(model.layers))()
         for slot, layer in zip(self.layers, model.layers):
             slot.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -188,9 +219,13 @@ class FusedDecode:
         for slot, layer in zip(self.layers, self.model.layers):
             index = layer.self_attn.attn.layer_idx
             cache, layout = pool.cache(index), pool.layout(index)
-            if (type(layout) is not FullAttentionLayout or layout.use_triton
-                    or not _f32(cache) or cache.dim() != 5
-                    or tuple(cache.shape[3:]) != (self.kv_heads, self.head_dim)):
+            if (
+                type(layout) is not FullAttentionLayout
+                or layout.use_triton
+                or not _f32(cache)
+                or cache.dim() != 5
+                or tuple(cache.shape[3:]) != (self.kv_heads, self.head_dim)
+            ):
                 return False
             slot.kv_cache = cache.data_ptr()
             slots.add((cache.shape[1] * cache.shape[2], cache.shape[2]))
@@ -200,28 +235,41 @@ class FusedDecode:
         self.pool_ok = True
         return True
 
-    def run(self, ctx: ForwardContext, input_ids: torch.Tensor,
-            positions: torch.Tensor) -> Optional[torch.Tensor]:
+    def run(
+        self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
         common = ctx.metadata.common
         rows = input_ids.shape[0]
-        if not (common.is_decode_only and common.num_reqs == rows == common.num_actual_tokens
-                and common.slot_mapping.shape[0] == rows):
+        if not (
+            common.is_decode_only
+            and common.num_reqs == rows == common.num_actual_tokens
+            and common.slot_mapping.shape[0] == rows
+        ):
             return None
         if ctx.kv_pool is not self.pool and not self._bind_pool(ctx.kv_pool):
             return None
-        if (not self.pool_ok or common.block_size != self.desc.block_size
-                or common.max_seq_len > self.max_positions):  # the layers raise on that
+        if (
+            not self.pool_ok
+            or common.block_size != self.desc.block_size
+            or common.max_seq_len > self.max_positions
+        ):  # the layers raise on that
             return None
         seq_lens, tables, slots = common.seq_lens, common.block_tables, common.slot_mapping
-        if (seq_lens.dtype != torch.int32 or tables.dtype != torch.int32
-                or slots.dtype != torch.int64 or positions.dtype != torch.int64
-                or tables.stride(1) != 1 or not (seq_lens.is_contiguous()
-                                                 and slots.is_contiguous()
-                                                 and positions.is_contiguous())):
+        if (
+            seq_lens.dtype != torch.int32
+            or tables.dtype != torch.int32
+            or slots.dtype != torch.int64
+            or positions.dtype != torch.int64
+            or tables.stride(1) != 1
+            or not (
+                seq_lens.is_contiguous() and slots.is_contiguous() and positions.is_contiguous()
+            )
+        ):
             return None
         threads = torch.get_num_threads()
-        need = self.so.pagoda_llama_scratch_bytes(ctypes.byref(self.desc), rows,
-                                                  common.max_seq_len, threads)
+        need = self.so.pagoda_llama_scratch_bytes(
+            ctypes.byref(self.desc), rows, common.max_seq_len, threads
+        )
         if self.scratch.numel() < need:
             self.scratch = torch.empty(2 * need, dtype=torch.uint8)
         step = self.step
@@ -232,9 +280,18 @@ class FusedDecode:
         self.desc.quantize_one_row = cpu_kernels.QUANTIZE_ACTIVATIONS  # as blocks_mm does
         embed = self.model.embed_tokens(input_ids)
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
-        if self.so.pagoda_llama_decode(ctypes.byref(self.desc), self.layers,
-                                       ctypes.byref(step), embed.data_ptr(), out.data_ptr(),
-                                       self.scratch.data_ptr(), threads) != 0:
+        if (
+            self.so.pagoda_llama_decode(
+                ctypes.byref(self.desc),
+                self.layers,
+                ctypes.byref(step),
+                embed.data_ptr(),
+                out.data_ptr(),
+                self.scratch.data_ptr(),
+                threads,
+            )
+            != 0
+        ):
             raise MemoryError("the fused decode step could not allocate its tile buffers")
         return out
 
@@ -255,8 +312,7 @@ def fused_decode_status(model) -> str:
     return "on" if reason is None else f"off ({reason})"
 
 
-def decode_step(model, input_ids: torch.Tensor,
-                positions: torch.Tensor) -> Optional[torch.Tensor]:
+def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     """The final hidden states [T, hidden] (final norm applied) of this step, computed
     by the fused kernel when it applies (module docstring), with every layer's new K/V
     stored; None otherwise (the caller runs its layers)."""

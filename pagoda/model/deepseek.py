@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,10 +34,10 @@ from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import default_weight_loader, materialize_module
 from pagoda.model.layers.mla import MLAAttention
+from pagoda.model.layers.mlp import LlamaMLP
 from pagoda.model.layers.moe.deepseek_moe import DeepseekMoE, is_moe_layer
 from pagoda.model.layers.moe.fused_moe import map_expert_weight_name
 from pagoda.model.layers.rotary import RotaryEmbedding, interleaved_to_half
-from pagoda.model.layers.mlp import LlamaMLP
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -61,9 +61,14 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it), as LlamaDecoderLayer."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -79,23 +84,32 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
-                                                   tp_rank=tp.rank, tp_size=tp.size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(arch, i, tp)
-                                    for i in range(arch.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp.rank, tp_size=tp.size
+        )
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(arch, i, tp) for i in range(arch.num_hidden_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Rotary over the qk_rope_head_dim part only (arch.head_dim for MLA).
-        self.rotary_emb = RotaryEmbedding(arch.mla.qk_rope_head_dim, arch.max_position_embeddings,
-                                          arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            arch.mla.qk_rope_head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         cos, sin = self.rotary_emb(positions)
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin,
-                                     output_rows if i == last else None)
+            hidden, residual = layer(hidden, residual, cos, sin, output_rows if i == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -107,20 +121,26 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"{arch.architecture} needs an MLA config")
         self.arch, self.tp = arch, tp
         self.model = DeepseekModel(arch, tp)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size,
-                                      tp_rank=tp.rank, tp_size=tp.size)
+        self.lm_head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp.rank, tp_size=tp.size
+        )
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def materialize(self, device: torch.device | str,
-                    dtype: Optional[torch.dtype] = None) -> "DeepseekV2ForCausalLM":
+    def materialize(
+        self, device: torch.device | str, dtype: torch.dtype | None = None
+    ) -> DeepseekV2ForCausalLM:
         """As LlamaForCausalLM.materialize: storage on device, then the rotary cache."""
         materialize_module(self, device, dtype)
         self.model.rotary_emb.reset_cache()
         return self
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -136,8 +156,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         for hf_name, tensor in self._relayout(weights):
             name, shard_id = _map_hf_name(hf_name)
             if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
-                                 f"{self.arch.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} matches no parameter of "
+                    f"{self.arch.architecture}"
+                )
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:
@@ -151,8 +173,9 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
         return loaded
 
-    def _relayout(self, weights: Iterable[tuple[str, torch.Tensor]]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _relayout(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the parameters want them: MTP layers and rotary
         buffers dropped, interleaved rotary rows permuted."""
         arch, mla = self.arch, self.arch.mla
@@ -168,16 +191,21 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             if mla.rope_interleave:
                 if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-                    tensor = interleaved_to_half(tensor, mla.qk_rope_head_dim,
-                                                 mla.qk_nope_head_dim, mla.qk_head_dim)
+                    tensor = interleaved_to_half(
+                        tensor, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.qk_head_dim
+                    )
                 elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-                    tensor = interleaved_to_half(tensor, mla.qk_rope_head_dim,
-                                                 mla.kv_lora_rank, mla.latent_dim)
+                    tensor = interleaved_to_half(
+                        tensor, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.latent_dim
+                    )
             yield name, tensor
         if skipped:
-            logger.info("skipped %d checkpoint tensors of layers >= %d (multi-token "
-                        "prediction layers, not run by Pagoda)", skipped, arch.num_hidden_layers)
-
+            logger.info(
+                "skipped %d checkpoint tensors of layers >= %d (multi-token "
+                "prediction layers, not run by Pagoda)",
+                skipped,
+                arch.num_hidden_layers,
+            )
 
     def _expected_loads(self, name: str) -> list[str]:
         """What load_weights records once the checkpoint filled parameter name."""

@@ -6,19 +6,25 @@ KV cache) and by every weight loader, so a name means the same dtype everywhere.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 # Canonical names first (those of config.DTYPES and of ArchConfig.torch_dtype), then aliases.
-DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                  "fp32": torch.float32, "fp16": torch.float16, "half": torch.float16,
-                  "bf16": torch.bfloat16, "float": torch.float32}
+DTYPES_BY_NAME = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "float": torch.float32,
+}
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device],
-                  checkpoint_dtype: Optional[str] = None) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, device: str | torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
     """The torch dtype for `dtype`: a name (or alias) above, or a floating torch.dtype.
 
     "auto" is the checkpoint's dtype when the caller knows it (a loader, from the
@@ -34,5 +40,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.devic
             return DTYPES_BY_NAME[checkpoint_dtype]
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES_BY_NAME:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES_BY_NAME)}")
+        raise ValueError(
+            f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES_BY_NAME)}"
+        )
     return DTYPES_BY_NAME[dtype]

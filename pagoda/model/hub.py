@@ -21,7 +21,6 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 from pagoda.config import ModelConfig
 from pagoda.model.presets import is_preset
@@ -29,15 +28,25 @@ from pagoda.model.presets import is_preset
 logger = logging.getLogger(__name__)
 
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 # What each use of a repo fetches. "config": the shape only (load_format dummy). A
 # tokenizer takes config.json too: transformers may read the tokenizer's class there.
-FILES_FOR = {"model": CONFIG_FILES + TOKENIZER_FILES + WEIGHT_FILES,
-             "config": CONFIG_FILES + TOKENIZER_FILES,
-             "tokenizer": CONFIG_FILES + TOKENIZER_FILES}
+FILES_FOR = {
+    "model": CONFIG_FILES + TOKENIZER_FILES + WEIGHT_FILES,
+    "config": CONFIG_FILES + TOKENIZER_FILES,
+    "tokenizer": CONFIG_FILES + TOKENIZER_FILES,
+}
 
 # The hub's rule for names (letters, digits, '-', '_', '.'; no '--' or '..'), as one
 # `namespace/name` pair: a bare name is a local path or a preset, never a hub id here.
@@ -50,11 +59,15 @@ class HubModelError(ValueError):
 
 def looks_like_repo_id(model: str) -> bool:
     """Whether model is shaped like `org/name` (and names no .gguf file: that is a path)."""
-    return (_REPO_ID.fullmatch(model) is not None and "--" not in model and ".." not in model
-            and not model.endswith((".gguf", ".json", ".safetensors")))
+    return (
+        _REPO_ID.fullmatch(model) is not None
+        and "--" not in model
+        and ".." not in model
+        and not model.endswith((".gguf", ".json", ".safetensors"))
+    )
 
 
-def hub_cache_dir(download_dir: Optional[str] = None) -> str:
+def hub_cache_dir(download_dir: str | None = None) -> str:
     """Where snapshots live: download_dir, else the environment's cache, read now rather
     than at huggingface_hub's import (a test or a caller may set HF_HOME later)."""
     if download_dir:
@@ -64,25 +77,29 @@ def hub_cache_dir(download_dir: Optional[str] = None) -> str:
     if os.environ.get("HF_HOME"):
         return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
     from huggingface_hub import constants  # hub ids only
+
     return constants.HF_HUB_CACHE
 
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now, or as huggingface_hub read it."""
     from huggingface_hub import constants  # hub ids only
+
     flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return flag.strip().upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
 
 
-def resolve_hub_model(model: str, revision: Optional[str] = None,
-                      download_dir: Optional[str] = None,
-                      use: str = "model") -> str:
+def resolve_hub_model(
+    model: str, revision: str | None = None, download_dir: str | None = None, use: str = "model"
+) -> str:
     """The local directory for model: itself when it is not a hub id, else its snapshot
     holding the files FILES_FOR[use] names ("model", "config" or "tokenizer")."""
     if os.path.exists(model) or not looks_like_repo_id(model):
         if revision is not None:  # never ignore it silently: it would pick other weights
-            raise HubModelError(f"revision {revision!r} applies to Hugging Face hub ids only, "
-                                f"and {model!r} is not one")
+            raise HubModelError(
+                f"revision {revision!r} applies to Hugging Face hub ids only, "
+                f"and {model!r} is not one"
+            )
         return model
     if is_preset(model):
         return model
@@ -93,7 +110,7 @@ def resolve_hub_model(model: str, revision: Optional[str] = None,
     return snapshot
 
 
-def resolve_model(config: ModelConfig) -> Optional[str]:
+def resolve_model(config: ModelConfig) -> str | None:
     """config.model as a local path, preset name, or None (the embedded model)."""
     if config.model is None:
         if config.revision is not None:
@@ -103,7 +120,7 @@ def resolve_model(config: ModelConfig) -> Optional[str]:
     return resolve_hub_model(config.model, config.revision, config.download_dir, use)
 
 
-def resolve_tokenizer(config: ModelConfig) -> Optional[str]:
+def resolve_tokenizer(config: ModelConfig) -> str | None:
     """config.tokenizer as a local path (None: the model's own). A hub id takes the
     model's revision when it names the model's repo, else its default branch."""
     if config.tokenizer is None:
@@ -112,48 +129,73 @@ def resolve_tokenizer(config: ModelConfig) -> Optional[str]:
     return resolve_hub_model(config.tokenizer, revision, config.download_dir, "tokenizer")
 
 
-def _snapshot(repo_id: str, revision: Optional[str], cache: str, files: tuple[str, ...]) -> str:
+def _snapshot(repo_id: str, revision: str | None, cache: str, files: tuple[str, ...]) -> str:
     """snapshot_download, its exceptions turned into one clear line each."""
-    from huggingface_hub import snapshot_download  # hub ids only
     from huggingface_hub import errors as hub_errors
+    from huggingface_hub import snapshot_download  # hub ids only
+
     offline = hub_offline()
     what = repo_id if revision is None else f"{repo_id} (revision {revision})"
-    logger.info("%s: %s in %s", what, "cache only (HF_HUB_OFFLINE)" if offline else
-                "looking it up on the Hugging Face hub", cache)
+    logger.info(
+        "%s: %s in %s",
+        what,
+        "cache only (HF_HUB_OFFLINE)" if offline else "looking it up on the Hugging Face hub",
+        cache,
+    )
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                 allow_patterns=list(files), local_files_only=offline)
+        return snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            allow_patterns=list(files),
+            local_files_only=offline,
+        )
     except hub_errors.IncompleteSnapshotError as exc:
-        raise HubModelError(f"cannot reach the Hugging Face hub and the cached snapshot of {what} "
-                            f"at {exc.snapshot_path} misses files; download it again with the "
-                            f"hub reachable") from None
+        raise HubModelError(
+            f"cannot reach the Hugging Face hub and the cached snapshot of {what} "
+            f"at {exc.snapshot_path} misses files; download it again with the "
+            f"hub reachable"
+        ) from None
     except hub_errors.LocalEntryNotFoundError:
-        hint = ("unset HF_HUB_OFFLINE to download it" if offline else
-                "check the network (or HF_ENDPOINT)")
+        hint = (
+            "unset HF_HUB_OFFLINE to download it"
+            if offline
+            else "check the network (or HF_ENDPOINT)"
+        )
         raise HubModelError(
             f"cannot reach the Hugging Face hub and {what} is not in the local cache at {cache}; "
             f"{hint}, or pass --download-dir where it is cached, or a local directory "
-            f"(no local path {repo_id!r} exists)") from None
+            f"(no local path {repo_id!r} exists)"
+        ) from None
     except hub_errors.GatedRepoError:
-        raise HubModelError(f"{repo_id} is gated on the Hugging Face hub: accept its terms on "
-                            f"huggingface.co and set HF_TOKEN") from None
+        raise HubModelError(
+            f"{repo_id} is gated on the Hugging Face hub: accept its terms on "
+            f"huggingface.co and set HF_TOKEN"
+        ) from None
     except hub_errors.RevisionNotFoundError:
-        raise HubModelError(f"{repo_id} has no revision {revision!r} on the Hugging Face "
-                            f"hub") from None
+        raise HubModelError(
+            f"{repo_id} has no revision {revision!r} on the Hugging Face hub"
+        ) from None
     except hub_errors.RepositoryNotFoundError:
-        raise HubModelError(f"no local path {repo_id!r} and no model {repo_id} on the Hugging Face "
-                            f"hub (a private one needs HF_TOKEN)") from None
+        raise HubModelError(
+            f"no local path {repo_id!r} and no model {repo_id} on the Hugging Face "
+            f"hub (a private one needs HF_TOKEN)"
+        ) from None
     except hub_errors.HFValidationError as exc:
         raise HubModelError(f"{repo_id!r} is not a valid Hugging Face repo id: {exc}") from None
 
 
-def _check_snapshot(repo_id: str, revision: Optional[str], snapshot: Path, use: str) -> None:
+def _check_snapshot(repo_id: str, revision: str | None, snapshot: Path, use: str) -> None:
     """A snapshot lacking what Pagoda loads gets a message naming the repo, not the
     loader's list of formats about a cache path the user never typed."""
     at = f" at revision {revision}" if revision else ""
     if use != "tokenizer" and not (snapshot / "config.json").is_file():
-        raise HubModelError(f"{repo_id}{at} has no config.json: not a transformers model "
-                            f"Pagoda can load ({snapshot})")
+        raise HubModelError(
+            f"{repo_id}{at} has no config.json: not a transformers model "
+            f"Pagoda can load ({snapshot})"
+        )
     if use == "model" and not any(snapshot.glob("*.safetensors")):
-        raise HubModelError(f"{repo_id}{at} has no *.safetensors weights (Pagoda loads "
-                            f"safetensors; load_format='dummy' needs only config.json)")
+        raise HubModelError(
+            f"{repo_id}{at} has no *.safetensors weights (Pagoda loads "
+            f"safetensors; load_format='dummy' needs only config.json)"
+        )

@@ -39,14 +39,16 @@ class KernelConfigs:
     launch: LaunchConfig
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "KernelConfigs":
+    def for_device(cls, device: torch.device) -> KernelConfigs:
         """Every family's config for device (chosen by its compute capability)."""
         device = torch.device(device)
-        return cls(decode=DecodeAttentionConfig.for_device(device),
-                   mla=MLAKernelConfig.for_device(device),
-                   gemv=GemvConfig.for_device(device),
-                   moe=MoEKernelConfig.for_device(device),
-                   launch=LaunchConfig.for_device(device))
+        return cls(
+            decode=DecodeAttentionConfig.for_device(device),
+            mla=MLAKernelConfig.for_device(device),
+            gemv=GemvConfig.for_device(device),
+            moe=MoEKernelConfig.for_device(device),
+            launch=LaunchConfig.for_device(device),
+        )
 
     def install(self, model: nn.Module) -> None:
         """Gives model's layers their configs: every linear layer the GEMV table, every

@@ -28,23 +28,30 @@ never initialised on the CPU first.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from pagoda.model import cpu_fused_decode
 from pagoda.model.arch_config import ArchConfig
-from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention, load_kv_scale
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import (
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+    default_weight_loader,
+    materialize_module,
+)
 from pagoda.model.layers.mlp import LlamaMLP
-from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                        RowParallelLinear, ShardId, default_weight_loader,
-                                        materialize_module)
-from pagoda.model.layers.rotary import (RotaryEmbedding, apply_rotary, apply_rotary_tables,
-                                        rotary_tables)
+from pagoda.model.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_tables,
+    rotary_tables,
+)
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.quant.base import module_takes_fp8_input
 
@@ -65,31 +72,39 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim,
-                                          arch.num_attention_heads, arch.num_key_value_heads,
-                                          bias=arch.attention_bias, tp_rank=tp.rank,
-                                          tp_size=tp.size)
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=arch.attention_bias,
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+        )
         # Per rank: the QKV projection decided the split (kv heads replicate when fewer
         # than ranks).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=False,
-                                        tp_rank=tp.rank, tp_size=tp.size)
+        self.o_proj = RowParallelLinear(
+            arch.q_size, arch.hidden_size, bias=False, tp_rank=tp.rank, tp_size=tp.size
+        )
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
-                              scale=arch.head_dim ** -0.5)
+        self.attn = Attention(
+            layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, scale=arch.head_dim**-0.5
+        )
 
     def takes_fp8_input(self, num_rows: int) -> bool:
         """Whether forward wants hidden as an Fp8Activation (its qkv_proj's choice)."""
         return self.qkv_proj.takes_fp8_input(num_rows)
 
-    def forward(self, hidden, cos: torch.Tensor, sin: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, hidden, cos: torch.Tensor, sin: torch.Tensor, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[T, hidden] (a tensor, or an Fp8Activation where takes_fp8_input) -> [T,
         hidden], or [len(output_rows), hidden] for those rows only (attention still
         runs, and stores K/V, for every row). cos/sin: what LlamaModel.rotary gives:
@@ -115,8 +130,9 @@ class LlamaAttention(nn.Module):
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
 
-    def _fused_qk_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor) -> Optional[torch.Tensor]:
+    def _fused_qk_rope_store(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
         """q [T, q_size], normed and rotated, with k and v normed, rotated and stored by
         one kernel (kernels/qk_rope_store.py, the same roundings as the unfused
         path); None where that kernel does not stand in: the pool does not store this
@@ -125,37 +141,48 @@ class LlamaAttention(nn.Module):
         target = self.attn.kv_store_target()
         if target is None:  # also the CPU: no triton imported below
             return None
-        from pagoda.kernels.norm import fused_ops  # imports triton
         from pagoda.kernels.attention import qk_rope_store
+        from pagoda.kernels.norm import fused_ops  # imports triton
+
         if not fused_ops.FUSED_OPS_ENABLED:
             return None
         q_weight = k_weight = None
         eps = 0.0
         if self.qk_norm:
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            if (q_weight.dtype != qkv.dtype or k_weight.dtype != qkv.dtype
-                    or self.k_norm.eps != eps):
+            if q_weight.dtype != qkv.dtype or k_weight.dtype != qkv.dtype or self.k_norm.eps != eps:
                 return None
         return qk_rope_store.qk_norm_rope_store(
-            qkv, cos, sin, q_weight, k_weight, eps, target.cache, target.slot_mapping,
-            target.kv_scales, self.num_heads, self.num_kv_heads, self.head_dim)
+            qkv,
+            cos,
+            sin,
+            q_weight,
+            k_weight,
+            eps,
+            target.cache,
+            target.slot_mapping,
+            target.kv_scales,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
-    def _rotate_qk_together(self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor,
-                            sin: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rotate_qk_together(
+        self, qkv: torch.Tensor, rotate: Callable, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU: the q and k heads sit side by side in each row of qkv, so one rotary call
         covers both (half the small torch calls per layer; elementwise, so the values are
         the same). q and k come back as column views of the rotated [T, q+kv] block."""
         num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
-        heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                      self.head_dim)
+        heads = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = rotate(heads, cos, sin).view(num_tokens, qk_size)
-        return qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:]
+        return qk[:, : self.q_size], qk[:, self.q_size :], qkv[:, qk_size:]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, tp: TensorParallel,
-                 mlp: Optional[nn.Module] = None) -> None:
+    def __init__(
+        self, arch: ArchConfig, layer_idx: int, tp: TensorParallel, mlp: nn.Module | None = None
+    ) -> None:
         """mlp: the feed-forward block [T, H] -> [T, H] (all-reduced) replacing the dense
         LlamaMLP (e.g. a mixture of experts)."""
         super().__init__()
@@ -167,9 +194,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it): the next norm adds them.
         With output_rows, both hold those rows only (see the module docstring). Each
         norm quantizes its output to FP8 where its consumer asks for that."""
@@ -191,19 +223,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallel,
-                 make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        tp: TensorParallel,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
         """make_mlp(layer_idx): that layer's feed-forward block, or None for LlamaMLP."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
-                                                   tp_rank=tp.rank, tp_size=tp.size)
+        self.embed_tokens = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp.rank, tp_size=tp.size
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, i, tp, make_mlp(i) if make_mlp is not None else None)
-            for i in range(arch.num_hidden_layers))
+            for i in range(arch.num_hidden_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Shared by every layer: cos/sin are looked up once per forward.
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
-                                          arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What every layer's attention rotates q and k with, looked up once per forward:
@@ -214,8 +253,12 @@ class LlamaModel(nn.Module):
             return rotary_tables(cos, sin)
         return cos, sin
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # A CPU decode step of a block-quantized model: every layer in one C call.
         hidden = cpu_fused_decode.decode_step(self, input_ids, positions)
         if hidden is not None:
@@ -224,8 +267,7 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin,
-                                     output_rows if i == last else None)
+            hidden, residual = layer(hidden, residual, cos, sin, output_rows if i == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -238,11 +280,12 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.tp = tp
         self.model = LlamaModel(arch, tp, self.make_mlp)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size,
-                                      tp_rank=tp.rank, tp_size=tp.size)
+        self.lm_head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp.rank, tp_size=tp.size
+        )
         self.tie_weights()
 
-    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """Subclasses' hook: layer layer_idx's feed-forward block (None: LlamaMLP)."""
         return None
 
@@ -251,16 +294,21 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def materialize(self, device: torch.device | str,
-                    dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
+    def materialize(
+        self, device: torch.device | str, dtype: torch.dtype | None = None
+    ) -> LlamaForCausalLM:
         """Gives a model built on the meta device uninitialised storage on device (weights
         in dtype), keeping weight loaders and tying, and computes the rotary cache."""
         materialize_module(self, device, dtype)
         self.model.rotary_emb.reset_cache()
         return self
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, hidden_size] (final norm applied);
         with output_rows (int64 [N] on the device): hidden [N, hidden_size] of those rows."""
         return self.model(input_ids, positions, output_rows)
@@ -286,8 +334,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name, shard_id = self.map_hf_name(hf_name)
             if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
-                                 f"{self.arch.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} matches no parameter of "
+                    f"{self.arch.architecture}"
+                )
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 # DeepSeek architectures: the ones whose attention is MLA.
 MLA_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -30,7 +29,7 @@ def _positive(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    q_lora_rank: Optional[int]  # None: q_proj straight from the hidden state
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -43,8 +42,10 @@ class MLAConfig:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _positive(name, getattr(self, name))
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"MLA qk_rope_head_dim must be even for rotary embeddings, "
-                             f"got {self.qk_rope_head_dim}")
+            raise ValueError(
+                f"MLA qk_rope_head_dim must be even for rotary embeddings, "
+                f"got {self.qk_rope_head_dim}"
+            )
 
     @property
     def qk_head_dim(self) -> int:
@@ -57,20 +58,26 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def from_hf_config(cls, architecture: str, config: dict) -> "MLAConfig":
-        missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                               "v_head_dim") if config.get(k) is None]
+    def from_hf_config(cls, architecture: str, config: dict) -> MLAConfig:
+        missing = [
+            k
+            for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            if config.get(k) is None
+        ]
         if missing:
             raise ValueError(f"{architecture} config lacks {', '.join(missing)}")
         # V2 always rotates interleaved pairs; V3 says so in rope_interleave (default true).
         interleave = True
         if architecture == "DeepseekV3ForCausalLM":
             interleave = bool(config.get("rope_interleave", True))
-        return cls(q_lora_rank=config.get("q_lora_rank"),
-                   kv_lora_rank=config["kv_lora_rank"],
-                   qk_nope_head_dim=config["qk_nope_head_dim"],
-                   qk_rope_head_dim=config["qk_rope_head_dim"],
-                   v_head_dim=config["v_head_dim"], rope_interleave=interleave)
+        return cls(
+            q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            rope_interleave=interleave,
+        )
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -80,10 +87,10 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def mla_softmax_scale(mla: MLAConfig, rope_scaling: Optional[dict]) -> float:
+def mla_softmax_scale(mla: MLAConfig, rope_scaling: dict | None) -> float:
     """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under a scaled rope
     with mscale_all_dim set: DeepSeek's YaRN also sharpens the softmax."""
-    scale = mla.qk_head_dim ** -0.5
+    scale = mla.qk_head_dim**-0.5
     if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
         m = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
         scale *= m * m

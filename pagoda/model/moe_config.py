@@ -15,7 +15,6 @@ Qwen3-MoE's decoder_sparse_step / mlp_only_layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
 # greedy: plain top-k; group_limited_greedy (DeepSeek-V2): top-k within the topk_group
@@ -29,8 +28,11 @@ TOPK_METHODS: tuple[str, ...] = ("greedy", "group_limited_greedy", "noaux_tc")
 # compute something else than the reference: refuse it instead.
 _ARCH_ROUTING: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
     "Qwen3MoeForCausalLM": ("softmax", "greedy", (("softmax", "greedy"),)),
-    "DeepseekV2ForCausalLM": ("softmax", "greedy",
-                              (("softmax", "greedy"), ("softmax", "group_limited_greedy"))),
+    "DeepseekV2ForCausalLM": (
+        "softmax",
+        "greedy",
+        (("softmax", "greedy"), ("softmax", "group_limited_greedy")),
+    ),
     "DeepseekV3ForCausalLM": ("sigmoid", "noaux_tc", (("sigmoid", "noaux_tc"),)),
 }
 MOE_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_ROUTING)
@@ -58,19 +60,30 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"unknown scoring_func {self.scoring_func!r}; supported: "
-                             f"{', '.join(SCORING_FUNCS)}")
+            raise ValueError(
+                f"unknown scoring_func {self.scoring_func!r}; supported: {', '.join(SCORING_FUNCS)}"
+            )
         if self.topk_method not in TOPK_METHODS:
-            raise ValueError(f"unknown topk_method {self.topk_method!r}; supported: "
-                             f"{', '.join(TOPK_METHODS)}")
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
-                     "topk_group", "moe_layer_freq", "decoder_sparse_step"):
+            raise ValueError(
+                f"unknown topk_method {self.topk_method!r}; supported: {', '.join(TOPK_METHODS)}"
+            )
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "n_group",
+            "topk_group",
+            "moe_layer_freq",
+            "decoder_sparse_step",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MoE config field {name} must be an integer >= 1, got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
-                             f"num_experts ({self.num_experts})")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                f"num_experts ({self.num_experts})"
+            )
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             raise ValueError("n_shared_experts and first_k_dense_replace must be >= 0")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -79,18 +92,24 @@ class MoEConfig:
 
     def _check_groups(self) -> None:
         if self.num_experts % self.n_group:
-            raise ValueError(f"num_experts ({self.num_experts}) is not divisible by n_group "
-                             f"({self.n_group}) ({self.topk_method} routing)")
+            raise ValueError(
+                f"num_experts ({self.num_experts}) is not divisible by n_group "
+                f"({self.n_group}) ({self.topk_method} routing)"
+            )
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
         group_size = self.num_experts // self.n_group
         if self.num_experts_per_tok > self.topk_group * group_size:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
-                             f"{self.topk_group} selected groups' {self.topk_group * group_size} "
-                             f"experts")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
+                f"{self.topk_group} selected groups' {self.topk_group * group_size} "
+                f"experts"
+            )
         if self.topk_method == "noaux_tc" and group_size < 2:
-            raise ValueError(f"noaux_tc routing scores each group by its two best experts; "
-                             f"groups of {group_size} expert(s) cannot be")
+            raise ValueError(
+                f"noaux_tc routing scores each group by its two best experts; "
+                f"groups of {group_size} expert(s) cannot be"
+            )
 
     @property
     def grouped(self) -> bool:
@@ -103,13 +122,14 @@ class MoEConfig:
     def is_moe_layer_index(self, architecture: str, layer_idx: int) -> bool:
         """Whether decoder layer layer_idx is sparse (else a dense MLP of intermediate_size)."""
         if architecture.startswith("Deepseek"):
-            return (layer_idx >= self.first_k_dense_replace
-                    and layer_idx % self.moe_layer_freq == 0)
-        return (layer_idx not in self.mlp_only_layers
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+            return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+        return (
+            layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
-    def from_hf_config(cls, config: dict, architecture: str) -> Optional["MoEConfig"]:
+    def from_hf_config(cls, config: dict, architecture: str) -> MoEConfig | None:
         """The MoE fields of an HF config dict; None for an architecture without experts."""
         if architecture not in _ARCH_ROUTING:
             return None
@@ -118,8 +138,9 @@ class MoEConfig:
         method = config.get("topk_method") or default_method
         num_experts = next((config[k] for k in _NUM_EXPERTS_KEYS if config.get(k)), None)
         if num_experts is None:
-            raise ValueError(f"{architecture} config names no expert count "
-                             f"({' / '.join(_NUM_EXPERTS_KEYS)})")
+            raise ValueError(
+                f"{architecture} config names no expert count ({' / '.join(_NUM_EXPERTS_KEYS)})"
+            )
         deepseek = architecture.startswith("Deepseek")
         moe = cls(
             num_experts=num_experts,
@@ -138,9 +159,11 @@ class MoEConfig:
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()) if not deepseek else (),
         )
         if (scoring, method) not in allowed:
-            raise ValueError(f"{architecture} with scoring_func {scoring!r} and topk_method "
-                             f"{method!r} is not supported; supported: "
-                             + ", ".join(f"{s}/{m}" for s, m in allowed))
+            raise ValueError(
+                f"{architecture} with scoring_func {scoring!r} and topk_method "
+                f"{method!r} is not supported; supported: "
+                + ", ".join(f"{s}/{m}" for s, m in allowed)
+            )
         _reject_unimplemented(architecture, config, moe)
         return moe
 
@@ -150,8 +173,12 @@ def _reject_unimplemented(architecture: str, config: dict, moe: MoEConfig) -> No
     if architecture == "DeepseekV2ForCausalLM" and moe.renormalize:
         # transformers' DeepseekV2 ignores norm_topk_prob, DeepSeek's own code divides by
         # the sum (and then skips routed_scaling_factor): no single answer to match.
-        raise ValueError("norm_topk_prob=true is not supported for DeepseekV2ForCausalLM "
-                         "(transformers ignores it; no released V2 checkpoint sets it)")
+        raise ValueError(
+            "norm_topk_prob=true is not supported for DeepseekV2ForCausalLM "
+            "(transformers ignores it; no released V2 checkpoint sets it)"
+        )
     if architecture == "Qwen3MoeForCausalLM" and config.get("shared_expert_intermediate_size"):
-        raise ValueError("shared experts (shared_expert_intermediate_size) are not part of "
-                         "Qwen3MoeForCausalLM; Qwen2-MoE style checkpoints are not supported")
+        raise ValueError(
+            "shared experts (shared_expert_intermediate_size) are not part of "
+            "Qwen3MoeForCausalLM; Qwen2-MoE style checkpoints are not supported"
+        )

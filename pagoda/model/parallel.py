@@ -34,8 +34,7 @@ class TensorParallel:
 SINGLE_RANK = TensorParallel()
 
 
-def check_tensor_parallel(arch: "ArchConfig", tp_size: int,
-                          expert_parallel: bool = False) -> None:
+def check_tensor_parallel(arch: ArchConfig, tp_size: int, expert_parallel: bool = False) -> None:
     """Raises ValueError, naming the model's numbers, unless arch splits over tp_size ranks:
     query heads and intermediate columns divide evenly; KV heads either divide evenly or
     each is replicated on tp_size / num_kv_heads ranks (tp_size a multiple of them); an
@@ -45,8 +44,10 @@ def check_tensor_parallel(arch: "ArchConfig", tp_size: int,
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
     if expert_parallel and arch.moe is None:
-        raise ValueError(f"enable_expert_parallel is set but {arch.architecture} has no "
-                         f"experts (it applies to mixture-of-experts models only)")
+        raise ValueError(
+            f"enable_expert_parallel is set but {arch.architecture} has no "
+            f"experts (it applies to mixture-of-experts models only)"
+        )
     if tp_size == 1:
         return
     problems = _moe_problems(arch, tp_size, expert_parallel)
@@ -54,17 +55,22 @@ def check_tensor_parallel(arch: "ArchConfig", tp_size: int,
     if heads % tp_size:
         problems.append(f"num_attention_heads ({heads}) is not divisible by it")
     if kv_heads % tp_size and tp_size % kv_heads:
-        problems.append(f"num_key_value_heads ({kv_heads}) is neither a multiple nor a "
-                        f"divisor of it (each KV head is kept whole, on a whole number of ranks)")
+        problems.append(
+            f"num_key_value_heads ({kv_heads}) is neither a multiple nor a "
+            f"divisor of it (each KV head is kept whole, on a whole number of ranks)"
+        )
     if arch.intermediate_size % tp_size:
         problems.append(f"intermediate_size ({arch.intermediate_size}) is not divisible by it")
     if problems:
-        raise ValueError(f"{arch.architecture} cannot be split over tensor_parallel_size "
-                         f"{tp_size}: " + "; ".join(problems) +
-                         f". Valid sizes for this model: {valid_tp_sizes(arch, expert_parallel=expert_parallel)}")
+        raise ValueError(
+            f"{arch.architecture} cannot be split over tensor_parallel_size "
+            f"{tp_size}: "
+            + "; ".join(problems)
+            + f". Valid sizes for this model: {valid_tp_sizes(arch, expert_parallel=expert_parallel)}"
+        )
 
 
-def _moe_problems(arch: "ArchConfig", tp_size: int, expert_parallel: bool) -> list[str]:
+def _moe_problems(arch: ArchConfig, tp_size: int, expert_parallel: bool) -> list[str]:
     moe = arch.moe
     if moe is None:
         return []
@@ -74,18 +80,26 @@ def _moe_problems(arch: "ArchConfig", tp_size: int, expert_parallel: bool) -> li
         return []
     problems = []
     if moe.moe_intermediate_size % tp_size:
-        problems.append(f"moe_intermediate_size ({moe.moe_intermediate_size}) is not divisible "
-                        f"by it (enable_expert_parallel keeps experts whole)")
+        problems.append(
+            f"moe_intermediate_size ({moe.moe_intermediate_size}) is not divisible "
+            f"by it (enable_expert_parallel keeps experts whole)"
+        )
     if moe.shared_intermediate_size % tp_size:
-        problems.append(f"the shared experts' intermediate size "
-                        f"({moe.shared_intermediate_size}) is not divisible by it")
+        problems.append(
+            f"the shared experts' intermediate size "
+            f"({moe.shared_intermediate_size}) is not divisible by it"
+        )
     return problems
 
 
-def valid_tp_sizes(arch: "ArchConfig", limit: int = 64, expert_parallel: bool = False) -> list[int]:
+def valid_tp_sizes(arch: ArchConfig, limit: int = 64, expert_parallel: bool = False) -> list[int]:
     """The tensor-parallel sizes up to limit that arch splits over."""
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
-    return [n for n in range(1, limit + 1)
-            if heads % n == 0 and arch.intermediate_size % n == 0
-            and (kv_heads % n == 0 or n % kv_heads == 0)
-            and not _moe_problems(arch, n, expert_parallel)]
+    return [
+        n
+        for n in range(1, limit + 1)
+        if heads % n == 0
+        and arch.intermediate_size % n == 0
+        and (kv_heads % n == 0 or n % kv_heads == 0)
+        and not _moe_problems(arch, n, expert_parallel)
+    ]

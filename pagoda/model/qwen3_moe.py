@@ -14,8 +14,6 @@ file only adds the block and the per-expert checkpoint names
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -35,15 +33,24 @@ class Qwen3MoeSparseBlock(nn.Module):
         moe = arch.moe
         self.gate = MoEGate(arch.hidden_size, moe.num_experts)
         # Built on the meta device; materialize() gives every weight the model's dtype.
-        self.experts = FusedMoE(moe.num_experts, moe.num_experts_per_tok, arch.hidden_size,
-                                moe.moe_intermediate_size, moe, tp, torch.get_default_dtype(),
-                                reduce_results=True, expert_parallel=tp.expert_parallel)
+        self.experts = FusedMoE(
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            arch.hidden_size,
+            moe.moe_intermediate_size,
+            moe,
+            tp,
+            torch.get_default_dtype(),
+            reduce_results=True,
+            expert_parallel=tp.expert_parallel,
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, topk=route(hidden, self.gate, self.experts.cfg))
 
-    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm
-                           ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_after_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(forward(norm(hidden + residual)), hidden + residual) with the norm computed
         inside the router's launch (routing.route_after_norm), or None where that does
         not cover the call (the decoder layer then runs the norm and forward)."""
@@ -66,7 +73,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             if isinstance(layer.mlp, Qwen3MoeSparseBlock):
                 layer.mlp.experts.set_next_linear(following.self_attn.qkv_proj)
 
-    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
         if is_moe_layer(self.arch, layer_idx):
             return Qwen3MoeSparseBlock(self.arch, self.tp)
         return None

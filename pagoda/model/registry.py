@@ -29,6 +29,8 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODEL_CLASSES:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(supported_architectures())}")
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
     return _MODEL_CLASSES[architecture]

@@ -29,7 +29,7 @@ import os
 import pathlib
 import struct
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -85,8 +85,17 @@ def embedded_model_path() -> pathlib.Path:
 
 _GGUF_MAGIC = b"GGUF"
 _GGUF_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
-    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
@@ -109,7 +118,7 @@ class _GgufMetadataReader:
         length = self._unpack("<Q")
         start = self.pos
         self.pos += length
-        return self.buffer[start:self.pos].decode("utf-8", errors="replace")
+        return self.buffer[start : self.pos].decode("utf-8", errors="replace")
 
     def _string_array(self, count: int) -> list[str]:
         # The vocabulary and merges are ~100k strings: one tight loop over the buffer,
@@ -119,7 +128,7 @@ class _GgufMetadataReader:
         for _ in range(count):
             length = read_length(buffer, pos)[0]
             pos += 8
-            strings.append(buffer[pos:pos + length].decode("utf-8", errors="replace"))
+            strings.append(buffer[pos : pos + length].decode("utf-8", errors="replace"))
             pos += length
         self.pos = pos
         return strings
@@ -180,7 +189,9 @@ def _build_byte_level_bpe(metadata: dict[str, Any], pre_name: str) -> Tokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre_name)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -188,10 +199,16 @@ def _build_byte_level_bpe(metadata: dict[str, Any], pre_name: str) -> Tokenizer:
     # CONTROL tokens (<|im_start|>, ...) are special; USER_DEFINED ones are matched whole
     # in the text but not skipped on decode (llama.cpp's semantics).
     token_types = metadata.get("tokenizer.ggml.token_type") or []
-    special = [AddedToken(tokens[i], special=True, normalized=False)
-               for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_CONTROL]
-    user_defined = [AddedToken(tokens[i], special=False, normalized=False)
-                    for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind in enumerate(token_types)
+        if kind == _TOKEN_TYPE_CONTROL
+    ]
+    user_defined = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, kind in enumerate(token_types)
+        if kind == _TOKEN_TYPE_USER_DEFINED
+    ]
     tokenizer.add_special_tokens(special)
     if user_defined:
         tokenizer.add_tokens(user_defined)
@@ -201,11 +218,13 @@ def _build_byte_level_bpe(metadata: dict[str, Any], pre_name: str) -> Tokenizer:
 def _with_bos_template(tokenizer: Tokenizer, bos_token: str, bos_id: int) -> None:
     """Makes encode(add_special_tokens=True) prepend bos, as llama.cpp does when add_bos_token."""
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)]
+        single=f"{bos_token} $A",
+        pair=f"{bos_token} $A {bos_token} $B",
+        special_tokens=[(bos_token, bos_id)],
     )
 
 
-def _token_or_none(tokens: list[str], metadata: dict[str, Any], key: str) -> Optional[str]:
+def _token_or_none(tokens: list[str], metadata: dict[str, Any], key: str) -> str | None:
     token_id = metadata.get(f"tokenizer.ggml.{key}")
     return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
@@ -244,8 +263,8 @@ def _load_gguf_tokenizer(gguf_path: pathlib.Path) -> PreTrainedTokenizerFast:
 
 def load_tokenizer(
     path: str | os.PathLike,
-    gguf_file: Optional[str] = None,
-    chat_template: Optional[str] = None,
+    gguf_file: str | None = None,
+    chat_template: str | None = None,
 ) -> PreTrainedTokenizerFast:
     """Loads a tokenizer from local files only.
 
@@ -263,7 +282,9 @@ def load_tokenizer(
     elif path.is_dir():
         tokenizer = _load_directory_tokenizer(path)
     else:
-        raise ValueError(f"cannot load a tokenizer from {path}: expected a .gguf file or a directory")
+        raise ValueError(
+            f"cannot load a tokenizer from {path}: expected a .gguf file or a directory"
+        )
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
     return tokenizer
@@ -288,7 +309,9 @@ def _load_directory_tokenizer(path: pathlib.Path) -> PreTrainedTokenizerFast:
     if len(ggufs) == 1:
         return _load_gguf_tokenizer(ggufs[0])
     found = f"{len(ggufs)} .gguf files (name one with gguf_file)" if ggufs else "no .gguf file"
-    raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer_config.json, and {found}")
+    raise FileNotFoundError(
+        f"{path} holds neither tokenizer.json nor tokenizer_config.json, and {found}"
+    )
 
 
 def _read_chat_template(template_or_path: str) -> str:
@@ -301,7 +324,7 @@ def _read_chat_template(template_or_path: str) -> str:
 # ----------------------------------------------------------------------------- chat templates
 
 
-def get_chat_template(tokenizer: PreTrainedTokenizerFast) -> Optional[str]:
+def get_chat_template(tokenizer: PreTrainedTokenizerFast) -> str | None:
     """The model's chat template, or None if it has none."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: use the default one
@@ -309,7 +332,9 @@ def get_chat_template(tokenizer: PreTrainedTokenizerFast) -> Optional[str]:
     return template or None
 
 
-def check_template_kwargs(tokenizer: PreTrainedTokenizerFast, template_kwargs: dict[str, Any]) -> None:
+def check_template_kwargs(
+    tokenizer: PreTrainedTokenizerFast, template_kwargs: dict[str, Any]
+) -> None:
     """ValueError if a template variable would collide with the call's own parameters.
 
     Extra keyword arguments of `apply_chat_template` become template variables (e.g.
@@ -321,15 +346,20 @@ def check_template_kwargs(tokenizer: PreTrainedTokenizerFast, template_kwargs: d
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"chat template variable names must be identifiers, got {name!r}")
         if name in reserved:
-            raise ValueError(f"{name!r} cannot be a chat template variable: it is a parameter "
-                             f"of the template call, or set from the request")
+            raise ValueError(
+                f"{name!r} cannot be a chat template variable: it is a parameter "
+                f"of the template call, or set from the request"
+            )
 
 
 @functools.lru_cache(maxsize=8)
 def _call_parameters(tokenizer_class: type) -> frozenset[str]:
     signature = inspect.signature(tokenizer_class.apply_chat_template)
-    names = {name for name, p in signature.parameters.items()
-             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+    names = {
+        name
+        for name, p in signature.parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"
+    }
     return frozenset(names | {"messages"})
 
 
@@ -337,9 +367,9 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerFast,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
-    chat_template: Optional[str] = None,
-    template_kwargs: Optional[dict[str, Any]] = None,
-    tools: Optional[list[dict[str, Any]]] = None,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Renders chat messages with the (given or model's) template and returns token ids.
 
@@ -356,8 +386,11 @@ def apply_chat_template(
     template_kwargs = template_kwargs or {}
     check_template_kwargs(tokenizer, template_kwargs)
     text = tokenizer.apply_chat_template(
-        messages, chat_template=_read_chat_template(template),
-        add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools,
+        messages,
+        chat_template=_read_chat_template(template),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        tools=tools,
         **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)
@@ -368,13 +401,13 @@ def apply_chat_template(
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerInfo:
-    eos_token_id: Optional[int]
-    bos_token_id: Optional[int]
+    eos_token_id: int | None
+    bos_token_id: int | None
     vocab_size: int  # len(tokenizer): base vocabulary plus added tokens
     adds_bos_token: bool  # whether encode(add_special_tokens=True) prepends bos
 
 
-_INFO_CACHE: "weakref.WeakKeyDictionary[Any, TokenizerInfo]" = weakref.WeakKeyDictionary()
+_INFO_CACHE: weakref.WeakKeyDictionary[Any, TokenizerInfo] = weakref.WeakKeyDictionary()
 
 
 def get_tokenizer_info(tokenizer: PreTrainedTokenizerFast) -> TokenizerInfo:

@@ -7,7 +7,7 @@ Used for sampled tokens (by the Sampler, on the raw logits) and for prompt token
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def to_token_logprobs(
     ids: torch.Tensor,
     logprobs: torch.Tensor,
     ranks: torch.Tensor,
-    num_logprobs: Optional[Sequence[int]] = None,
+    num_logprobs: Sequence[int] | None = None,
 ) -> list[TokenLogprobs]:
     """Converts the tensors of `compute_token_logprobs` to one TokenLogprobs per row.
 
@@ -51,14 +51,19 @@ def to_token_logprobs(
     return unpack_token_logprobs(pack_token_logprobs(ids, logprobs, ranks).cpu(), num_logprobs)
 
 
-def pack_token_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+def pack_token_logprobs(
+    ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor
+) -> torch.Tensor:
     """[B, 2k + 1] float64 on the tensors' device: ids, then logprobs, then the rank."""
-    return torch.cat([ids.to(torch.float64), logprobs.to(torch.float64),
-                      ranks.to(torch.float64).unsqueeze(1)], dim=1)
+    return torch.cat(
+        [ids.to(torch.float64), logprobs.to(torch.float64), ranks.to(torch.float64).unsqueeze(1)],
+        dim=1,
+    )
 
 
-def unpack_token_logprobs(packed: torch.Tensor,
-                          num_logprobs: Optional[Sequence[int]] = None) -> list[TokenLogprobs]:
+def unpack_token_logprobs(
+    packed: torch.Tensor, num_logprobs: Sequence[int] | None = None
+) -> list[TokenLogprobs]:
     """pack_token_logprobs' output (on the host) -> one TokenLogprobs per row."""
     rows = packed.tolist()
     width = (packed.shape[1] - 1) // 2

@@ -16,9 +16,10 @@ that keeps it on the device between steps (pagoda.worker.penalty_state).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ class SamplingRow:
     output_token_ids: list[int]  # grows by the sampled token(s) every step
     # The request's own generator when it has a seed; created once per request by
     # `make_generator` and kept across steps so its stream continues.
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     # Output tokens sampled already but still on the device (async scheduling): they
     # count for min_tokens, and build_sampling_metadata's `pending_outputs` gives
     # their ids for the penalties.
@@ -60,7 +61,7 @@ class PendingOutputs:
 class PenaltyHistory(Protocol):
     """The penalties' history of a batch's rows, kept elsewhere (e.g. on the device)."""
 
-    def tensors(self, with_prompt_mask: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def tensors(self, with_prompt_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, V] float32 output-token counts, [B, V] bool prompt mask or None).
 
         Rows whose params use no penalty may hold any finite values: neutral penalties
@@ -69,8 +70,11 @@ class PenaltyHistory(Protocol):
 
 def uses_penalties(params: SamplingParams) -> bool:
     """Whether a row's repetition, frequency or presence penalty departs from neutral."""
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -100,13 +104,13 @@ class PenaltyTensors:
     """Repetition / frequency / presence penalties of a batch (present only if used)."""
 
     # [B] float32; None when every row has repetition_penalty == 1.
-    repetition: Optional[torch.Tensor]
+    repetition: torch.Tensor | None
     # [B] float32; None when every row has the penalty 0.
-    frequency: Optional[torch.Tensor]
-    presence: Optional[torch.Tensor]
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
     # [B, V] bool: the token occurs in the row's prompt. Only built with the
     # repetition penalty, the one penalty that looks at the prompt.
-    prompt_mask: Optional[torch.Tensor]
+    prompt_mask: torch.Tensor | None
     # [B, V] float32: how often each token occurs in the row's output so far.
     output_token_counts: torch.Tensor
 
@@ -117,7 +121,7 @@ class SparseLogitEdits:
 
     row_indices: torch.Tensor  # [N] int64
     token_ids: torch.Tensor  # [N] int64
-    values: Optional[torch.Tensor] = None  # [N] float32; None for bans (-inf)
+    values: torch.Tensor | None = None  # [N] float32; None for bans (-inf)
 
 
 @dataclass
@@ -127,36 +131,38 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     # [B] bool, True for greedy rows; only for a mixed batch.
-    is_greedy: Optional[torch.Tensor]
+    is_greedy: torch.Tensor | None
     # [B] float32 (1.0 on greedy rows); None when no random row scales.
-    temperature: Optional[torch.Tensor]
+    temperature: torch.Tensor | None
     # [B] int64 in [1, V] (V = disabled); None when no random row uses top-k.
-    top_k: Optional[torch.Tensor]
+    top_k: torch.Tensor | None
     # Largest enabled top_k of a random row (host int, sizes a torch.topk); None if none.
-    max_top_k: Optional[int]
+    max_top_k: int | None
     # [B] float32 in (0, 1] (1 = disabled); None when no random row uses top-p.
-    top_p: Optional[torch.Tensor]
+    top_p: torch.Tensor | None
     # [B] float32 in [0, 1] (0 = disabled); None when no random row uses min-p.
-    min_p: Optional[torch.Tensor]
-    penalties: Optional[PenaltyTensors]
-    logit_bias: Optional[SparseLogitEdits]
+    min_p: torch.Tensor | None
+    penalties: PenaltyTensors | None
+    logit_bias: SparseLogitEdits | None
     # Stop ids banned on rows that have not reached min_tokens yet.
-    min_tokens_bans: Optional[SparseLogitEdits]
+    min_tokens_bans: SparseLogitEdits | None
     # Largest `logprobs` asked by a row; None when no row asks.
-    max_num_logprobs: Optional[int]
+    max_num_logprobs: int | None
     # Per row: the request's generator (seeded rows) or None.
-    generators: list[Optional[torch.Generator]]
+    generators: list[torch.Generator | None]
     # Random rows that have their own generator (draw their noise alone).
     seeded_random_rows: list[int]
     # Draws the noise of unseeded random rows; None = torch's default generator.
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def _check_token_ids(ids, vocab_size: int, field_name: str) -> None:
     for token_id in ids:
         if not 0 <= token_id < vocab_size:
-            raise ValueError(f"{field_name} must hold token ids in [0, {vocab_size}), got {token_id}")
+            raise ValueError(
+                f"{field_name} must hold token ids in [0, {vocab_size}), got {token_id}"
+            )
 
 
 def _token_positions(
@@ -173,32 +179,54 @@ def _token_positions(
         bad = token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0]
         raise ValueError(f"{field_name} must hold token ids in [0, {vocab_size}), got {bad}")
     row_indices = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
-    return host_to_device(row_indices, torch.int64, device), host_to_device(token_ids, torch.int64, device)
+    return host_to_device(row_indices, torch.int64, device), host_to_device(
+        token_ids, torch.int64, device
+    )
 
 
-def _count_history(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
-                   pending: Optional[PendingOutputs], use_repetition: bool):
+def _count_history(
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    pending: PendingOutputs | None,
+    use_repetition: bool,
+):
     """(output-token counts, prompt mask or None) counted from the rows' token lists."""
     shape = (len(rows), vocab_size)
-    row_indices, token_ids = _token_positions([r.output_token_ids for r in rows], vocab_size, "output_token_ids", device)
+    row_indices, token_ids = _token_positions(
+        [r.output_token_ids for r in rows], vocab_size, "output_token_ids", device
+    )
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    counts.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+    counts.index_put_(
+        (row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True
+    )
     if pending is not None and pending.rows:
         pending_rows = host_to_device(pending.rows, torch.int64, device)
         pending_ids = pending.token_ids(device)
-        counts.index_put_((pending_rows, pending_ids),
-                          torch.ones_like(pending_ids, dtype=torch.float32), accumulate=True)
+        counts.index_put_(
+            (pending_rows, pending_ids),
+            torch.ones_like(pending_ids, dtype=torch.float32),
+            accumulate=True,
+        )
     prompt_mask = None
     if use_repetition:
-        row_indices, token_ids = _token_positions([r.prompt_token_ids for r in rows], vocab_size, "prompt_token_ids", device)
+        row_indices, token_ids = _token_positions(
+            [r.prompt_token_ids for r in rows], vocab_size, "prompt_token_ids", device
+        )
         prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
-        prompt_mask.index_put_((row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.bool))
+        prompt_mask.index_put_(
+            (row_indices, token_ids), torch.ones_like(token_ids, dtype=torch.bool)
+        )
     return counts, prompt_mask
 
 
-def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
-                     pending: Optional[PendingOutputs],
-                     history: Optional[PenaltyHistory]) -> Optional[PenaltyTensors]:
+def _build_penalties(
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    pending: PendingOutputs | None,
+    history: PenaltyHistory | None,
+) -> PenaltyTensors | None:
     if not any(uses_penalties(r.params) for r in rows):
         return None
     repetition = [r.params.repetition_penalty for r in rows]
@@ -220,7 +248,9 @@ def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch
     )
 
 
-def _build_logit_bias(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Optional[SparseLogitEdits]:
+def _build_logit_bias(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> SparseLogitEdits | None:
     row_indices, token_ids, values = [], [], []
     for i, r in enumerate(rows):
         bias = r.params.logit_bias or {}
@@ -238,7 +268,9 @@ def _build_logit_bias(rows: Sequence[SamplingRow], vocab_size: int, device: torc
     )
 
 
-def _build_min_tokens_bans(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Optional[SparseLogitEdits]:
+def _build_min_tokens_bans(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> SparseLogitEdits | None:
     row_indices, token_ids = [], []
     for i, r in enumerate(rows):
         if len(r.output_token_ids) + r.num_pending_outputs >= r.params.min_tokens:
@@ -250,10 +282,13 @@ def _build_min_tokens_bans(rows: Sequence[SamplingRow], vocab_size: int, device:
         token_ids.extend(stop_ids)
     if not row_indices:
         return None
-    return SparseLogitEdits(host_to_device(row_indices, torch.int64, device), host_to_device(token_ids, torch.int64, device))
+    return SparseLogitEdits(
+        host_to_device(row_indices, torch.int64, device),
+        host_to_device(token_ids, torch.int64, device),
+    )
 
 
-def _random_row_tensor(values, neutral, is_random, dtype, device) -> Optional[torch.Tensor]:
+def _random_row_tensor(values, neutral, is_random, dtype, device) -> torch.Tensor | None:
     """A [B] tensor of one per-row setting, or None if no random row departs from `neutral`.
 
     Greedy rows get the neutral value: their setting cannot change an argmax.
@@ -268,9 +303,9 @@ def build_sampling_metadata(
     rows: Sequence[SamplingRow],
     vocab_size: int,
     device: torch.device | str,
-    generator: Optional[torch.Generator] = None,
-    pending_outputs: Optional[PendingOutputs] = None,
-    penalty_history: Optional[PenaltyHistory] = None,
+    generator: torch.Generator | None = None,
+    pending_outputs: PendingOutputs | None = None,
+    penalty_history: PenaltyHistory | None = None,
 ) -> SamplingMetadata:
     """Packs the rows of one step into tensors on `device`.
 
@@ -287,7 +322,9 @@ def build_sampling_metadata(
     is_random = [not r.params.greedy for r in rows]
     for i, r in enumerate(rows):
         if is_random[i] and r.params.seed is not None and r.generator is None:
-            raise ValueError(f"row {i} has seed={r.params.seed} but no generator (use make_generator once per request)")
+            raise ValueError(
+                f"row {i} has seed={r.params.seed} but no generator (use make_generator once per request)"
+            )
     all_greedy = not any(is_random)
     all_random = all(is_random)
     params = [r.params for r in rows]
@@ -300,8 +337,12 @@ def build_sampling_metadata(
         vocab_size=vocab_size,
         all_greedy=all_greedy,
         all_random=all_random,
-        is_greedy=None if (all_greedy or all_random) else host_to_device([not x for x in is_random], torch.bool, device),
-        temperature=_random_row_tensor([p.temperature for p in params], 1.0, is_random, torch.float32, device),
+        is_greedy=None
+        if (all_greedy or all_random)
+        else host_to_device([not x for x in is_random], torch.bool, device),
+        temperature=_random_row_tensor(
+            [p.temperature for p in params], 1.0, is_random, torch.float32, device
+        ),
         top_k=_random_row_tensor(top_k, vocab_size, is_random, torch.int64, device),
         max_top_k=max(enabled_top_k) if enabled_top_k else None,
         top_p=_random_row_tensor([p.top_p for p in params], 1.0, is_random, torch.float32, device),
@@ -311,7 +352,9 @@ def build_sampling_metadata(
         min_tokens_bans=_build_min_tokens_bans(rows, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,
         generators=[r.generator for r in rows],
-        seeded_random_rows=[i for i, r in enumerate(rows) if is_random[i] and r.generator is not None],
+        seeded_random_rows=[
+            i for i, r in enumerate(rows) if is_random[i] and r.generator is not None
+        ],
         generator=generator,
         device=device,
     )

@@ -7,31 +7,30 @@ never modified). All of them are plain tensor ops: no host sync.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pagoda.sample.metadata import PenaltyTensors, SparseLogitEdits
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: Optional[SparseLogitEdits]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, bias: SparseLogitEdits | None) -> torch.Tensor:
     """logits[row, token] += value for every (row, token, value) of the bias."""
     if bias is None:
         return logits
     return logits.index_put((bias.row_indices, bias.token_ids), bias.values, accumulate=True)
 
 
-def apply_min_tokens_bans(logits: torch.Tensor, bans: Optional[SparseLogitEdits]) -> torch.Tensor:
+def apply_min_tokens_bans(logits: torch.Tensor, bans: SparseLogitEdits | None) -> torch.Tensor:
     """Sets the banned (row, stop token) logits to -inf: a row can't stop before min_tokens."""
     if bans is None:
         return logits
     # Filled on the device: a host scalar copied there would make the host wait.
-    minus_inf = torch.full(bans.token_ids.shape, float("-inf"), dtype=logits.dtype,
-                           device=logits.device)
+    minus_inf = torch.full(
+        bans.token_ids.shape, float("-inf"), dtype=logits.dtype, device=logits.device
+    )
     return logits.index_put((bans.row_indices, bans.token_ids), minus_inf)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Optional[PenaltyTensors]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors | None) -> torch.Tensor:
     """Repetition first (tokens seen in prompt or output: positive logits divided by
     the penalty, negative ones multiplied), then frequency (-= f * count in output),
     then presence (-= p if the token occurs in the output).

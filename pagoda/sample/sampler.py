@@ -20,7 +20,6 @@ tensor values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +40,18 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     # Present when a row asked for logprobs: the sampled token first, then the top-k
     # of the batch's largest k (rows asking fewer keep a prefix).
-    logprobs_token_ids: Optional[torch.Tensor] = None  # [B, k+1] int64
-    logprobs: Optional[torch.Tensor] = None  # [B, k+1] float32
-    sampled_ranks: Optional[torch.Tensor] = None  # [B] int64, 1-based
+    logprobs_token_ids: torch.Tensor | None = None  # [B, k+1] int64
+    logprobs: torch.Tensor | None = None  # [B, k+1] float32
+    sampled_ranks: torch.Tensor | None = None  # [B] int64, 1-based
 
 
-def apply_temperature(logits: torch.Tensor, temperature: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     if temperature is None:
         return logits
     return logits / temperature.unsqueeze(1)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
     """Drops tokens whose probability is below min_p * (the row's top probability)."""
     if min_p is None:
         return logits
@@ -62,7 +61,7 @@ def apply_min_p(logits: torch.Tensor, min_p: Optional[torch.Tensor]) -> torch.Te
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Keeps the k largest logits, then the smallest prefix whose mass reaches top_p.
 
@@ -76,7 +75,9 @@ def apply_top_k_top_p(
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         positions = torch.arange(logits.shape[1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(positions.unsqueeze(0) >= top_k.unsqueeze(1), _MINUS_INF)
+        sorted_logits = sorted_logits.masked_fill(
+            positions.unsqueeze(0) >= top_k.unsqueeze(1), _MINUS_INF
+        )
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         # Exclusive prefix sum, shifted rather than (cumsum - probs) to stay exact.
@@ -117,7 +118,11 @@ def filter_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     """Temperature, min-p, top-k, top-p: the distribution random rows sample from."""
     logits = apply_temperature(logits, metadata.temperature)
     logits = apply_min_p(logits, metadata.min_p)
-    if metadata.top_p is None and metadata.max_top_k is not None and metadata.max_top_k <= TOP_K_ONLY_MAX_K:
+    if (
+        metadata.top_p is None
+        and metadata.max_top_k is not None
+        and metadata.max_top_k <= TOP_K_ONLY_MAX_K
+    ):
         return apply_top_k_only(logits, metadata.top_k, metadata.max_top_k)
     return apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
 
@@ -146,7 +151,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     the shape: torch's reduction picks a slow launch configuration at some vocabulary
     sizes (Llama-3's among them)."""
     if logits.is_cuda:
-        from pagoda.kernels.sample.argmax import argmax_covers, argmax_rows  # imports triton: CUDA only
+        from pagoda.kernels.sample.argmax import (  # imports triton: CUDA only
+            argmax_covers,
+            argmax_rows,
+        )
+
         if argmax_covers(logits):
             return argmax_rows(logits)
     return logits.argmax(dim=-1)
@@ -157,10 +166,14 @@ def takes_model_logits_argmax(logits: torch.Tensor, metadata: SamplingMetadata) 
     every row greedy (greedy rows see no temperature or filter), nothing that edits
     logits (bias, min_tokens bans, penalties: process_logits), no logprobs (taken from
     float32 logits), and a dtype that widens to float32 exactly."""
-    return (metadata.all_greedy and metadata.logit_bias is None
-            and metadata.min_tokens_bans is None and metadata.penalties is None
-            and metadata.max_num_logprobs is None
-            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (
+        metadata.all_greedy
+        and metadata.logit_bias is None
+        and metadata.min_tokens_bans is None
+        and metadata.penalties is None
+        and metadata.max_num_logprobs is None
+        and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 class Sampler:
@@ -179,7 +192,9 @@ class Sampler:
         sampled = self._sample(process_logits(raw_logits, metadata), metadata)
         output = SamplerOutput(sampled_token_ids=sampled)
         if metadata.max_num_logprobs is not None:
-            ids, logprobs, ranks = compute_token_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+            ids, logprobs, ranks = compute_token_logprobs(
+                raw_logits, sampled, metadata.max_num_logprobs
+            )
             output.logprobs_token_ids, output.logprobs, output.sampled_ranks = ids, logprobs, ranks
         return output
 

@@ -9,7 +9,7 @@ of disallowed tokens to -inf on the device, before any other logits processing.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -23,8 +23,9 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // _BITS)
 
 
-def stack_row_bitmasks(bitmasks: Mapping[str, np.ndarray], row_req_ids: Sequence[str],
-                       vocab_size: int) -> np.ndarray:
+def stack_row_bitmasks(
+    bitmasks: Mapping[str, np.ndarray], row_req_ids: Sequence[str], vocab_size: int
+) -> np.ndarray:
     """int32 [len(row_req_ids), words]: request r's k-th row takes bitmasks[r][k]."""
     words = bitmask_words(vocab_size)
     stacked = np.full((len(row_req_ids), words), -1, dtype=np.int32)
@@ -37,8 +38,10 @@ def stack_row_bitmasks(bitmasks: Mapping[str, np.ndarray], row_req_ids: Sequence
             continue  # not sampling this step (a prefill chunk short of the prompt's end)
         mask = np.asarray(mask)
         if mask.dtype != np.int32 or mask.shape != (len(rows), words):
-            raise ValueError(f"grammar bitmask of request {req_id!r} must be int32 "
-                             f"{(len(rows), words)}, got {mask.dtype} {mask.shape}")
+            raise ValueError(
+                f"grammar bitmask of request {req_id!r} must be int32 "
+                f"{(len(rows), words)}, got {mask.dtype} {mask.shape}"
+            )
         stacked[rows] = mask
     return stacked
 
@@ -47,5 +50,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, device) -> No
     """logits [rows, vocab] in place: -inf where the row's bit for the token is 0."""
     words = host_to_device(bitmask, torch.int32, device)
     shifts = torch.arange(_BITS, dtype=torch.int32, device=words.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
     logits.masked_fill_(~allowed, float("-inf"))

@@ -15,16 +15,13 @@ placeholder drafts: core/optimistic_drafts.py) is corrected on the worker's host
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pagoda.attention.selector import make_attention_backend
-from pagoda.spec_decode.verify import accept_draft_tokens
+from pagoda.spec_decode.proposers.draft_model import DraftModelProposer, load_draft_model
 from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter
-from pagoda.spec_decode.proposers.draft_model import load_draft_model
-from pagoda.spec_decode.proposers.draft_model import DraftModelProposer
 from pagoda.spec_decode.proposers.layer_skip import LayerSkipProposer
+from pagoda.spec_decode.verify import accept_draft_tokens
 
 
 def load_draft(runner):
@@ -32,43 +29,67 @@ def load_draft(runner):
     spec = runner.config.speculative
     if spec is None or spec.method != "draft_model":
         return None
-    return load_draft_model(spec.model, runner.arch, runner.config.model.load_format,
-                            runner.dtype, runner.device,
-                            runner.config.model.seed, runner.tp, runner.block_size,
-                            runner.kv_dtype)
+    return load_draft_model(
+        spec.model,
+        runner.arch,
+        runner.config.model.load_format,
+        runner.dtype,
+        runner.device,
+        runner.config.model.seed,
+        runner.tp,
+        runner.block_size,
+        runner.kv_dtype,
+    )
 
 
-def make_drafter(runner, max_model_len: int) -> Optional[GreedyDrafter]:
+def make_drafter(runner, max_model_len: int) -> GreedyDrafter | None:
     """The drafter for the runner's speculative config (None: none on the worker);
     called once the KV pool exists."""
     spec = runner.config.speculative
     if spec is None or spec.method == "ngram":
         return None
     if spec.method == "layer_skip":
-        return LayerSkipProposer(runner.model, spec.num_layers, runner.backend,
-                                 runner.kv_pool, runner.block_size, runner.device,
-                                 max_model_len, spec.draft_confidence_threshold)
+        return LayerSkipProposer(
+            runner.model,
+            spec.num_layers,
+            runner.backend,
+            runner.kv_pool,
+            runner.block_size,
+            runner.device,
+            max_model_len,
+            spec.draft_confidence_threshold,
+        )
     if spec.method == "draft_model":
         return _draft_model_proposer(runner, spec, max_model_len)
-    raise ValueError(f"speculative_config method {spec.method!r} is not available on the "
-                     "worker")
+    raise ValueError(f"speculative_config method {spec.method!r} is not available on the worker")
 
 
 def _draft_model_proposer(runner, spec, max_model_len: int):
 
     config = runner.config
-    backend = make_attention_backend(config.device.attention_backend, config.device.device,
-                                     runner.draft.arch.attention_shape(runner.tp.size))
+    backend = make_attention_backend(
+        config.device.attention_backend,
+        config.device.device,
+        runner.draft.arch.attention_shape(runner.tp.size),
+    )
     graphs = runner.capture_cuda_graphs(runner.draft.model, backend, max_model_len)
-    return DraftModelProposer(runner.draft, backend, runner.kv_pool, runner.block_size,
-                              runner.device, max_model_len,
-                              config.scheduler.max_num_batched_tokens,
-                              config.scheduler.max_num_seqs,
-                              spec.draft_confidence_threshold, graphs)
+    return DraftModelProposer(
+        runner.draft,
+        backend,
+        runner.kv_pool,
+        runner.block_size,
+        runner.device,
+        max_model_len,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+        spec.draft_confidence_threshold,
+        graphs,
+    )
 
 
-def draft_starts(states: dict, inputs, sampled: torch.Tensor,
-                 to_propose: dict[str, int]) -> list[DraftStart]:
+def draft_starts(
+    states: dict, inputs, sampled: torch.Tensor, to_propose: dict[str, int]
+) -> list[DraftStart]:
     """Per request asked for drafts: its newest token and that token's position, from
     the step's sampled rows (waits for them: the host needs the accepted count), and
     the tokens the worker's state lacks (a pending one: read from the step's inputs)."""
@@ -83,19 +104,29 @@ def draft_starts(states: dict, inputs, sampled: torch.Tensor,
         state = states[req_id]
         verified = inputs.verified_drafts.get(req_id, [])
         row = first_row[req_id]
-        kept = accept_draft_tokens(rows[row:row + len(verified) + 1], verified)
+        kept = accept_draft_tokens(rows[row : row + len(verified) + 1], verified)
         tail = ([pending[req_id]] if req_id in pending else []) + kept
         # Row 0 sampled after the last known token (pending: the one the previous step
         # sampled, not in state yet); the newest kept token comes len(kept) later.
         last = state.num_tokens - 1 + int(req_id in pending)
-        starts.append(DraftStart(req_id, kept[-1], last + len(kept), to_propose[req_id],
-                                 state.block_ids, state.prompt_token_ids,
-                                 state.output_token_ids, tail))
+        starts.append(
+            DraftStart(
+                req_id,
+                kept[-1],
+                last + len(kept),
+                to_propose[req_id],
+                state.block_ids,
+                state.prompt_token_ids,
+                state.output_token_ids,
+                tail,
+            )
+        )
     return starts
 
 
-def record_kept(states: dict, inputs, starts: list[DraftStart],
-                proposals: dict[str, list[int]]) -> None:
+def record_kept(
+    states: dict, inputs, starts: list[DraftStart], proposals: dict[str, list[int]]
+) -> None:
     """After drafting: each asked request's state takes its tokens the scheduler has
     not seen (start.tail: a pending one, then the step's kept ones) as unsent output
     tokens, the drafts the step rejected of those the scheduler counted, and its new
@@ -115,6 +146,7 @@ def _pending_tokens(inputs, first_row: dict[str, int], asked: list[str]) -> dict
     wanted = [rid for rid in asked if rid in inputs.pending_output]
     if not wanted:
         return {}
-    rows = torch.tensor([inputs.sample_rows[first_row[rid]] for rid in wanted],
-                        dtype=torch.long).to(inputs.input_ids.device)
+    rows = torch.tensor(
+        [inputs.sample_rows[first_row[rid]] for rid in wanted], dtype=torch.long
+    ).to(inputs.input_ids.device)
     return dict(zip(wanted, inputs.input_ids.index_select(0, rows).tolist()))

@@ -8,11 +8,9 @@ drafts' KV past the scheduled tokens: the scheduler reserves k lookahead slots f
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pagoda.config import SpeculativeConfig
-from pagoda.spec_decode.planning.planner import DraftPlanner
 from pagoda.spec_decode.planning.budget import MIN_GAIN, SpecBudget
+from pagoda.spec_decode.planning.planner import DraftPlanner
 from pagoda.spec_decode.proposers.ngram import NgramProposer
 
 # Tokens per step from which drafts stop paying, when speculative_config does not say
@@ -25,8 +23,9 @@ from pagoda.spec_decode.proposers.ngram import NgramProposer
 COMPUTE_BOUND_TOKENS = {"cuda": 128, "cpu": 16}
 
 
-def draft_cost(spec: SpeculativeConfig, num_target_layers: int,
-               draft_weight_fraction: float = 0.0) -> float:
+def draft_cost(
+    spec: SpeculativeConfig, num_target_layers: int, draft_weight_fraction: float = 0.0
+) -> float:
     """One draft token's proposer work, in target forwards: a layer-skip draft runs
     num_layers of the target's layers (its LM head is left out: the estimate only has
     to rank depths); a draft model reads its weights once per draft (a decode step is
@@ -40,9 +39,14 @@ def draft_cost(spec: SpeculativeConfig, num_target_layers: int,
     return 0.0
 
 
-def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_model_len: int,
-                        num_target_layers: int, draft_weight_fraction: float = 0.0,
-                        async_scheduling: bool = False) -> tuple[Optional[DraftPlanner], int]:
+def build_draft_planner(
+    spec: SpeculativeConfig | None,
+    device: str,
+    max_model_len: int,
+    num_target_layers: int,
+    draft_weight_fraction: float = 0.0,
+    async_scheduling: bool = False,
+) -> tuple[DraftPlanner | None, int]:
     """(the scheduler's planner, its num_lookahead_tokens); (None, 0) when off.
     draft_weight_fraction: a draft model's weight bytes over the target's;
     async_scheduling: the scheduler's (with the host proposer, n-gram, a drafting step
@@ -51,12 +55,16 @@ def build_draft_planner(spec: Optional[SpeculativeConfig], device: str, max_mode
         return None, 0
     bound = spec.compute_bound_tokens or COMPUTE_BOUND_TOKENS.get(device, 16)
     # A draft pays when its expected gain covers its verification and its proposer.
-    budget = SpecBudget(spec.num_speculative_tokens, bound, adaptive=spec.adaptive,
-                        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers,
-                                                       draft_weight_fraction),
-                        drafting_holds=async_scheduling and spec.method == "ngram")
+    budget = SpecBudget(
+        spec.num_speculative_tokens,
+        bound,
+        adaptive=spec.adaptive,
+        min_gain=MIN_GAIN + draft_cost(spec, num_target_layers, draft_weight_fraction),
+        drafting_holds=async_scheduling and spec.method == "ngram",
+    )
     if spec.method == "ngram":
-        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max)
+        proposer = NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
         return DraftPlanner(budget, max_model_len, proposer.propose), 0
     return DraftPlanner(budget, max_model_len), spec.num_speculative_tokens

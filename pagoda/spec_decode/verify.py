@@ -17,14 +17,16 @@ draft distribution needs probability-ratio acceptance instead.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def accept_draft_tokens(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
     """The tokens a request keeps from its verify rows (len(sampled) == len(drafts) + 1)."""
     if len(sampled) != len(drafts) + 1:
-        raise ValueError(f"a verify step samples one row per draft plus one: got "
-                         f"{len(sampled)} rows for {len(drafts)} drafts")
+        raise ValueError(
+            f"a verify step samples one row per draft plus one: got "
+            f"{len(sampled)} rows for {len(drafts)} drafts"
+        )
     kept = []
     for i, token in enumerate(sampled):
         kept.append(token)

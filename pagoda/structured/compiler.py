@@ -19,7 +19,8 @@ import json
 import re
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from pagoda.structured.params import StructuredOutputsParams
 
@@ -39,24 +40,33 @@ def _reason(exc: BaseException) -> str:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and vocabulary (the model's logits width)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 max_threads: int = 2, cache_size: int = 1024,
-                 on_compiled: Optional[Callable[[str, float], None]] = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_threads: int = 2,
+        cache_size: int = 1024,
+        on_compiled: Callable[[str, float], None] | None = None,
+    ) -> None:
         """on_compiled(kind, seconds) is called (on a pool thread) after each compile."""
         if tokenizer is None:
-            raise ValueError("structured outputs need a tokenizer; this model has none "
-                             "(pass --tokenizer)")
+            raise ValueError(
+                "structured outputs need a tokenizer; this model has none (pass --tokenizer)"
+            )
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._max_threads = max_threads
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_threads, thread_name_prefix="pagoda-grammar")
+            max_workers=max_threads, thread_name_prefix="pagoda-grammar"
+        )
         self._lock = threading.Lock()
         self._xgr_compiler = None  # built on the pool by the first compile
         self._init_lock = threading.Lock()
-        self._cache: "collections.OrderedDict[tuple[str, str], concurrent.futures.Future]" = \
+        self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
             collections.OrderedDict()
+        )
         self._cache_size = cache_size
         self._on_compiled = on_compiled
 
@@ -97,13 +107,17 @@ class GrammarCompiler:
                 except ImportError:
                     raise GrammarCompileError(
                         "structured outputs need the xgrammar package, which is not "
-                        "installed: pip install 'pagoda[structured]'") from None
+                        "installed: pip install 'pagoda[structured]'"
+                    ) from None
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size,
-                    stop_token_ids=self._stop_token_ids or None)
+                    self._tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids or None,
+                )
                 # Our own cache holds the results: xgrammar's would keep a second copy.
-                self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads,
-                                                         cache_enabled=False)
+                self._xgr_compiler = xgr.GrammarCompiler(
+                    info, max_threads=self._max_threads, cache_enabled=False
+                )
             return self._xgr_compiler
 
     def _compile(self, params: StructuredOutputsParams):
@@ -113,8 +127,9 @@ class GrammarCompiler:
         try:
             compiled = _compile_kind(compiler, params)
         except Exception as exc:  # xgrammar raises RuntimeError (and a few others)
-            raise GrammarCompileError(f"the {kind} constraint cannot be compiled: "
-                                      f"{_reason(exc)}") from None
+            raise GrammarCompileError(
+                f"the {kind} constraint cannot be compiled: {_reason(exc)}"
+            ) from None
         if self._on_compiled is not None:
             self._on_compiled(kind, time.perf_counter() - start)
         return compiled

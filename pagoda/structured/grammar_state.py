@@ -16,7 +16,7 @@ request finishes with that token.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def allow(bitmask: np.ndarray, row: int, token_id: int) -> None:
 class RequestConstraint:
     """A request's grammar matcher (None: no grammar) and thinking state (None: none)."""
 
-    def __init__(self, matcher=None, thinking: Optional[ThinkingState] = None) -> None:
+    def __init__(self, matcher=None, thinking: ThinkingState | None = None) -> None:
         if matcher is None and thinking is None:
             raise ValueError("a constraint needs a grammar or a thinking state")
         self.matcher = matcher
@@ -132,7 +132,7 @@ class RequestConstraint:
             if k == len(drafts):
                 break
             if not self.accept_tokens([drafts[k]]):
-                bitmask[first_row + k + 1:first_row + len(drafts) + 1] = bitmask[first_row + k]
+                bitmask[first_row + k + 1 : first_row + len(drafts) + 1] = bitmask[first_row + k]
                 break
             num_accepted += 1
         self.rollback(num_accepted)

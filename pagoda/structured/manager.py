@@ -21,8 +21,9 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -44,21 +45,27 @@ class _Pending:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, reasoning_parser: Optional[str] = None,
-                 default_thinking_token_budget: Optional[int] = None,
-                 compile_threads: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        reasoning_parser: str | None = None,
+        default_thinking_token_budget: int | None = None,
+        compile_threads: int = 2,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // _BITS)
-        self.reasoning: Optional[ReasoningTokens] = None
+        self.reasoning: ReasoningTokens | None = None
         if reasoning_parser is not None:
-            self.reasoning = ReasoningTokens.from_tokenizer(get_reasoning_parser(reasoning_parser),
-                                                            tokenizer)
+            self.reasoning = ReasoningTokens.from_tokenizer(
+                get_reasoning_parser(reasoning_parser), tokenizer
+            )
         self.default_thinking_token_budget = default_thinking_token_budget
         self.stats = StructuredOutputStats()
         # Called (from a compile thread) when a held request's grammar is ready: the
         # async engine uses it to wake its loop, which otherwise sleeps with no work.
-        self.on_ready: Optional[Callable[[], None]] = None
+        self.on_ready: Callable[[], None] | None = None
         self._compile_threads = compile_threads
         self._compiler = None
         self._compiler_lock = threading.Lock()
@@ -68,26 +75,31 @@ class StructuredOutputManager:
         self._pending: dict[str, _Pending] = {}
 
     # ---- requests -------------------------------------------------------------------------
-    def thinking_budget(self, params: SamplingParams) -> Optional[int]:
+    def thinking_budget(self, params: SamplingParams) -> int | None:
         if params.thinking_token_budget is not None:
             return params.thinking_token_budget
         return self.default_thinking_token_budget
 
     def wants(self, params: SamplingParams) -> bool:
         return params.structured_outputs is not None or (
-            self.reasoning is not None and self.thinking_budget(params) is not None)
+            self.reasoning is not None and self.thinking_budget(params) is not None
+        )
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError for what this engine cannot do with params."""
         if params.thinking_token_budget is not None and self.reasoning is None:
-            raise ValueError("thinking_token_budget needs a reasoning parser "
-                             "(--reasoning-parser deepseek_r1 or qwen3)")
+            raise ValueError(
+                "thinking_token_budget needs a reasoning parser "
+                "(--reasoning-parser deepseek_r1 or qwen3)"
+            )
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer; this model has none")
             if not params.all_stop_token_ids:
-                raise ValueError("structured_outputs need an end-of-sequence token to finish "
-                                 "the output at the grammar's end; this model has none")
+                raise ValueError(
+                    "structured_outputs need an end-of-sequence token to finish "
+                    "the output at the grammar's end; this model has none"
+                )
 
     def compiler(self):
         """The GrammarCompiler (made on first use, so xgrammar loads only when needed)."""
@@ -96,10 +108,15 @@ class StructuredOutputManager:
                 raise RuntimeError("the engine was shut down: no grammar compiles any more")
             if self._compiler is None:
                 from pagoda.structured.compiler import GrammarCompiler
+
                 eos = getattr(self.tokenizer, "eos_token_id", None)
                 self._compiler = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, [] if eos is None else [int(eos)],
-                    max_threads=self._compile_threads, on_compiled=self.stats.observe_compile)
+                    self.tokenizer,
+                    self.vocab_size,
+                    [] if eos is None else [int(eos)],
+                    max_threads=self._compile_threads,
+                    on_compiled=self.stats.observe_compile,
+                )
             return self._compiler
 
     def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> bool:
@@ -123,16 +140,19 @@ class StructuredOutputManager:
         if callback is not None:
             callback()
 
-    def _make(self, params: SamplingParams, prompt_token_ids: list[int],
-              compiled) -> RequestConstraint:
+    def _make(
+        self, params: SamplingParams, prompt_token_ids: list[int], compiled
+    ) -> RequestConstraint:
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingState(self.reasoning, prompt_token_ids, self.thinking_budget(params))
         matcher = None
         if compiled is not None:
             import xgrammar as xgr
-            matcher = xgr.GrammarMatcher(compiled,
-                                         override_stop_tokens=sorted(params.all_stop_token_ids))
+
+            matcher = xgr.GrammarMatcher(
+                compiled, override_stop_tokens=sorted(params.all_stop_token_ids)
+            )
         return RequestConstraint(matcher, thinking)
 
     def has_constraints(self) -> bool:
@@ -148,10 +168,12 @@ class StructuredOutputManager:
     def wait_for_pending(self) -> None:
         """Blocks until some held request's compile ends (the offline engine, idle)."""
         if self._pending:
-            concurrent.futures.wait([p.future for p in self._pending.values()],
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                [p.future for p in self._pending.values()],
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
 
-    def pop_ready(self) -> list[tuple[str, Optional[str]]]:
+    def pop_ready(self) -> list[tuple[str, str | None]]:
         """Held requests whose compile ended, in arrival order: (req_id, None) when its
         constraint is ready, (req_id, error message) when the grammar failed."""
         ready = []
@@ -161,8 +183,9 @@ class StructuredOutputManager:
             if error is not None:
                 ready.append((req_id, str(error)))
                 continue
-            self._constraints[req_id] = self._make(pending.params, pending.prompt_token_ids,
-                                                   pending.future.result())
+            self._constraints[req_id] = self._make(
+                pending.params, pending.prompt_token_ids, pending.future.result()
+            )
             ready.append((req_id, None))
         return ready
 
@@ -174,7 +197,7 @@ class StructuredOutputManager:
         return req_id in self._constraints or req_id in self._pending
 
     # ---- the step -------------------------------------------------------------------------
-    def accept(self, req_id: str, token_ids: list[int]) -> Optional[str]:
+    def accept(self, req_id: str, token_ids: list[int]) -> str | None:
         """Advances req_id past the kept tokens; an error message if the grammar refused one."""
         constraint = self._constraints.get(req_id)
         if constraint is None or not token_ids:
@@ -208,7 +231,7 @@ class StructuredOutputManager:
                 batched_rows.append(row)
             else:
                 constraint.fill_rows(bitmask, row, drafts)
-            masks[req_id] = bitmask[row:row + len(drafts) + 1]
+            masks[req_id] = bitmask[row : row + len(drafts) + 1]
             row += len(drafts) + 1
         if batched:
             self._batch_fill(batched, bitmask, batched_rows)
@@ -224,6 +247,7 @@ class StructuredOutputManager:
             return
         if self._batch is None:
             import xgrammar as xgr
+
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 

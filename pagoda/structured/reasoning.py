@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 # OpenAI's reasoning_effort as a thinking_token_budget (an explicit budget wins).
 REASONING_EFFORT_BUDGETS = {"low": 512, "medium": 2048, "high": 8192}
@@ -45,8 +46,9 @@ REASONING_PARSERS = {
 def get_reasoning_parser(name: str) -> ReasoningParserSpec:
     spec = REASONING_PARSERS.get(name)
     if spec is None:
-        raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
-                         f"got {name!r}")
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got {name!r}"
+        )
     return spec
 
 
@@ -61,19 +63,21 @@ class ReasoningTokens:
     end_sequence: tuple[int, ...]
 
     @classmethod
-    def from_tokenizer(cls, spec: ReasoningParserSpec, tokenizer: Any) -> "ReasoningTokens":
+    def from_tokenizer(cls, spec: ReasoningParserSpec, tokenizer: Any) -> ReasoningTokens:
         if tokenizer is None:
             raise ValueError(f"reasoning parser {spec.name} needs a tokenizer; this model has none")
         ids = []
         for tag in (spec.start_tag, spec.end_tag):
             encoded = tokenizer.encode(tag, add_special_tokens=False)
             if len(encoded) != 1:
-                raise ValueError(f"reasoning parser {spec.name} needs {tag!r} to be one token of "
-                                 f"the tokenizer; it encodes to {len(encoded)} tokens")
+                raise ValueError(
+                    f"reasoning parser {spec.name} needs {tag!r} to be one token of "
+                    f"the tokenizer; it encodes to {len(encoded)} tokens"
+                )
             ids.append(encoded[0])
         return cls(spec, ids[0], ids[1], (ids[1],))
 
-    def thinking_at_start(self, prompt_token_ids: Sequence[int]) -> Optional[bool]:
+    def thinking_at_start(self, prompt_token_ids: Sequence[int]) -> bool | None:
         """True: the output starts thinking; False: it starts in the answer; None: it
         thinks only if its first token opens the section (qwen3 without an open tag)."""
         for token in reversed(prompt_token_ids):
@@ -93,8 +97,9 @@ class Phase(enum.IntEnum):
 class ThinkingState:
     """One request's place in its thinking section; `budget` None: unlimited."""
 
-    def __init__(self, tokens: ReasoningTokens, prompt_token_ids: Sequence[int],
-                 budget: Optional[int]) -> None:
+    def __init__(
+        self, tokens: ReasoningTokens, prompt_token_ids: Sequence[int], budget: int | None
+    ) -> None:
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
         self.tokens = tokens
@@ -110,10 +115,13 @@ class ThinkingState:
     def in_answer(self) -> bool:
         return self.phase == Phase.ANSWER
 
-    def forced_token(self) -> Optional[int]:
+    def forced_token(self) -> int | None:
         """The token the budget forces next (None: the model chooses)."""
-        if (self.phase != Phase.THINKING or self.budget is None
-                or self.num_reasoning_tokens < self.budget):
+        if (
+            self.phase != Phase.THINKING
+            or self.budget is None
+            or self.num_reasoning_tokens < self.budget
+        ):
             return None
         return self.tokens.end_sequence[self.num_forced]
 

@@ -10,7 +10,7 @@ of the decoded prefix. The tags themselves belong to neither part. Stdlib only.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from pagoda.structured.reasoning import ReasoningTokens
 
@@ -18,8 +18,12 @@ from pagoda.structured.reasoning import ReasoningTokens
 class ReasoningSplitter:
     """One output's split; `feed` returns (reasoning delta, content delta)."""
 
-    def __init__(self, tokens: ReasoningTokens, prompt_token_ids: Sequence[int],
-                 decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self,
+        tokens: ReasoningTokens,
+        prompt_token_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
         """decode(ids) -> text, with the request's skip_special_tokens."""
         self.tokens = tokens
         self.decode = decode
@@ -32,10 +36,10 @@ class ReasoningSplitter:
         self.end_tag = decode([tokens.end_id])
         # Char offsets into text: reasoning is [reasoning_begin, reasoning_end), content
         # starts at content_begin (None: not known yet).
-        self.reasoning_begin: Optional[int] = 0 if self.thinking else None
-        self.reasoning_end: Optional[int] = None
-        self.content_begin: Optional[int] = None if self.thinking or self.pending else 0
-        self._end_index: Optional[int] = None  # index in ids of the end tag
+        self.reasoning_begin: int | None = 0 if self.thinking else None
+        self.reasoning_end: int | None = None
+        self.content_begin: int | None = None if self.thinking or self.pending else 0
+        self._end_index: int | None = None  # index in ids of the end tag
         self._sent_reasoning = 0  # chars of text handed out as reasoning / content
         self._sent_content = 0
 
@@ -46,8 +50,9 @@ class ReasoningSplitter:
         if self.pending and self.ids:
             self._decide_first_token()
         if self.thinking and self._end_index is None:
-            for i in range(max(first_new, 1 if self.ids[:1] == [self.tokens.start_id] else 0),
-                           len(self.ids)):
+            for i in range(
+                max(first_new, 1 if self.ids[:1] == [self.tokens.start_id] else 0), len(self.ids)
+            ):
                 if self.ids[i] == self.tokens.end_id:
                     self._end_index = i
                     break
@@ -71,7 +76,9 @@ class ReasoningSplitter:
             self.reasoning_end = position
             self.content_begin = position + len(self.end_tag)
         else:  # skipped when decoding: the decoded prefix ends where content starts
-            self.reasoning_end = self.content_begin = len(self.decode(self.ids[:self._end_index + 1]))
+            self.reasoning_end = self.content_begin = len(
+                self.decode(self.ids[: self._end_index + 1])
+            )
 
     def _reasoning_begin_or_zero(self) -> int:
         if self.reasoning_begin is None and self.text.startswith(self.start_tag):
@@ -114,9 +121,13 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(tokens: ReasoningTokens, prompt_token_ids: Sequence[int],
-                    decode: Callable[[list[int]], str], text: str,
-                    token_ids: Sequence[int]) -> tuple[Optional[str], str]:
+def split_reasoning(
+    tokens: ReasoningTokens,
+    prompt_token_ids: Sequence[int],
+    decode: Callable[[list[int]], str],
+    text: str,
+    token_ids: Sequence[int],
+) -> tuple[str | None, str]:
     """(reasoning_content or None, content) of a whole output."""
     splitter = ReasoningSplitter(tokens, prompt_token_ids, decode)
     reasoning, content = splitter.feed(text, token_ids)

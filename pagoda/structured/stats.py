@@ -43,7 +43,7 @@ class HistogramData:
             result.append(("+Inf" if bound == float("inf") else repr(bound), running))
         return result
 
-    def copy(self) -> "HistogramData":
+    def copy(self) -> HistogramData:
         return HistogramData(self.buckets, list(self.counts), self.total)
 
 
@@ -75,5 +75,6 @@ class StructuredOutputStats:
 
     def snapshot(self) -> StructuredStatsSnapshot:
         with self._lock:
-            return StructuredStatsSnapshot(dict(self._requests), self._compile.copy(),
-                                           self._bitmask.copy())
+            return StructuredStatsSnapshot(
+                dict(self._requests), self._compile.copy(), self._bitmask.copy()
+            )

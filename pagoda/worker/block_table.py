@@ -30,12 +30,14 @@ from pagoda.kernels.launch.host_copy import host_to_device
 class DeviceBlockTable:
     def __init__(self, max_rows: int, max_blocks_per_req: int, device) -> None:
         if max_rows < 1 or max_blocks_per_req < 1:
-            raise ValueError(f"max_rows ({max_rows}) and max_blocks_per_req "
-                             f"({max_blocks_per_req}) must be >= 1")
+            raise ValueError(
+                f"max_rows ({max_rows}) and max_blocks_per_req ({max_blocks_per_req}) must be >= 1"
+            )
         self.device = torch.device(device)
         self.max_blocks_per_req = max_blocks_per_req
-        self.table = torch.zeros(max_rows, max_blocks_per_req, dtype=torch.int32,
-                                 device=self.device)
+        self.table = torch.zeros(
+            max_rows, max_blocks_per_req, dtype=torch.int32, device=self.device
+        )
         self._free_rows = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest
         self.row_of: dict[str, int] = {}
         self.num_blocks: dict[str, int] = {}
@@ -60,8 +62,10 @@ class DeviceBlockTable:
         row, start = self.row_of[req_id], self.num_blocks[req_id]
         end = start + len(new_block_ids)
         if end > self.max_blocks_per_req:
-            raise ValueError(f"request {req_id!r} would hold {end} blocks; the table holds "
-                             f"{self.max_blocks_per_req} per request (max_model_len)")
+            raise ValueError(
+                f"request {req_id!r} would hold {end} blocks; the table holds "
+                f"{self.max_blocks_per_req} per request (max_model_len)"
+            )
         self._pending.extend((row, col, b) for col, b in enumerate(new_block_ids, start))
         self.num_blocks[req_id] = end
 
@@ -70,8 +74,10 @@ class DeviceBlockTable:
         the columns past them are stale from here on."""
         row = self.row_of[req_id]
         if not 0 <= num_blocks <= self.num_blocks[req_id]:
-            raise ValueError(f"request {req_id!r} holds {self.num_blocks[req_id]} blocks, "
-                             f"cannot keep {num_blocks}")
+            raise ValueError(
+                f"request {req_id!r} holds {self.num_blocks[req_id]} blocks, "
+                f"cannot keep {num_blocks}"
+            )
         self.num_blocks[req_id] = num_blocks
         # Unflushed writes past the cut are void: a later append writes those columns.
         self._pending = [p for p in self._pending if p[0] != row or p[1] < num_blocks]

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 import torch
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.attention.forward_context import forward_context
-from pagoda.progress import progress
 from pagoda.attention.kv_pool import KVCachePool
+from pagoda.progress import progress
 from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
@@ -51,13 +50,20 @@ MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 
 # (requests, rows, context bound): rows None for a decode graph; the bound (decode
 # graphs only) None for the graph of any context.
-GraphKey = tuple[int, Optional[int], Optional[int]]
+GraphKey = tuple[int, int | None, int | None]
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
-                 kv_pool: KVCachePool, max_batch_size: int, max_blocks_per_req: int,
-                 device: torch.device, max_num_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        kv_pool: KVCachePool,
+        max_batch_size: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        max_num_tokens: int = 0,
+    ) -> None:
         """max_num_tokens: the step's token budget; mixed graphs are captured for the
         MIXED_GRAPH_TOKENS up to it (0: decode graphs only)."""
         if not backend.supports_cuda_graphs():
@@ -80,18 +86,26 @@ class CudaGraphRunner:
     def _keys(self) -> list[GraphKey]:
         """Every graph to capture, the largest (in rows) first."""
         keys = [(bs, None, None) for bs in self.sizes]
-        keys += [(bs, None, bound) for bs in self.sizes
-                 if (bound := self.backend.short_context_graph(bs)) is not None]
+        keys += [
+            (bs, None, bound)
+            for bs in self.sizes
+            if (bound := self.backend.short_context_graph(bs)) is not None
+        ]
         keys += [(min(t, self.max_batch_size), t, None) for t in self.mixed_sizes]
-        return sorted(keys, key=lambda k: (k[1] or k[0], k[1] is not None, k[2] is None),
-                      reverse=True)
+        return sorted(
+            keys, key=lambda k: (k[1] or k[0], k[1] is not None, k[2] is None), reverse=True
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        self.backend.init_cuda_graph_state(self.max_batch_size, self.max_blocks_per_req,
-                                           self.kv_pool.block_size, self.device,
-                                           max_num_tokens=self.max_mixed_tokens)
+        self.backend.init_cuda_graph_state(
+            self.max_batch_size,
+            self.max_blocks_per_req,
+            self.kv_pool.block_size,
+            self.device,
+            max_num_tokens=self.max_mixed_tokens,
+        )
         pool = torch.cuda.graph_pool_handle()
         keys = self._keys()
         self.short_bounds = {bs: bound for bs, rows, bound in keys if bound is not None}
@@ -118,12 +132,19 @@ class CudaGraphRunner:
             graph.replay()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch sizes %s, of which %s also for short "
-                    "contexts; mixed-step rows %s) in %.1fs", len(self.graphs), self.sizes,
-                    sorted(self.short_bounds), self.mixed_sizes, self.capture_seconds)
+        logger.info(
+            "captured %d CUDA graphs (decode batch sizes %s, of which %s also for short "
+            "contexts; mixed-step rows %s) in %.1fs",
+            len(self.graphs),
+            self.sizes,
+            sorted(self.short_bounds),
+            self.mixed_sizes,
+            self.capture_seconds,
+        )
 
-    def graph_for(self, num_tokens: int, num_reqs: int,
-                  longest_context: Optional[int] = None) -> Optional[GraphKey]:
+    def graph_for(
+        self, num_tokens: int, num_reqs: int, longest_context: int | None = None
+    ) -> GraphKey | None:
         """The graph a step of num_reqs requests and num_tokens rows replays, if any: a
         decode graph for a decode-only step (its short-context one where the step's
         longest context is known and fits), else the smallest mixed graph that fits."""
@@ -142,16 +163,23 @@ class CudaGraphRunner:
         return self.graph_for(num_tokens, num_reqs) is not None
 
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        return (self.takes(num_tokens, metadata.num_reqs)
-                and metadata.block_tables.shape[1] <= self.max_blocks_per_req)
+        return (
+            self.takes(num_tokens, metadata.num_reqs)
+            and metadata.block_tables.shape[1] <= self.max_blocks_per_req
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Replays the step's graph over these inputs: its hidden states [n, hidden]."""
         return self.replay(self.stage(positions, metadata, input_ids), positions.shape[0])
 
-    def stage(self, positions: torch.Tensor, metadata: AttentionMetadata,
-              input_ids: Optional[torch.Tensor] = None) -> GraphKey:
+    def stage(
+        self,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        input_ids: torch.Tensor | None = None,
+    ) -> GraphKey:
         """Copies a step's positions, attention metadata and (if given) token ids into
         the static buffers of its graph (the caller checked can_run); returns the graph's
         key for replay."""
@@ -167,8 +195,7 @@ class CudaGraphRunner:
         self.backend.prepare_replay(metadata, key[0], key[1])
         return key
 
-    def replay(self, key: GraphKey, n: int,
-               input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def replay(self, key: GraphKey, n: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the staged graph key (first copying in the token ids, if given): the
         hidden states of its first n rows."""
         if input_ids is not None:

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.metadata import build_attention_metadata
-from pagoda.spec_decode.planning.optimistic import is_placeholder
 from pagoda.core.outputs import SchedulerOutput
 from pagoda.kernels.launch.host_copy import tensor_to_device
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.planning.optimistic import is_placeholder
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.staging import StagingRing
 
@@ -48,7 +47,7 @@ class CachedRequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     # Optimistic steps (module docstring): output tokens (at the end of
     # output_token_ids) the scheduler has not sent yet; the drafts that the last step
@@ -77,8 +76,8 @@ class CachedRequestState:
             return prompt[start:end]
         rest = self.output_token_ids + self.spec_token_ids
         if start >= n_prompt:
-            return rest[start - n_prompt:end - n_prompt]
-        return prompt[start:] + rest[:end - n_prompt]
+            return rest[start - n_prompt : end - n_prompt]
+        return prompt[start:] + rest[: end - n_prompt]
 
     def token_at(self, pos: int) -> int:
         n_prompt = len(self.prompt_token_ids)
@@ -118,11 +117,15 @@ class StepInputs:
     # Built with defer_pending: int64 [2, k] on device, the rows of input_ids that take
     # the previous step's sampled ids and those ids' rows there (fill_pending_tokens);
     # None when input_ids is complete.
-    pending_index: Optional[torch.Tensor] = None
+    pending_index: torch.Tensor | None = None
 
 
-def apply_scheduler_output(states: dict[str, CachedRequestState], out: SchedulerOutput,
-                           make_generator, block_table: Optional[DeviceBlockTable] = None) -> None:
+def apply_scheduler_output(
+    states: dict[str, CachedRequestState],
+    out: SchedulerOutput,
+    make_generator,
+    block_table: DeviceBlockTable | None = None,
+) -> None:
     """Applies the scheduler's diff to the per-request states (and to the device block
     table, when the worker keeps one: it mirrors state.block_ids)."""
     for req_id in out.finished_req_ids | out.preempted_req_ids:
@@ -136,10 +139,20 @@ def apply_scheduler_output(states: dict[str, CachedRequestState], out: Scheduler
             if block_table is not None:
                 block_table.truncate(req_id, keep)
     for new in out.scheduled_new_reqs:
-        gen = make_generator(new.sampling_params.seed) if new.sampling_params.seed is not None else None
+        gen = (
+            make_generator(new.sampling_params.seed)
+            if new.sampling_params.seed is not None
+            else None
+        )
         states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-            new.sampling_params, list(new.block_ids), new.num_computed_tokens, gen)
+            new.req_id,
+            list(new.prompt_token_ids),
+            list(new.output_token_ids),
+            new.sampling_params,
+            list(new.block_ids),
+            new.num_computed_tokens,
+            gen,
+        )
         if block_table is not None:  # a resumed request's row went with its preemption
             block_table.add(new.req_id, new.block_ids)
     for cached in out.scheduled_cached_reqs:
@@ -161,10 +174,12 @@ def _take_sent_tokens(state: CachedRequestState, new_token_ids: list[int]) -> No
     overlap = min(state.num_unsent, len(new_token_ids))
     if overlap:
         known = len(state.output_token_ids) - state.num_unsent
-        if state.output_token_ids[known:known + overlap] != new_token_ids[:overlap]:
-            raise RuntimeError(f"internal error: request {state.req_id!r}: the scheduler sent "
-                               f"{new_token_ids[:overlap]}, the worker kept "
-                               f"{state.output_token_ids[known:known + overlap]}")
+        if state.output_token_ids[known : known + overlap] != new_token_ids[:overlap]:
+            raise RuntimeError(
+                f"internal error: request {state.req_id!r}: the scheduler sent "
+                f"{new_token_ids[:overlap]}, the worker kept "
+                f"{state.output_token_ids[known : known + overlap]}"
+            )
         state.num_unsent -= overlap
     state.output_token_ids.extend(new_token_ids[overlap:])
 
@@ -175,24 +190,32 @@ def _set_drafts(state: CachedRequestState, scheduled: list[int]) -> None:
     state.num_scheduled_drafts = len(scheduled)
     placeholders = is_placeholder(scheduled)
     if placeholders != bool(state.num_unsent and scheduled):
-        raise RuntimeError(f"internal error: request {state.req_id!r} is scheduled with "
-                           f"drafts {scheduled} while the worker holds {state.num_unsent} "
-                           "tokens the scheduler has not seen")
-    state.spec_token_ids = state.proposed[:len(scheduled)] if placeholders else list(scheduled)
+        raise RuntimeError(
+            f"internal error: request {state.req_id!r} is scheduled with "
+            f"drafts {scheduled} while the worker holds {state.num_unsent} "
+            "tokens the scheduler has not seen"
+        )
+    state.spec_token_ids = state.proposed[: len(scheduled)] if placeholders else list(scheduled)
 
 
-def _pending_source(req_id: str, state: CachedRequestState, end: int,
-                    prev: Optional[PrevSampled]) -> Optional[int]:
+def _pending_source(
+    req_id: str, state: CachedRequestState, end: int, prev: PrevSampled | None
+) -> int | None:
     """Row in prev's sampled ids of the one token this step needs but the host lacks:
     the token sampled last step, at position state.num_tokens (before any drafts)."""
     if end <= state.num_tokens + len(state.spec_token_ids):
         return None
-    if end != state.num_tokens + len(state.spec_token_ids) + 1 or prev is None \
-            or req_id not in prev.index_of:
-        raise RuntimeError(f"internal error: request {req_id!r} is scheduled up to position "
-                           f"{end - 1} but the worker knows {state.num_tokens} tokens and "
-                           f"{len(state.spec_token_ids)} drafts, and the previous step sampled "
-                           "no single token for it")
+    if (
+        end != state.num_tokens + len(state.spec_token_ids) + 1
+        or prev is None
+        or req_id not in prev.index_of
+    ):
+        raise RuntimeError(
+            f"internal error: request {req_id!r} is scheduled up to position "
+            f"{end - 1} but the worker knows {state.num_tokens} tokens and "
+            f"{len(state.spec_token_ids)} drafts, and the previous step sampled "
+            "no single token for it"
+        )
     return prev.index_of[req_id]
 
 
@@ -204,7 +227,7 @@ def _chunk_tokens(state: CachedRequestState, start: int, end: int, pending: bool
             return [state.token_at(start)]
         return state.tokens_between(start, end)
     known = state.num_tokens
-    drafts = state.spec_token_ids[:end - known - 1]
+    drafts = state.spec_token_ids[: end - known - 1]
     return state.tokens_between(start, known) + [0] + drafts
 
 
@@ -222,12 +245,17 @@ def single_row_index(sample_req_ids: list[str]) -> dict[str, int]:
     return index
 
 
-def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutput,
-                      block_size: int, device, pad_to: Optional[int] = None,
-                      prev: Optional[PrevSampled] = None,
-                      block_table: Optional[DeviceBlockTable] = None,
-                      staging: Optional[StagingRing] = None,
-                      defer_pending: bool = False) -> StepInputs:
+def build_step_inputs(
+    states: dict[str, CachedRequestState],
+    out: SchedulerOutput,
+    block_size: int,
+    device,
+    pad_to: int | None = None,
+    prev: PrevSampled | None = None,
+    block_table: DeviceBlockTable | None = None,
+    staging: StagingRing | None = None,
+    defer_pending: bool = False,
+) -> StepInputs:
     """The step's flattened inputs. With a device block table the metadata's block
     tables are gathered on the device from it; otherwise built and uploaded whole.
     staging: the worker's pinned buffers for the uploads (None: fresh ones).
@@ -265,7 +293,7 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
             sample_rows.extend(range(row + last - start, row + n))
             sample_req_ids.extend([req_id] * (end - last))
             if end - last > 1:
-                verified[req_id] = state.spec_token_ids[:end - last - 1]
+                verified[req_id] = state.spec_token_ids[: end - last - 1]
         if state.params.prompt_logprobs is not None:
             last_prompt_pos = len(state.prompt_token_ids) - 1  # predicts no prompt token
             wanted = [p for p in range(start, min(end, last_prompt_pos))]
@@ -274,30 +302,53 @@ def build_step_inputs(states: dict[str, CachedRequestState], out: SchedulerOutpu
         row += n
     device_tables = None if block_table is None else block_table.gather(req_ids)
     pad = (pad_to or row) - row
-    uploads = (staging.step() if staging is not None
-               else nullcontext(lambda tensor: tensor_to_device(tensor, device)))
+    uploads = (
+        staging.step()
+        if staging is not None
+        else nullcontext(lambda tensor: tensor_to_device(tensor, device))
+    )
     with uploads as upload:
-        metadata = build_attention_metadata(query_lens, seq_lens, tables, block_size, device,
-                                            pad_to, device_block_tables=device_tables,
-                                            upload=upload)
-        ids_pos = upload(torch.tensor([token_ids + [0] * pad, positions + [0] * pad],
-                                      dtype=torch.long))
+        metadata = build_attention_metadata(
+            query_lens,
+            seq_lens,
+            tables,
+            block_size,
+            device,
+            pad_to,
+            device_block_tables=device_tables,
+            upload=upload,
+        )
+        ids_pos = upload(
+            torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.long)
+        )
         pending_index = None
         if pending_dst:
             pending_index = upload(torch.tensor([pending_dst, pending_src], dtype=torch.long))
             if not defer_pending:
                 fill_pending_tokens(ids_pos[0], pending_index, prev)
                 pending_index = None
-    return StepInputs(req_ids, ids_pos[0], ids_pos[1], metadata, sample_rows, sample_req_ids,
-                      prompt_rows, pending_output, verified, pending_index)
+    return StepInputs(
+        req_ids,
+        ids_pos[0],
+        ids_pos[1],
+        metadata,
+        sample_rows,
+        sample_req_ids,
+        prompt_rows,
+        pending_output,
+        verified,
+        pending_index,
+    )
 
 
-def fill_pending_tokens(input_ids: torch.Tensor, pending_index: torch.Tensor,
-                        prev: PrevSampled) -> None:
+def fill_pending_tokens(
+    input_ids: torch.Tensor, pending_index: torch.Tensor, prev: PrevSampled
+) -> None:
     """input_ids[rows] = prev.token_ids[sources] for pending_index = [rows, sources], on
     the device (no host sync; one launch on CUDA: pagoda.kernels.sample.pending_fill)."""
     if input_ids.device.type == "cuda":
         from pagoda.kernels.sample.pending_fill import fill_pending  # Triton: CUDA only
+
         fill_pending(input_ids, pending_index, prev.token_ids)
     else:
         input_ids.index_copy_(0, pending_index[0], prev.token_ids.index_select(0, pending_index[1]))

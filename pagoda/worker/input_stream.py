@@ -26,8 +26,8 @@ docs/performance.md, "Measured reasons: Launch").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ class InputStream:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._staged = torch.cuda.Event()
-        self._released: Optional[torch.cuda.Event] = None
+        self._released: torch.cuda.Event | None = None
 
     @contextmanager
     def staging(self) -> Iterator[None]:
@@ -64,7 +64,7 @@ class InputStream:
         return tensor
 
 
-def make_input_stream(device: torch.device, has_graphs: bool) -> Optional[InputStream]:
+def make_input_stream(device: torch.device, has_graphs: bool) -> InputStream | None:
     """An InputStream where graph steps run (CUDA with CUDA graphs), else None."""
     if not has_graphs or device.type != "cuda":
         return None

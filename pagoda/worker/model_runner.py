@@ -24,62 +24,91 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.forward_context import forward_context
+from pagoda.attention.kv_pool import KVCachePool
 from pagoda.attention.kv_quant import resolve_kv_cache_dtype
 from pagoda.attention.selector import make_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheConfig, num_blocks_for_budget
 from pagoda.core.outputs import ModelInfo, SchedulerOutput, StepExtras
+from pagoda.kernels.launch.host_copy import host_to_device
+from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.kernel_configs import KernelConfigs
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
-from pagoda.sample.metadata import (PendingOutputs, SamplingRow, build_sampling_metadata,
-                                    make_generator, token_seed)
+from pagoda.sample.metadata import (
+    PendingOutputs,
+    SamplingRow,
+    build_sampling_metadata,
+    make_generator,
+    token_seed,
+)
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
-from pagoda.kernels.launch.host_copy import host_to_device
-from pagoda.model.dtypes import resolve_dtype
+from pagoda.spec_decode.drafting import draft_starts, load_draft, make_drafter, record_kept
 from pagoda.worker.block_table import DeviceBlockTable
-from pagoda.worker.input_batch import (CachedRequestState, PrevSampled, StepInputs,
-                                       apply_scheduler_output, build_step_inputs,
-                                       fill_pending_tokens, single_row_index)
+from pagoda.worker.input_batch import (
+    CachedRequestState,
+    PrevSampled,
+    StepInputs,
+    apply_scheduler_output,
+    build_step_inputs,
+    fill_pending_tokens,
+    single_row_index,
+)
 from pagoda.worker.input_stream import make_input_stream
 from pagoda.worker.penalty_state import PenaltyState, StepPenalties
-from pagoda.worker.staging import StagingRing
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
+from pagoda.worker.staging import StagingRing
 from pagoda.worker.step_output import AsyncRunnerOutput
-from pagoda.spec_decode.drafting import draft_starts, load_draft, make_drafter, record_kept
-from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
 # ModelRunner attributes holding device or pinned memory (or what references it),
 # dropped by shutdown(); the graphs go before the pool and buffers they captured.
 _RELEASED_ON_SHUTDOWN = (
-    "graph_runner", "input_stream", "drafter", "draft", "_launched", "_prev_sampled",
-    "_kv_report", "_kv_offload_inventory", "block_table", "staging", "penalty_state",
-    "kv_pool", "sampler", "generator", "backend", "model")
+    "graph_runner",
+    "input_stream",
+    "drafter",
+    "draft",
+    "_launched",
+    "_prev_sampled",
+    "_kv_report",
+    "_kv_offload_inventory",
+    "block_table",
+    "staging",
+    "penalty_state",
+    "kv_pool",
+    "sampler",
+    "generator",
+    "backend",
+    "model",
+)
 
 
 @dataclass
 class _LaunchedForward:
     """A step between its two calls: inputs None for an empty step."""
 
-    inputs: Optional[StepInputs]
-    hidden: Optional[torch.Tensor]
+    inputs: StepInputs | None
+    hidden: torch.Tensor | None
     compacted: bool  # hidden holds only the sampled rows (an eager output_rows forward)
     # Speculative decoding: req_id -> drafts the worker's drafter proposes after it.
-    to_propose: Optional[dict[str, int]] = None
+    to_propose: dict[str, int] | None = None
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0,
-                 kernel_configs: Optional[KernelConfigs] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        rank: int = 0,
+        kernel_configs: KernelConfigs | None = None,
+    ) -> None:
         """rank: this worker's tensor-parallel rank; it builds and loads that share.
         kernel_configs: the kernels' configs (default: KernelConfigs.for_device of this
         worker's device; benchmarks pass named variants)."""
@@ -93,16 +122,24 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
-        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size,
-                                 config.parallel.enable_expert_parallel)
-        self.model, self.arch = load_model(model_path, config.model.load_format, self.dtype,
-                                           self.device, config.model.seed, self.tp,
-                                           config.model.quantization,
-                                           config.model.quantize_lm_head)
+        self.tp = TensorParallel(
+            rank, config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel
+        )
+        self.model, self.arch = load_model(
+            model_path,
+            config.model.load_format,
+            self.dtype,
+            self.device,
+            config.model.seed,
+            self.tp,
+            config.model.quantization,
+            config.model.quantize_lm_head,
+        )
         self.load_seconds = time.perf_counter() - start
         # What the KV pool stores: the model's dtype, or float8 e4m3 (kv_cache_dtype fp8).
-        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype,
-                                               self.device, is_mla=self.arch.mla is not None)
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.cache.cache_dtype, self.dtype, self.device, is_mla=self.arch.mla is not None
+        )
         self.kernel_configs = kernel_configs or KernelConfigs.for_device(self.device)
         self.kernel_configs.install(self.model)
         self.backend = self._make_backend()
@@ -115,9 +152,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.states: dict[str, CachedRequestState] = {}
         # Penalty history on the device; None: rebuilt from the host's lists each step.
-        self.penalty_state: Optional[PenaltyState] = PenaltyState(self.arch.vocab_size,
-                                                                  self.device)
-        self.kv_pool: Optional[KVCachePool] = None  # set by initialize_kv_cache
+        self.penalty_state: PenaltyState | None = PenaltyState(self.arch.vocab_size, self.device)
+        self.kv_pool: KVCachePool | None = None  # set by initialize_kv_cache
         self.num_blocks = 0
         self.graph_runner = None  # set when CUDA graphs are captured
         # Graph steps' inputs built on a side stream (worker/input_stream.py); set with
@@ -126,14 +162,14 @@ class ModelRunner:
         self.drafter = None  # a model drafter (speculative decoding), with the KV cache
         # The running requests' block ids on the device (CUDA; set with the KV cache).
         # On CPU the attention reads block tables on the host, so they are built there.
-        self.block_table: Optional[DeviceBlockTable] = None
+        self.block_table: DeviceBlockTable | None = None
         # Reused pinned buffers for the step inputs' uploads (nothing on CPU).
         self.staging = StagingRing(self.device)
         self.warmup_seconds = 0.0
         # The last step's sampled ids, on the device, for tokens the host lacks yet.
-        self._prev_sampled: Optional[PrevSampled] = None
+        self._prev_sampled: PrevSampled | None = None
         # The forward execute_model() launched, waiting for sample_tokens().
-        self._launched: Optional[_LaunchedForward] = None
+        self._launched: _LaunchedForward | None = None
         # KV offload tiers (worker/kv_offload.py): set with the KV cache when configured.
         self.kv_offload = None
         self._kv_offload_inventory = None
@@ -145,11 +181,13 @@ class ModelRunner:
 
     def _make_backend(self) -> AttentionBackend:
         """The model's attention backend, with this runner's kernel configs."""
-        return make_attention_backend(self.config.device.attention_backend,
-                                      self.config.device.device,
-                                      self.arch.attention_shape(self.tp.size),
-                                      decode_config=self.kernel_configs.decode,
-                                      mla_config=self.kernel_configs.mla)
+        return make_attention_backend(
+            self.config.device.attention_backend,
+            self.config.device.device,
+            self.arch.attention_shape(self.tp.size),
+            decode_config=self.kernel_configs.decode,
+            mla_config=self.kernel_configs.mla,
+        )
 
     def use_kernel_configs(self, kernel_configs: KernelConfigs) -> None:
         """Switches the model and a new attention backend to kernel_configs (an A/B of
@@ -182,6 +220,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError("kv_cache_memory must be set on CPU")
         from pagoda.worker.profiling import profile_kv_budget
+
         return profile_kv_budget(self)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
@@ -190,16 +229,23 @@ class ModelRunner:
         self.drafter = make_drafter(self, max_model_len)
         if self.config.cache.kv_offloading:
             from pagoda.kv_offload.copy_engine import build_kv_offload
+
             self.kv_offload, self._kv_offload_inventory = build_kv_offload(
-                self.config, self.kv_pool, self._model_id(), self.kv_dtype, self.device)
+                self.config, self.kv_pool, self._model_id(), self.kv_dtype, self.device
+            )
         if self.device.type == "cuda":
-            self.block_table = DeviceBlockTable(self.config.scheduler.max_num_seqs,
-                                                -(-max_model_len // self.block_size), self.device)
+            self.block_table = DeviceBlockTable(
+                self.config.scheduler.max_num_seqs,
+                -(-max_model_len // self.block_size),
+                self.device,
+            )
             from pagoda.worker.warmup import warm_up_kernels, warm_up_logits
+
             if self.backend.name == "triton":
                 self.warmup_seconds = warm_up_kernels(self, max_model_len)
-            self.warmup_seconds += warm_up_logits(self, logits_rows_bucket(
-                self.config.scheduler.max_num_seqs))
+            self.warmup_seconds += warm_up_logits(
+                self, logits_rows_bucket(self.config.scheduler.max_num_seqs)
+            )
         self.graph_runner = self.capture_cuda_graphs(self.model, self.backend, max_model_len)
         self.input_stream = make_input_stream(self.device, self.graph_runner is not None)
 
@@ -219,6 +265,7 @@ class ModelRunner:
         if self.kv_offload is None:
             return None
         from pagoda.kv_offload.cost_probe import measure_start_rates
+
         return measure_start_rates(self, self._kv_offload_inventory)
 
     def shutdown_kv_offload(self) -> None:
@@ -248,14 +295,24 @@ class ModelRunner:
         """CUDA graphs of model's steps over this worker's KV pool (the target's, or a
         draft model's with its own backend); None where graphs do not run (CPU,
         enforce_eager, a backend without graph support)."""
-        if (self.device.type != "cuda" or self.config.device.enforce_eager
-                or not backend.supports_cuda_graphs()):
+        if (
+            self.device.type != "cuda"
+            or self.config.device.enforce_eager
+            or not backend.supports_cuda_graphs()
+        ):
             return None
         from pagoda.worker.cuda_graph import CudaGraphRunner
+
         scheduler = self.config.scheduler
-        graphs = CudaGraphRunner(model, backend, self.kv_pool, scheduler.max_num_seqs,
-                                 -(-max_model_len // self.block_size), self.device,
-                                 scheduler.max_num_batched_tokens)
+        graphs = CudaGraphRunner(
+            model,
+            backend,
+            self.kv_pool,
+            scheduler.max_num_seqs,
+            -(-max_model_len // self.block_size),
+            self.device,
+            scheduler.max_num_batched_tokens,
+        )
         graphs.capture()
         return graphs
 
@@ -266,10 +323,16 @@ class ModelRunner:
     def model_info(self) -> ModelInfo:
         arch = self.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return ModelInfo(arch.architecture, arch.vocab_size, arch.max_position_embeddings,
-                         arch.eos_token_id, str(self.dtype).removeprefix("torch."), weight_bytes,
-                         arch.num_hidden_layers,
-                         0 if self.draft is None else self.draft.weight_bytes)
+        return ModelInfo(
+            arch.architecture,
+            arch.vocab_size,
+            arch.max_position_embeddings,
+            arch.eos_token_id,
+            str(self.dtype).removeprefix("torch."),
+            weight_bytes,
+            arch.num_hidden_layers,
+            0 if self.draft is None else self.draft.weight_bytes,
+        )
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
@@ -280,8 +343,10 @@ class ModelRunner:
         (async scheduling) are read from that step's sampled ids on the device.
         """
         if self._launched is not None:
-            raise RuntimeError("execute_model() called twice without sample_tokens(): "
-                               "every launched forward must be sampled")
+            raise RuntimeError(
+                "execute_model() called twice without sample_tokens(): "
+                "every launched forward must be sampled"
+            )
         if out.kv_transfers is not None and self.kv_offload is not None:
             # Before the forward: the stores' gathers must read the old contents.
             self.kv_offload.execute(out.kv_transfers)
@@ -297,14 +362,24 @@ class ModelRunner:
             self._launched = _LaunchedForward(None, None, False)
             return
         graphs, output_rows = self.graph_runner, None
-        if self.input_stream is not None and self.block_table is not None and \
-                graphs is not None and \
-                graphs.takes(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)):
+        if (
+            self.input_stream is not None
+            and self.block_table is not None
+            and graphs is not None
+            and graphs.takes(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens))
+        ):
             inputs, hidden = self._staged_graph_step(out)
         else:
-            inputs = build_step_inputs(self.states, out, self.block_size, self.device,
-                                       pad_to=self._eager_pad_to(out), prev=self._prev_sampled,
-                                       block_table=self.block_table, staging=self.staging)
+            inputs = build_step_inputs(
+                self.states,
+                out,
+                self.block_size,
+                self.device,
+                pad_to=self._eager_pad_to(out),
+                prev=self._prev_sampled,
+                block_table=self.block_table,
+                staging=self.staging,
+            )
             if graphs is not None and graphs.can_run(inputs.metadata, inputs.input_ids.shape[0]):
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:
@@ -314,8 +389,9 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids, inputs.positions, output_rows)
         if self.input_stream is not None:
             self.input_stream.release()
-        self._launched = _LaunchedForward(inputs, hidden, output_rows is not None,
-                                          out.num_drafts_to_propose)
+        self._launched = _LaunchedForward(
+            inputs, hidden, output_rows is not None, out.num_drafts_to_propose
+        )
 
     def _staged_graph_step(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor]:
         """A graph step whose inputs are built and staged into the graph's buffers on the
@@ -327,22 +403,32 @@ class ModelRunner:
         # tokens go there, then into the graph. Without one, straight into the graph.
         ids_to_graph = self.drafter is None
         with stream.staging():
-            inputs = build_step_inputs(self.states, out, self.block_size, self.device,
-                                       prev=self._prev_sampled, block_table=self.block_table,
-                                       staging=self.staging, defer_pending=True)
+            inputs = build_step_inputs(
+                self.states,
+                out,
+                self.block_size,
+                self.device,
+                prev=self._prev_sampled,
+                block_table=self.block_table,
+                staging=self.staging,
+                defer_pending=True,
+            )
             n = inputs.input_ids.shape[0]
             if not graphs.can_run(inputs.metadata, n):  # the device table fits every graph
-                raise RuntimeError(f"a step of {n} rows that the graphs take does not fit "
-                                   f"them (block tables {tuple(inputs.metadata.block_tables.shape)})")
-            key = graphs.stage(inputs.positions, inputs.metadata,
-                               inputs.input_ids if ids_to_graph else None)
+                raise RuntimeError(
+                    f"a step of {n} rows that the graphs take does not fit "
+                    f"them (block tables {tuple(inputs.metadata.block_tables.shape)})"
+                )
+            key = graphs.stage(
+                inputs.positions, inputs.metadata, inputs.input_ids if ids_to_graph else None
+            )
         ids = graphs.input_ids if ids_to_graph else stream.hand_over(inputs.input_ids)
         if inputs.pending_index is not None:
             fill_pending_tokens(ids, stream.hand_over(inputs.pending_index), self._prev_sampled)
         return inputs, graphs.replay(key, n, None if ids_to_graph else inputs.input_ids)
 
     @torch.inference_mode()
-    def sample_tokens(self, extras: Optional[StepExtras] = None) -> AsyncRunnerOutput:
+    def sample_tokens(self, extras: StepExtras | None = None) -> AsyncRunnerOutput:
         """Launches the sampling of the forward execute_model() launched (with what the
         engine learned since: extras) and returns without waiting for the device."""
         launched, self._launched = self._launched, None
@@ -353,38 +439,50 @@ class ModelRunner:
         if inputs is None:
             self._prev_sampled = None
             return AsyncRunnerOutput.empty(kv_report)
-        sampled, packed_logprobs, wanted = self._sample(launched.hidden, inputs,
-                                                        launched.compacted, extras)
+        sampled, packed_logprobs, wanted = self._sample(
+            launched.hidden, inputs, launched.compacted, extras
+        )
         prompt_logprobs = self._prompt_logprobs(launched.hidden, inputs)
-        self._prev_sampled = None if sampled is None else PrevSampled(
-            sampled, single_row_index(inputs.sample_req_ids))
+        self._prev_sampled = (
+            None
+            if sampled is None
+            else PrevSampled(sampled, single_row_index(inputs.sample_req_ids))
+        )
         proposals = None
         if self.drafter is not None and launched.to_propose and sampled is not None:
             starts = draft_starts(self.states, inputs, sampled, launched.to_propose)
             proposals = self.drafter.propose(starts)
             record_kept(self.states, inputs, starts, proposals)
-        return AsyncRunnerOutput(inputs.req_ids, inputs.sample_req_ids, sampled,
-                                 packed_logprobs, wanted, prompt_logprobs,
-                                 drafts=inputs.verified_drafts, spec_token_ids=proposals,
-                                 kv_transfers=kv_report)
+        return AsyncRunnerOutput(
+            inputs.req_ids,
+            inputs.sample_req_ids,
+            sampled,
+            packed_logprobs,
+            wanted,
+            prompt_logprobs,
+            drafts=inputs.verified_drafts,
+            spec_token_ids=proposals,
+            kv_transfers=kv_report,
+        )
 
-    def _eager_pad_to(self, out: SchedulerOutput) -> Optional[int]:
+    def _eager_pad_to(self, out: SchedulerOutput) -> int | None:
         """Rows of this step's forward on CUDA when it runs eagerly (shape_buckets);
         None for CPU and for steps a CUDA graph takes (it pads itself)."""
         if self.device.type != "cuda":
             return None
         n = out.total_num_scheduled_tokens
-        if self.graph_runner is not None and self.graph_runner.takes(n, len(out.num_scheduled_tokens)):
+        if self.graph_runner is not None and self.graph_runner.takes(
+            n, len(out.num_scheduled_tokens)
+        ):
             return None
         return eager_tokens_bucket(n, self.config.scheduler.max_num_batched_tokens)
 
-    def _output_rows(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+    def _output_rows(self, inputs: StepInputs) -> torch.Tensor | None:
         """The rows an eager forward's last layer computes (the model's output_rows): the
         sampled rows, bucketed. None (every row) when every row samples, when none does,
         or when prompt logprobs need the other rows too."""
         rows = inputs.sample_rows
-        if (not rows or inputs.prompt_logprob_rows
-                or len(rows) == inputs.metadata.num_actual_tokens):
+        if not rows or inputs.prompt_logprob_rows or len(rows) == inputs.metadata.num_actual_tokens:
             return None
         return host_to_device(self._bucketed(rows), torch.long, self.device)
 
@@ -394,8 +492,9 @@ class ModelRunner:
             return rows
         return rows + [rows[-1]] * (logits_rows_bucket(len(rows)) - len(rows))
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, compacted: bool,
-                extras: Optional[StepExtras]):
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs, compacted: bool, extras: StepExtras | None
+    ):
         """(sampled ids [rows] on device, packed logprobs or None, logprobs asked per row).
         compacted: hidden holds only the (bucketed) sampled rows, in order."""
         if not inputs.sample_rows:
@@ -405,19 +504,27 @@ class ModelRunner:
             if bucketed == list(range(len(bucketed))):  # every row samples: no gather
                 hidden = hidden[: len(bucketed)]
             else:
-                hidden = hidden.index_select(
-                    0, host_to_device(bucketed, torch.long, self.device))
+                hidden = hidden.index_select(0, host_to_device(bucketed, torch.long, self.device))
         # In the head's dtype: the sampler widens them to float32 where it needs to (an
         # all-greedy step takes the argmax of these as they are).
         logits = self.model.compute_logits(hidden, float32=False)[: len(inputs.sample_rows)]
         if extras is not None and extras.grammar_bitmasks:
-            apply_token_bitmask(logits, stack_row_bitmasks(
-                extras.grammar_bitmasks, inputs.sample_req_ids, self.vocab_size), self.device)
+            apply_token_bitmask(
+                logits,
+                stack_row_bitmasks(extras.grammar_bitmasks, inputs.sample_req_ids, self.vocab_size),
+                self.device,
+            )
         rows = self._sampling_rows(inputs)
         step_penalties = self._step_penalties(inputs)
         pending = None if self.penalty_state is not None else self._pending_outputs(inputs)
-        metadata = build_sampling_metadata(rows, self.vocab_size, self.device, self.generator,
-                                           pending_outputs=pending, penalty_history=step_penalties)
+        metadata = build_sampling_metadata(
+            rows,
+            self.vocab_size,
+            self.device,
+            self.generator,
+            pending_outputs=pending,
+            penalty_history=step_penalties,
+        )
         out = self.sampler(logits, metadata)
         if step_penalties is not None:
             step_penalties.record_sampled(out.sampled_token_ids)
@@ -437,8 +544,9 @@ class ModelRunner:
             rows.append(self._sampling_row(req_id, inputs.pending_output, offset))
         return rows
 
-    def _sampling_row(self, req_id: str, pending_output: dict[str, int],
-                      offset: int) -> SamplingRow:
+    def _sampling_row(
+        self, req_id: str, pending_output: dict[str, int], offset: int
+    ) -> SamplingRow:
         state = self.states[req_id]
         num_pending = int(req_id in pending_output)
         outputs = state.output_token_ids
@@ -451,21 +559,28 @@ class ModelRunner:
                 generator = self._make_generator(seed)
             else:
                 generator.manual_seed(seed)
-        return SamplingRow(state.params, state.prompt_token_ids, outputs, generator,
-                           num_pending_outputs=num_pending)
+        return SamplingRow(
+            state.params,
+            state.prompt_token_ids,
+            outputs,
+            generator,
+            num_pending_outputs=num_pending,
+        )
 
-    def _step_penalties(self, inputs: StepInputs) -> Optional[StepPenalties]:
+    def _step_penalties(self, inputs: StepInputs) -> StepPenalties | None:
         """This step's rows of the device penalty history (None: no row has one, or
         the history is rebuilt from the host's lists)."""
         state = self.penalty_state
         if state is None:
             return None
-        num_known = {req_id: len(self.states[req_id].output_token_ids)
-                     + int(req_id in inputs.pending_output)
-                     for req_id in set(inputs.sample_req_ids) if req_id in state}
+        num_known = {
+            req_id: len(self.states[req_id].output_token_ids) + int(req_id in inputs.pending_output)
+            for req_id in set(inputs.sample_req_ids)
+            if req_id in state
+        }
         return state.begin_step(inputs.sample_req_ids, inputs.verified_drafts, num_known)
 
-    def _pending_outputs(self, inputs: StepInputs) -> Optional[PendingOutputs]:
+    def _pending_outputs(self, inputs: StepInputs) -> PendingOutputs | None:
         """The rows' output tokens that only the previous step's sampled ids hold."""
         if not inputs.pending_output:
             return None
@@ -483,9 +598,12 @@ class ModelRunner:
         for req_id, (first_row, positions) in inputs.prompt_logprob_rows.items():
             state = self.states[req_id]
             start = state.num_computed_tokens
-            rows = host_to_device([first_row + p - start for p in positions], torch.long, self.device)
-            targets = host_to_device([state.prompt_token_ids[p + 1] for p in positions],
-                                     torch.long, self.device)
+            rows = host_to_device(
+                [first_row + p - start for p in positions], torch.long, self.device
+            )
+            targets = host_to_device(
+                [state.prompt_token_ids[p + 1] for p in positions], torch.long, self.device
+            )
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
             result[req_id] = pack_token_logprobs(ids, lps, ranks)

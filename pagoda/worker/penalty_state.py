@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -59,8 +58,8 @@ class PenaltyState:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._initial_rows = max(2, initial_rows)  # row 0 is the zero row
-        self.counts: Optional[torch.Tensor] = None  # [capacity, V] float32
-        self.prompt_mask: Optional[torch.Tensor] = None  # [capacity, V] bool
+        self.counts: torch.Tensor | None = None  # [capacity, V] float32
+        self.prompt_mask: torch.Tensor | None = None  # [capacity, V] bool
         self.row_of: dict[str, int] = {}
         self.counted: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -125,14 +124,16 @@ class PenaltyState:
 
     def _take_row(self, with_mask: bool) -> int:
         if self.counts is None:
-            self.counts = torch.zeros(self._initial_rows, self.vocab_size, dtype=torch.float32,
-                                      device=self.device)
+            self.counts = torch.zeros(
+                self._initial_rows, self.vocab_size, dtype=torch.float32, device=self.device
+            )
             self._free_rows = list(range(self._initial_rows - 1, _ZERO_ROW, -1))
         if not self._free_rows:
             self._grow()
         if with_mask and self.prompt_mask is None:
-            self.prompt_mask = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool,
-                                           device=self.device)
+            self.prompt_mask = torch.zeros(
+                self.capacity, self.vocab_size, dtype=torch.bool, device=self.device
+            )
         return self._free_rows.pop()  # the lowest free row
 
     def _grow(self) -> None:
@@ -147,12 +148,18 @@ class PenaltyState:
         """One upload for the queued work, then clear rows, count, mark (in this order:
         a reused row is cleared before its new request's tokens are counted)."""
         clear, (count_rows, count_ids), (mask_rows, mask_ids) = (
-            self._clear, self._count_pairs, self._mask_pairs)
+            self._clear,
+            self._count_pairs,
+            self._mask_pairs,
+        )
         if not (clear or count_rows or mask_rows):
             return
         sizes = [len(clear), len(count_rows), len(count_ids), len(mask_rows), len(mask_ids)]
-        host = np.fromiter((x for part in (clear, count_rows, count_ids, mask_rows, mask_ids)
-                            for x in part), dtype=np.int64, count=sum(sizes))
+        host = np.fromiter(
+            (x for part in (clear, count_rows, count_ids, mask_rows, mask_ids) for x in part),
+            dtype=np.int64,
+            count=sum(sizes),
+        )
         index = host_to_device(host, torch.int64, self.device)
         rows, c_rows, c_ids, m_rows, m_ids = torch.split(index, sizes)
         if clear:
@@ -160,16 +167,19 @@ class PenaltyState:
             if self.prompt_mask is not None:
                 self.prompt_mask.index_fill_(0, rows, False)
         if count_rows:
-            self.counts.index_put_((c_rows, c_ids), torch.ones(len(count_rows), device=self.device),
-                                   accumulate=True)
+            self.counts.index_put_(
+                (c_rows, c_ids), torch.ones(len(count_rows), device=self.device), accumulate=True
+            )
         if mask_rows:
-            self.prompt_mask.index_put_((m_rows, m_ids), torch.ones(
-                len(mask_rows), dtype=torch.bool, device=self.device))
+            self.prompt_mask.index_put_(
+                (m_rows, m_ids), torch.ones(len(mask_rows), dtype=torch.bool, device=self.device)
+            )
         self._clear, self._count_pairs, self._mask_pairs = [], ([], []), ([], [])
 
     # ---- one step's sampling ------------------------------------------------------
-    def begin_step(self, sample_req_ids: list[str], drafts: dict[str, list[int]],
-                   num_known: dict[str, int]) -> Optional["StepPenalties"]:
+    def begin_step(
+        self, sample_req_ids: list[str], drafts: dict[str, list[int]], num_known: dict[str, int]
+    ) -> StepPenalties | None:
         """The history of a step's sampled rows, or None when no row has a penalty row.
 
         sample_req_ids: the request of each sampled row (a verifying request's rows
@@ -190,7 +200,8 @@ class PenaltyState:
             if offset == 0 and self.counted[req_id] != num_known[req_id]:
                 raise RuntimeError(
                     f"internal error: the penalty row of request {req_id!r} holds "
-                    f"{self.counted[req_id]} output tokens, but it has {num_known[req_id]}")
+                    f"{self.counted[req_id]} output tokens, but it has {num_known[req_id]}"
+                )
             if offset:
                 draft_rows.extend([i] * offset)
                 draft_ids.extend(_checked(drafts[req_id][:offset], self.vocab_size, "drafts"))
@@ -198,10 +209,18 @@ class PenaltyState:
                 update_rows.append(i)
                 update_table_rows.append(row)
                 updated.append(req_id)
-        sizes = [len(rows), len(draft_rows), len(draft_ids), len(update_rows),
-                 len(update_table_rows)]
-        index = host_to_device(rows + draft_rows + draft_ids + update_rows + update_table_rows,
-                               torch.int64, self.device)
+        sizes = [
+            len(rows),
+            len(draft_rows),
+            len(draft_ids),
+            len(update_rows),
+            len(update_table_rows),
+        ]
+        index = host_to_device(
+            rows + draft_rows + draft_ids + update_rows + update_table_rows,
+            torch.int64,
+            self.device,
+        )
         return StepPenalties(self, *torch.split(index, sizes), updated)
 
 
@@ -224,18 +243,22 @@ class StepPenalties:
     update_table_rows: torch.Tensor  # ... and their penalty rows
     updated_req_ids: list[str]
 
-    def tensors(self, with_prompt_mask: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def tensors(self, with_prompt_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = self.state
         counts = state.counts.index_select(0, self.table_rows)
         if self.draft_rows.shape[0]:  # a host-known shape: no sync
-            counts.index_put_((self.draft_rows, self.draft_ids),
-                              torch.ones(self.draft_rows.shape[0], device=counts.device),
-                              accumulate=True)
+            counts.index_put_(
+                (self.draft_rows, self.draft_ids),
+                torch.ones(self.draft_rows.shape[0], device=counts.device),
+                accumulate=True,
+            )
         mask = None
         if with_prompt_mask:
             if state.prompt_mask is None:
-                raise RuntimeError("internal error: a row uses the repetition penalty but "
-                                   "no request has a prompt mask")
+                raise RuntimeError(
+                    "internal error: a row uses the repetition penalty but "
+                    "no request has a prompt mask"
+                )
             mask = state.prompt_mask.index_select(0, self.table_rows)
         return counts, mask
 
@@ -245,8 +268,10 @@ class StepPenalties:
             return
         state = self.state
         tokens = sampled.index_select(0, self.update_rows)
-        state.counts.index_put_((self.update_table_rows, tokens),
-                                torch.ones(len(self.updated_req_ids), device=state.device),
-                                accumulate=True)
+        state.counts.index_put_(
+            (self.update_table_rows, tokens),
+            torch.ones(len(self.updated_req_ids), device=state.device),
+            accumulate=True,
+        )
         for req_id in self.updated_req_ids:
             state.counted[req_id] += 1

@@ -11,10 +11,10 @@ import logging
 import torch
 
 from pagoda.attention.forward_context import forward_context
+from pagoda.attention.kv_pool import KVCachePool
 from pagoda.attention.metadata import build_attention_metadata
 from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model.layers.attention import kv_cache_specs
-from pagoda.attention.kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ def profile_kv_budget(runner) -> int:
     torch.cuda.synchronize(device)
     free_before, total = torch.cuda.mem_get_info(device)
     weights_bytes = torch.cuda.memory_allocated(device)
-    pool = KVCachePool(KVCacheConfig(next_block, kv_cache_specs(runner.model, bs, runner.kv_dtype)),
-                       device)
+    pool = KVCachePool(
+        KVCacheConfig(next_block, kv_cache_specs(runner.model, bs, runner.kv_dtype)), device
+    )
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     md = build_attention_metadata(lens, lens, tables, bs, device)
@@ -57,12 +58,23 @@ def profile_kv_budget(runner) -> int:
     logger.info(
         "memory profile: total %.1f GiB, in use after load %.2f GiB (weights %.2f GiB), "
         "activation peak %.2f GiB for %d tokens, KV cache budget %.2f GiB",
-        total / 2**30, used / 2**30, weights_bytes / 2**30, activation_peak / 2**30,
-        num_tokens, budget / 2**30)
-    runner.memory_report = dict(total=total, used_after_load=used, weights=weights_bytes,
-                                activation_peak=activation_peak, kv_budget=budget)
+        total / 2**30,
+        used / 2**30,
+        weights_bytes / 2**30,
+        activation_peak / 2**30,
+        num_tokens,
+        budget / 2**30,
+    )
+    runner.memory_report = dict(
+        total=total,
+        used_after_load=used,
+        weights=weights_bytes,
+        activation_peak=activation_peak,
+        kv_budget=budget,
+    )
     if budget <= 0:
         raise ValueError(
             f"no memory left for the KV cache at gpu_memory_utilization="
-            f"{config.cache.gpu_memory_utilization}: raise it or lower max_num_batched_tokens")
+            f"{config.cache.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
+        )
     return budget

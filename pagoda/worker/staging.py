@@ -19,8 +19,8 @@ On CPU nothing is staged: uploads return the host tensors themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ _MIN_BYTES = 4096
 class _StagingSet:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []  # pinned uint8, one per upload of a step
-        self.event: Optional[torch.cuda.Event] = None  # after the last step's copies
+        self.event: torch.cuda.Event | None = None  # after the last step's copies
         self.used = 0
 
     def wait_until_free(self) -> None:
@@ -50,7 +50,7 @@ class StagingRing:
         self.device = torch.device(device)
         self._sets = [_StagingSet() for _ in range(num_sets)] if self.device.type == "cuda" else []
         self._next = 0
-        self._current: Optional[_StagingSet] = None
+        self._current: _StagingSet | None = None
 
     @contextmanager
     def step(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:

@@ -16,12 +16,11 @@ On CPU the work is already done and `result()` only converts.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 
-from pagoda.kv_offload.planning.tiers import KVTransferReport
 from pagoda.core.outputs import ModelRunnerOutput
+from pagoda.kv_offload.planning.tiers import KVTransferReport
 from pagoda.sample.logprobs import unpack_token_logprobs
 from pagoda.spec_decode.verify import accept_draft_tokens
 
@@ -35,7 +34,7 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device]
 
 
-def _start_copy(tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> torch.Tensor:
+def _start_copy(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
     """A pinned host copy of tensor, queued on the current stream (CUDA), or tensor."""
     if tensor.device.type != "cuda":
         return tensor
@@ -49,13 +48,18 @@ def _start_copy(tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> to
 class AsyncRunnerOutput:
     """Sampled ids (+ logprobs) of one step; `result()` builds the ModelRunnerOutput."""
 
-    def __init__(self, req_ids: list[str], sample_req_ids: list[str],
-                 sampled: Optional[torch.Tensor], packed_logprobs: Optional[torch.Tensor],
-                 wanted_logprobs: list[Optional[int]],
-                 packed_prompt_logprobs: dict[str, torch.Tensor],
-                 drafts: Optional[dict[str, list[int]]] = None,
-                 spec_token_ids: Optional[dict[str, list[int]]] = None,
-                 kv_transfers: Optional[KVTransferReport] = None) -> None:
+    def __init__(
+        self,
+        req_ids: list[str],
+        sample_req_ids: list[str],
+        sampled: torch.Tensor | None,
+        packed_logprobs: torch.Tensor | None,
+        wanted_logprobs: list[int | None],
+        packed_prompt_logprobs: dict[str, torch.Tensor],
+        drafts: dict[str, list[int]] | None = None,
+        spec_token_ids: dict[str, list[int]] | None = None,
+        kv_transfers: KVTransferReport | None = None,
+    ) -> None:
         """sample_req_ids: the request of each sampled row (a verifying request's rows
         in a row); drafts: req_id -> the drafts those rows verify; spec_token_ids:
         req_id -> drafts proposed for the next step (already on the host); kv_transfers:
@@ -66,25 +70,30 @@ class AsyncRunnerOutput:
         self.sample_req_ids = sample_req_ids
         self.drafts = drafts or {}
         self.wanted_logprobs = wanted_logprobs
-        self._event: Optional[torch.cuda.Event] = None
-        cuda = [t for t in (sampled, packed_logprobs, *packed_prompt_logprobs.values())
-                if t is not None and t.device.type == "cuda"]
+        self._event: torch.cuda.Event | None = None
+        cuda = [
+            t
+            for t in (sampled, packed_logprobs, *packed_prompt_logprobs.values())
+            if t is not None and t.device.type == "cuda"
+        ]
         stream = _copy_stream(cuda[0].device) if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the sampling
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._sampled = None if sampled is None else _start_copy(sampled, stream)
-            self._logprobs = (None if packed_logprobs is None
-                              else _start_copy(packed_logprobs, stream))
-            self._prompt_logprobs = {rid: _start_copy(t, stream)
-                                     for rid, t in packed_prompt_logprobs.items()}
+            self._logprobs = (
+                None if packed_logprobs is None else _start_copy(packed_logprobs, stream)
+            )
+            self._prompt_logprobs = {
+                rid: _start_copy(t, stream) for rid, t in packed_prompt_logprobs.items()
+            }
             if cuda:
                 self._event = torch.cuda.Event()
                 self._event.record()  # on the copies' stream
-        self._result: Optional[ModelRunnerOutput] = None
+        self._result: ModelRunnerOutput | None = None
 
     @classmethod
-    def empty(cls, kv_transfers: Optional[KVTransferReport] = None) -> "AsyncRunnerOutput":
+    def empty(cls, kv_transfers: KVTransferReport | None = None) -> AsyncRunnerOutput:
         return cls([], [], None, None, [], {}, kv_transfers=kv_transfers)
 
     def result(self) -> ModelRunnerOutput:
@@ -99,18 +108,26 @@ class AsyncRunnerOutput:
         sampled = [] if self._sampled is None else self._sampled.tolist()
         logprobs: list = [None] * len(sampled)
         if self._logprobs is not None:
-            converted = unpack_token_logprobs(self._logprobs, [w or 0 for w in self.wanted_logprobs])
-            logprobs = [lp if w is not None else None
-                        for lp, w in zip(converted, self.wanted_logprobs)]
+            converted = unpack_token_logprobs(
+                self._logprobs, [w or 0 for w in self.wanted_logprobs]
+            )
+            logprobs = [
+                lp if w is not None else None for lp, w in zip(converted, self.wanted_logprobs)
+            ]
         tokens_of: dict[str, list[int]] = {}
         logprobs_of: dict[str, list] = {}
         for req_id, token, lp in zip(self.sample_req_ids, sampled, logprobs):
             tokens_of.setdefault(req_id, []).append(token)
             logprobs_of.setdefault(req_id, []).append(lp)
         result = ModelRunnerOutput(
-            req_ids=self.req_ids, sampled_token_ids=[],
-            prompt_logprobs={rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()},
-            spec_token_ids=dict(self.spec_token_ids), kv_transfers=self.kv_transfers)
+            req_ids=self.req_ids,
+            sampled_token_ids=[],
+            prompt_logprobs={
+                rid: unpack_token_logprobs(t) for rid, t in self._prompt_logprobs.items()
+            },
+            spec_token_ids=dict(self.spec_token_ids),
+            kv_transfers=self.kv_transfers,
+        )
         for req_id in self.req_ids:
             tokens = tokens_of.get(req_id, [])
             drafts = self.drafts.get(req_id)
@@ -118,5 +135,5 @@ class AsyncRunnerOutput:
                 tokens = accept_draft_tokens(tokens, drafts)
             result.sampled_token_ids.append(tokens)
             lps = logprobs_of.get(req_id)
-            result.logprobs.append(None if lps is None or lps[0] is None else lps[:len(tokens)])
+            result.logprobs.append(None if lps is None or lps[0] is None else lps[: len(tokens)])
         return result

@@ -23,14 +23,14 @@ import torch
 
 from pagoda.attention.forward_context import forward_context
 from pagoda.attention.metadata import build_attention_metadata
-from pagoda.worker.shape_buckets import logits_row_buckets
 from pagoda.sample.sampler import greedy_argmax
+from pagoda.worker.shape_buckets import logits_row_buckets
 
 logger = logging.getLogger(__name__)
 
 # Prefill widths (rows of one step) past which a kernel picks other tiles, each run once
 # where a step may be that wide (max_num_batched_tokens), besides the widest step itself:
-# 520 > 512, where qk_rope_store's default_heads_per_program switches (tests/test_warmup.py
+# 520 > 512, where qk_rope_store's default_heads_per_program switches (tests/worker/test_warmup.py
 # ties the two); 4096 tokens, the middle tile tier of the MoE grouped GEMMs
 # (fused_moe.pick_config by rows per expert: 256 for 128 experts x top 8, 384 for 64 x 6),
 # which neither the short prefill nor the widest step reaches.
@@ -38,15 +38,17 @@ WIDE_PREFILL_ROWS = 520
 PREFILL_WIDTHS = (WIDE_PREFILL_ROWS, 4096)
 
 
-def warmup_batches(max_model_len: int, num_blocks: int, block_size: int,
-                   max_num_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
+def warmup_batches(
+    max_model_len: int, num_blocks: int, block_size: int, max_num_tokens: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of the warm-up batches that fit the pool and max_model_len;
     the wide prefills (PREFILL_WIDTHS and max_num_tokens itself) only where a step may
     hold that many rows, as sequences of at most max_model_len tokens."""
     long_ctx = min(600, max_model_len)  # > MIN_SPLIT_TOKENS: the decode kernel splits
     short = min(48, max_model_len)
-    widths = sorted({w for w in PREFILL_WIDTHS + (max_num_tokens,)
-                     if 2 * short < w <= max_num_tokens})
+    widths = sorted(
+        {w for w in PREFILL_WIDTHS + (max_num_tokens,) if 2 * short < w <= max_num_tokens}
+    )
     batches = [([short, short], [short, short])]  # prefill only
     batches += [_prefill_of(width, max_model_len) for width in widths]
     batches += [
@@ -86,8 +88,9 @@ def warm_up_kernels(runner, max_model_len: int) -> float:
         num_tokens = sum(query_lens)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
-        with forward_context(runner.backend, runner.backend.build_metadata(metadata),
-                             runner.kv_pool):
+        with forward_context(
+            runner.backend, runner.backend.build_metadata(metadata), runner.kv_pool
+        ):
             hidden = runner.model(ids, pos)
         runner.model.compute_logits(hidden[-1:])
     if device.type == "cuda":
@@ -105,19 +108,22 @@ def warm_up_logits(runner, max_rows: int) -> float:
     on the logits in the head's dtype (what an all-greedy step takes) and in float32
     (the other steps' processed logits)."""
     start = time.perf_counter()
-    hidden = torch.zeros(max_rows, runner.arch.hidden_size, dtype=runner.dtype,
-                         device=runner.device)
+    hidden = torch.zeros(
+        max_rows, runner.arch.hidden_size, dtype=runner.dtype, device=runner.device
+    )
     logits = None
     for rows in logits_row_buckets(max_rows):
         logits = runner.model.compute_logits(hidden[:rows], float32=False)
     if runner.device.type == "cuda" and logits is not None:
         from pagoda.kernels.sample.argmax import argmax_covers  # Triton: CUDA only
+
         for table in {logits.dtype: logits, torch.float32: logits.float()}.values():
             for rows in range(1, table.shape[0] + 1):
                 if not argmax_covers(table[:rows]):
                     break
                 greedy_argmax(table[:rows])
         from pagoda.kernels.sample.pending_fill import fill_pending  # Triton: CUDA only
+
         ids = torch.zeros(2, dtype=torch.long, device=runner.device)
         fill_pending(ids, torch.zeros(2, 1, dtype=torch.long, device=runner.device), ids)
         torch.cuda.synchronize(runner.device)

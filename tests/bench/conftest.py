@@ -69,8 +69,13 @@ class FakeOpenAIServer:
     # ---- lifecycle ------------------------------------------------------------------
     def _serve(self):
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=0.2,
-                                    handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(
+            self.app,
+            handle_signals=False,
+            shutdown_timeout=0.2,
+            handler_cancellation=True,
+            access_log=None,
+        )
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -87,6 +92,7 @@ class FakeOpenAIServer:
     def stop(self):
         async def shutdown():
             await self.runner.cleanup()
+
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
@@ -110,15 +116,15 @@ class FakeOpenAIServer:
         text = (
             "# HELP pagoda:num_preemptions_total preemptions\n"
             "# TYPE pagoda:num_preemptions_total counter\n"
-            f"pagoda:num_preemptions_total{{model_name=\"ok\"}} {2 * n}\n"
-            f"pagoda:prefix_cache_queries_total{{model_name=\"ok\"}} {100 * n}\n"
-            f"pagoda:prefix_cache_hits_total{{model_name=\"ok\"}} {25 * n}\n"
+            f'pagoda:num_preemptions_total{{model_name="ok"}} {2 * n}\n'
+            f'pagoda:prefix_cache_queries_total{{model_name="ok"}} {100 * n}\n'
+            f'pagoda:prefix_cache_hits_total{{model_name="ok"}} {25 * n}\n'
             f"pagoda:spec_decode_num_draft_tokens_total {40 * n}\n"
             f"pagoda:spec_decode_num_accepted_tokens_total {30 * n}\n"
             f"pagoda:spec_decode_num_drafts_total {20 * n}\n"
             f"pagoda:kv_cache_usage_perc {0.5 if n == 2 else 0.1}\n"
             f"process_resident_memory_bytes {1000 + (500 if n == 2 else 0)}\n"
-            f"pagoda:ttft_seconds_bucket{{le=\"0.1\"}} {n}\n"
+            f'pagoda:ttft_seconds_bucket{{le="0.1"}} {n}\n'
         )
         return web.Response(text=text)
 
@@ -130,13 +136,17 @@ class FakeOpenAIServer:
         self.bodies.append(body)
         chat = request.path.endswith("/chat/completions")
         if model == "429" or (model == "flaky" and count % 3 == 0):
-            return web.json_response({"error": {"message": "queue full", "type": "rate_limit"}},
-                                     status=429, headers={"Retry-After": "1"})
+            return web.json_response(
+                {"error": {"message": "queue full", "type": "rate_limit"}},
+                status=429,
+                headers={"Retry-After": "1"},
+            )
         if model == "bad":
             return web.json_response({"error": {"message": "bad request"}}, status=400)
         if model == "oom":
-            return web.json_response({"error": {"message": "CUDA out of memory. Tried to allocate"}},
-                                     status=500)
+            return web.json_response(
+                {"error": {"message": "CUDA out of memory. Tried to allocate"}}, status=500
+            )
         if model == "hang":
             await asyncio.Event().wait()
         return await self._stream(request, body, model, chat)
@@ -147,7 +157,9 @@ class FakeOpenAIServer:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 4
         per_chunk = 2 if model == "multi" else 1
         if chat:
-            await response.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+            await response.write(
+                _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            )
         await response.write(b": keep-alive\n\n")
         sent = 0
         while sent < n:
@@ -155,7 +167,9 @@ class FakeOpenAIServer:
             text = "".join(WORDS[(sent + j) % len(WORDS)] for j in range(k))
             if model == "heldback" and sent == 0:
                 text = ""  # a token whose text the server holds back
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
             await response.write(_sse({"choices": [choice]}))
             sent += k
             if self.chunk_delay:
@@ -171,8 +185,11 @@ class FakeOpenAIServer:
                 return response
         if model != "nousage":
             prompt = body.get("prompt") or body["messages"][0]["content"]
-            usage = {"prompt_tokens": len(self.tokenizer.encode(prompt)) + 1, "completion_tokens": n,
-                     "total_tokens": 0}
+            usage = {
+                "prompt_tokens": len(self.tokenizer.encode(prompt)) + 1,
+                "completion_tokens": n,
+                "total_tokens": 0,
+            }
             await response.write(_sse({"choices": [], "usage": usage}))
         if model != "nodone":
             await response.write(b"data: [DONE]\n\n")

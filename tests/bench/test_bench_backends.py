@@ -13,10 +13,18 @@ def parse(argv):
     return build_bench_parser(argparse.ArgumentParser(prog="pagoda bench")).parse_args(argv)
 
 
-@pytest.mark.parametrize("name,protocol", [("openai", "openai"), ("openai-chat", "openai-chat"),
-                                           ("vllm", "openai"), ("sglang", "openai"),
-                                           ("lmdeploy", "openai"), ("scalellm", "openai"),
-                                           ("llama.cpp", "openai")])
+@pytest.mark.parametrize(
+    "name,protocol",
+    [
+        ("openai", "openai"),
+        ("openai-chat", "openai-chat"),
+        ("vllm", "openai"),
+        ("sglang", "openai"),
+        ("lmdeploy", "openai"),
+        ("scalellm", "openai"),
+        ("llama.cpp", "openai"),
+    ],
+)
 def test_vllm_backend_names_parse_to_the_protocol_they_send(name, protocol):
     for command in ("serve", "sweep"):
         extra = ["--request-rates", "1"] if command == "sweep" else []
@@ -30,10 +38,18 @@ def test_default_backend_is_openai_completions():
     assert parse(["serve", "--model", "m"]).backend == "openai"
 
 
-@pytest.mark.parametrize("name,words", [("tgi", "openai-chat"), ("tensorrt-llm", "Triton"),
-                                        ("deepspeed-mii", "MII"), ("openai-embeddings", "embeddings"),
-                                        ("vllm-rerank", "reranking"), ("openai-audio", "transcription"),
-                                        ("vlm", "unknown backend")])
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("tgi", "openai-chat"),
+        ("tensorrt-llm", "Triton"),
+        ("deepspeed-mii", "MII"),
+        ("openai-embeddings", "embeddings"),
+        ("vllm-rerank", "reranking"),
+        ("openai-audio", "transcription"),
+        ("vlm", "unknown backend"),
+    ],
+)
 def test_other_names_fail_with_what_to_use(name, words, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(["serve", "--backend", name])

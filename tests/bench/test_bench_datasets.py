@@ -6,8 +6,13 @@ import math
 import numpy as np
 import pytest
 
-from pagoda.bench.datasets import (custom_requests, multi_turn_requests,
-                                   prefix_repetition_requests, random_requests, sharegpt_requests)
+from pagoda.bench.datasets import (
+    custom_requests,
+    multi_turn_requests,
+    prefix_repetition_requests,
+    random_requests,
+    sharegpt_requests,
+)
 from pagoda.bench.tokenizers import build_exact_prompt, corpus_token_pool
 
 
@@ -58,8 +63,9 @@ def test_exact_prompt_converges_despite_merges(tok):
 
 
 def test_random_lengths_within_range_and_exact(tok):
-    samples = random_requests(tok, num_prompts=200, input_len=40, output_len=20, range_ratio=0.25,
-                              prefix_len=0, seed=3)
+    samples = random_requests(
+        tok, num_prompts=200, input_len=40, output_len=20, range_ratio=0.25, prefix_len=0, seed=3
+    )
     assert len(samples) == 200
     for s in samples:
         assert math.floor(40 * 0.75) <= s.prompt_len <= math.ceil(40 * 1.25)
@@ -73,7 +79,9 @@ def test_random_lengths_within_range_and_exact(tok):
 
 
 def test_random_ratio_zero_gives_fixed_lengths_and_prefix_is_shared(tok):
-    samples = random_requests(tok, 20, input_len=30, output_len=9, range_ratio=0.0, prefix_len=12, seed=1)
+    samples = random_requests(
+        tok, 20, input_len=30, output_len=9, range_ratio=0.0, prefix_len=12, seed=1
+    )
     assert {s.prompt_len for s in samples} == {42}
     assert {s.expected_output_len for s in samples} == {9}
     prefix = samples[0].prompt[:5]
@@ -101,8 +109,9 @@ def test_random_rejects_bad_values(tok):
 
 
 def test_prefix_repetition_shares_few_prefixes(tok):
-    samples = prefix_repetition_requests(tok, num_prompts=30, prefix_len=50, suffix_len=10,
-                                         num_prefixes=3, output_len=7, seed=0)
+    samples = prefix_repetition_requests(
+        tok, num_prompts=30, prefix_len=50, suffix_len=10, num_prefixes=3, output_len=7, seed=0
+    )
     assert len(samples) == 30
     assert all(s.prompt_len == 60 and len(tok.encode(s.prompt)) == 60 for s in samples)
     assert all(s.expected_output_len == 7 for s in samples)
@@ -117,7 +126,9 @@ def test_prefix_repetition_shares_few_prefixes(tok):
 
 
 def write_sharegpt(path, conversations):
-    path.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(conversations)]))
+    path.write_text(
+        json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(conversations)])
+    )
 
 
 def turn(who, text):
@@ -126,22 +137,35 @@ def turn(who, text):
 
 def test_sharegpt_parsing_and_filters(tok, tmp_path):
     path = tmp_path / "sg.json"
-    write_sharegpt(path, [
-        [turn("human", "tell me about the river"), turn("gpt", "the river rises in spring and falls")],
-        [turn("human", "hi"), turn("gpt", "a reply that is long enough")],          # prompt < 4 tokens
-        [turn("human", "only one turn here")],                                         # one turn
-        [turn("human", "why is the sky blue today"), turn("gpt", "ok")],              # reply < 4 tokens
-        [turn("human", "x" * 1100), turn("gpt", "a reply that is long enough")],      # prompt > 1024
-        [turn("human", "what is in the market town"), turn("gpt", "maps and letters and a ledger")],
-    ])
+    write_sharegpt(
+        path,
+        [
+            [
+                turn("human", "tell me about the river"),
+                turn("gpt", "the river rises in spring and falls"),
+            ],
+            [turn("human", "hi"), turn("gpt", "a reply that is long enough")],  # prompt < 4 tokens
+            [turn("human", "only one turn here")],  # one turn
+            [turn("human", "why is the sky blue today"), turn("gpt", "ok")],  # reply < 4 tokens
+            [
+                turn("human", "x" * 1100),
+                turn("gpt", "a reply that is long enough"),
+            ],  # prompt > 1024
+            [
+                turn("human", "what is in the market town"),
+                turn("gpt", "maps and letters and a ledger"),
+            ],
+        ],
+    )
     samples = sharegpt_requests(str(path), tok, num_prompts=2, seed=0)
     prompts = sorted(s.prompt for s in samples)
     assert prompts == ["tell me about the river", "what is in the market town"]
     for s in samples:
         assert s.prompt_len == len(tok.encode(s.prompt))
     by_prompt = {s.prompt: s for s in samples}
-    assert by_prompt["tell me about the river"].expected_output_len == \
-        len(tok.encode("the river rises in spring and falls"))
+    assert by_prompt["tell me about the river"].expected_output_len == len(
+        tok.encode("the river rises in spring and falls")
+    )
     with pytest.raises(ValueError, match="only 2 usable"):
         sharegpt_requests(str(path), tok, num_prompts=3)
     fixed = sharegpt_requests(str(path), None, num_prompts=5, output_len=11)
@@ -163,19 +187,28 @@ def test_custom_jsonl(tok, tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"prompt": "the first one", "output_tokens": 5}\n\n{"prompt": "another"}\n')
     samples = custom_requests(str(path), tok, num_prompts=2, output_len=33)
-    assert [(s.prompt, s.expected_output_len) for s in samples] == [("the first one", 5), ("another", 33)]
+    assert [(s.prompt, s.expected_output_len) for s in samples] == [
+        ("the first one", 5),
+        ("another", 33),
+    ]
     assert samples[0].prompt_len == len(tok.encode("the first one"))
     assert custom_requests(str(path), None, 1)[0].prompt_len is None
     with pytest.raises(ValueError, match="fewer than --num-prompts 3"):
         custom_requests(str(path), tok, num_prompts=3)
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"text": "x"}', "c.jsonl:2: each line needs a non-empty string field 'prompt'"),
-    ('{"prompt": "x", "output_tokens": 0}', "c.jsonl:2: 'output_tokens' must be an integer >= 1"),
-    ('{"prompt": "x", "temperature": 1}', "c.jsonl:2: unknown field"),
-    ('{"prompt": ', "c.jsonl:2: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"text": "x"}', "c.jsonl:2: each line needs a non-empty string field 'prompt'"),
+        (
+            '{"prompt": "x", "output_tokens": 0}',
+            "c.jsonl:2: 'output_tokens' must be an integer >= 1",
+        ),
+        ('{"prompt": "x", "temperature": 1}', "c.jsonl:2: unknown field"),
+        ('{"prompt": ', "c.jsonl:2: not valid JSON"),
+    ],
+)
 def test_custom_errors_name_the_line(tmp_path, line, message):
     path = tmp_path / "c.jsonl"
     path.write_text('{"prompt": "ok"}\n' + line + "\n")
@@ -184,8 +217,9 @@ def test_custom_errors_name_the_line(tmp_path, line, message):
 
 
 def test_multi_turn_conversations_grow_turn_by_turn_and_come_back_in_rounds(tok):
-    samples = multi_turn_requests(tok, num_conversations=3, num_turns=3, first_len=40,
-                                  turn_len=10, output_len=5, seed=1)
+    samples = multi_turn_requests(
+        tok, num_conversations=3, num_turns=3, first_len=40, turn_len=10, output_len=5, seed=1
+    )
     assert len(samples) == 9 and all(s.expected_output_len == 5 for s in samples)
     for i, sample in enumerate(samples):
         turn, conv = divmod(i, 3)

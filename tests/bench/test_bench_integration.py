@@ -20,8 +20,10 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("pagoda.entrypoints.openai.api_server",
-                    reason="bench integration tests need the OpenAI server (pagoda serve)")
+pytest.importorskip(
+    "pagoda.entrypoints.openai.api_server",
+    reason="bench integration tests need the OpenAI server (pagoda serve)",
+)
 
 from pagoda.bench import metrics as m  # noqa: E402
 from pagoda.bench.cli import main  # noqa: E402
@@ -52,16 +54,37 @@ class PagodaServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
         env.pop("PAGODA_API_KEY", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--device", "cpu", "--api-key", API_KEY,
-             "--max-model-len", "512", "--disable-uvicorn-access-log", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "pagoda.entrypoints.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--device",
+                "cpu",
+                "--api-key",
+                API_KEY,
+                "--max-model-len",
+                "512",
+                "--disable-uvicorn-access-log",
+                *flags,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
 
-    def wait_ready(self) -> "PagodaServer":
+    def wait_ready(self) -> PagodaServer:
         deadline = time.monotonic() + STARTUP_DEADLINE_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.log_text()}")
+                raise RuntimeError(
+                    f"pagoda serve exited with {self.proc.returncode}:\n{self.log_text()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -70,7 +93,9 @@ class PagodaServer:
                 pass
             time.sleep(0.25)  # readiness poll interval
         self.stop()
-        raise TimeoutError(f"pagoda serve not ready within {STARTUP_DEADLINE_S}s:\n{self.log_text()}")
+        raise TimeoutError(
+            f"pagoda serve not ready within {STARTUP_DEADLINE_S}s:\n{self.log_text()}"
+        )
 
     def log_text(self) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
@@ -97,16 +122,49 @@ def server():
 
 
 def _serve_args(url: str, *extra: str) -> list[str]:
-    return ["serve", "--base-url", url, "--api-key", API_KEY, "--disable-tqdm",
-            "--request-timeout", "300", "--max-duration", "600", *extra]
+    return [
+        "serve",
+        "--base-url",
+        url,
+        "--api-key",
+        API_KEY,
+        "--disable-tqdm",
+        "--request-timeout",
+        "300",
+        "--max-duration",
+        "600",
+        *extra,
+    ]
 
 
 def test_bench_serve_against_pagoda(server, tmp_path):
-    assert main(_serve_args(server.url, "--num-prompts", "4", "--random-input-len", "24",
-                            "--random-output-len", "6", "--ignore-eos", "--max-concurrency", "2",
-                            "--num-warmups", "1", "--goodput", "e2el:600000",
-                            "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-                            "--result-filename", "pagoda.json")) == 0
+    assert (
+        main(
+            _serve_args(
+                server.url,
+                "--num-prompts",
+                "4",
+                "--random-input-len",
+                "24",
+                "--random-output-len",
+                "6",
+                "--ignore-eos",
+                "--max-concurrency",
+                "2",
+                "--num-warmups",
+                "1",
+                "--goodput",
+                "e2el:600000",
+                "--save-result",
+                "--save-detailed",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "pagoda.json",
+            )
+        )
+        == 0
+    )
     report = load_report(str(tmp_path / "pagoda.json"))
     assert (report["completed"], report["failed"], report["cancelled"]) == (4, 0, 0)
     # ignore_eos + exact usage: every request produced exactly its 6 tokens.
@@ -118,8 +176,9 @@ def test_bench_serve_against_pagoda(server, tmp_path):
     assert report["requests"]["input_lens"] == [24 + added] * 4
     assert report["request_goodput"] == 4 / report["duration"]
     assert report["max_concurrent_requests"] == 2
-    for ttft, e2el, itls in zip(report["requests"]["ttft_ms"], report["requests"]["e2el_ms"],
-                                report["requests"]["itls_ms"]):
+    for ttft, e2el, itls in zip(
+        report["requests"]["ttft_ms"], report["requests"]["e2el_ms"], report["requests"]["itls_ms"]
+    ):
         assert 0 < ttft <= e2el
         assert len(itls) <= 5  # at most one gap per token after the first
     server_metrics = report["server_metrics"]
@@ -129,20 +188,55 @@ def test_bench_serve_against_pagoda(server, tmp_path):
 
 
 def test_chat_backend_against_pagoda(server, tmp_path):
-    assert main(_serve_args(server.url, "--backend", "openai-chat", "--num-prompts", "2",
-                            "--max-concurrency", "2",
-                            "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos",
-                            "--save-result", "--result-dir", str(tmp_path),
-                            "--result-filename", "chat.json")) == 0
+    assert (
+        main(
+            _serve_args(
+                server.url,
+                "--backend",
+                "openai-chat",
+                "--num-prompts",
+                "2",
+                "--max-concurrency",
+                "2",
+                "--random-input-len",
+                "16",
+                "--random-output-len",
+                "4",
+                "--ignore-eos",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "chat.json",
+            )
+        )
+        == 0
+    )
     report = load_report(str(tmp_path / "chat.json"))
     assert report["completed"] == 2 and report["total_output_tokens"] == 8
     assert all(n > 16 for n in report["requests"]["input_lens"])  # the chat template adds tokens
 
 
 def test_queue_cap_429s_are_counted(server, tmp_path):
-    assert main(_serve_args(server.url, "--num-prompts", "12", "--random-input-len", "16",
-                            "--random-output-len", "4", "--save-result", "--result-dir",
-                            str(tmp_path), "--result-filename", "burst.json")) == 0
+    assert (
+        main(
+            _serve_args(
+                server.url,
+                "--num-prompts",
+                "12",
+                "--random-input-len",
+                "16",
+                "--random-output-len",
+                "4",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "burst.json",
+            )
+        )
+        == 0
+    )
     report = load_report(str(tmp_path / "burst.json"))
     assert set(report["failures"]) == {"http_429"}
     assert report["failures"]["http_429"] >= 1
@@ -155,8 +249,14 @@ def test_server_killed_mid_run():
     try:
         tok = ServerTokenizer(proc.url, _model_id(proc.url), API_KEY)
         samples = random_requests(tok, num_prompts=6, input_len=16, output_len=200, seed=0)
-        target = Target(proc.url + "/v1/completions", "openai", tok.model, API_KEY,
-                        request_timeout=300, ignore_eos=True)
+        target = Target(
+            proc.url + "/v1/completions",
+            "openai",
+            tok.model,
+            API_KEY,
+            request_timeout=300,
+            ignore_eos=True,
+        )
         plan = LoadPlan(max_duration=600, show_progress=False, metrics_interval=0)
 
         async def kill_once_generating():
@@ -166,7 +266,9 @@ def test_server_killed_mid_run():
             proc.proc.kill()
 
         async def both():
-            return await asyncio.gather(run_load(target, samples, plan, proc.url), kill_once_generating())
+            return await asyncio.gather(
+                run_load(target, samples, plan, proc.url), kill_once_generating()
+            )
 
         start = time.monotonic()
         outcome, _ = asyncio.run(both())
@@ -182,18 +284,24 @@ def test_server_killed_mid_run():
 
 
 def _model_id(url: str) -> str:
-    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    request = urllib.request.Request(
+        url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     import json
+
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
 
 
 def _generating(url: str) -> bool:
-    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    request = urllib.request.Request(
+        url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             text = response.read().decode()
     except OSError:
         return False
     from pagoda.bench.server_metrics import lookup, parse_prometheus
+
     return (lookup(parse_prometheus(text), ("generation_tokens",)) or 0) > 0

@@ -11,10 +11,12 @@ from pagoda.bench.metrics import RequestResult
 
 
 def recorded_run() -> list[RequestResult]:
-    a = RequestResult(10, 4, start=0.0, end=1.5, chunk_times=[0.5, 0.75, 1.0, 1.5],
-                      output_tokens=4, success=True)
-    b = RequestResult(20, 2, start=0.25, end=2.5, chunk_times=[1.25, 2.25], output_tokens=2,
-                      success=True)
+    a = RequestResult(
+        10, 4, start=0.0, end=1.5, chunk_times=[0.5, 0.75, 1.0, 1.5], output_tokens=4, success=True
+    )
+    b = RequestResult(
+        20, 2, start=0.25, end=2.5, chunk_times=[1.25, 2.25], output_tokens=2, success=True
+    )
     c = RequestResult(7, 8, start=1.0, end=1.125, status=429, error_kind="http_429", error="busy")
     d = RequestResult(9, 8)  # never sent
     e = RequestResult(5, 1, start=2.0, end=2.75, chunk_times=[2.5], output_tokens=1, success=True)
@@ -36,7 +38,9 @@ def test_per_request_definitions():
 
 def test_tpot_uses_usage_tokens_not_chunks():
     # Two chunks that carried 6 tokens (e.g. speculative decoding): TPOT divides by 5.
-    r = RequestResult(3, 6, start=0.0, end=1.5, chunk_times=[0.25, 1.5], output_tokens=6, success=True)
+    r = RequestResult(
+        3, 6, start=0.0, end=1.5, chunk_times=[0.25, 1.5], output_tokens=6, success=True
+    )
     assert m.tpot(r) == (1.5 - 0.25) / 5
     no_usage = RequestResult(3, 6, start=0.0, end=1.5, chunk_times=[0.25, 1.0, 1.5], success=True)
     assert m.output_token_count(no_usage) == 3
@@ -45,7 +49,13 @@ def test_tpot_uses_usage_tokens_not_chunks():
 
 def test_summary_of_recorded_run():
     s = m.summarize(recorded_run(), duration=4.0, percentiles=[50, 99])
-    assert (s["num_requests"], s["completed"], s["failed"], s["cancelled"], s["not_sent"]) == (5, 3, 1, 0, 1)
+    assert (s["num_requests"], s["completed"], s["failed"], s["cancelled"], s["not_sent"]) == (
+        5,
+        3,
+        1,
+        0,
+        1,
+    )
     assert s["failures"] == {"http_429": 1}
     assert s["completed"] + s["failed"] + s["cancelled"] + s["not_sent"] == s["num_requests"]
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (35, 7)
@@ -66,16 +76,19 @@ def test_summary_of_recorded_run():
     assert s["median_itl_ms"] == 375.0
     assert s["mean_tpot_ms"] == pytest.approx((1000 / 3 + 1250) / 2, rel=1e-12)
     assert (s["mean_e2el_ms"], s["median_e2el_ms"]) == (1500.0, 1500.0)
-    assert s["std_e2el_ms"] == pytest.approx((((0 ** 2) + 750 ** 2 + 750 ** 2) / 3) ** 0.5, rel=1e-12)
+    assert s["std_e2el_ms"] == pytest.approx((((0**2) + 750**2 + 750**2) / 3) ** 0.5, rel=1e-12)
 
 
-@pytest.mark.parametrize("slos,good", [
-    ({"ttft": 600}, 2),             # a (500) and e (500) pass; b (1000) fails
-    ({"tpot": 400}, 2),             # a 333 ms passes, b 1250 fails, e has no TPOT and passes
-    ({"e2el": 1000}, 1),            # only e (750)
-    ({"ttft": 600, "tpot": 300}, 1),  # a fails TPOT now; only e
-    ({"ttft": 1000, "tpot": 1250, "e2el": 2250}, 3),  # limits are inclusive
-])
+@pytest.mark.parametrize(
+    "slos,good",
+    [
+        ({"ttft": 600}, 2),  # a (500) and e (500) pass; b (1000) fails
+        ({"tpot": 400}, 2),  # a 333 ms passes, b 1250 fails, e has no TPOT and passes
+        ({"e2el": 1000}, 1),  # only e (750)
+        ({"ttft": 600, "tpot": 300}, 1),  # a fails TPOT now; only e
+        ({"ttft": 1000, "tpot": 1250, "e2el": 2250}, 3),  # limits are inclusive
+    ],
+)
 def test_goodput(slos, good):
     s = m.summarize(recorded_run(), duration=4.0, goodput_slos_ms=slos)
     assert s["request_goodput"] == good / 4.0
@@ -90,23 +103,33 @@ def test_goodput_fails_ttft_without_content():
 
 
 def test_peak_tokens_spread_usage_over_chunks():
-    r1 = RequestResult(1, 6, start=0.0, end=1.5, chunk_times=[0.5, 1.5], output_tokens=6, success=True)
-    r2 = RequestResult(1, 2, start=0.0, end=0.75, chunk_times=[0.25, 0.75], output_tokens=2, success=True)
-    failed = RequestResult(1, 2, start=0.0, end=0.5, chunk_times=[0.25, 0.5], error_kind="connection_error")
+    r1 = RequestResult(
+        1, 6, start=0.0, end=1.5, chunk_times=[0.5, 1.5], output_tokens=6, success=True
+    )
+    r2 = RequestResult(
+        1, 2, start=0.0, end=0.75, chunk_times=[0.25, 0.75], output_tokens=2, success=True
+    )
+    failed = RequestResult(
+        1, 2, start=0.0, end=0.5, chunk_times=[0.25, 0.5], error_kind="connection_error"
+    )
     # [0,1): 3 (r1) + 2 (r2) = 5; [1,2): 3. The failed request's chunks do not count.
     assert m.peak_output_tokens_per_second([r1, r2, failed]) == 5.0
 
 
 def test_peak_concurrency_touching_intervals_do_not_overlap():
-    rs = [RequestResult(1, 1, start=0.0, end=1.0), RequestResult(1, 1, start=1.0, end=2.0),
-          RequestResult(1, 1, start=1.5, end=None)]  # still in flight at the end
+    rs = [
+        RequestResult(1, 1, start=0.0, end=1.0),
+        RequestResult(1, 1, start=1.0, end=2.0),
+        RequestResult(1, 1, start=1.5, end=None),
+    ]  # still in flight at the end
     assert m.peak_concurrency(rs) == 2
     assert m.peak_concurrency([]) == 0
 
 
 def test_cancelled_are_counted_apart_from_failures():
-    rs = recorded_run() + [RequestResult(4, 4, start=3.0, end=4.0, chunk_times=[3.5],
-                                         error_kind=m.CANCELLED)]
+    rs = recorded_run() + [
+        RequestResult(4, 4, start=3.0, end=4.0, chunk_times=[3.5], error_kind=m.CANCELLED)
+    ]
     s = m.summarize(rs, duration=4.0)
     assert (s["failed"], s["cancelled"]) == (1, 1)
     assert s["failures"] == {"cancelled": 1, "http_429": 1}
@@ -114,8 +137,12 @@ def test_cancelled_are_counted_apart_from_failures():
 
 
 def test_empty_and_invalid_inputs():
-    s = m.summarize([RequestResult(1, 1, start=0.0, end=1.0, error_kind="timeout")], duration=1.0,
-                    selected=["ttft"], percentiles=[99.9])
+    s = m.summarize(
+        [RequestResult(1, 1, start=0.0, end=1.0, error_kind="timeout")],
+        duration=1.0,
+        selected=["ttft"],
+        percentiles=[99.9],
+    )
     assert s["completed"] == 0 and s["mean_ttft_ms"] is None and s["p99.9_ttft_ms"] is None
     assert "mean_itl_ms" not in s
     with pytest.raises(ValueError, match="duration"):

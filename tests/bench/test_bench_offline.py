@@ -15,12 +15,14 @@ TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--device", "cpu"]
 @pytest.fixture(scope="module")
 def tiny_llm():
     from pagoda import LLM
+
     with LLM(model="tiny-llama", load_format="dummy", device="cpu") as llm:
         yield llm
 
 
 def test_batch_steps_split_prefill_from_decode(tiny_llm):
     import numpy as np
+
     from pagoda import SamplingParams
 
     prompts = random_token_prompts(list(range(3, 500)), [8, 8, 8], np.random.default_rng(0))
@@ -36,21 +38,60 @@ def test_batch_steps_split_prefill_from_decode(tiny_llm):
 
 def test_throughput_cli(tmp_path):
     out = tmp_path / "tp.json"
-    assert main(["throughput", *TINY, "--num-prompts", "6", "--input-len", "12", "--output-len", "5",
-                 "--random-range-ratio", "0.5", "--disable-tqdm", "--output-json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "throughput",
+                *TINY,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "12",
+                "--output-len",
+                "5",
+                "--random-range-ratio",
+                "0.5",
+                "--disable-tqdm",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["kind"] == "throughput" and report["num_prompts"] == 6
     # ignore_eos: every request generates exactly its requested length (2..8 here).
     assert 6 * 2 <= report["total_output_tokens"] <= 6 * 8
     assert 6 * 6 <= report["total_prompt_tokens"] <= 6 * 18
-    assert report["output_tokens_per_second"] == report["total_output_tokens"] / report["elapsed_time"]
+    assert (
+        report["output_tokens_per_second"] == report["total_output_tokens"] / report["elapsed_time"]
+    )
     assert report["engine"]["device"] == "cpu"
 
 
 def test_latency_cli(tmp_path):
     out = tmp_path / "lat.json"
-    assert main(["latency", *TINY, "--batch-size", "2", "--input-len", "6", "--output-len", "4",
-                 "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "latency",
+                *TINY,
+                "--batch-size",
+                "2",
+                "--input-len",
+                "6",
+                "--output-len",
+                "4",
+                "--num-iters-warmup",
+                "1",
+                "--num-iters",
+                "2",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert (report["kind"], report["batch_size"], report["num_iters"]) == ("latency", 2, 2)
     assert len(report["prefill_latencies_ms"]) == 2 and len(report["e2e_latencies_ms"]) == 2

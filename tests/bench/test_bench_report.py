@@ -10,8 +10,14 @@ from pagoda.bench.cli import build_bench_parser, main, parse_goodput
 from pagoda.bench.compare import compare_reports, format_markdown, format_table
 from pagoda.bench.metrics import RequestResult
 from pagoda.bench.plot import load_axis, write_plots
-from pagoda.bench.report import (SCHEMA_VERSION, length_buckets, load_report, save_report,
-                                 serve_report, validate_report)
+from pagoda.bench.report import (
+    SCHEMA_VERSION,
+    length_buckets,
+    load_report,
+    save_report,
+    serve_report,
+    validate_report,
+)
 from pagoda.bench.serve import RunOutcome, plan_from_args
 
 
@@ -21,16 +27,36 @@ def parse(argv):
 
 def recorded_results(scale=1.0):
     """Three completed requests, one 429 and one never sent (times scaled by `scale`)."""
+
     def t(x):
         return x * scale
+
     return [
-        RequestResult(10, 4, start=0.0, end=t(1.5), chunk_times=[t(0.5), t(0.75), t(1.0), t(1.5)],
-                      output_tokens=4, success=True),
-        RequestResult(300, 2, start=t(0.25), end=t(2.5), chunk_times=[t(1.25), t(2.25)],
-                      output_tokens=2, success=True),
-        RequestResult(7, 8, start=t(1.0), end=t(1.125), status=429, error_kind="http_429", error="full"),
+        RequestResult(
+            10,
+            4,
+            start=0.0,
+            end=t(1.5),
+            chunk_times=[t(0.5), t(0.75), t(1.0), t(1.5)],
+            output_tokens=4,
+            success=True,
+        ),
+        RequestResult(
+            300,
+            2,
+            start=t(0.25),
+            end=t(2.5),
+            chunk_times=[t(1.25), t(2.25)],
+            output_tokens=2,
+            success=True,
+        ),
+        RequestResult(
+            7, 8, start=t(1.0), end=t(1.125), status=429, error_kind="http_429", error="full"
+        ),
         RequestResult(9, 8),
-        RequestResult(5, 1, start=t(2.0), end=t(2.75), chunk_times=[t(2.5)], output_tokens=1, success=True),
+        RequestResult(
+            5, 1, start=t(2.0), end=t(2.75), chunk_times=[t(2.5)], output_tokens=1, success=True
+        ),
     ]
 
 
@@ -42,8 +68,9 @@ def make_report(label="A", rate="inf", concurrency=None, scale=1.0, goodput=None
     args.goodput = parse_goodput(goodput)
     results = recorded_results(scale)
     outcome = RunOutcome(results, 4.0 * scale, False, {}, {"available": False, "reason": "test"})
-    summary = m.summarize(results, outcome.duration, args.percentile_metrics, args.metric_percentiles,
-                          args.goodput)
+    summary = m.summarize(
+        results, outcome.duration, args.percentile_metrics, args.metric_percentiles, args.goodput
+    )
     return serve_report(args, plan_from_args(args), summary, outcome, "toy", "http://127.0.0.1:1")
 
 
@@ -69,7 +96,11 @@ def test_serve_report_schema():
 def test_buckets_group_by_length():
     rows = length_buckets(recorded_results())
     assert [(r["input_len"], r["output_len"], r["count"], r["completed"]) for r in rows] == [
-        ("4-7", "1", 1, 1), ("4-7", "8-15", 1, 0), ("8-15", "4-7", 1, 1), ("256-511", "2-3", 1, 1)]
+        ("4-7", "1", 1, 1),
+        ("4-7", "8-15", 1, 0),
+        ("8-15", "4-7", 1, 1),
+        ("256-511", "2-3", 1, 1),
+    ]
     assert rows[0]["mean_ttft_ms"] == 500.0
     assert rows[1]["mean_ttft_ms"] is None  # only a failed request there
 
@@ -95,11 +126,35 @@ def test_validate_report_names_the_problem(tmp_path):
 
 
 def test_cli_serve_end_to_end(fake_server, tmp_path):
-    code = main(["serve", "--base-url", fake_server.url, "--num-prompts", "6",
-                 "--random-input-len", "20", "--random-output-len", "5", "--random-range-ratio", "0.5",
-                 "--num-warmups", "1", "--disable-tqdm", "--goodput", "ttft:60000", "e2el:60000",
-                 "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-                 "--result-filename", "run.json", "--metrics-interval", "0"])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            fake_server.url,
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "20",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "0.5",
+            "--num-warmups",
+            "1",
+            "--disable-tqdm",
+            "--goodput",
+            "ttft:60000",
+            "e2el:60000",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "run.json",
+            "--metrics-interval",
+            "0",
+        ]
+    )
     assert code == 0
     report = load_report(str(tmp_path / "run.json"))
     assert report["model_id"] == "ok"  # discovered from /v1/models
@@ -125,15 +180,19 @@ def test_cli_rejects_bad_flags(capsys):
         parse(["serve", "--metric-percentiles", "0,50"])
     with pytest.raises(SystemExit):
         parse(["serve", "--request-rate", "0"])
-    assert main(["serve", "--base-url", "http://127.0.0.1:1", "--model", "m",
-                 "--goodput", "itl:5"]) == 2
+    assert (
+        main(["serve", "--base-url", "http://127.0.0.1:1", "--model", "m", "--goodput", "itl:5"])
+        == 2
+    )
     assert "--goodput takes NAME:MS" in capsys.readouterr().err
     assert main(["serve", "--base-url", "127.0.0.1:1", "--model", "m"]) == 2
     assert "base_url must be" in capsys.readouterr().err
 
 
 def test_cli_without_tokenizer_says_why(bare_server, capsys):
-    assert main(["serve", "--base-url", bare_server.url, "--model", "ok", "--num-prompts", "2"]) == 2
+    assert (
+        main(["serve", "--base-url", bare_server.url, "--model", "ok", "--num-prompts", "2"]) == 2
+    )
     err = capsys.readouterr().err
     assert "needs a tokenizer" in err and "HTTP 404" in err
 
@@ -146,7 +205,9 @@ def test_compare_deltas_ratios_and_verdicts():
     assert rows["output_throughput"]["deltas"] == [7 / 2.0 - 7 / 4.0]
     assert rows["output_throughput"]["ratios"] == [2.0]
     assert rows["output_throughput"]["verdicts"] == ["better"]
-    assert rows["mean_ttft_ms"]["ratios"] == [0.5] and rows["mean_ttft_ms"]["verdicts"] == ["better"]
+    assert rows["mean_ttft_ms"]["ratios"] == [0.5] and rows["mean_ttft_ms"]["verdicts"] == [
+        "better"
+    ]
     assert rows["completed"]["verdicts"] == [""]  # equal
     worse = compare_reports([b, a], ["B", "A"])
     assert {r["metric"]: r for r in worse["rows"]}["p99_ttft_ms"]["verdicts"] == ["worse"]
@@ -162,8 +223,22 @@ def test_compare_cli_and_errors(tmp_path, capsys):
     pa = save_report(make_report("A"), str(tmp_path), "a.json")
     pb = save_report(make_report("B", scale=2.0), str(tmp_path), "b.json")
     out = tmp_path / "cmp.md"
-    assert main(["compare", pa, pb, "--format", "markdown", "--metrics",
-                 "output_throughput,server_metrics.available,mean_e2el_ms", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                pa,
+                pb,
+                "--format",
+                "markdown",
+                "--metrics",
+                "output_throughput,server_metrics.available,mean_e2el_ms",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     written = out.read_text()
     assert "| output_throughput | 1.75 | 0.88 | -0.88 | 0.500x | worse |" in written
     assert "| mean_e2el_ms | 1500.00 | 3000.00 | +1500.00 | 2.000x | worse |" in written
@@ -180,13 +255,19 @@ def _png_size(path):
 
 
 def test_plots_are_valid_pngs(tmp_path):
-    reports = [make_report(label, rate=r, scale=s)
-               for label, shift in (("pagoda", 1.0), ("peer", 1.5))
-               for r, s in ((1, 0.5 * shift), (2, 0.75 * shift), (4, 1.0 * shift))]
+    reports = [
+        make_report(label, rate=r, scale=s)
+        for label, shift in (("pagoda", 1.0), ("peer", 1.5))
+        for r, s in ((1, 0.5 * shift), (2, 0.75 * shift), (4, 1.0 * shift))
+    ]
     paths = write_plots(reports, str(tmp_path / "plots"), dpi=50)
-    assert [p.rsplit("/", 1)[1] for p in paths] == ["latency_cdf.png", "throughput_vs_rate.png",
-                                                    "p99_ttft_vs_rate.png"]
+    assert [p.rsplit("/", 1)[1] for p in paths] == [
+        "latency_cdf.png",
+        "throughput_vs_rate.png",
+        "p99_ttft_vs_rate.png",
+    ]
     from PIL import Image
+
     for path in paths:
         width, height = _png_size(path)
         assert width > 100 and height > 100
@@ -207,14 +288,27 @@ def test_plot_cli(tmp_path):
     paths = [save_report(make_report("A", rate=r), str(tmp_path), f"a{r}.json") for r in (1, 2)]
     assert main(["plot", *paths, "--output-dir", str(tmp_path / "out")]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "latency_cdf.png", "p99_ttft_vs_rate.png", "throughput_vs_rate.png"]
+        "latency_cdf.png",
+        "p99_ttft_vs_rate.png",
+        "throughput_vs_rate.png",
+    ]
 
 
 def test_compare_server_with_offline_engine():
     serve = make_report("server")
-    offline = {"schema_version": 1, "kind": "throughput", "date": "d", "label": "offline", "config": {},
-               "model_id": "m", "num_prompts": 3, "elapsed_time": 2.0, "requests_per_second": 1.5,
-               "tokens_per_second": 21.0, "output_tokens_per_second": 3.5}
+    offline = {
+        "schema_version": 1,
+        "kind": "throughput",
+        "date": "d",
+        "label": "offline",
+        "config": {},
+        "model_id": "m",
+        "num_prompts": 3,
+        "elapsed_time": 2.0,
+        "requests_per_second": 1.5,
+        "tokens_per_second": 21.0,
+        "output_tokens_per_second": 3.5,
+    }
     validate_report(offline)
     table = compare_reports([offline, serve], ["offline", "server"])
     rows = {r["metric"]: r for r in table["rows"]}

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from helpers.scheduler_harness import (
+    BLOCK_SIZE,
+    FakeRunner,
+    alone,
+    collect,
+    make_request,
+    make_scheduler,
+    next_token,
+    run_to_completion,
+)
+
 from pagoda.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.request import RequestStatus
-
-from scheduler_harness import (BLOCK_SIZE, FakeRunner, alone, collect, make_request,
-                               make_scheduler, next_token, run_to_completion)
 
 
 @dataclass
@@ -77,8 +85,7 @@ def make_workload(eos=None):
 def test_pipelined_outputs_equal_sync_under_chunking_and_preemption():
     results = []
     for pipelined in (False, True):
-        sched = make_scheduler(num_blocks=14, budget=16, max_num_seqs=6,
-                               async_scheduling=pipelined)
+        sched = make_scheduler(num_blocks=14, budget=16, max_num_seqs=6, async_scheduling=pipelined)
         requests = make_workload()
         for r in requests:
             sched.add_request(r)
@@ -130,7 +137,7 @@ def test_eos_stop_wastes_one_step_and_drops_its_token():
     sched = make_scheduler(async_scheduling=True)
     sched.add_request(make_request("A", prompt, max_tokens=12, eos=expected[stop_at]))
     tokens, reasons, steps = run_pipelined(sched, PipelinedRunner())
-    assert tokens["A"] == expected[:stop_at + 1] and reasons["A"] == "stop"
+    assert tokens["A"] == expected[: stop_at + 1] and reasons["A"] == "stop"
     # One step per token, then one wasted step launched before the eos was seen.
     assert steps == stop_at + 2
     assert sched.kv_cache_manager.audit().in_use == 0

@@ -16,6 +16,7 @@ def fake_hash(n: int) -> BlockHash:
 
 # --- hashing -----------------------------------------------------------------
 
+
 def test_hash_is_stable_and_chained():
     first = hash_block_tokens(None, [1, 2, 3, 4])
     # Fixed across processes and runs: the digest of a pinned encoding.
@@ -38,6 +39,7 @@ def test_hash_value_is_pinned():
 
 
 # --- free list ---------------------------------------------------------------
+
 
 def test_free_queue_remove_from_middle_relinks_neighbours():
     blocks = [KVCacheBlock(i) for i in range(5)]
@@ -70,6 +72,7 @@ def test_free_queue_rejects_double_membership():
 
 
 # --- pool ----------------------------------------------------------------------
+
 
 def test_new_blocks_come_from_the_head_with_one_reference():
     pool = BlockPool(4)

@@ -21,7 +21,9 @@ def make_request(request_id: str, tokens, **sampling) -> Request:
 def schedule_prompt(manager: KVCacheManager, request: Request):
     """What the scheduler does for a waiting request: look up hits, allocate the rest."""
     hits, num_hit_tokens = manager.get_computed_blocks(request)
-    new_ids = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, new_computed_blocks=hits)
+    new_ids = manager.allocate_slots(
+        request, request.num_tokens - num_hit_tokens, new_computed_blocks=hits
+    )
     if new_ids is not None:
         request.num_computed_tokens = request.num_tokens
     return hits, num_hit_tokens, new_ids
@@ -84,7 +86,9 @@ def test_at_least_one_token_is_left_to_compute():
 
 def test_hash_collision_with_other_tokens_is_a_miss(monkeypatch):
     forged = BlockHash(b"\x01" * 32)
-    monkeypatch.setattr(block_hash_module, "hash_block_tokens", lambda parent, tokens, extra=(): forged)
+    monkeypatch.setattr(
+        block_hash_module, "hash_block_tokens", lambda parent, tokens, extra=(): forged
+    )
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     schedule_prompt(manager, make_request("a", [1, 2, 3, 4, 5]))
     other = make_request("b", [9, 9, 9, 9, 5])
@@ -103,13 +107,21 @@ def test_failed_allocation_changes_nothing():
     holder = make_request("a", range(12))
     assert manager.allocate_slots(holder, 12) == [0, 1, 2]
     holder.num_computed_tokens = 12
-    before = (manager.audit(), list(ids_of(manager.block_pool.free_queue)), dict(manager.block_pool.cached_blocks))
+    before = (
+        manager.audit(),
+        list(ids_of(manager.block_pool.free_queue)),
+        dict(manager.block_pool.cached_blocks),
+    )
     greedy = make_request("b", range(50, 58))
     assert manager.allocate_slots(greedy, 8) is None
     assert manager.get_block_ids("b") == []
     assert manager.allocate_slots(holder, 8) is None  # needs two more blocks
     assert manager.get_block_ids("a") == [0, 1, 2]
-    after = (manager.audit(), list(ids_of(manager.block_pool.free_queue)), dict(manager.block_pool.cached_blocks))
+    after = (
+        manager.audit(),
+        list(ids_of(manager.block_pool.free_queue)),
+        dict(manager.block_pool.cached_blocks),
+    )
     assert after == before
 
 
@@ -143,7 +155,11 @@ def test_requests_sharing_a_prompt_share_blocks():
     requests = [make_request(f"r{i}", prompt) for i in range(3)]
     for request in requests:
         schedule_prompt(manager, request)
-    assert [manager.get_block_ids(r.request_id) for r in requests] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
+    assert [manager.get_block_ids(r.request_id) for r in requests] == [
+        [0, 1, 2],
+        [0, 1, 3],
+        [0, 1, 4],
+    ]
     shared = manager.block_pool.blocks[:2]
     assert [block.ref_cnt for block in shared] == [3, 3]
     assert manager.audit() == BlockPoolAudit(total=16, free=11, cached=0, in_use=5)
@@ -206,7 +222,11 @@ def test_draft_and_lookahead_tokens_get_slots_but_are_not_cached():
     request.spec_token_ids = [6, 7]
     # 6 real + 2 draft tokens fill two blocks, 3 lookahead tokens need a third.
     assert manager.allocate_slots(request, 8, num_lookahead_tokens=3) == [0, 1, 2]
-    assert [block.block_hash is not None for block in manager.block_pool.blocks[:3]] == [True, False, False]
+    assert [block.block_hash is not None for block in manager.block_pool.blocks[:3]] == [
+        True,
+        False,
+        False,
+    ]
     assert manager.num_blocks_needed(request, 13) == 1
     assert manager.num_blocks_needed(request, 12) == 0
 
@@ -266,6 +286,7 @@ def test_audit_catches_a_leaked_reference():
 
 # --- randomized stress test -----------------------------------------------------
 
+
 def _check_cached_contents(manager: KVCacheManager, running: dict) -> None:
     """Every hashed block a request holds must hold exactly that request's tokens."""
     for request in running.values():
@@ -274,10 +295,14 @@ def _check_cached_contents(manager: KVCacheManager, running: dict) -> None:
         for index, block in enumerate(blocks):
             if block.block_hash is not None:
                 assert block.block_hash == request.block_hashes[index]
-                assert block.token_ids == tuple(request.all_token_ids[index * BLOCK:(index + 1) * BLOCK])
+                assert block.token_ids == tuple(
+                    request.all_token_ids[index * BLOCK : (index + 1) * BLOCK]
+                )
 
 
-def _stress_step(manager: KVCacheManager, rng: random.Random, running: dict, prefixes, counter: list) -> None:
+def _stress_step(
+    manager: KVCacheManager, rng: random.Random, running: dict, prefixes, counter: list
+) -> None:
     op = rng.random()
     if op < 0.35 or not running:
         counter[0] += 1

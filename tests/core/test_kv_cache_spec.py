@@ -4,13 +4,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagoda.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                       bytes_per_block, num_blocks_for_budget)
+from pagoda.core.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    bytes_per_block,
+    num_blocks_for_budget,
+)
 
 
 @dataclass(frozen=True)
 class OneVectorSpec(KVCacheSpec):
     """A latent-style layer: one vector of `width` float16 values per token."""
+
     width: int
 
     @property
@@ -35,12 +41,15 @@ def test_specs_are_frozen_values():
         KVCacheSpec(16)  # abstract: a layer kind must say what a block costs
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=0, num_kv_heads=8, head_dim=128, dtype="bfloat16"), "block_size"),
-    (dict(block_size=16, num_kv_heads=0, head_dim=128, dtype="bfloat16"), "num_kv_heads"),
-    (dict(block_size=16, num_kv_heads=8, head_dim=1.5, dtype="bfloat16"), "head_dim"),
-    (dict(block_size=16, num_kv_heads=8, head_dim=128, dtype="float8"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=0, num_kv_heads=8, head_dim=128, dtype="bfloat16"), "block_size"),
+        (dict(block_size=16, num_kv_heads=0, head_dim=128, dtype="bfloat16"), "num_kv_heads"),
+        (dict(block_size=16, num_kv_heads=8, head_dim=1.5, dtype="bfloat16"), "head_dim"),
+        (dict(block_size=16, num_kv_heads=8, head_dim=128, dtype="float8"), "dtype"),
+    ],
+)
 def test_full_attention_spec_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FullAttentionSpec(**kwargs)
@@ -56,8 +65,9 @@ def test_bytes_per_block_sums_the_layers_of_every_kind():
 
 def test_layers_must_share_one_block_size():
     with pytest.raises(ValueError, match=r"one block size, got \[16, 32\]"):
-        bytes_per_block([FullAttentionSpec(16, 8, 128, "bfloat16"),
-                         FullAttentionSpec(32, 8, 128, "bfloat16")])
+        bytes_per_block(
+            [FullAttentionSpec(16, 8, 128, "bfloat16"), FullAttentionSpec(32, 8, 128, "bfloat16")]
+        )
     with pytest.raises(ValueError, match="at least one layer"):
         bytes_per_block([])
 
@@ -66,8 +76,11 @@ def test_num_blocks_for_budget():
     specs = [FullAttentionSpec(16, 2, 64, "float32")] * 3  # 3 * 16384 = 49152 bytes a block
     assert num_blocks_for_budget(49152 * 100 + 49151, specs, max_model_len=1600) == 100
     assert num_blocks_for_budget(49152 * 100, specs, max_model_len=1) == 100
-    with pytest.raises(ValueError, match=r"holds 99 blocks of 16 tokens, fewer than one "
-                                         r"sequence of max_model_len=1585 needs \(100\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 99 blocks of 16 tokens, fewer than one "
+        r"sequence of max_model_len=1585 needs \(100\)",
+    ):
         num_blocks_for_budget(49152 * 99, specs, max_model_len=1585)
 
 
@@ -97,12 +110,20 @@ def test_mla_spec_sizes_one_latent_entry_per_token():
     assert MLAAttentionSpec(4, 32, 16, "float32").page_size_bytes == 4 * 48 * 4
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=16, kv_lora_rank=0, qk_rope_head_dim=64, dtype="bfloat16"), "kv_lora_rank"),
-    (dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=None, dtype="bfloat16"),
-     "qk_rope_head_dim"),
-    (dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype="int8"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(block_size=16, kv_lora_rank=0, qk_rope_head_dim=64, dtype="bfloat16"),
+            "kv_lora_rank",
+        ),
+        (
+            dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=None, dtype="bfloat16"),
+            "qk_rope_head_dim",
+        ),
+        (dict(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype="int8"), "dtype"),
+    ],
+)
 def test_mla_spec_rejects_bad_fields(kwargs, match):
     from pagoda.core.kv_cache_spec import MLAAttentionSpec
 

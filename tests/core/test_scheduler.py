@@ -10,7 +10,7 @@ import random
 import time
 
 import pytest
-from scheduler_harness import (  # tests/core/
+from helpers.scheduler_harness import (  # tests/core/
     BLOCK_SIZE,
     VOCAB,
     FakeRunner,
@@ -29,7 +29,6 @@ from pagoda.core.request_queue import (
     PriorityRequestQueue,
     create_request_queue,
 )
-
 
 # ------------------------------------------------------------------ queues
 
@@ -53,10 +52,12 @@ def test_fcfs_queue_order_prepend_and_remove():
 
 def test_priority_queue_orders_by_priority_then_arrival():
     q = create_request_queue("priority")
-    reqs = [make_request("low", 2, priority=5, arrival=0.0),
-            make_request("late", 2, priority=0, arrival=3.0),
-            make_request("early", 2, priority=0, arrival=1.0),
-            make_request("tie", 2, priority=0, arrival=1.0)]
+    reqs = [
+        make_request("low", 2, priority=5, arrival=0.0),
+        make_request("late", 2, priority=0, arrival=3.0),
+        make_request("early", 2, priority=0, arrival=1.0),
+        make_request("tie", 2, priority=0, arrival=1.0),
+    ]
     for r in reqs:
         q.add(r)
     assert [r.request_id for r in q] == ["early", "tie", "late", "low"]
@@ -88,8 +89,8 @@ def test_token_budget_and_chunked_prefill_exact_counts():
     runner = FakeRunner()
     counts = [step(sched, runner)[0].num_scheduled_tokens for _ in range(4)]
     assert counts == [
-        {"A": 4, "B": 6},           # B is chunked to the 6 tokens left
-        {"A": 1, "B": 1, "C": 8},   # running first: A decodes, B finishes its prompt
+        {"A": 4, "B": 6},  # B is chunked to the 6 tokens left
+        {"A": 1, "B": 1, "C": 8},  # running first: A decodes, B finishes its prompt
         {"A": 1, "B": 1, "C": 7},
         {"A": 1, "B": 1, "C": 1},
     ]
@@ -102,15 +103,20 @@ def test_diffs_new_then_cached_data():
     runner = FakeRunner()
     out1, outputs1 = step(sched, runner)
     assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in out1.scheduled_new_reqs] == [
-        ("A", 0, [0]), ("B", 0, [1, 2])]
+        ("A", 0, [0]),
+        ("B", 0, [1, 2]),
+    ]
     assert [o.req_id for o in outputs1] == ["A"]  # B's chunk did not reach its end
     a_token = outputs1[0].new_token_ids
     out2 = sched.schedule()
     assert out2.scheduled_new_reqs == []
     cached = {c.req_id: c for c in out2.scheduled_cached_reqs}
     # A's 5th token needs a second block; B's 7 prompt tokens fit in its two.
-    assert (cached["A"].new_token_ids, cached["A"].new_block_ids, cached["A"].num_computed_tokens) == (
-        a_token, [3], 4)
+    assert (
+        cached["A"].new_token_ids,
+        cached["A"].new_block_ids,
+        cached["A"].num_computed_tokens,
+    ) == (a_token, [3], 4)
     assert cached["B"].new_block_ids == []
     assert (cached["B"].new_token_ids, cached["B"].num_computed_tokens) == ([], 6)
     assert sched.get_request("B").num_computed_tokens == 7
@@ -154,7 +160,11 @@ def test_long_prefill_token_threshold():
     sched.add_request(make_request("A", 7))
     runner = FakeRunner()
     assert [step(sched, runner)[0].num_scheduled_tokens for _ in range(4)] == [
-        {"A": 3}, {"A": 3}, {"A": 1}, {"A": 1}]
+        {"A": 3},
+        {"A": 3},
+        {"A": 1},
+        {"A": 1},
+    ]
 
 
 def test_max_num_seqs():
@@ -249,7 +259,10 @@ def test_priority_preempts_lowest_priority_not_latest():
     assert low.status == RequestStatus.PREEMPTED
     run_to_completion(sched, runner, tokens)
     assert sched.num_preemptions_total == 1
-    assert tokens == {"low": alone(low.prompt_token_ids, 6), "high": alone(high.prompt_token_ids, 6)}
+    assert tokens == {
+        "low": alone(low.prompt_token_ids, 6),
+        "high": alone(high.prompt_token_ids, 6),
+    }
 
 
 def test_priority_waiting_request_preempts_lower_priority_running():
@@ -273,8 +286,11 @@ def test_priority_waiting_request_preempts_lower_priority_running():
     assert [n.req_id for n in out.scheduled_new_reqs] == ["high"]
     assert [o.req_id for o in outputs] == ["high"]
     run_to_completion(sched, runner, tokens)
-    assert tokens == {"low": alone(low.prompt_token_ids, 3), "high": alone(high.prompt_token_ids, 2),
-                      "small": alone(small.prompt_token_ids, 1)}
+    assert tokens == {
+        "low": alone(low.prompt_token_ids, 3),
+        "high": alone(high.prompt_token_ids, 2),
+        "small": alone(small.prompt_token_ids, 1),
+    }
     assert sched.kv_cache_manager.audit().in_use == 0
 
 
@@ -291,17 +307,25 @@ def test_abort_in_every_state_frees_blocks():
     for _ in range(5):
         step(sched, runner)
     states = {r.request_id: r.status for r in sched.requests.values()}
-    assert states == {"run": RequestStatus.RUNNING, "chunk": RequestStatus.PREEMPTED,
-                      "wait": RequestStatus.WAITING}
+    assert states == {
+        "run": RequestStatus.RUNNING,
+        "chunk": RequestStatus.PREEMPTED,
+        "wait": RequestStatus.WAITING,
+    }
     aborted = sched.abort_requests(["wait", "chunk", "nope"])
     assert [(r.request_id, r.status) for r in aborted] == [
-        ("wait", RequestStatus.FINISHED_ABORTED), ("chunk", RequestStatus.FINISHED_ABORTED)]
+        ("wait", RequestStatus.FINISHED_ABORTED),
+        ("chunk", RequestStatus.FINISHED_ABORTED),
+    ]
     assert sched.num_waiting == 0
     out = sched.schedule()
     assert out.finished_req_ids == {"wait", "chunk"}
     sched.update_from_output(out, runner.execute(out))
     run_req = sched.get_request("run")
-    assert sched.abort_requests("run") == [run_req] and run_req.status == RequestStatus.FINISHED_ABORTED
+    assert (
+        sched.abort_requests("run") == [run_req]
+        and run_req.status == RequestStatus.FINISHED_ABORTED
+    )
     assert sched.abort_requests("run") == []
     assert not sched.has_unfinished_requests() and sched.has_finished_requests()
     audit = sched.kv_cache_manager.audit()
@@ -357,13 +381,20 @@ def test_stop_on_eos_with_stop_reason_none():
     sched, outs = run_one(req, [[5], [9], [4]])
     assert [o.new_token_ids for o in outs] == [[5], [9]]
     assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", None)
-    assert req.status == RequestStatus.FINISHED_STOPPED and sched.kv_cache_manager.num_free_blocks == 64
+    assert (
+        req.status == RequestStatus.FINISHED_STOPPED
+        and sched.kv_cache_manager.num_free_blocks == 64
+    )
 
 
 def test_stop_token_ids_report_the_token():
     req = make_request("A", 3, eos=9, stop_token_ids=[7, 8])
     _, outs = run_one(req, [[5], [8], [4]])
-    assert (outs[-1].new_token_ids, outs[-1].finish_reason, outs[-1].stop_reason) == ([8], "stop", 8)
+    assert (outs[-1].new_token_ids, outs[-1].finish_reason, outs[-1].stop_reason) == (
+        [8],
+        "stop",
+        8,
+    )
 
 
 def test_max_tokens_and_max_model_len_cap_length():
@@ -394,9 +425,14 @@ def test_runner_error_finishes_only_that_request():
     sched.add_request(make_request("B", 3))
     out = sched.schedule()
     outputs = sched.update_from_output(
-        out, ModelRunnerOutput(["A", "B"], [[1], [2]], errors={"A": "NaN in logits"}))
+        out, ModelRunnerOutput(["A", "B"], [[1], [2]], errors={"A": "NaN in logits"})
+    )
     by_id = {o.req_id: o for o in outputs}
-    assert (by_id["A"].finish_reason, by_id["A"].error, by_id["A"].new_token_ids) == ("error", "NaN in logits", [])
+    assert (by_id["A"].finish_reason, by_id["A"].error, by_id["A"].new_token_ids) == (
+        "error",
+        "NaN in logits",
+        [],
+    )
     assert by_id["B"].new_token_ids == [2] and not by_id["B"].finished
     assert sched.get_request("A") is None and sched.num_running == 1
 
@@ -411,9 +447,13 @@ def test_spec_decode_drafts_scheduled_and_rejections_rolled_back():
     sched.update_from_output(out, ModelRunnerOutput(["A"], [[11]], spec_token_ids={"A": [1, 2, 3]}))
     req = sched.get_request("A")
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"A": 4} and out.scheduled_spec_decode_tokens == {"A": [1, 2, 3]}
+    assert out.num_scheduled_tokens == {"A": 4} and out.scheduled_spec_decode_tokens == {
+        "A": [1, 2, 3]
+    }
     # One draft accepted, then the bonus token: two drafts rejected.
-    outs = sched.update_from_output(out, ModelRunnerOutput(["A"], [[1, 12]], spec_token_ids={"A": [5, 6]}))
+    outs = sched.update_from_output(
+        out, ModelRunnerOutput(["A"], [[1, 12]], spec_token_ids={"A": [5, 6]})
+    )
     assert outs[0].new_token_ids == [1, 12]
     assert (req.num_tokens, req.num_computed_tokens, req.spec_token_ids) == (7, 6, [5, 6])
     # With a budget of 2, only one draft fits.
@@ -472,27 +512,45 @@ def _workload(seed: int):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 40))]
         if i % 4 == 0:
             prompt = shared + prompt[:10]
-        specs.append(dict(rid=f"r{i}", prompt=prompt, max_tokens=rng.randrange(1, 30),
-                          eos=0 if i % 3 == 0 else None, priority=rng.randrange(3),
-                          arrival=float(i), prompt_logprobs=1 if i % 7 == 0 else None))
+        specs.append(
+            dict(
+                rid=f"r{i}",
+                prompt=prompt,
+                max_tokens=rng.randrange(1, 30),
+                eos=0 if i % 3 == 0 else None,
+                priority=rng.randrange(3),
+                arrival=float(i),
+                prompt_logprobs=1 if i % 7 == 0 else None,
+            )
+        )
     return specs
 
 
 def _expected(spec) -> tuple[list[int], str]:
     tokens = alone(spec["prompt"], spec["max_tokens"])
     if spec["eos"] is not None and spec["eos"] in tokens:
-        return tokens[:tokens.index(spec["eos"]) + 1], "stop"
+        return tokens[: tokens.index(spec["eos"]) + 1], "stop"
     return tokens, "length"
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_simulation_all_finish_with_solo_outputs(policy):
     specs = _workload(seed=3)
-    sched = make_scheduler(num_blocks=24, budget=32, max_num_seqs=8, max_model_len=128, policy=policy)
+    sched = make_scheduler(
+        num_blocks=24, budget=32, max_num_seqs=8, max_model_len=128, policy=policy
+    )
     for spec in specs:
-        sched.add_request(make_request(spec["rid"], spec["prompt"], spec["max_tokens"], eos=spec["eos"],
-                                       priority=spec["priority"], arrival=spec["arrival"],
-                                       prompt_logprobs=spec["prompt_logprobs"]))
+        sched.add_request(
+            make_request(
+                spec["rid"],
+                spec["prompt"],
+                spec["max_tokens"],
+                eos=spec["eos"],
+                priority=spec["priority"],
+                arrival=spec["arrival"],
+                prompt_logprobs=spec["prompt_logprobs"],
+            )
+        )
     prompt_lp = {}
     runner = FakeRunner()
     tokens, reasons = {}, {}
@@ -508,7 +566,9 @@ def test_simulation_all_finish_with_solo_outputs(policy):
     assert len(reasons) == 30
     for spec in specs:
         expected_tokens, expected_reason = _expected(spec)
-        assert (tokens[spec["rid"]], reasons[spec["rid"]]) == (expected_tokens, expected_reason), spec["rid"]
+        assert (tokens[spec["rid"]], reasons[spec["rid"]]) == (expected_tokens, expected_reason), (
+            spec["rid"]
+        )
         if spec["prompt_logprobs"] is not None:
             # Every prompt position but the first, once, even across preemptions.
             assert [e.token_ids[0] for e in prompt_lp[spec["rid"]]] == spec["prompt"][1:]

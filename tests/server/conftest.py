@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_harness import API_KEY, MAIN_SERVER_FLAGS, launch_server
+from helpers.server_harness import API_KEY, MAIN_SERVER_FLAGS, launch_server
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,7 @@ def main_server():
 @pytest.fixture(scope="session")
 def tokenizer():
     from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
+
     return load_tokenizer(embedded_model_path())
 
 

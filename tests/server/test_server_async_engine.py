@@ -9,11 +9,15 @@ import threading
 
 import pytest
 
-from pagoda.engine.async_engine import (AsyncEngine, EngineDrainingError, EngineNotReadyError,
-                                        EngineStepError, RequestFailedError)
+from pagoda.engine.async_engine import (
+    AsyncEngine,
+    EngineDrainingError,
+    EngineNotReadyError,
+    EngineStepError,
+    RequestFailedError,
+)
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-
 
 QUEUE_S = 0.25
 
@@ -36,8 +40,9 @@ class FakeEngine:
         self.failed = False
         self.shut_down = False
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0,
-                    output_kind="cumulative"):
+    def add_request(
+        self, request_id, prompt, params, arrival_time=None, priority=0, output_kind="cumulative"
+    ):
         self.threads.add(threading.current_thread().name)
         assert output_kind == "delta"
         if prompt == "bad":
@@ -64,7 +69,9 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
-        if self.fail_once_all_emitted and all(self.emitted.get(r) for r in self.fail_once_all_emitted):
+        if self.fail_once_all_emitted and all(
+            self.emitted.get(r) for r in self.fail_once_all_emitted
+        ):
             self.fail_once_all_emitted = set()
             self.failed = True
             raise RuntimeError("boom")
@@ -79,8 +86,17 @@ class FakeEngine:
                 reason, error, done = "error", "bad logits", True
             if done:
                 del self.remaining[request_id]
-            outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, "x", [7], finish_reason=reason)], finished=done, metrics=metrics, error=error))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    None,
+                    [1],
+                    [CompletionOutput(0, "x", [7], finish_reason=reason)],
+                    finished=done,
+                    metrics=metrics,
+                    error=error,
+                )
+            )
         return outputs
 
 
@@ -111,20 +127,27 @@ def test_streams_deltas_and_only_the_loop_thread_touches_the_engine():
         assert [len(o.outputs[0].token_ids) for o in a] == [1, 1, 1]
         assert [o.finished for o in b] == [False] * 4 + [True]
         assert fake.threads == {"pagoda-engine-loop"}
-        assert sorted((t.request_id, t.num_generation_tokens, t.finish_reason) for t in timings) == \
-            [("a", 3, "length"), ("b", 5, "length")]
+        assert sorted(
+            (t.request_id, t.num_generation_tokens, t.finish_reason) for t in timings
+        ) == [("a", 3, "length"), ("b", 5, "length")]
         assert [t.queue_time for t in timings] == [pytest.approx(QUEUE_S)] * 2
+
     asyncio.run(main())
 
 
 def test_refused_and_failed_requests_fail_alone():
     async def main():
         async with running(FakeEngine()) as engine:
-            results = await asyncio.gather(_run(engine, "bad", "r1"), _run(engine, "poison", "r2"),
-                                           _run(engine, "ok", "r3", 4), return_exceptions=True)
+            results = await asyncio.gather(
+                _run(engine, "bad", "r1"),
+                _run(engine, "poison", "r2"),
+                _run(engine, "ok", "r3", 4),
+                return_exceptions=True,
+            )
         assert isinstance(results[0], ValueError) and "bad" in str(results[0])
         assert isinstance(results[1], RequestFailedError) and "bad logits" in str(results[1])
         assert len(results[2]) == 4 and results[2][-1].finished
+
     asyncio.run(main())
 
 
@@ -133,7 +156,9 @@ def test_failed_step_fails_in_flight_requests_and_the_loop_keeps_serving():
         fake = FakeEngine()
         fake.fail_once_all_emitted = {"a", "b"}
         async with running(fake) as engine:
-            gens = [engine.generate("p", SamplingParams(max_tokens=10**6), rid) for rid in ("a", "b")]
+            gens = [
+                engine.generate("p", SamplingParams(max_tokens=10**6), rid) for rid in ("a", "b")
+            ]
             firsts = await asyncio.gather(*(g.__anext__() for g in gens))
             assert all(not o.finished for o in firsts)
             for gen in gens:
@@ -143,6 +168,7 @@ def test_failed_step_fails_in_flight_requests_and_the_loop_keeps_serving():
             assert sorted(fake.aborted) == ["a", "b"]
             after = await _run(engine, "p", "c", 2)
             assert after[-1].finished
+
     asyncio.run(main())
 
 
@@ -162,6 +188,7 @@ def test_a_dead_engine_stops_the_loop_and_fails_what_comes_next():
             assert fake.shut_down
             with pytest.raises(EngineNotReadyError, match="stopped"):
                 await _run(engine, "p", "b", 2)
+
     asyncio.run(main())
 
 
@@ -170,10 +197,13 @@ def test_closing_the_stream_aborts_the_request():
         fake = FakeEngine()
         timings = []
         async with running(fake, timings_listener=timings.append) as engine:
-            async with contextlib.aclosing(engine.generate("p", SamplingParams(max_tokens=10**6), "r")) as gen:
+            async with contextlib.aclosing(
+                engine.generate("p", SamplingParams(max_tokens=10**6), "r")
+            ) as gen:
                 await gen.__anext__()
-            assert await engine.call_in_loop(lambda e: (e.aborted, e.has_unfinished_requests())) \
-                == (["r"], False)
+            assert await engine.call_in_loop(
+                lambda e: (e.aborted, e.has_unfinished_requests())
+            ) == (["r"], False)
             task = asyncio.ensure_future(_run(engine, "p", "t", 10**6))
             while engine.num_in_flight == 0:
                 await asyncio.sleep(0)
@@ -181,6 +211,7 @@ def test_closing_the_stream_aborts_the_request():
             await asyncio.gather(task, return_exceptions=True)
             assert await engine.call_in_loop(lambda e: e.aborted) == ["r", "t"]
         assert [t.finish_reason for t in timings] == ["abort", "abort"]
+
     asyncio.run(main())
 
 
@@ -197,6 +228,7 @@ def test_shutdown_drains_in_flight_then_refuses_new_requests():
         assert not engine.is_running
         with pytest.raises(EngineDrainingError):
             await _run(engine, "p", "b")
+
     asyncio.run(main())
 
 
@@ -213,4 +245,5 @@ def test_load_failure_is_reported():
             await engine.wait_ready()
         with pytest.raises(EngineNotReadyError, match="no weights"):
             await _run(engine, "p", "a")
+
     asyncio.run(main())

@@ -23,7 +23,9 @@ MAX_N = 16  # the server's --max-n: larger values must still reach it (and get a
 
 @pytest.fixture(scope="module")
 def schema(main_server):
-    return schemathesis.openapi.from_url(f"{main_server.url}/openapi.json", headers=main_server.headers)
+    return schemathesis.openapi.from_url(
+        f"{main_server.url}/openapi.json", headers=main_server.headers
+    )
 
 
 def _is_int(value) -> bool:
@@ -52,13 +54,23 @@ def test_fuzz_openapi_no_server_errors(main_server, schema):
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= paths
-    cases = st.one_of([op.as_strategy(generation_mode=mode) for op in operations
-                       for mode in (schemathesis.GenerationMode.POSITIVE,
-                                    schemathesis.GenerationMode.NEGATIVE)])
+    cases = st.one_of(
+        [
+            op.as_strategy(generation_mode=mode)
+            for op in operations
+            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+        ]
+    )
     seen_statuses: set[int] = set()
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[hypothesis.Phase.generate],
+    )
     @given(case=cases)
     def check(case):
         _clamp_work(case)
@@ -69,5 +81,7 @@ def test_fuzz_openapi_no_server_errors(main_server, schema):
     check()
     assert seen_statuses & {200} and seen_statuses & {400, 404, 405, 422}
     # The server is still healthy and every KV block came back.
-    audit = httpx.get(f"{main_server.url}/debug/kv_audit", headers=main_server.headers, timeout=60).json()
+    audit = httpx.get(
+        f"{main_server.url}/debug/kv_audit", headers=main_server.headers, timeout=60
+    ).json()
     assert audit["in_use"] == 0 and audit["num_in_flight"] == 0

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _alive(pid: int) -> bool:
@@ -28,15 +28,16 @@ def test_a_started_process_ends_with_its_parent():
     # and exits without stopping it.
     parent = textwrap.dedent(f"""
         import subprocess, sys
-        sys.path.insert(0, {HERE!r})
-        from server_harness import die_with_parent
+        sys.path.insert(0, {TESTS_DIR!r})
+        from helpers.server_harness import die_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  preexec_fn=die_with_parent)
         print(child.pid, flush=True)
     """)
-    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", parent], capture_output=True, text=True, timeout=60, check=True
+    )
     pid = int(out.stdout.strip())
     deadline = time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:

@@ -10,15 +10,23 @@ import time
 
 import httpx
 import pytest
-from server_harness import metric_value
+from helpers.server_harness import metric_value
 
-PROMPTS = [f"Write a short note about {topic}." for topic in
-           ("rivers", "mountains", "bread", "clocks", "violins", "comets", "ants", "lanterns")]
+PROMPTS = [
+    f"Write a short note about {topic}."
+    for topic in ("rivers", "mountains", "bread", "clocks", "violins", "comets", "ants", "lanterns")
+]
 MAX_TOKENS = 16
 
 
 def _body(prompt: str, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+    return {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 async def _stream_text(client: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
@@ -42,14 +50,17 @@ def _metrics(server) -> str:
 
 def test_64_concurrent_streams_with_preemption_match_solo_text(main_server):
     with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=120) as client:
-        solo = {p: client.post("/v1/completions", json=_body(p)).json()["choices"][0]["text"]
-                for p in PROMPTS}
+        solo = {
+            p: client.post("/v1/completions", json=_body(p)).json()["choices"][0]["text"]
+            for p in PROMPTS
+        }
     preemptions_before = metric_value(_metrics(main_server), "pagoda:num_preemptions_total")
 
     async def burst():
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-        async with httpx.AsyncClient(base_url=main_server.url, headers=main_server.headers,
-                                     timeout=300, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=main_server.url, headers=main_server.headers, timeout=300, limits=limits
+        ) as client:
             requests = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
             return requests, await asyncio.gather(*(_stream_text(client, p) for p in requests))
 
@@ -75,20 +86,32 @@ def _wait_for_all_blocks_free(http: httpx.Client, deadline_s: float = 60.0) -> d
 def test_disconnect_aborts_and_frees_every_block(main_server, stream):
     abort_label = 'finished_reason="abort"'
     with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as http:
-        aborts_before = metric_value(_metrics(main_server), "pagoda:request_success_total", abort_label)
+        aborts_before = metric_value(
+            _metrics(main_server), "pagoda:request_success_total", abort_label
+        )
         # Long enough (480 tokens) that it cannot finish on its own before the checks below.
-        body = {"prompt": "Tell me a long story.", "max_tokens": 480, "ignore_eos": True,
-                "temperature": 0, "stream": stream}
+        body = {
+            "prompt": "Tell me a long story.",
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+        }
         if stream:
-            with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as c:
+            with httpx.Client(
+                base_url=main_server.url, headers=main_server.headers, timeout=60
+            ) as c:
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     lines = r.iter_lines()
                     assert next(line for line in lines if line.startswith("data: "))
                     assert http.get("/debug/kv_audit").json()["in_use"] > 0
             # leaving the blocks closes the connection mid-stream
         else:
-            with httpx.Client(base_url=main_server.url, headers=main_server.headers,
-                              timeout=httpx.Timeout(60, read=1.0)) as c:
+            with httpx.Client(
+                base_url=main_server.url,
+                headers=main_server.headers,
+                timeout=httpx.Timeout(60, read=1.0),
+            ) as c:
                 with pytest.raises(httpx.ReadTimeout):
                     c.post("/v1/completions", json=body)
         audit = _wait_for_all_blocks_free(http)

@@ -15,7 +15,7 @@ import threading
 
 import httpx
 import pytest
-from server_harness import launch_server
+from helpers.server_harness import launch_server
 
 BURST = 32
 STREAM_TOKENS = 24
@@ -23,9 +23,19 @@ STREAM_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def capped_server():
-    server = launch_server("--max-model-len", "512", "--num-gpu-blocks-override", "64",
-                           "--max-num-queued-requests", "4", "--shutdown-timeout", "300",
-                           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
+    server = launch_server(
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-num-queued-requests",
+        "4",
+        "--shutdown-timeout",
+        "300",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+    )
     yield server
     server.stop()
 
@@ -33,9 +43,13 @@ def capped_server():
 def test_burst_beyond_queue_cap_gets_429_with_retry_after(capped_server):
     async def burst():
         limits = httpx.Limits(max_connections=BURST)
-        async with httpx.AsyncClient(base_url=capped_server.url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=capped_server.url, timeout=120, limits=limits
+        ) as client:
             body = {"prompt": "Count to ten:", "max_tokens": 8, "temperature": 0}
-            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(BURST)))
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(BURST))
+            )
 
     responses = asyncio.run(asyncio.wait_for(burst(), timeout=300))
     statuses = [r.status_code for r in responses]
@@ -49,14 +63,26 @@ def test_burst_beyond_queue_cap_gets_429_with_retry_after(capped_server):
             assert r.json()["usage"]["completion_tokens"] == 8
     # Once the burst is over the server admits again.
     with httpx.Client(base_url=capped_server.url, timeout=60) as client:
-        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert (
+            client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code
+            == 200
+        )
 
 
 def _stream_in_thread(url: str, results: list, started: threading.Barrier) -> None:
-    body = {"prompt": "List some animals:", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "List some animals:",
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tokens, finish, first = None, None, True
-    with httpx.Client(timeout=300) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    with (
+        httpx.Client(timeout=300) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -74,8 +100,10 @@ def _stream_in_thread(url: str, results: list, started: threading.Barrier) -> No
 def test_sigterm_lets_in_flight_requests_finish_and_exits_0(capped_server):
     results: list = []
     started = threading.Barrier(4)
-    threads = [threading.Thread(target=_stream_in_thread, args=(capped_server.url, results, started))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=_stream_in_thread, args=(capped_server.url, results, started))
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     started.wait(120)

@@ -18,8 +18,8 @@ import signal
 import httpx
 import psutil
 import pytest
-from server_harness import launch_server
-from tiny_models import save_tiny_servable_model
+from helpers.server_harness import launch_server
+from helpers.tiny_models import save_tiny_servable_model
 
 from pagoda.kv_offload.disk_tier import LOCK_NAME
 
@@ -33,8 +33,14 @@ QUIET = ("--max-model-len", "256", "--disable-uvicorn-access-log", "--uvicorn-lo
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-release")
     save_tiny_servable_model(root / "target", seed=0, num_hidden_layers=2)
-    save_tiny_servable_model(root / "draft", seed=1, num_hidden_layers=1, hidden_size=32,
-                             num_attention_heads=2, num_key_value_heads=1)
+    save_tiny_servable_model(
+        root / "draft",
+        seed=1,
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return str(root / "target"), str(root / "draft")
 
 
@@ -53,12 +59,20 @@ def use_every_feature(server) -> None:
     """A plain and a constrained completion, then a dashboard stream left open."""
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for prompt in ("Once upon a time", "The quick brown fox jumps over"):
-            response = client.post("/v1/completions", json={
-                "prompt": prompt * 8, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            response = client.post(
+                "/v1/completions",
+                json={"prompt": prompt * 8, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             assert response.status_code == 200, response.text
-        response = client.post("/v1/completions", json={
-            "prompt": "Yes or no?", "max_tokens": 8, "temperature": 0,
-            "structured_outputs": {"choice": ["yes", "no"]}})
+        response = client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Yes or no?",
+                "max_tokens": 8,
+                "temperature": 0,
+                "structured_outputs": {"choice": ["yes", "no"]},
+            },
+        )
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] in ("yes", "no")
 
@@ -67,8 +81,10 @@ def stop_and_check(server, sig: int) -> str:
     """Sends sig with a dashboard stream open; returns the log once the process exited
     0 within the bound and every process it started is gone."""
     children = psutil.Process(server.proc.pid).children(recursive=True)
-    with httpx.Client(base_url=server.url, timeout=60) as client, \
-            client.stream("GET", "/v1/engine/stats/stream") as stream:
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("GET", "/v1/engine/stats/stream") as stream,
+    ):
         lines = stream.iter_lines()
         assert next(lines) == "event: info"
         server.proc.send_signal(sig)
@@ -86,10 +102,21 @@ def test_sigterm_releases_the_tiers_draft_grammars_and_dashboard(checkpoints, tm
     target, draft = checkpoints
     disk = tmp_path / "kv-disk"
     server = launch_server(
-        target, *QUIET, "--num-gpu-blocks-override", "10", "--kv-offloading-size", "4MiB",
-        "--kv-offloading-disk-path", str(disk), "--kv-offloading-disk-size", "8MiB",
-        "--kv-offloading-bandwidth", "cpu=inf,disk=inf",
-        "--speculative-config", json.dumps({"model": draft, "num_speculative_tokens": 2}))
+        target,
+        *QUIET,
+        "--num-gpu-blocks-override",
+        "10",
+        "--kv-offloading-size",
+        "4MiB",
+        "--kv-offloading-disk-path",
+        str(disk),
+        "--kv-offloading-disk-size",
+        "8MiB",
+        "--kv-offloading-bandwidth",
+        "cpu=inf,disk=inf",
+        "--speculative-config",
+        json.dumps({"model": draft, "num_speculative_tokens": 2}),
+    )
     try:
         use_every_feature(server)
         assert not lock_is_free(disk)  # held while serving
@@ -101,11 +128,15 @@ def test_sigterm_releases_the_tiers_draft_grammars_and_dashboard(checkpoints, tm
 
 def test_sigint_ends_the_tensor_parallel_workers(checkpoints):
     target, _ = checkpoints
-    server = launch_server(target, *QUIET, "--tensor-parallel-size", "2",
-                           "--kv-cache-memory", str(1 << 22))
+    server = launch_server(
+        target, *QUIET, "--tensor-parallel-size", "2", "--kv-cache-memory", str(1 << 22)
+    )
     try:
-        workers = [p for p in psutil.Process(server.proc.pid).children()
-                   if "spawn_main" in " ".join(p.cmdline())]
+        workers = [
+            p
+            for p in psutil.Process(server.proc.pid).children()
+            if "spawn_main" in " ".join(p.cmdline())
+        ]
         assert len(workers) == 2
         use_every_feature(server)
         stop_and_check(server, signal.SIGINT)

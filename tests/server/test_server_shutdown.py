@@ -9,7 +9,7 @@ import signal
 import time
 
 import httpx
-from server_harness import launch_server
+from helpers.server_harness import launch_server
 
 
 def _wait_for_log(server, text: str, deadline_s: float = 30.0) -> None:
@@ -22,10 +22,17 @@ def _wait_for_log(server, text: str, deadline_s: float = 30.0) -> None:
 def test_second_ctrl_c_ends_streams_with_an_error_event_and_exits_cleanly():
     server = launch_server("--max-model-len", "512", "--disable-uvicorn-access-log")
     try:
-        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
-                "stream": True, "temperature": 0}
-        with httpx.Client(timeout=120) as client, \
-                client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{server.url}/v1/completions", json=body) as response,
+        ):
             assert response.status_code == 200
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data: {"))  # generating now
@@ -38,7 +45,7 @@ def test_second_ctrl_c_ends_streams_with_an_error_event_and_exits_cleanly():
     finally:
         server.stop()
     assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][len("data: "):])["error"]
+    error = json.loads(rest[-2][len("data: ") :])["error"]
     assert error["code"] == "service_unavailable"
     assert "stopped before this request finished" in error["message"]
     assert code == 0

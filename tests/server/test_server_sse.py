@@ -24,25 +24,41 @@ class ScriptedEngine:
 
     async def generate(self, prompt, params, request_id, priority=0):
         for text, num_tokens, finish in self.script:
-            yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
-                                [CompletionOutput(0, text, [1] * num_tokens, finish_reason=finish)],
-                                finished=finish is not None)
+            yield RequestOutput(
+                request_id,
+                None,
+                prompt["prompt_token_ids"],
+                [CompletionOutput(0, text, [1] * num_tokens, finish_reason=finish)],
+                finished=finish is not None,
+            )
         if self.fail_with is not None:
             raise self.fail_with
 
 
 def _run(engine, include_usage, opening=None):
     controller = AdmissionController(None, None)
-    job = GenerationJob("cmpl-1", "m", 7, [{"prompt": None, "prompt_token_ids": [5, 6, 7]}],
-                        SamplingParams(max_tokens=4), 0, controller.admit([3]))
+    job = GenerationJob(
+        "cmpl-1",
+        "m",
+        7,
+        [{"prompt": None, "prompt_token_ids": [5, 6, 7]}],
+        SamplingParams(max_tokens=4),
+        0,
+        controller.admit([3]),
+    )
 
     def choices_of(prompt_index, output):
-        return [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
-                for c in output.outputs]
+        return [
+            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+            for c in output.outputs
+        ]
 
     async def body():
-        return [event async for event in stream_chunks(engine, job, HEAD, include_usage,
-                                                       choices_of, opening)]
+        return [
+            event
+            async for event in stream_chunks(engine, job, HEAD, include_usage, choices_of, opening)
+        ]
+
     events = asyncio.run(body())
     assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
     assert controller.num_queued == 0 and controller.num_queued_tokens == 0  # ticket released
@@ -56,9 +72,16 @@ def test_chunks_then_usage_then_done():
     assert _run(engine, include_usage=True, opening=opening) == [
         {**HEAD, "choices": opening, "usage": None},
         {**HEAD, "choices": [{"index": 0, "text": "He", "finish_reason": None}], "usage": None},
-        {**HEAD, "choices": [{"index": 0, "text": "llo", "finish_reason": "length"}], "usage": None},
-        {**HEAD, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
-                                          "total_tokens": 6}},
+        {
+            **HEAD,
+            "choices": [{"index": 0, "text": "llo", "finish_reason": "length"}],
+            "usage": None,
+        },
+        {
+            **HEAD,
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+        },
     ]
     assert _run(engine, include_usage=False) == [
         {**HEAD, "choices": [{"index": 0, "text": "He", "finish_reason": None}]},

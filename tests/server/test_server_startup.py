@@ -12,7 +12,7 @@ import sys
 import time
 
 import httpx
-from server_harness import die_with_parent, free_port, launch_server
+from helpers.server_harness import die_with_parent, free_port, launch_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,8 +20,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_default_level_logs_startup_ready_line_and_requests():
     server = launch_server("--max-model-len", "256", "--disable-uvicorn-access-log")
     try:
-        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                              json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        response = httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=60,
+            json={"prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        )
         assert response.status_code == 200
         request_id = response.json()["id"]
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
@@ -47,9 +50,23 @@ def test_default_level_logs_startup_ready_line_and_requests():
 def test_bad_model_path_fails_before_the_port_is_bound():
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--device", "cpu",
-         "--port", str(port), "--model", "/nonexistent/model.gguf"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "pagoda.entrypoints.cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--model",
+            "/nonexistent/model.gguf",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -63,19 +80,34 @@ def test_bad_model_path_fails_before_the_port_is_bound():
 def test_request_logging_is_on_by_default_and_the_flag_turns_it_off():
     from pagoda.entrypoints.cli import build_parser
     from pagoda.entrypoints.openai.api_server import settings_from_args
+
     parser = build_parser()
     assert settings_from_args(parser.parse_args(["serve"])).log_requests is True
-    assert settings_from_args(parser.parse_args(["serve", "--disable-log-requests"])).log_requests is False
+    assert (
+        settings_from_args(parser.parse_args(["serve", "--disable-log-requests"])).log_requests
+        is False
+    )
 
 
 def test_ctrl_c_while_loading_exits_without_a_traceback():
     # A shell's Ctrl-C reaches a foreground process with SIGINT's default disposition;
     # restore it (a test runner's child may inherit it ignored).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--device", "cpu",
-         "--port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-        preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), die_with_parent()))
+        [
+            sys.executable,
+            "-m",
+            "pagoda.entrypoints.cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            str(free_port()),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), die_with_parent()),
+    )
     try:
         first = proc.stdout.readline().decode()
         assert "loading" in first  # the engine is loading now; the port is not bound

@@ -14,8 +14,8 @@ import signal
 
 import httpx
 import psutil
-from server_harness import launch_server
-from tiny_models import save_tiny_servable_model
+from helpers.server_harness import launch_server
+from helpers.tiny_models import save_tiny_servable_model
 
 WORKERS_GONE_TIMEOUT_S = 60.0
 
@@ -29,9 +29,18 @@ def worker_processes(server) -> list[psutil.Process]:
 
 def test_a_killed_worker_fails_the_stream_and_health_and_leaves_no_process(tmp_path):
     save_tiny_servable_model(tmp_path)
-    server = launch_server(str(tmp_path), "--tensor-parallel-size", "2", "--max-model-len", "512",
-                           "--kv-cache-memory", str(1 << 22), "--disable-uvicorn-access-log",
-                           "--uvicorn-log-level", "warning")
+    server = launch_server(
+        str(tmp_path),
+        "--tensor-parallel-size",
+        "2",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        str(1 << 22),
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+    )
     workers: list[psutil.Process] = []
     try:
         workers = worker_processes(server)
@@ -39,8 +48,13 @@ def test_a_killed_worker_fails_the_stream_and_health_and_leaves_no_process(tmp_p
         victim = workers[1]
         # Far more tokens than can be generated before the kill lands: a stream that
         # ends normally fails the assertions below (the client's read timeout bounds a hang).
-        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
-                "stream": True, "temperature": 0}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
         with httpx.Client(base_url=server.url, timeout=60) as client:
             with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
@@ -49,7 +63,7 @@ def test_a_killed_worker_fails_the_stream_and_health_and_leaves_no_process(tmp_p
                 victim.send_signal(signal.SIGKILL)
                 rest = [line for line in lines if line.startswith("data: ")]
             assert rest[-1] == "data: [DONE]"
-            error = json.loads(rest[-2][len("data: "):])["error"]
+            error = json.loads(rest[-2][len("data: ") :])["error"]
             assert error["code"] == "engine_step_failed"
             died = rf"rank [01] \(pid {victim.pid}\) died: killed by SIGKILL"
             assert re.search(died, error["message"]), error

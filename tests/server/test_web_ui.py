@@ -17,8 +17,8 @@ import tomllib
 from pathlib import Path
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
+from helpers.server_harness import API_KEY
 
 from pagoda.engine.async_engine import AsyncEngine, RequestTimings
 from pagoda.engine.llm_engine import EngineStats
@@ -28,8 +28,6 @@ from pagoda.entrypoints.openai.api_server import build_app, settings_from_args
 from pagoda.entrypoints.openai.serving_common import ServerSettings
 from pagoda.entrypoints.openai.stats_stream import STREAM_PATH, StatsHub, derive
 from pagoda.metrics.recent import RequestLog
-
-from server_harness import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WEB_DIR = Path(web_ui.__file__).parent / "web"
@@ -57,15 +55,29 @@ class _MovingEngine:
     def get_stats(self) -> EngineStats:
         n = self.calls
         self.calls += 1
-        return EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_blocks=8,
-                           prefix_cache_queries=10 * n, prefix_cache_hits=4 * n, num_preemptions=0,
-                           prompt_tokens=20 * n, generation_tokens=10 * n, num_preempted=1,
-                           num_steps=3 * n, scheduled_tokens=30 * n, max_num_batched_tokens=64,
-                           max_num_seqs=4, block_size=16)
+        return EngineStats(
+            num_running=2,
+            num_waiting=1,
+            kv_cache_usage=0.25,
+            num_blocks=8,
+            prefix_cache_queries=10 * n,
+            prefix_cache_hits=4 * n,
+            num_preemptions=0,
+            prompt_tokens=20 * n,
+            generation_tokens=10 * n,
+            num_preempted=1,
+            num_steps=3 * n,
+            scheduled_tokens=30 * n,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            block_size=16,
+        )
 
 
 def _app(enable_web_ui: bool = True, api_key: str = API_KEY):
-    settings = ServerSettings(served_model_names=["m"], api_key=api_key, enable_web_ui=enable_web_ui)
+    settings = ServerSettings(
+        served_model_names=["m"], api_key=api_key, enable_web_ui=enable_web_ui
+    )
     return build_app(AsyncEngine(_MovingEngine), settings)
 
 
@@ -87,8 +99,16 @@ def _events(lines, count: int) -> list[tuple[str, dict]]:
 
 def test_pages_and_files_are_public_with_a_strict_csp():
     paths = web_ui.public_paths()
-    assert {"/", "/dashboard", "/web/chat.js", "/web/dashboard.js", "/web/common.js",
-            "/web/markdown.js", "/web/style.css", "/web/favicon.svg"} <= paths
+    assert {
+        "/",
+        "/dashboard",
+        "/web/chat.js",
+        "/web/dashboard.js",
+        "/web/common.js",
+        "/web/markdown.js",
+        "/web/style.css",
+        "/web/favicon.svg",
+    } <= paths
     with TestClient(_app()) as client:
         for path in paths:
             r = client.get(path)  # no key
@@ -108,7 +128,9 @@ def test_pages_carry_no_inline_code_and_reference_only_served_files():
     for page in web_ui.PAGES.values():
         html = (WEB_DIR / page).read_text()
         scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, re.S)
-        assert scripts and all('src="/web/' in attrs and not body.strip() for attrs, body in scripts)
+        assert scripts and all(
+            'src="/web/' in attrs and not body.strip() for attrs, body in scripts
+        )
         assert "<style" not in html and not re.search(r"\sstyle\s*=", html)
         assert not re.search(r"\son[a-z]+\s*=", html), "inline event handler"
         assert "javascript:" not in html
@@ -117,7 +139,7 @@ def test_pages_carry_no_inline_code_and_reference_only_served_files():
     for script in WEB_DIR.glob("*.js"):
         source = script.read_text()
         assert "eval(" not in source and "new Function" not in source, script.name
-        assert "setAttribute(\"style\"" not in source, script.name
+        assert 'setAttribute("style"' not in source, script.name
 
 
 def test_data_routes_need_the_key_and_the_pages_ask_for_it():
@@ -127,7 +149,9 @@ def test_data_routes_need_the_key_and_the_pages_ask_for_it():
                 r = client.get(path, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         with client.stream("GET", STREAM_PATH, headers=AUTH) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream"
+            )
         # Neither the pages nor the endless stream are API operations (a client generator
         # or the schema fuzz test must not call them).
         paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
@@ -187,18 +211,31 @@ def test_spec_acceptance_shows_when_the_stats_carry_it():
     old, new = _MovingEngine().get_stats(), _MovingEngine().get_stats()
     old.spec_decode, new.spec_decode = Spec(10, 5), Spec(30, 20)
     spec = derive(new, (0.0, old), now=1.0)["spec"]
-    assert spec == {"draft_tokens_total": 30, "accepted_tokens_total": 20,
-                    "acceptance_rate_total": 20 / 30, "acceptance_rate": 0.75}
+    assert spec == {
+        "draft_tokens_total": 30,
+        "accepted_tokens_total": 20,
+        "acceptance_rate_total": 20 / 30,
+        "acceptance_rate": 0.75,
+    }
 
 
 def test_stream_sends_info_stats_and_requests():
     app = _app()
     log: RequestLog = app.state.stats_hub.request_log
     now = time.monotonic()
-    log.observe(RequestTimings(request_id="done-before", arrival_time=now - 1.0,
-                               first_token_time=now - 0.5, finished_time=now, queue_time=0.1,
-                               num_prompt_tokens=3, num_generation_tokens=2, finish_reason="stop",
-                               inter_token_latencies=[0.5]))
+    log.observe(
+        RequestTimings(
+            request_id="done-before",
+            arrival_time=now - 1.0,
+            first_token_time=now - 0.5,
+            finished_time=now,
+            queue_time=0.1,
+            num_prompt_tokens=3,
+            num_generation_tokens=2,
+            finish_reason="stop",
+            inter_token_latencies=[0.5],
+        )
+    )
     with TestClient(app) as client:
         with client.stream("GET", STREAM_PATH, headers=AUTH) as r:
             events = _events(r.iter_lines(), 4)
@@ -225,7 +262,9 @@ class _HubEngine:
 def test_clients_share_one_sampler_which_stops_with_the_last_and_on_a_drain():
     async def scenario():
         draining = False
-        hub = StatsHub(_HubEngine(), RequestLog(), "m", is_draining=lambda: draining, interval_s=0.01)
+        hub = StatsHub(
+            _HubEngine(), RequestLog(), "m", is_draining=lambda: draining, interval_s=0.01
+        )
         (body_a, close_a), (body_b, close_b) = await hub.stream(), await hub.stream()
         assert hub.num_clients == 2
         for body in (body_a, body_b):
@@ -259,8 +298,12 @@ def test_stats_stream_moves_under_load_on_the_real_server(main_server):
     def load():
         with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=120) as c:
             for i in range(3):
-                body = {"prompt": f"Count to ten, take {i}:", "max_tokens": 8, "temperature": 0,
-                        "ignore_eos": True}
+                body = {
+                    "prompt": f"Count to ten, take {i}:",
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 ids.append(c.post("/v1/completions", json=body).json()["id"])
         done.set()
 
@@ -292,8 +335,11 @@ def test_stats_stream_moves_under_load_on_the_real_server(main_server):
                     # Percentiles are recomputed at most once a second, so they may
                     # trail the finished requests by one period: read on until they
                     # count the three as well.
-                    if (done.is_set() and set(ids) <= seen["requests"]
-                            and data["latency"]["ttft"]["n"] >= 3):
+                    if (
+                        done.is_set()
+                        and set(ids) <= seen["requests"]
+                        and data["latency"]["ttft"]["n"] >= 3
+                    ):
                         break
     worker.join()
     assert seen["in_flight"] >= 1

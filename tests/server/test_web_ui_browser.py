@@ -26,13 +26,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.server_harness import metric_value
 
-from server_harness import metric_value
-
-INSTALL_HINT = ("the browser tests need Chromium, its driver and Selenium: "
-                "`apt-get install chromium chromium-driver` and `pip install -e '.[test]'` "
-                "(.ci/run installs them)")
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+INSTALL_HINT = (
+    "the browser tests need Chromium, its driver and Selenium: "
+    "`apt-get install chromium chromium-driver` and `pip install -e '.[test]'` "
+    "(.ci/run installs them)"
+)
+CHROMIUM = next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
 CHROMEDRIVER = shutil.which("chromedriver")
 try:
     from selenium import webdriver
@@ -43,8 +46,9 @@ try:
 except ImportError:  # skipped below
     webdriver = None
 
-pytestmark = pytest.mark.skipif(webdriver is None or CHROMIUM is None or CHROMEDRIVER is None,
-                                reason=INSTALL_HINT)
+pytestmark = pytest.mark.skipif(
+    webdriver is None or CHROMIUM is None or CHROMEDRIVER is None, reason=INSTALL_HINT
+)
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 90  # generous: a busy 2-core machine generates slowly
 POLL_S = 0.05
@@ -52,7 +56,9 @@ POLL_S = 0.05
 
 @pytest.fixture(scope="module")
 def shots() -> Path:
-    folder = Path(os.environ.get("PAGODA_WEB_UI_SCREENSHOTS") or REPO / "build" / "test-artifacts" / "web-ui")
+    folder = Path(
+        os.environ.get("PAGODA_WEB_UI_SCREENSHOTS") or REPO / "build" / "test-artifacts" / "web-ui"
+    )
     folder = folder if folder.is_absolute() else REPO / folder
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -62,8 +68,15 @@ def shots() -> Path:
 def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,900", "--force-device-scale-factor=1", "--lang=en-US"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,900",
+        "--force-device-scale-factor=1",
+        "--lang=en-US",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -81,8 +94,11 @@ def _el(driver, css: str):
 
 
 def _no_csp_violations(driver) -> None:
-    refused = [e["message"] for e in driver.get_log("browser")
-               if "Content Security Policy" in e["message"] or "Refused to" in e["message"]]
+    refused = [
+        e["message"]
+        for e in driver.get_log("browser")
+        if "Content Security Policy" in e["message"] or "Refused to" in e["message"]
+    ]
     assert not refused, refused
 
 
@@ -120,15 +136,22 @@ def test_chat_asks_for_the_key_then_streams_a_reply(browser, main_server, shots)
     _set_field(browser, "max-tokens", "48")
     _send(browser, "Write a Python function that returns the sum of two numbers.")
     # Text appears while the reply is still streaming, then the reply completes.
-    _wait(browser, lambda d: _last_reply(d).get_attribute("data-state") == "streaming"
-          and _last_reply(d).find_element(By.CSS_SELECTOR, ".content").text.strip(),
-          message="no streamed text was seen before the end")
+    _wait(
+        browser,
+        lambda d: (
+            _last_reply(d).get_attribute("data-state") == "streaming"
+            and _last_reply(d).find_element(By.CSS_SELECTOR, ".content").text.strip()
+        ),
+        message="no streamed text was seen before the end",
+    )
     _wait(browser, lambda d: _last_reply(d).get_attribute("data-state") == "done")
     reply = _last_reply(browser)
     assert reply.find_element(By.CSS_SELECTOR, ".content").text.strip()
     assert "tokens" in reply.find_element(By.CSS_SELECTOR, ".meta").text
     # The conversation lives in local storage and survives a reload.
-    stored = json.loads(browser.execute_script("return localStorage.getItem('pagoda.conversations')"))
+    stored = json.loads(
+        browser.execute_script("return localStorage.getItem('pagoda.conversations')")
+    )
     assert [m["role"] for m in stored[0]["messages"]] == ["user", "assistant"]
     browser.refresh()
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".message")) == 2)
@@ -151,7 +174,9 @@ def test_stop_aborts_the_request_on_the_server(browser, main_server):
     while _aborts(main_server) < before + 1:  # the server saw the client go and aborted
         assert time.monotonic() < deadline, "the server never counted the abort"
         time.sleep(0.1)  # polling the server's metrics, bounded by the deadline
-    audit = httpx.get(f"{main_server.url}/debug/kv_audit", headers=main_server.headers, timeout=30).json()
+    audit = httpx.get(
+        f"{main_server.url}/debug/kv_audit", headers=main_server.headers, timeout=30
+    ).json()
     assert audit["in_use"] == 0
     _no_csp_violations(browser)
 
@@ -184,8 +209,12 @@ def test_reasoning_content_is_folded_apart(browser, main_server):
 
 def _load(server, count: int, max_tokens: int) -> list[str]:
     def one(i: int) -> str:
-        body = {"prompt": f"Describe the number {i} in a few words:", "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "prompt": f"Describe the number {i} in a few words:",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
             return client.post("/v1/completions", json=body).json()["id"]
 
@@ -200,8 +229,13 @@ def _number(driver, element_id: str) -> float:
 
 def test_dashboard_counters_move_under_load(browser, main_server, shots):
     browser.get(main_server.url + "/dashboard")  # the key is in local storage already
-    _wait(browser, lambda d: _el(d, "#conn-state").get_attribute("data-state") == "live"
-          and _el(d, "#finished-total").text not in ("", "–"))
+    _wait(
+        browser,
+        lambda d: (
+            _el(d, "#conn-state").get_attribute("data-state") == "live"
+            and _el(d, "#finished-total").text not in ("", "–")
+        ),
+    )
     finished_before = _number(browser, "finished-total")
     generated_before = _number(browser, "generation-total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -223,14 +257,23 @@ def test_dashboard_counters_move_under_load(browser, main_server, shots):
 
 
 def test_phone_sized_dark_screens(browser, main_server, shots):
-    browser.execute_cdp_cmd("Emulation.setEmulatedMedia",
-                            {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
-    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                            {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True})
+    browser.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia",
+        {"features": [{"name": "prefers-color-scheme", "value": "dark"}]},
+    )
+    browser.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True},
+    )
     try:
         browser.get(main_server.url + "/dashboard")
-        _wait(browser, lambda d: _el(d, "#conn-state").get_attribute("data-state") == "live"
-              and _el(d, "#finished-total").text not in ("", "–"))
+        _wait(
+            browser,
+            lambda d: (
+                _el(d, "#conn-state").get_attribute("data-state") == "live"
+                and _el(d, "#finished-total").text not in ("", "–")
+            ),
+        )
         dark = browser.execute_script("return matchMedia('(prefers-color-scheme: dark)').matches")
         assert dark
         # One column: nothing wider than the screen.
@@ -242,8 +285,9 @@ def test_phone_sized_dark_screens(browser, main_server, shots):
           localStorage.setItem('pagoda.currentConversation', all[all.length - 1].id);""")
         browser.get(main_server.url + "/")
         _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".message")) >= 2)
-        assert not _el(browser, "#sidebar").is_displayed() or \
-            _el(browser, "#sidebar").rect["x"] < 0  # slid away until the menu button opens it
+        assert (
+            not _el(browser, "#sidebar").is_displayed() or _el(browser, "#sidebar").rect["x"] < 0
+        )  # slid away until the menu button opens it
         assert browser.execute_script("return document.documentElement.scrollWidth") <= 390
         browser.save_screenshot(str(shots / "chat-phone-dark.png"))
         _no_csp_violations(browser)

@@ -10,31 +10,37 @@ when nothing is queued, so no request is unservable.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pagoda.entrypoints.openai.errors import APIError
 
 RETRY_AFTER_SECONDS = 1
 
 
 class AdmissionController:
-    def __init__(self, max_num_queued_requests: Optional[int], max_queued_tokens: Optional[int]) -> None:
+    def __init__(self, max_num_queued_requests: int | None, max_queued_tokens: int | None) -> None:
         self.max_num_queued_requests = max_num_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.num_queued = 0
         self.num_queued_tokens = 0
 
-    def admit(self, prompt_lens: list[int]) -> "AdmissionTicket":
+    def admit(self, prompt_lens: list[int]) -> AdmissionTicket:
         """Admits one HTTP request holding len(prompt_lens) engine requests, or raises 429."""
         count, tokens = len(prompt_lens), sum(prompt_lens)
         cap = self.max_num_queued_requests
         if cap is not None and self.num_queued + count > cap:
-            raise _too_many(f"the server has {self.num_queued} requests queued (limit {cap}, "
-                            f"--max-num-queued-requests); retry later")
+            raise _too_many(
+                f"the server has {self.num_queued} requests queued (limit {cap}, "
+                f"--max-num-queued-requests); retry later"
+            )
         token_cap = self.max_queued_tokens
-        if token_cap is not None and self.num_queued and self.num_queued_tokens + tokens > token_cap:
-            raise _too_many(f"the server has {self.num_queued_tokens} prompt tokens queued (limit "
-                            f"{token_cap}, --max-queued-tokens); retry later")
+        if (
+            token_cap is not None
+            and self.num_queued
+            and self.num_queued_tokens + tokens > token_cap
+        ):
+            raise _too_many(
+                f"the server has {self.num_queued_tokens} prompt tokens queued (limit "
+                f"{token_cap}, --max-queued-tokens); retry later"
+            )
         self.num_queued += count
         self.num_queued_tokens += tokens
         return AdmissionTicket(self, prompt_lens)
@@ -59,5 +65,6 @@ class AdmissionTicket:
 
 
 def _too_many(message: str) -> APIError:
-    return APIError(429, message, code="rate_limit_exceeded",
-                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(
+        429, message, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )

@@ -26,7 +26,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,9 +41,12 @@ from pagoda.entrypoints.openai.auth import APIKeyMiddleware
 from pagoda.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from pagoda.entrypoints.openai.generation import SSEStream
 from pagoda.entrypoints.openai.ignored_fields import note_ignored
-from pagoda.entrypoints.openai.middleware import (BodySizeLimitMiddleware,
-                                                  RejectionMetricsMiddleware, ServerState,
-                                                  ServerStateMiddleware)
+from pagoda.entrypoints.openai.middleware import (
+    BodySizeLimitMiddleware,
+    RejectionMetricsMiddleware,
+    ServerState,
+    ServerStateMiddleware,
+)
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
 from pagoda.entrypoints.openai.serving_completion import create_completion
@@ -54,18 +57,21 @@ from pagoda.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-_ERROR_RESPONSES = {status: {"model": protocol.ErrorResponse}
-                    for status in (400, 401, 404, 413, 429, 503)}
+_ERROR_RESPONSES = {
+    status: {"model": protocol.ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
+}
 
 
 class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body and runs `on_close`, even when the
     client went away before the first byte (so aborts and admission releases happen)."""
 
-    def __init__(self, stream: SSEStream, headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(stream.body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                  **(headers or {})})
+    def __init__(self, stream: SSEStream, headers: dict[str, str] | None = None) -> None:
+        super().__init__(
+            stream.body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
         self._on_close = stream.close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -87,21 +93,26 @@ def served_model_name(args: Any) -> str:
 def settings_from_args(args: Any) -> ServerSettings:
     return ServerSettings(
         served_model_names=[served_model_name(args)],
-        max_n=args.max_n, max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
         max_num_queued_requests=args.max_num_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         max_request_body_bytes=args.max_request_body_bytes,
-        api_key=args.api_key, metrics_public=args.metrics_public,
+        api_key=args.api_key,
+        metrics_public=args.metrics_public,
         enable_debug_routes=args.enable_debug_routes,
         log_requests=not args.disable_log_requests,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        enable_web_ui=not args.disable_web_ui)
+        enable_web_ui=not args.disable_web_ui,
+    )
 
 
-
-def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, ServerSettings],
-              metrics: Optional[ServerMetrics] = None) -> FastAPI:
+def build_app(
+    engine_client: AsyncEngine,
+    args: argparse.Namespace | ServerSettings,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engine_client` (started by the caller, or at app startup)."""
     settings = args if isinstance(args, ServerSettings) else settings_from_args(args)
     metrics = metrics or ServerMetrics(settings.served_model_names[0])
@@ -121,13 +132,17 @@ def build_app(engine_client: AsyncEngine, args: Union[argparse.Namespace, Server
             await app.state.stats_hub.close()
             await engine_client.shutdown(timeout=0.0)
 
-    app = FastAPI(title="Pagoda OpenAI-compatible API", version=pagoda.__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="Pagoda OpenAI-compatible API", version=pagoda.__version__, lifespan=lifespan
+    )
     app.state.ctx = ctx
     app.state.server_state = state
     install_error_handlers(app)
     _add_api_routes(app, ctx)
     _add_ops_routes(app, ctx, state)
-    hub = StatsHub(engine_client, metrics.recent, ctx.model_name, is_draining=lambda: state.draining)
+    hub = StatsHub(
+        engine_client, metrics.recent, ctx.model_name, is_draining=lambda: state.draining
+    )
     app.state.stats_hub = hub
     _add_stats_route(app, hub)
     if settings.enable_web_ui:
@@ -152,14 +167,19 @@ def _respond(result: Any, headers: dict[str, str]) -> Response:
 
 
 def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/completions", response_model=protocol.CompletionResponse, responses=_ERROR_RESPONSES)
+    @app.post(
+        "/v1/completions", response_model=protocol.CompletionResponse, responses=_ERROR_RESPONSES
+    )
     async def completions(body: protocol.CompletionRequest, request: Request):
         trace.mark("parsed")
         headers = note_ignored(body.ignored_fields())
         return _respond(await create_completion(ctx, body, request.receive), headers)
 
-    @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
-              responses=_ERROR_RESPONSES)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=protocol.ChatCompletionResponse,
+        responses=_ERROR_RESPONSES,
+    )
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         trace.mark("parsed")
         headers = note_ignored(body.ignored_fields())
@@ -170,18 +190,29 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         # 503 while loading (only an app whose engine loads at startup answers then):
         # a card without the real max_model_len would mislead clients that size by it.
         engine = ctx.require_ready()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagoda",
-             "root": name, "max_model_len": engine.max_model_len}
-            for name in ctx.settings.served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pagoda",
+                    "root": name,
+                    "max_model_len": engine.max_model_len,
+                }
+                for name in ctx.settings.served_model_names
+            ],
+        }
 
     @app.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: protocol.TokenizeRequest):
         engine = ctx.require_ready()
         ctx.check_model(body.model)
         if isinstance(body, protocol.TokenizeChatRequest):
-            tokens = render_chat(ctx, body.messages, body.add_generation_prompt,
-                                 body.chat_template_kwargs)
+            tokens = render_chat(
+                ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            )
         else:
             tokens = encode_text(ctx, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
@@ -193,7 +224,9 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         vocab = engine.model_info.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
+            )
         return {"prompt": ctx.tokenizer().decode(body.tokens)}
 
 
@@ -203,7 +236,9 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> No
         if state.draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         if ctx.engine.load_error is not None:
-            raise APIError(503, f"the model failed to load: {ctx.engine.load_error}", code="load_failed")
+            raise APIError(
+                503, f"the model failed to load: {ctx.engine.load_error}", code="load_failed"
+            )
         if ctx.engine.dead_reason is not None:
             raise APIError(503, f"the engine stopped: {ctx.engine.dead_reason}", code="engine_dead")
         if not ctx.engine.is_ready or not ctx.engine.is_running:
@@ -222,14 +257,21 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> No
         return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
 
     if ctx.settings.enable_debug_routes:
+
         @app.get("/debug/kv_audit")
         async def kv_audit():
             ctx.require_ready()
             audit = await ctx.engine.audit_kv_cache()
             stats = await ctx.engine.get_stats()
-            return {"total": audit.total, "free": audit.free, "cached": audit.cached,
-                    "in_use": audit.in_use, "num_running": stats.num_running,
-                    "num_waiting": stats.num_waiting, "num_in_flight": ctx.engine.num_in_flight}
+            return {
+                "total": audit.total,
+                "free": audit.free,
+                "cached": audit.cached,
+                "in_use": audit.in_use,
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_in_flight": ctx.engine.num_in_flight,
+            }
 
 
 def _add_stats_route(app: FastAPI, hub: StatsHub) -> None:
@@ -255,13 +297,18 @@ class DrainingServer(uvicorn.Server):
     # slow or loaded machine mid-response.
     STOP_GRACE_S = 15.0
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, engine: AsyncEngine,
-                 shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        engine: AsyncEngine,
+        shutdown_timeout: float,
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.engine_client = engine
         self.shutdown_timeout = shutdown_timeout
-        self.drain_deadline: Optional[float] = None
+        self.drain_deadline: float | None = None
         self.stopping = False  # a second signal came: the requests in flight were failed
         self.exit_code = 0
         self.web_ui = False  # log the pages' URLs once ready
@@ -271,7 +318,9 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        originals = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -280,9 +329,13 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.drain_deadline is None:
-            logger.warning("signal %d: draining (%d request(s) in flight, up to %.0fs; "
-                           "signal again to stop now)",
-                           sig, self.state.num_http_in_flight, self.shutdown_timeout)
+            logger.warning(
+                "signal %d: draining (%d request(s) in flight, up to %.0fs; "
+                "signal again to stop now)",
+                sig,
+                self.state.num_http_in_flight,
+                self.shutdown_timeout,
+            )
             self.state.draining = True
             self.drain_deadline = time.monotonic() + self.shutdown_timeout
         elif not self.stopping and not self.should_exit:
@@ -291,9 +344,14 @@ class DrainingServer(uvicorn.Server):
             # connection; once they have (the drain's end, on_tick), the ordinary
             # shutdown (lifespan included, which joins the engine thread) runs: no
             # CancelledError tracebacks, no thread killed in C++.
-            logger.warning("signal %d again: ending %d request(s) in flight and stopping",
-                           sig, self.state.num_http_in_flight)
-            self.engine_client.fail_all_requests("the server was stopped before this request finished")
+            logger.warning(
+                "signal %d again: ending %d request(s) in flight and stopping",
+                sig,
+                self.state.num_http_in_flight,
+            )
+            self.engine_client.fail_all_requests(
+                "the server was stopped before this request finished"
+            )
             self.stopping = True
             self.drain_deadline = min(self.drain_deadline, time.monotonic() + self.STOP_GRACE_S)
         else:  # a third signal: give up on a clean stop
@@ -318,8 +376,10 @@ class DrainingServer(uvicorn.Server):
                 logger.warning("drained: no request in flight; stopping")
                 self.should_exit = True
             elif time.monotonic() >= self.drain_deadline:
-                logger.warning("shutdown timeout: %d request(s) still in flight; stopping",
-                               self.state.num_http_in_flight)
+                logger.warning(
+                    "shutdown timeout: %d request(s) still in flight; stopping",
+                    self.state.num_http_in_flight,
+                )
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -356,9 +416,15 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_engine_args(engine_args, timings_listener=metrics.observe_request)
     app = build_app(engine, args, metrics=metrics)
     _load_engine(engine)  # before the port is bound: a failure leaves no half-up server
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
     server = DrainingServer(config, app.state.server_state, engine, args.shutdown_timeout)
     server.web_ui = not args.disable_web_ui
     try:
@@ -374,7 +440,8 @@ def run_server(args: argparse.Namespace) -> int:
 def _report_threads_left() -> None:
     """Logs the engine's threads still running once it has shut down (a daemon thread
     would otherwise end silently with the process; a test reads the warning)."""
-    left = sorted(t.name for t in threading.enumerate()
-                  if t.name.startswith("pagoda-") and t.is_alive())
+    left = sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("pagoda-") and t.is_alive()
+    )
     if left:
         logger.warning("threads still running at exit: %s", ", ".join(left))

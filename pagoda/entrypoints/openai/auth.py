@@ -11,7 +11,7 @@ OpenAI-style body and `WWW-Authenticate: Bearer`.
 from __future__ import annotations
 
 import hmac
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from pagoda.entrypoints.openai.errors import error_bytes
 
@@ -19,7 +19,9 @@ _BEARER = b"bearer "
 
 
 class APIKeyMiddleware:
-    def __init__(self, app, api_key: Optional[str], public_paths: Iterable[str] = ("/health",)) -> None:
+    def __init__(
+        self, app, api_key: str | None, public_paths: Iterable[str] = ("/health",)
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.public_paths = frozenset(public_paths)
@@ -37,20 +39,30 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = error_bytes(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = error_bytes(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope) -> bool:
         supplied = b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                if value[:len(_BEARER)].lower() == _BEARER:
-                    supplied = value[len(_BEARER):].strip()
+                if value[: len(_BEARER)].lower() == _BEARER:
+                    supplied = value[len(_BEARER) :].strip()
                 break
         # Compare even when nothing was supplied, so timing does not tell the two apart.
         return hmac.compare_digest(supplied, self.api_key) and bool(supplied)

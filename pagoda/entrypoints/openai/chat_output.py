@@ -8,7 +8,7 @@ takes `delta()` per output; a whole response feeds everything and takes `message
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from pagoda.entrypoints.openai.tools import ToolCallOutput, ToolPlan, tool_calls_json
 from pagoda.structured.reasoning import ReasoningTokens
@@ -16,10 +16,18 @@ from pagoda.structured.reasoning_text import ReasoningSplitter
 
 
 class ChatChoiceOutput:
-    def __init__(self, reasoning: Optional[ReasoningTokens], prompt_token_ids: Sequence[int],
-                 decode: Callable[[list[int]], str], plan: Optional[ToolPlan]) -> None:
-        self.splitter = (ReasoningSplitter(reasoning, prompt_token_ids, decode)
-                         if reasoning is not None else None)
+    def __init__(
+        self,
+        reasoning: ReasoningTokens | None,
+        prompt_token_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+        plan: ToolPlan | None,
+    ) -> None:
+        self.splitter = (
+            ReasoningSplitter(reasoning, prompt_token_ids, decode)
+            if reasoning is not None
+            else None
+        )
         self.tools = ToolCallOutput(plan) if plan is not None and plan.mode != "none" else None
         self.has_tools = plan is not None
         self.reasoning_parts: list[str] = []
@@ -51,18 +59,21 @@ class ChatChoiceOutput:
             delta["tool_calls"] = calls
         return delta
 
-    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+    def finish_reason(self, reason: str | None) -> str | None:
         return self.tools.finish_reason(reason) if self.tools is not None else reason
 
     def message(self) -> dict:
         """The whole response's message, once every delta was fed."""
         content = "".join(self.content_parts)
         calls = self.tools.calls if self.tools is not None else []
-        message: dict = {"role": "assistant",
-                         "content": None if calls and not content.strip() else content}
+        message: dict = {
+            "role": "assistant",
+            "content": None if calls and not content.strip() else content,
+        }
         if self.splitter is not None:
-            message["reasoning_content"] = ("".join(self.reasoning_parts)
-                                            if self.splitter.thinking else None)
+            message["reasoning_content"] = (
+                "".join(self.reasoning_parts) if self.splitter.thinking else None
+            )
         if self.has_tools:
             message["tool_calls"] = tool_calls_json(calls)
         return message

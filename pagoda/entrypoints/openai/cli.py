@@ -25,51 +25,109 @@ def _positive_int(text: str) -> int:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)",
+    )
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer <key>' on every route but /health "
-                        f"(default: ${API_KEY_ENV}; unset means no key)")
-    g.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without the API key")
-    g.add_argument("--max-num-queued-requests", type=_positive_int, default=1024,
-                   help="requests waiting for their first token beyond which new ones get 429 "
-                        "with Retry-After (default 1024)")
-    g.add_argument("--max-queued-tokens", type=_positive_int, default=None,
-                   help="prompt tokens waiting for their first token beyond which new requests "
-                        "get 429 (default: no limit)")
-    g.add_argument("--max-request-body-bytes", type=_positive_int, default=4 << 20,
-                   help="larger request bodies get 413 (default 4 MiB)")
-    g.add_argument("--max-n", type=_positive_int, default=16,
-                   help="largest n (choices per prompt) a request may ask for (default 16)")
-    g.add_argument("--max-logprobs", type=int, default=20, choices=range(0, 21), metavar="[0-20]",
-                   help="largest logprobs / top_logprobs a request may ask for (default 20)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
-    g.add_argument("--disable-web-ui", action="store_true",
-                   help="do not serve the chat page (/) and the engine dashboard (/dashboard)")
-    g.add_argument("--enable-debug-routes", action="store_true",
-                   help="add GET /debug/kv_audit (KV block audit; guarded by the API key)")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="do not log each request's id, prompt length and sampling parameters")
-    g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="do not log one line per HTTP request")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how to find tool calls in free text for tool_choice 'auto': hermes "
-                        "(<tool_call>{json}</tool_call>: Hermes, Qwen) or llama3_json")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let the model decide whether to call tools (tool_choice 'auto', the "
-                        "default with tools); needs --tool-call-parser")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (default info)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer <key>' on every route but /health "
+        f"(default: ${API_KEY_ENV}; unset means no key)",
+    )
+    g.add_argument(
+        "--metrics-public", action="store_true", help="serve /metrics without the API key"
+    )
+    g.add_argument(
+        "--max-num-queued-requests",
+        type=_positive_int,
+        default=1024,
+        help="requests waiting for their first token beyond which new ones get 429 "
+        "with Retry-After (default 1024)",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=_positive_int,
+        default=None,
+        help="prompt tokens waiting for their first token beyond which new requests "
+        "get 429 (default: no limit)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=4 << 20,
+        help="larger request bodies get 413 (default 4 MiB)",
+    )
+    g.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=16,
+        help="largest n (choices per prompt) a request may ask for (default 16)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        choices=range(0, 21),
+        metavar="[0-20]",
+        help="largest logprobs / top_logprobs a request may ask for (default 20)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish (default 30)",
+    )
+    g.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the chat page (/) and the engine dashboard (/dashboard)",
+    )
+    g.add_argument(
+        "--enable-debug-routes",
+        action="store_true",
+        help="add GET /debug/kv_audit (KV block audit; guarded by the API key)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log each request's id, prompt length and sampling parameters",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="do not log one line per HTTP request",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how to find tool calls in free text for tool_choice 'auto': hermes "
+        "(<tool_call>{json}</tool_call>: Hermes, Qwen) or llama3_json",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide whether to call tools (tool_choice 'auto', the "
+        "default with tools); needs --tool-call-parser",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default info)",
+    )
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
+
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+        )
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
@@ -79,13 +137,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                    "/metrics, /version), with a chat page at / and a live engine dashboard "
-                    "at /dashboard.")
-    parser.add_argument("model_tag", nargs="?", default=None,
-                        help="the model to serve (same as --model; default: the embedded SmolLM2)")
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+        "/metrics, /version), with a chat page at / and a live engine dashboard "
+        "at /dashboard.",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="the model to serve (same as --model; default: the embedded SmolLM2)",
+    )
     add_engine_args(parser)
     add_server_args(parser)
     parser.set_defaults(func=cmd_serve)

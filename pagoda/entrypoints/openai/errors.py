@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,9 +38,15 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client as an OpenAI error body."""
 
-    def __init__(self, status_code: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, error_type: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -64,19 +70,21 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_body(message: str, error_type: str, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_bytes(status_code: int, message: str, code: Optional[str] = None,
-                param: Optional[str] = None) -> bytes:
+def error_bytes(
+    status_code: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
     """The JSON body of an error, for ASGI middlewares that answer without FastAPI."""
     body = error_body(message, _TYPES.get(status_code, "invalid_request_error"), param, code)
     return json.dumps(body, ensure_ascii=True).encode("ascii")
 
 
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
@@ -94,10 +102,11 @@ def from_value_error(exc: Exception) -> APIError:
 _SEND_JSON = "send a JSON object with the header 'Content-Type: application/json'"
 
 
-def _is_json_content_type(value: Optional[str]) -> bool:
+def _is_json_content_type(value: str | None) -> bool:
     media_type = (value or "").split(";", 1)[0].strip().lower()
-    return media_type == "application/json" or (media_type.startswith("application/")
-                                                 and media_type.endswith("+json"))
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
 
 
 def _json_syntax_message(doc: Any, pos: int, reason: str) -> str:
@@ -105,11 +114,10 @@ def _json_syntax_message(doc: Any, pos: int, reason: str) -> str:
     text = doc if isinstance(doc, str) else bytes(doc or b"").decode("utf-8", "replace")
     line = text.count("\n", 0, pos) + 1
     column = pos - text.rfind("\n", 0, pos)
-    return (f"the request body is not valid JSON: {reason}: line {line} column {column} "
-            f"(char {pos})")
+    return f"the request body is not valid JSON: {reason}: line {line} column {column} (char {pos})"
 
 
-def body_problem(exc: RequestValidationError, content_type: Optional[str]) -> Optional[str]:
+def body_problem(exc: RequestValidationError, content_type: str | None) -> str | None:
     """The message when the body as a whole is unusable (not JSON, empty, not an object);
     None when the error is about one field, which the usual message names."""
     errors = exc.errors()
@@ -131,15 +139,20 @@ def body_problem(exc: RequestValidationError, content_type: Optional[str]) -> Op
 
 
 def _json_type(value: Any) -> str:
-    for kind, name in ((bool, "a boolean"), (str, "a string"), ((int, float), "a number"),
-                       (list, "an array")):
+    for kind, name in (
+        (bool, "a boolean"),
+        (str, "a string"),
+        ((int, float), "a number"),
+        (list, "an array"),
+    ):
         if isinstance(value, kind):
             return name
     return "null" if value is None else type(value).__name__
 
 
-def _validation_message(exc: RequestValidationError,
-                        content_type: Optional[str] = None) -> tuple[str, Optional[str]]:
+def _validation_message(
+    exc: RequestValidationError, content_type: str | None = None
+) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -150,8 +163,9 @@ def _validation_message(exc: RequestValidationError,
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
-        message = (f"unsupported parameter: {param!r} is not a parameter Pagoda accepts "
-                   f"for this route")
+        message = (
+            f"unsupported parameter: {param!r} is not a parameter Pagoda accepts for this route"
+        )
     else:
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:

@@ -14,10 +14,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-from pagoda.engine.async_engine import (AsyncEngine, EngineDrainingError, EngineNotReadyError,
-                                        EngineStepError, RequestFailedError)
+from pagoda.engine.async_engine import (
+    AsyncEngine,
+    EngineDrainingError,
+    EngineNotReadyError,
+    EngineStepError,
+    RequestFailedError,
+)
 from pagoda.entrypoints.openai.admission import AdmissionTicket
 from pagoda.entrypoints.openai.errors import APIError, from_value_error
 from pagoda.entrypoints.openai.serving_common import SSE_DONE, sse, sse_error, usage
@@ -64,8 +70,8 @@ class ChoiceResult:
     prompt_index: int
     text_parts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
 
     @property
     def text(self) -> str:
@@ -100,9 +106,14 @@ async def collect(engine: AsyncEngine, job: GenerationJob) -> list[ChoiceResult]
     return [choices[i] for i in sorted(choices)]
 
 
-async def stream_chunks(engine: AsyncEngine, job: GenerationJob, head: dict, include_usage: bool,
-                        choices_of: Callable[[int, RequestOutput], list[dict]],
-                        opening_choices: Optional[list[dict]] = None) -> AsyncIterator[str]:
+async def stream_chunks(
+    engine: AsyncEngine,
+    job: GenerationJob,
+    head: dict,
+    include_usage: bool,
+    choices_of: Callable[[int, RequestOutput], list[dict]],
+    opening_choices: list[dict] | None = None,
+) -> AsyncIterator[str]:
     """The SSE body of a streaming response: one chunk per delta output, then the end.
 
     Each chunk is `head` plus `choices_of(prompt index, output)` (and `usage: null` with
@@ -130,24 +141,29 @@ async def stream_chunks(engine: AsyncEngine, job: GenerationJob, head: dict, inc
     yield SSE_DONE
 
 
-async def run_generation(engine: AsyncEngine, job: GenerationJob
-                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def run_generation(
+    engine: AsyncEngine, job: GenerationJob
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs each prompt as one engine request; yields (prompt index, delta output) as they come.
 
     Closing this iterator early aborts every request still running.
     """
     prompts, params, ticket = job.prompts, job.params, job.ticket
     if len(prompts) == 1:
-        async with contextlib.aclosing(engine.generate(
-                prompts[0], params, job.engine_request_id(0), job.priority)) as outputs:
+        async with contextlib.aclosing(
+            engine.generate(prompts[0], params, job.engine_request_id(0), job.priority)
+        ) as outputs:
             async for output in _translated(outputs):
                 ticket.started(0)
                 yield 0, output
         return
     merged: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, prompt, params, job.engine_request_id(i),
-                                       job.priority, i, merged))
-             for i, prompt in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(
+            _pump(engine, prompt, params, job.engine_request_id(i), job.priority, i, merged)
+        )
+        for i, prompt in enumerate(prompts)
+    ]
     try:
         remaining = len(tasks)
         while remaining:
@@ -165,10 +181,19 @@ async def run_generation(engine: AsyncEngine, job: GenerationJob
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(engine: AsyncEngine, prompt: dict, params: SamplingParams, request_id: str,
-                priority: int, index: int, merged: asyncio.Queue) -> None:
+async def _pump(
+    engine: AsyncEngine,
+    prompt: dict,
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    index: int,
+    merged: asyncio.Queue,
+) -> None:
     try:
-        async with contextlib.aclosing(engine.generate(prompt, params, request_id, priority)) as outs:
+        async with contextlib.aclosing(
+            engine.generate(prompt, params, request_id, priority)
+        ) as outs:
             async for output in _translated(outs):
                 merged.put_nowait((index, output))
     except Exception as exc:  # handed to the consumer, which raises it
@@ -187,7 +212,9 @@ async def _translated(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Re
     except ValueError as exc:  # the engine refused the request: the client's input
         raise from_value_error(exc) from None
     except RequestFailedError as exc:
-        raise APIError(500, f"the engine failed this request: {exc}", code="request_failed") from None
+        raise APIError(
+            500, f"the engine failed this request: {exc}", code="request_failed"
+        ) from None
     except EngineStepError as exc:  # the whole step failed (e.g. a worker process died)
         raise APIError(500, str(exc), code="engine_step_failed") from None
 

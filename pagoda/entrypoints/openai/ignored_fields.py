@@ -28,7 +28,7 @@ PLATFORM_FIELDS = {
     "user": "an end-user id for OpenAI's abuse monitoring",
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache (Pagoda's prefix cache "
-                        "matches prompts by content)",
+    "matches prompts by content)",
     "prompt_cache_retention": "how long OpenAI keeps a cached prompt",
 }
 
@@ -36,7 +36,7 @@ PLATFORM_FIELDS = {
 CONDITIONAL_FIELDS = {
     "parallel_tool_calls": "only meaningful together with tools, and none were given",
     "stream_options.include_obfuscation": "pads streamed chunks against a network side "
-                                          "channel on OpenAI's platform",
+    "channel on OpenAI's platform",
 }
 
 _warned: set[str] = set()
@@ -48,6 +48,11 @@ def note_ignored(names: list[str]) -> dict[str, str]:
         if name not in _warned:
             _warned.add(name)  # the event loop is one thread: no lock needed
             reason = PLATFORM_FIELDS.get(name) or CONDITIONAL_FIELDS.get(name, "")
-            logger.warning("ignoring the request field %r: %s; it has no effect here (logged "
-                           "once; each response lists ignored fields in %s)", name, reason, HEADER)
+            logger.warning(
+                "ignoring the request field %r: %s; it has no effect here (logged "
+                "once; each response lists ignored fields in %s)",
+                name,
+                reason,
+                HEADER,
+            )
     return {HEADER: ", ".join(names)} if names else {}

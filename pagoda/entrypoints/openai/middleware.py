@@ -17,17 +17,22 @@ the size limit, the drain, admission or validation, before the engine ran it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from pagoda.engine import trace
 from pagoda.entrypoints.openai.errors import error_bytes
 
 
-async def _send_error(send, status: int, message: str, code: str,
-                      extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+async def _send_error(
+    send, status: int, message: str, code: str, extra_headers: Iterable[tuple[bytes, bytes]] = ()
+) -> None:
     body = error_bytes(status, message, code=code)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close"), *extra_headers]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *extra_headers,
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -63,9 +68,13 @@ class BodySizeLimitMiddleware:
         await self.app(scope, _replay(b"".join(chunks), disconnected, receive), send)
 
     async def _too_large(self, send) -> None:
-        await _send_error(send, 413, f"the request body is larger than the server's limit of "
-                                     f"{self.max_body_bytes} bytes (--max-request-body-bytes)",
-                          code="request_too_large")
+        await _send_error(
+            send,
+            413,
+            f"the request body is larger than the server's limit of "
+            f"{self.max_body_bytes} bytes (--max-request-body-bytes)",
+            code="request_too_large",
+        )
 
 
 def _content_length(scope) -> int | None:
@@ -114,8 +123,13 @@ class ServerStateMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
-            await _send_error(send, 503, "the server is shutting down and accepts no new requests",
-                              code="server_draining", extra_headers=[(b"retry-after", b"5")])
+            await _send_error(
+                send,
+                503,
+                "the server is shutting down and accepts no new requests",
+                code="server_draining",
+                extra_headers=[(b"retry-after", b"5")],
+            )
             return
         self.state.num_http_in_flight += 1
         try:

@@ -17,7 +17,7 @@ accepted and ignored, never used (ignored_fields.py).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,50 +37,60 @@ _IGNORED = "accepted and ignored: it only means something on OpenAI's platform"
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    include_obfuscation: Optional[Any] = Field(None, description=_IGNORED)
+    include_obfuscation: Any | None = Field(None, description=_IGNORED)
 
 
 class SamplingRequestFields(StrictModel):
     """Fields shared by completions and chat completions."""
 
-    model: Optional[str] = Field(None, description="a served model name (default: the only one)")
+    model: str | None = Field(None, description="a served model name (default: the only one)")
     n: int = Field(1, ge=1, le=1024, description="completions per prompt (capped by --max-n)")
-    temperature: Optional[float] = Field(None, ge=0.0, le=1e6, description="0 means greedy; default 1")
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1, le=_MAX_TOKENS_BOUND, description="0 or -1: off")
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=1e6, description="0 means greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=_MAX_TOKENS_BOUND, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # Bounded away from 0: dividing logits by a tiny penalty overflows them to inf.
-    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=100.0)
-    logit_bias: Optional[dict[str, float]] = Field(
-        None, description="token id (as a string) -> bias in [-100, 100]")
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_MAX_TOKENS_BOUND)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     # OpenAI platform fields (ignored_fields.PLATFORM_FIELDS); any value is accepted.
-    store: Optional[Any] = Field(None, description=_IGNORED)
-    metadata: Optional[Any] = Field(None, description=_IGNORED)
-    service_tier: Optional[Any] = Field(None, description=_IGNORED)
-    user: Optional[Any] = Field(None, description=_IGNORED)
-    safety_identifier: Optional[Any] = Field(None, description=_IGNORED)
-    prompt_cache_key: Optional[Any] = Field(None, description=_IGNORED)
-    prompt_cache_retention: Optional[Any] = Field(None, description=_IGNORED)
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
-                          description="lower runs first with --scheduling-policy priority")
-    best_of: Optional[int] = Field(None, ge=1, le=1024, description="only best_of == n is supported")
-    structured_outputs: Optional[dict[str, Any]] = Field(
-        None, description="vLLM's: exactly one of json (a schema), regex, choice, grammar "
-                          "(EBNF), json_object; and disable_any_whitespace")
-    thinking_token_budget: Optional[int] = Field(
-        None, ge=0, le=_MAX_TOKENS_BOUND,
-        description="thinking tokens after which </think> is forced (needs --reasoning-parser)")
+    store: Any | None = Field(None, description=_IGNORED)
+    metadata: Any | None = Field(None, description=_IGNORED)
+    service_tier: Any | None = Field(None, description=_IGNORED)
+    user: Any | None = Field(None, description=_IGNORED)
+    safety_identifier: Any | None = Field(None, description=_IGNORED)
+    prompt_cache_key: Any | None = Field(None, description=_IGNORED)
+    prompt_cache_retention: Any | None = Field(None, description=_IGNORED)
+    priority: int = Field(
+        0,
+        ge=INT64_MIN,
+        le=INT64_MAX,
+        description="lower runs first with --scheduling-policy priority",
+    )
+    best_of: int | None = Field(None, ge=1, le=1024, description="only best_of == n is supported")
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: exactly one of json (a schema), regex, choice, grammar "
+        "(EBNF), json_object; and disable_any_whitespace",
+    )
+    thinking_token_budget: int | None = Field(
+        None,
+        ge=0,
+        le=_MAX_TOKENS_BOUND,
+        description="thinking tokens after which </think> is forced (needs --reasoning-parser)",
+    )
 
     def common_unsupported(self) -> list[tuple[str, str]]:
         problems = []
@@ -100,12 +110,13 @@ class SamplingRequestFields(StrictModel):
 
 
 class CompletionRequest(SamplingRequestFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
-        ..., description="text, a list of texts, token ids, or a list of token-id lists")
-    max_tokens: Optional[int] = Field(16, ge=1, le=_MAX_TOKENS_BOUND)
-    logprobs: Optional[int] = Field(None, ge=0, le=1024, description="top logprobs per token (cap 20)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, a list of texts, token ids, or a list of token-id lists"
+    )
+    max_tokens: int | None = Field(16, ge=1, le=_MAX_TOKENS_BOUND)
+    logprobs: int | None = Field(None, ge=0, le=1024, description="top logprobs per token (cap 20)")
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: str | None = None
 
     def unsupported_parameters(self) -> list[tuple[str, str]]:
         problems = self.common_unsupported()
@@ -123,71 +134,99 @@ class TextContentPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
-    name: Optional[str] = None
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
     # An assistant turn's calls, and a tool turn's answer to one of them.
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = Field(
-        None, description="{\"name\": ..., \"schema\": {...}, \"strict\": ...} for type json_schema")
+    json_schema: dict[str, Any] | None = Field(
+        None, description='{"name": ..., "schema": {...}, "strict": ...} for type json_schema'
+    )
 
 
 class ChatCompletionRequest(SamplingRequestFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1, le=_MAX_TOKENS_BOUND,
-                                      description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=_MAX_TOKENS_BOUND)
+    max_tokens: int | None = Field(
+        None, ge=1, le=_MAX_TOKENS_BOUND, description="deprecated alias of max_completion_tokens"
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS_BOUND)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=1024, description="needs logprobs=true (cap 20)")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=1024, description="needs logprobs=true (cap 20)"
+    )
     add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(
-        None, description="extra chat template variables, e.g. {\"enable_thinking\": false}")
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
-        None, description="none, auto (default with tools), required, or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-    parallel_tool_calls: Optional[bool] = Field(
-        None, description="false: tool_choice required makes one call at most")
-    reasoning_effort: Optional[Literal["low", "medium", "high"]] = Field(
-        None, description="a thinking_token_budget of 512, 2048 or 8192 tokens "
-                          "(needs --reasoning-parser; thinking_token_budget wins)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='extra chat template variables, e.g. {"enable_thinking": false}'
+    )
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description="none, auto (default with tools), required, or "
+        '{"type": "function", "function": {"name": ...}}',
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: tool_choice required makes one call at most"
+    )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="a thinking_token_budget of 512, 2048 or 8192 tokens "
+        "(needs --reasoning-parser; thinking_token_budget wins)",
+    )
     # Declared so they are documented and rejected by name when used.
-    modalities: Optional[list[str]] = Field(None, description="only ['text']")
-    functions: Optional[list[dict[str, Any]]] = None
-    function_call: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[ResponseFormat] = None
+    modalities: list[str] | None = Field(None, description="only ['text']")
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported_parameters(self) -> list[tuple[str, str]]:
         problems = self.common_unsupported()
         if self.modalities is not None and self.modalities != ["text"]:
-            problems.append(("modalities", f"modalities {self.modalities} are not supported "
-                                           f"(only ['text'])"))
+            problems.append(
+                ("modalities", f"modalities {self.modalities} are not supported (only ['text'])")
+            )
         if self.functions:
             problems.append(("functions", "functions (function calling) are not supported"))
         if self.function_call not in (None, "none"):
-            problems.append(("function_call", "function_call other than 'none' is not supported "
-                                              "(use tools and tool_choice)"))
+            problems.append(
+                (
+                    "function_call",
+                    "function_call other than 'none' is not supported (use tools and tool_choice)",
+                )
+            )
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
-            problems.append(("max_tokens", "max_tokens and max_completion_tokens disagree; send one"))
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            problems.append(
+                ("max_tokens", "max_tokens and max_completion_tokens disagree; send one")
+            )
         for message in self.messages:
             if message.role == "tool" and not message.tool_call_id:
-                problems.append(("messages", "a message of role 'tool' needs the tool_call_id "
-                                             "of the call it answers"))
+                problems.append(
+                    (
+                        "messages",
+                        "a message of role 'tool' needs the tool_call_id of the call it answers",
+                    )
+                )
             if message.tool_calls is not None and message.role != "assistant":
                 problems.append(("messages", "only assistant messages carry tool_calls"))
             for call in message.tool_calls or []:
                 function = call.get("function")
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    problems.append(("messages", "each of an assistant's tool_calls needs a "
-                                                 "function with a name"))
+                    problems.append(
+                        (
+                            "messages",
+                            "each of an assistant's tool_calls needs a function with a name",
+                        )
+                    )
         return problems
 
     def ignored_fields(self) -> list[str]:
@@ -199,23 +238,23 @@ class ChatCompletionRequest(SamplingRequestFields):
 
 
 class TokenizeCompletionRequest(StrictModel):
-    model: Optional[str] = None
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(StrictModel):
-    model: Optional[str] = None
+    model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(StrictModel):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 
@@ -231,16 +270,16 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[Optional[float]]
-    top_logprobs: list[Optional[dict[str, float]]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -249,13 +288,13 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatTokenLogprob(ChatTopLogprob):
@@ -263,21 +302,21 @@ class ChatTokenLogprob(ChatTopLogprob):
 
 
 class ChatChoiceLogprobs(BaseModel):
-    content: Optional[list[ChatTokenLogprob]] = None
+    content: list[ChatTokenLogprob] | None = None
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = Field(None, description="with --reasoning-parser")
-    tool_calls: Optional[list[dict[str, Any]]] = Field(None, description="with tools")
+    content: str | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="with tools")
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -286,7 +325,7 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatCompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -294,7 +333,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagoda"
-    root: Optional[str] = None
+    root: str | None = None
     max_model_len: int
 
 
@@ -316,8 +355,8 @@ class DetokenizeResponse(BaseModel):
 class ErrorDetail(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

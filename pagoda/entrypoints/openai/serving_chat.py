@@ -17,26 +17,41 @@ before admission: a refused schema is a 400 (structured_request.py).
 
 from __future__ import annotations
 
-import logging
-from typing import Any, AsyncIterator, Callable, Optional
-
 import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pagoda.engine import trace
 from pagoda.entrypoints.openai.chat_output import ChatChoiceOutput
 from pagoda.entrypoints.openai.errors import bad_request
-from pagoda.entrypoints.openai.generation import (GenerationJob, SSEStream, cancel_on_disconnect,
-                                                  collect, stream_chunks)
-from pagoda.entrypoints.openai.structured_request import (check_constraints, structured_outputs_of,
-                                                          thinking_budget_of)
-from pagoda.entrypoints.openai.tools import ToolPlan, plan_tools
+from pagoda.entrypoints.openai.generation import (
+    GenerationJob,
+    SSEStream,
+    cancel_on_disconnect,
+    collect,
+    stream_chunks,
+)
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.entrypoints.openai.serving_common import (ServingContext, build_sampling_params,
-                                                      check_caps, check_prompt, check_room,
-                                                      new_request_id, now, reject_unsupported, usage)
+from pagoda.entrypoints.openai.serving_common import (
+    ServingContext,
+    build_sampling_params,
+    check_caps,
+    check_prompt,
+    check_room,
+    new_request_id,
+    now,
+    reject_unsupported,
+    usage,
+)
+from pagoda.entrypoints.openai.structured_request import (
+    check_constraints,
+    structured_outputs_of,
+    thinking_budget_of,
+)
+from pagoda.entrypoints.openai.tools import ToolPlan, plan_tools
+from pagoda.model.tokenizer import apply_chat_template, check_template_kwargs
 from pagoda.outputs import Logprob, RequestOutput
-from pagoda.model.tokenizer import apply_chat_template
-from pagoda.model.tokenizer import check_template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +86,13 @@ def _template_tool_call(call: dict) -> dict:
     return {**call, "function": function}
 
 
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: Optional[dict[str, Any]] = None,
-                tools: Optional[list[dict]] = None) -> list[int]:
+def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict] | None = None,
+) -> list[int]:
     """Token ids of the conversation; a template that fails on these messages -> 400."""
     engine = ctx.require_ready()
     tokenizer = ctx.tokenizer()
@@ -82,16 +101,25 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     except ValueError as exc:
         raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
     try:
-        return apply_chat_template(tokenizer, messages_to_dicts(messages), add_generation_prompt,
-                                   engine.config.model.chat_template, template_kwargs, tools)
+        return apply_chat_template(
+            tokenizer,
+            messages_to_dicts(messages),
+            add_generation_prompt,
+            engine.config.model.chat_template,
+            template_kwargs,
+            tools,
+        )
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     except Exception as exc:  # Jinja raises its own errors (e.g. a template's raise_exception)
-        raise bad_request(f"the chat template could not render these messages: {exc}",
-                          param="messages") from None
+        raise bad_request(
+            f"the chat template could not render these messages: {exc}", param="messages"
+        ) from None
 
 
-async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationJob, ToolPlan]:
+async def prepare_chat(
+    ctx: ServingContext, req: ChatCompletionRequest
+) -> tuple[GenerationJob, ToolPlan]:
     """All of a chat request's checks; raises APIError (4xx) on the first problem."""
     engine = ctx.require_ready()
     model = ctx.check_model(req.model)
@@ -99,25 +127,36 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     check_caps(ctx, req.n, num_top, "top_logprobs")
     plan = plan_tools(req, ctx.settings.enable_auto_tool_choice, ctx.settings.tool_call_parser)
-    token_ids = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                            plan.tools or None)
+    token_ids = render_chat(
+        ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, plan.tools or None
+    )
     trace.mark("tokenized")
     check_prompt(ctx, token_ids, "messages")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_room(ctx, len(token_ids), max_tokens, param)
-    params = build_sampling_params(ctx, req, max_tokens, num_top,
-                                   structured_outputs=structured_outputs_of(req, plan.structured_outputs()),
-                                   thinking_token_budget=thinking_budget_of(req))
+    params = build_sampling_params(
+        ctx,
+        req,
+        max_tokens,
+        num_top,
+        structured_outputs=structured_outputs_of(req, plan.structured_outputs()),
+        thinking_token_budget=thinking_budget_of(req),
+    )
     await check_constraints(engine, req, params)
     ticket = ctx.admission.admit([len(token_ids)])
     prompts = [{"prompt": None, "prompt_token_ids": token_ids}]
-    job = GenerationJob(new_request_id("chatcmpl"), model, now(), prompts, params, req.priority, ticket)
+    job = GenerationJob(
+        new_request_id("chatcmpl"), model, now(), prompts, params, req.priority, ticket
+    )
     return job, plan
 
 
-def _choice_outputs(ctx: ServingContext, job: GenerationJob,
-                    plan: ToolPlan) -> Callable[[int], ChatChoiceOutput]:
+def _choice_outputs(
+    ctx: ServingContext, job: GenerationJob, plan: ToolPlan
+) -> Callable[[int], ChatChoiceOutput]:
     """choice index -> its ChatChoiceOutput (made on first use)."""
     engine = ctx.require_ready()
     reasoning = engine.structured.reasoning
@@ -129,9 +168,13 @@ def _choice_outputs(ctx: ServingContext, job: GenerationJob,
     def get(index: int) -> ChatChoiceOutput:
         if index not in outputs:
             outputs[index] = ChatChoiceOutput(
-                reasoning, prompt_ids, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip),
-                plan if plan.tools else None)
+                reasoning,
+                prompt_ids,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=skip),
+                plan if plan.tools else None,
+            )
         return outputs[index]
+
     return get
 
 
@@ -153,14 +196,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     for c in choices:
         out = choice_output(c.index)
         out.delta(c.text, c.token_ids, finished=True)
-        result.append({
-            "index": c.index,
-            "message": out.message(),
-            "logprobs": {"content": chat_logprobs(c.logprobs, num_top)} if req.logprobs else None,
-            "finish_reason": out.finish_reason(c.finish_reason),
-        })
+        result.append(
+            {
+                "index": c.index,
+                "message": out.message(),
+                "logprobs": {"content": chat_logprobs(c.logprobs, num_top)}
+                if req.logprobs
+                else None,
+                "finish_reason": out.finish_reason(c.finish_reason),
+            }
+        )
     return {
-        "id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model,
+        "id": job.request_id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.model,
         "choices": result,
         "usage": usage(job.prompt_tokens, sum(c.num_tokens for c in choices)),
     }
@@ -171,22 +221,29 @@ def _token_entry(lp: Logprob) -> dict:
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(positions: Optional[list[dict[int, Logprob]]], num_top: int) -> list[dict]:
+def chat_logprobs(positions: list[dict[int, Logprob]] | None, num_top: int) -> list[dict]:
     """OpenAI's chat logprobs `content` list: the sampled token and its top alternatives."""
     result = []
     for position in positions or []:
         chosen = next(iter(position.values()))  # the sampled token comes first
-        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
-                     key=lambda lp: lp.rank)
+        top = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
+            key=lambda lp: lp.rank,
+        )
         result.append({**_token_entry(chosen), "top_logprobs": [_token_entry(lp) for lp in top]})
     return result
 
 
-def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob,
-            plan: ToolPlan) -> AsyncIterator[str]:
+def _stream(
+    ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob, plan: ToolPlan
+) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
-            "model": job.model}
+    head = {
+        "id": job.request_id,
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": job.model,
+    }
     num_top = req.top_logprobs or 0
     choice_output = _choice_outputs(ctx, job, plan)
 
@@ -197,13 +254,27 @@ def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob,
             out = choice_output(index)
             finished = completion.finish_reason is not None
             delta = out.delta(completion.text, completion.token_ids, finished)
-            logprobs = ({"content": chat_logprobs(completion.logprobs, num_top)}
-                        if req.logprobs else None)
-            choices.append({"index": index, "delta": delta, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason(completion.finish_reason)})
+            logprobs = (
+                {"content": chat_logprobs(completion.logprobs, num_top)} if req.logprobs else None
+            )
+            choices.append(
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason(completion.finish_reason),
+                }
+            )
         return choices
 
     # OpenAI opens every choice with the role before any content.
-    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None} for i in range(job.params.n)]
+    opening = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(job.params.n)
+    ]
     return stream_chunks(ctx.engine, job, head, include_usage, choices_of, opening)

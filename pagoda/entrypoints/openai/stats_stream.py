@@ -26,7 +26,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.metrics.recent import RequestLog
@@ -44,30 +45,35 @@ def sse_event(event: str, data: Any) -> str:
     return f"event: {event}\ndata: {payload}\n\n"
 
 
-def _rate(now: float, then: float, dt: float) -> Optional[float]:
+def _rate(now: float, then: float, dt: float) -> float | None:
     return (now - then) / dt if dt > 0 else None
 
 
-def _ratio(num: float, den: float) -> Optional[float]:
+def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def derive(stats: Any, prev: Optional[tuple[float, Any]], now: float) -> dict[str, Any]:
+def derive(stats: Any, prev: tuple[float, Any] | None, now: float) -> dict[str, Any]:
     """The dashboard's view of one EngineStats sample; rates need the previous
     (time, stats) sample and are None without one."""
     out: dict[str, Any] = {
-        "running": stats.num_running, "waiting": stats.num_waiting,
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
         "preempted": getattr(stats, "num_preempted", 0),
         "max_num_seqs": getattr(stats, "max_num_seqs", 0),
-        "kv_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
+        "kv_usage": stats.kv_cache_usage,
+        "num_blocks": stats.num_blocks,
         "block_size": getattr(stats, "block_size", 0),
         "token_budget": getattr(stats, "max_num_batched_tokens", 0),
         "prompt_tokens_total": stats.prompt_tokens,
         "generation_tokens_total": stats.generation_tokens,
         "preemptions_total": stats.num_preemptions,
         "prefix_hit_rate_total": _ratio(stats.prefix_cache_hits, stats.prefix_cache_queries),
-        "output_tok_s": None, "prompt_tok_s": None, "steps_per_s": None,
-        "tokens_per_step": None, "prefix_hit_rate": None,
+        "output_tok_s": None,
+        "prompt_tok_s": None,
+        "steps_per_s": None,
+        "tokens_per_step": None,
+        "prefix_hit_rate": None,
     }
     if prev is not None:
         then, old = prev
@@ -77,27 +83,36 @@ def derive(stats: Any, prev: Optional[tuple[float, Any]], now: float) -> dict[st
             output_tok_s=_rate(stats.generation_tokens, old.generation_tokens, dt),
             prompt_tok_s=_rate(stats.prompt_tokens, old.prompt_tokens, dt),
             steps_per_s=_rate(steps, 0, dt),
-            tokens_per_step=_ratio(getattr(stats, "scheduled_tokens", 0)
-                                   - getattr(old, "scheduled_tokens", 0), steps),
-            prefix_hit_rate=_ratio(stats.prefix_cache_hits - old.prefix_cache_hits,
-                                   stats.prefix_cache_queries - old.prefix_cache_queries))
+            tokens_per_step=_ratio(
+                getattr(stats, "scheduled_tokens", 0) - getattr(old, "scheduled_tokens", 0), steps
+            ),
+            prefix_hit_rate=_ratio(
+                stats.prefix_cache_hits - old.prefix_cache_hits,
+                stats.prefix_cache_queries - old.prefix_cache_queries,
+            ),
+        )
     out["spec"] = _spec(getattr(stats, "spec_decode", None), prev)
     return out
 
 
-def _spec(spec: Any, prev: Optional[tuple[float, Any]]) -> Optional[dict[str, Any]]:
+def _spec(spec: Any, prev: tuple[float, Any] | None) -> dict[str, Any] | None:
     """Speculative-decoding acceptance, when the engine's stats carry it (counters
     `num_draft_tokens` and `num_accepted_tokens` since start); None otherwise."""
     drafted = getattr(spec, "num_draft_tokens", None)
     accepted = getattr(spec, "num_accepted_tokens", None)
     if drafted is None or accepted is None:
         return None
-    out = {"draft_tokens_total": drafted, "accepted_tokens_total": accepted,
-           "acceptance_rate_total": _ratio(accepted, drafted), "acceptance_rate": None}
+    out = {
+        "draft_tokens_total": drafted,
+        "accepted_tokens_total": accepted,
+        "acceptance_rate_total": _ratio(accepted, drafted),
+        "acceptance_rate": None,
+    }
     old = getattr(prev[1], "spec_decode", None) if prev is not None else None
     if old is not None:
-        out["acceptance_rate"] = _ratio(accepted - old.num_accepted_tokens,
-                                        drafted - old.num_draft_tokens)
+        out["acceptance_rate"] = _ratio(
+            accepted - old.num_accepted_tokens, drafted - old.num_draft_tokens
+        )
     return out
 
 
@@ -108,24 +123,30 @@ class _Client:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.last_seq = last_seq
 
-    def offer(self, item: Optional[str]) -> None:
+    def offer(self, item: str | None) -> None:
         while self.queue.qsize() >= _MAX_PENDING:
             self.queue.get_nowait()
         self.queue.put_nowait(item)
 
 
 class StatsHub:
-    def __init__(self, engine: AsyncEngine, request_log: RequestLog, model_name: str,
-                 is_draining: Callable[[], bool], interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_log: RequestLog,
+        model_name: str,
+        is_draining: Callable[[], bool],
+        interval_s: float = 0.25,
+    ) -> None:
         self.engine = engine
         self.request_log = request_log
         self.model_name = model_name
         self.is_draining = is_draining
         self.interval_s = interval_s
         self._clients: set[_Client] = set()
-        self._task: Optional[asyncio.Task] = None
-        self._prev: Optional[tuple[float, Any]] = None
-        self._percentiles: Optional[dict[str, Any]] = None
+        self._task: asyncio.Task | None = None
+        self._prev: tuple[float, Any] | None = None
+        self._percentiles: dict[str, Any] | None = None
         self._percentiles_at = float("-inf")
         self.num_samples = 0  # samples taken since start (tests and cost checks read it)
 
@@ -135,17 +156,23 @@ class StatsHub:
 
     def info(self) -> dict[str, Any]:
         engine = self.engine.engine if self.engine.is_ready else None
-        return {"model": self.model_name, "interval_s": self.interval_s,
-                "window_s": self.request_log.window_s,
-                "max_model_len": getattr(engine, "max_model_len", None)}
+        return {
+            "model": self.model_name,
+            "interval_s": self.interval_s,
+            "window_s": self.request_log.window_s,
+            "max_model_len": getattr(engine, "max_model_len", None),
+        }
 
     async def sample(self) -> dict[str, Any]:
         """One stats object (taken now, not the broadcast one)."""
         now = time.monotonic()
-        sample: dict[str, Any] = {"t": time.time(), "state": self._state(),
-                                  "in_flight": self.engine.num_in_flight,
-                                  "finished_total": self.request_log.num_finished,
-                                  "finished_by_reason": dict(self.request_log.finished_by_reason)}
+        sample: dict[str, Any] = {
+            "t": time.time(),
+            "state": self._state(),
+            "in_flight": self.engine.num_in_flight,
+            "finished_total": self.request_log.num_finished,
+            "finished_by_reason": dict(self.request_log.finished_by_reason),
+        }
         if sample["state"] == "ready":
             try:
                 stats = await self.engine.get_stats()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -34,7 +33,7 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call_from_json(obj, arguments_keys=("arguments", "parameters")) -> Optional[ParsedToolCall]:
+def tool_call_from_json(obj, arguments_keys=("arguments", "parameters")) -> ParsedToolCall | None:
     """A call from {"name": str, "arguments"|"parameters": object}; None if not that shape."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -75,7 +74,7 @@ class HermesToolParser(ToolParser):
                 end = self._buffer.find(self.END)
                 if end < 0:
                     break
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(self.END):]
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(self.END) :]
                 self._in_call = False
                 call = self._parse(body)
                 if call is None:
@@ -86,12 +85,12 @@ class HermesToolParser(ToolParser):
             start = self._buffer.find(self.START)
             if start >= 0:
                 content.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(self.START):]
+                self._buffer = self._buffer[start + len(self.START) :]
                 self._in_call = True
                 continue
             keep = _partial_prefix_len(self._buffer, self.START)
-            content.append(self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            content.append(self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
             break
         return "".join(content), calls
 
@@ -104,7 +103,7 @@ class HermesToolParser(ToolParser):
         return ("", [call]) if call is not None else (self.START + rest, [])
 
     @staticmethod
-    def _parse(body: str) -> Optional[ParsedToolCall]:
+    def _parse(body: str) -> ParsedToolCall | None:
         try:
             return tool_call_from_json(json.loads(body.strip()))
         except ValueError:
@@ -116,7 +115,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._mode: Optional[str] = None  # None: undecided, "content" or "calls"
+        self._mode: str | None = None  # None: undecided, "content" or "calls"
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         self._buffer += delta
@@ -163,8 +162,9 @@ def make_tool_parser(name: str) -> ToolParser:
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"tool call parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
-                         f"got {name!r}") from None
+        raise ValueError(
+            f"tool call parser must be one of {', '.join(sorted(TOOL_PARSERS))}, got {name!r}"
+        ) from None
 
 
 def _partial_prefix_len(text: str, tag: str) -> int:

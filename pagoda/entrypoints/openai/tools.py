@@ -18,11 +18,15 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pagoda.entrypoints.openai.errors import bad_request
-from pagoda.entrypoints.openai.tool_parsers import (ParsedToolCall, ToolParser, make_tool_parser,
-                                                    tool_call_from_json)
+from pagoda.entrypoints.openai.tool_parsers import (
+    ParsedToolCall,
+    ToolParser,
+    make_tool_parser,
+    tool_call_from_json,
+)
 from pagoda.structured.params import StructuredOutputsParams
 
 
@@ -30,11 +34,11 @@ from pagoda.structured.params import StructuredOutputsParams
 class ToolPlan:
     mode: str  # "none" | "auto" | "required" | "named"
     tools: list[dict] = field(default_factory=list)  # the request's tools, checked
-    named: Optional[str] = None
-    parser: Optional[str] = None  # the tool-call parser for "auto"
+    named: str | None = None
+    parser: str | None = None  # the tool-call parser for "auto"
     parallel: bool = True
 
-    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+    def structured_outputs(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
             return StructuredOutputsParams(json=self._parameters(self.named))
         if self.mode == "required":
@@ -58,13 +62,21 @@ class ToolPlan:
             for key in ("$defs", "definitions"):
                 for def_name, definition in (params.pop(key, None) or {}).items():
                     if defs.setdefault(def_name, definition) != definition:
-                        raise bad_request(f"tools define the schema {def_name!r} differently; "
-                                          "tool_choice 'required' needs one meaning per name",
-                                          param="tools")
-            variants.append({"type": "object",
-                             "properties": {"name": {"type": "string", "enum": [name]},
-                                            "parameters": params},
-                             "required": ["name", "parameters"]})
+                        raise bad_request(
+                            f"tools define the schema {def_name!r} differently; "
+                            "tool_choice 'required' needs one meaning per name",
+                            param="tools",
+                        )
+            variants.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": params,
+                    },
+                    "required": ["name", "parameters"],
+                }
+            )
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -78,18 +90,23 @@ def _check_tool(tool: Any, index: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise bad_request(f"{param}: only tools of type 'function' are supported", param="tools")
     function = tool.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-            or not function["name"]:
-        raise bad_request(f"{param}.function must be an object with a non-empty name",
-                          param="tools")
+    if (
+        not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or not function["name"]
+    ):
+        raise bad_request(
+            f"{param}.function must be an object with a non-empty name", param="tools"
+        )
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise bad_request(f"{param}.function.parameters must be a JSON schema object",
-                          param="tools")
+        raise bad_request(
+            f"{param}.function.parameters must be a JSON schema object", param="tools"
+        )
     return tool
 
 
-def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: Optional[str]) -> ToolPlan:
+def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: str | None) -> ToolPlan:
     """The request's tool mode; 400 for tools or a tool_choice that cannot be honoured."""
     tools = [_check_tool(t, i) for i, t in enumerate(req.tools or [])]
     names = [t["function"]["name"] for t in tools]
@@ -103,24 +120,34 @@ def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: Optional[st
         function = choice.get("function") if choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
-            raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              param="tool_choice")
+            raise bad_request(
+                "tool_choice must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
         if name not in names:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
-                              param="tool_choice")
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools",
+                param="tool_choice",
+            )
         return ToolPlan("named", tools, named=name, parallel=parallel)
     if choice not in ("none", "auto", "required"):
-        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
-                          f"got {choice!r}", param="tool_choice")
+        raise bad_request(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+            param="tool_choice",
+        )
     if choice != "none" and not tools:
         raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
     if choice == "auto" and not (enable_auto_tool_choice and tool_call_parser):
-        raise bad_request("tool_choice 'auto' needs the server started with "
-                          "--enable-auto-tool-choice and --tool-call-parser; use 'required' "
-                          "or a named function", param="tool_choice")
-    return ToolPlan(choice, tools, parser=tool_call_parser if choice == "auto" else None,
-                    parallel=parallel)
+        raise bad_request(
+            "tool_choice 'auto' needs the server started with "
+            "--enable-auto-tool-choice and --tool-call-parser; use 'required' "
+            "or a named function",
+            param="tool_choice",
+        )
+    return ToolPlan(
+        choice, tools, parser=tool_call_parser if choice == "auto" else None, parallel=parallel
+    )
 
 
 class _ArrayElements:
@@ -130,7 +157,7 @@ class _ArrayElements:
         self.depth = 0
         self.in_string = False
         self.escaped = False
-        self.current: Optional[list[str]] = None
+        self.current: list[str] | None = None
 
     def feed(self, text: str) -> list[str]:
         done = []
@@ -164,9 +191,9 @@ class ToolCallOutput:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.calls: list[ParsedToolCall] = []
-        self._parser: Optional[ToolParser] = make_tool_parser(plan.parser) if plan.parser else None
+        self._parser: ToolParser | None = make_tool_parser(plan.parser) if plan.parser else None
         self._elements = _ArrayElements() if plan.mode == "required" else None
-        self._named_call: Optional[ParsedToolCall] = None
+        self._named_call: ParsedToolCall | None = None
 
     def feed(self, content: str) -> tuple[str, list[dict]]:
         mode = self.plan.mode
@@ -197,20 +224,32 @@ class ToolCallOutput:
             self._named_call = ParsedToolCall(self.plan.named, "")
             self.calls.append(self._named_call)
             self._named_call.arguments = content
-            return [{"index": 0, "id": self._named_call.id, "type": "function",
-                     "function": {"name": self.plan.named, "arguments": content}}]
+            return [
+                {
+                    "index": 0,
+                    "id": self._named_call.id,
+                    "type": "function",
+                    "function": {"name": self.plan.named, "arguments": content},
+                }
+            ]
         self._named_call.arguments += content
         return [{"index": 0, "function": {"arguments": content}}]
 
     def _record(self, calls: list[ParsedToolCall]) -> list[dict]:
         deltas = []
         for call in calls:
-            deltas.append({"index": len(self.calls), "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": call.arguments}})
+            deltas.append(
+                {
+                    "index": len(self.calls),
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
             self.calls.append(call)
         return deltas
 
-    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+    def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model called tools of its own choice (auto,
         required); a named function's call ends with "stop"."""
         if reason == "stop" and self.calls and self.plan.mode in ("auto", "required"):
@@ -218,7 +257,7 @@ class ToolCallOutput:
         return reason
 
 
-def _required_call(element: str) -> Optional[ParsedToolCall]:
+def _required_call(element: str) -> ParsedToolCall | None:
     try:
         return tool_call_from_json(json.loads(element), ("parameters",))
     except ValueError:
@@ -226,5 +265,7 @@ def _required_call(element: str) -> Optional[ParsedToolCall]:
 
 
 def tool_calls_json(calls: list[ParsedToolCall]) -> list[dict]:
-    return [{"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]

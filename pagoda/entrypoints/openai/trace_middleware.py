@@ -53,6 +53,6 @@ class TTFTTraceMiddleware:
 def _has_text(body: bytes) -> bool:
     for key in (b'"text":"', b'"content":"'):
         at = body.find(key)
-        if at >= 0 and body[at + len(key):at + len(key) + 1] != b'"':
+        if at >= 0 and body[at + len(key) : at + len(key) + 1] != b'"':
             return True
     return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-from typing import Callable
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -26,7 +26,8 @@ PAGES = {"/": "chat.html", "/dashboard": "dashboard.html"}
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 SECURITY_HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
@@ -34,20 +35,29 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",  # revalidate: an upgraded server serves its own scripts
 }
-_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
-                  ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
 
 
 @functools.lru_cache(maxsize=1)
 def _web_files() -> dict[str, bytes]:
     """Name -> content of every shipped file (package data: see pyproject.toml)."""
     folder = importlib.resources.files("pagoda.entrypoints.openai") / "web"
-    files = {entry.name: entry.read_bytes() for entry in folder.iterdir()
-             if entry.is_file() and "." + entry.name.rsplit(".", 1)[-1] in _CONTENT_TYPES}
+    files = {
+        entry.name: entry.read_bytes()
+        for entry in folder.iterdir()
+        if entry.is_file() and "." + entry.name.rsplit(".", 1)[-1] in _CONTENT_TYPES
+    }
     missing = set(PAGES.values()) - set(files)
     if missing:
-        raise RuntimeError(f"the web UI files {sorted(missing)} are missing from the package: "
-                           "reinstall Pagoda, or serve with --disable-web-ui")
+        raise RuntimeError(
+            f"the web UI files {sorted(missing)} are missing from the package: "
+            "reinstall Pagoda, or serve with --disable-web-ui"
+        )
     return files
 
 
@@ -68,6 +78,7 @@ def public_paths() -> set[str]:
 def _handler(content: bytes, content_type: str) -> Callable:
     async def serve_file() -> Response:
         return Response(content, media_type=content_type, headers=SECURITY_HEADERS)
+
     return serve_file
 
 
@@ -75,5 +86,10 @@ def add_web_ui_routes(app: FastAPI) -> None:
     files = _web_files()
     for path, name in _routes().items():
         content_type = _CONTENT_TYPES["." + name.rsplit(".", 1)[-1]]
-        app.add_api_route(path, _handler(files[name], content_type), methods=["GET"],
-                          include_in_schema=False, name=f"web:{name}")
+        app.add_api_route(
+            path,
+            _handler(files[name], content_type),
+            methods=["GET"],
+            include_in_schema=False,
+            name=f"web:{name}",
+        )

@@ -68,7 +68,7 @@ class DecodeAttentionConfig:
     short_context_splits: int = 8
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "DecodeAttentionConfig":
+    def for_device(cls, device: torch.device) -> DecodeAttentionConfig:
         """The config of device: for_capability of its compute capability on CUDA;
         Hopper's tiles on the CPU, whose interpreter runs the GPU's tiles, without the
         PTX conversion."""
@@ -82,8 +82,9 @@ class DecodeAttentionConfig:
         return _BY_DEVICE[key]
 
     @classmethod
-    def for_capability(cls, capability: tuple[int, int],
-                       e4m3_pairs_ptx: bool = True) -> "DecodeAttentionConfig":
+    def for_capability(
+        cls, capability: tuple[int, int], e4m3_pairs_ptx: bool = True
+    ) -> DecodeAttentionConfig:
         """DECODE_CONFIGS' entry for a CUDA compute capability (Hopper's for one not
         listed), e.g. to compile its kernels for that device without one
         (tools/compile_sm90.py)."""

@@ -35,7 +35,12 @@ def _e4m3_pairs_to_f16(x):
     (one cvt.rn.f16x2.e4m3x2 for both; inline PTX, CUDA only), exact."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 pair; cvt.u16.u32 pair, $1; cvt.rn.f16x2.e4m3x2 $0, pair; }",
-        "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+        "=r,r",
+        [x],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -56,11 +61,28 @@ def word_planes(w, PTX_PAIRS: tl.constexpr):
 
 @triton.jit
 def attend_word_tile(
-    q8, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr, block_table_ptr,
-    kv_head, start_n, kv_end, qk_scale,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    OFFSETS_32: tl.constexpr, PTX_PAIRS: tl.constexpr,
+    q8,
+    a0,
+    a1,
+    a2,
+    a3,
+    m_i,
+    l_i,
+    k_words_ptr,
+    v_words_ptr,
+    block_table_ptr,
+    kv_head,
+    start_n,
+    kv_end,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    PTX_PAIRS: tl.constexpr,
 ):
     """attend_kv_tile for an FP8 cache read as words: keys start_n .. start_n + BLOCK_N - 1
     (those at or past kv_end loaded, and given probability 0) folded into the per-plane
@@ -78,13 +100,17 @@ def attend_word_tile(
     # even a NaN score drops out); fewer instructions a tile than masked loads. V stays
     # masked: a stale V slot of a reused block could hold a NaN (store_kv keeps NaN as
     # NaN), and 0 * NaN is NaN.
-    byte_rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
-                 + kv_head * stride_cache_head)
+    byte_rows = (
+        page * stride_cache_block
+        + (offs_n % PAGE_SIZE) * stride_cache_tok
+        + kv_head * stride_cache_head
+    )
     rows = byte_rows // 4  # byte offsets -> word offsets
     offsets = rows[:, None] + words[None, :]
     dims = tl.arange(0, HEAD_DIM)
-    k8 = tl.load(k_words_ptr.to(tl.pointer_type(tl.float8e4nv)) + byte_rows[:, None]
-                 + dims[None, :])
+    k8 = tl.load(
+        k_words_ptr.to(tl.pointer_type(tl.float8e4nv)) + byte_rows[:, None] + dims[None, :]
+    )
     s = tl.dot(q8, tl.trans(k8))
     s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -93,8 +119,9 @@ def attend_word_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v0, v1, v2, v3 = word_planes(tl.load(v_words_ptr + offsets, mask=n_ok[:, None], other=0),
-                                  PTX_PAIRS)
+    v0, v1, v2, v3 = word_planes(
+        tl.load(v_words_ptr + offsets, mask=n_ok[:, None], other=0), PTX_PAIRS
+    )
     p = p.to(tl.float16)
     a0 = tl.dot(p, v0, a0 * alpha[:, None])
     a1 = tl.dot(p, v1, a1 * alpha[:, None])

@@ -46,10 +46,29 @@ PER_TOKEN_MAX_ROWS = 16
 
 @triton.jit
 def _absorb_q_kernel(
-    q_nope_ptr, q_rope_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
-    s_qn_t, s_qn_h, s_qr_t, s_qr_h, s_w_h, s_w_d, s_cos_t, s_sin_t, s_o_t, s_o_h,
-    NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_nope_ptr,
+    q_rope_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    s_qn_t,
+    s_qn_h,
+    s_qr_t,
+    s_qr_h,
+    s_w_h,
+    s_w_d,
+    s_cos_t,
+    s_sin_t,
+    s_o_t,
+    s_o_h,
+    NOPE: tl.constexpr,
+    RANK: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     token, head = row // num_heads, row % num_heads
@@ -63,8 +82,11 @@ def _absorb_q_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < NOPE
         q = tl.load(q_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_head + offs_d[:, None] * s_w_d + offs_r[None, :],
-                    mask=d_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            w_head + offs_d[:, None] * s_w_d + offs_r[None, :],
+            mask=d_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         acc += q[:, None] * w
     out_row = out_ptr + token * s_o_t + head * s_o_h
     tl.store(out_row + offs_r, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=r_ok)
@@ -81,38 +103,78 @@ def _absorb_q_kernel(
         tl.store(out_row + RANK + HALF + j, (x2 * c + x1 * s).to(dtype), mask=j_ok)
 
 
-def absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def absorb_q(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    w_uk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     """q_nope [T, H, nope], q_rope [T, H, rope] (not rotated), w_uk [H, nope, rank],
     cos / sin float32 [T, rope / 2] -> [T, H, rank + rope] in q_nope's dtype."""
     num_tokens, heads, nope = q_nope.shape
     rope, rank = q_rope.shape[-1], w_uk.shape[-1]
     if w_uk.shape[:2] != (heads, nope) or q_rope.shape[:2] != (num_tokens, heads) or rope % 2:
-        raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_rope "
-                         f"{tuple(q_rope.shape)} and w_uk {tuple(w_uk.shape)} disagree")
+        raise ValueError(
+            f"absorb_q: q_nope {tuple(q_nope.shape)}, q_rope "
+            f"{tuple(q_rope.shape)} and w_uk {tuple(w_uk.shape)} disagree"
+        )
     if cos.shape != (num_tokens, rope // 2) or sin.shape != cos.shape:
         raise ValueError(f"absorb_q: cos / sin must be [{num_tokens}, {rope // 2}]")
-    tensors = [t if t.stride(-1) == 1 else t.contiguous()
-               for t in (q_nope, q_rope, w_uk, cos.float(), sin.float())]
+    tensors = [
+        t if t.stride(-1) == 1 else t.contiguous()
+        for t in (q_nope, q_rope, w_uk, cos.float(), sin.float())
+    ]
     q_nope, q_rope, w_uk, cos, sin = tensors
     out = torch.empty(num_tokens, heads, rank + rope, dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0:
         return out
     grid = (num_tokens * heads, triton.cdiv(rank, BLOCK_R))
     _absorb_q_kernel[grid](
-        q_nope, q_rope, w_uk, cos, sin, out, heads,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
-        w_uk.stride(0), w_uk.stride(1), cos.stride(0), sin.stride(0),
-        out.stride(0), out.stride(1),
-        NOPE=nope, RANK=rank, HALF=rope // 2, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
-        BLOCK_HALF=max(2, triton.next_power_of_2(rope // 2)), num_warps=ABSORB_WARPS)
+        q_nope,
+        q_rope,
+        w_uk,
+        cos,
+        sin,
+        out,
+        heads,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        w_uk.stride(0),
+        w_uk.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NOPE=nope,
+        RANK=rank,
+        HALF=rope // 2,
+        BLOCK_R=BLOCK_R,
+        BLOCK_D=BLOCK_D,
+        BLOCK_HALF=max(2, triton.next_power_of_2(rope // 2)),
+        num_warps=ABSORB_WARPS,
+    )
     return out
 
 
 @triton.jit
 def _project_v_kernel(
-    o_ptr, w_ptr, out_ptr, num_heads, s_o_t, s_o_h, s_w_h, s_w_v, s_out_t, s_out_h,
-    RANK: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    o_ptr,
+    w_ptr,
+    out_ptr,
+    num_heads,
+    s_o_t,
+    s_o_h,
+    s_w_h,
+    s_w_v,
+    s_out_t,
+    s_out_h,
+    RANK: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     token, head = row // num_heads, row % num_heads
@@ -121,11 +183,17 @@ def _project_v_kernel(
     offs_r = tl.arange(0, BLOCK_RANK)
     r_ok = offs_r < RANK
     o = tl.load(o_ptr + token * s_o_t + head * s_o_h + offs_r, mask=r_ok, other=0.0)
-    w = tl.load(w_ptr + head * s_w_h + offs_v[:, None] * s_w_v + offs_r[None, :],
-                mask=v_ok[:, None] & r_ok[None, :], other=0.0)
+    w = tl.load(
+        w_ptr + head * s_w_h + offs_v[:, None] * s_w_v + offs_r[None, :],
+        mask=v_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
     acc = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + token * s_out_t + head * s_out_h + offs_v,
-             acc.to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(
+        out_ptr + token * s_out_t + head * s_out_h + offs_v,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=v_ok,
+    )
 
 
 def project_v(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -133,8 +201,9 @@ def project_v(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     contiguous, in o_lat's dtype."""
     num_tokens, heads, rank = o_lat.shape
     if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != rank:
-        raise ValueError(f"project_v: o_lat {tuple(o_lat.shape)} and w_uv "
-                         f"{tuple(w_uv.shape)} disagree")
+        raise ValueError(
+            f"project_v: o_lat {tuple(o_lat.shape)} and w_uv {tuple(w_uv.shape)} disagree"
+        )
     if o_lat.stride(2) != 1 or w_uv.stride(2) != 1:
         raise ValueError("project_v needs o_lat and w_uv contiguous along kv_lora_rank")
     v_dim = w_uv.shape[1]
@@ -142,7 +211,20 @@ def project_v(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     _project_v_kernel[(num_tokens * heads, triton.cdiv(v_dim, BLOCK_V))](
-        o_lat, w_uv, out, heads, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0),
-        w_uv.stride(1), out.stride(0), out.stride(1), RANK=rank, V=v_dim, BLOCK_V=BLOCK_V,
-        BLOCK_RANK=triton.next_power_of_2(rank), num_warps=PROJECT_V_WARPS)
+        o_lat,
+        w_uv,
+        out,
+        heads,
+        o_lat.stride(0),
+        o_lat.stride(1),
+        w_uv.stride(0),
+        w_uv.stride(1),
+        out.stride(0),
+        out.stride(1),
+        RANK=rank,
+        V=v_dim,
+        BLOCK_V=BLOCK_V,
+        BLOCK_RANK=triton.next_power_of_2(rank),
+        num_warps=PROJECT_V_WARPS,
+    )
     return out

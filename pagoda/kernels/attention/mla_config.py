@@ -41,8 +41,12 @@ class MLAPrefillTiles:
     num_stages: int
 
     def launch(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 @dataclass(frozen=True)
@@ -58,19 +62,20 @@ class MLAKernelConfig:
 
     def __post_init__(self) -> None:
         if self.prefill_16bit.block_m != self.prefill_fp32.block_m:
-            raise ValueError(f"MLA prefill tiles need one block_m for every dtype, got "
-                             f"{self.prefill_16bit.block_m} and {self.prefill_fp32.block_m}")
+            raise ValueError(
+                f"MLA prefill tiles need one block_m for every dtype, got "
+                f"{self.prefill_16bit.block_m} and {self.prefill_fp32.block_m}"
+            )
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "MLAKernelConfig":
+    def for_device(cls, device: torch.device) -> MLAKernelConfig:
         """for_capability of device's compute capability on CUDA; Hopper's tiles on the
         CPU, whose interpreter runs the GPU's tiles."""
         device = torch.device(device)
-        return cls.for_capability(cuda_capability(device) if device.type == "cuda"
-                                  else HOPPER)
+        return cls.for_capability(cuda_capability(device) if device.type == "cuda" else HOPPER)
 
     @classmethod
-    def for_capability(cls, capability: tuple[int, int]) -> "MLAKernelConfig":
+    def for_capability(cls, capability: tuple[int, int]) -> MLAKernelConfig:
         """MLA_CONFIGS' entry for a CUDA compute capability (Hopper's for one not listed)."""
         return MLA_CONFIGS.get(tuple(capability), MLA_CONFIGS[HOPPER])
 

@@ -23,8 +23,6 @@ merge kernel (grid rows, heads) combines them. Rows of length 0 (padding) get ze
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -43,13 +41,34 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _mla_decode_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, cache_ptr,
-    block_tables_ptr, row_req_ptr, row_len_ptr, qk_scale, num_splits, min_split,
-    stride_qn, stride_qh, stride_on, stride_oh, stride_bt, stride_cb, stride_ct,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
-    ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    row_req_ptr,
+    row_len_ptr,
+    qk_scale,
+    num_splits,
+    min_split,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_ct,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    KV_RANK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -67,8 +86,7 @@ def _mla_decode_kernel(
     c_ok, r_ok = dc < KV_RANK, dr < ROPE
     q_base = q_ptr + row * stride_qn + head[:, None] * stride_qh
     q_c = tl.load(q_base + dc[None, :], mask=head_ok[:, None] & c_ok[None, :], other=0.0)
-    q_r = tl.load(q_base + KV_RANK + dr[None, :], mask=head_ok[:, None] & r_ok[None, :],
-                  other=0.0)
+    q_r = tl.load(q_base + KV_RANK + dr[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -79,8 +97,9 @@ def _mla_decode_kernel(
         page = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         entry = cache_ptr + page * stride_cb + (pos % PAGE_SIZE) * stride_ct
         c = tl.load(entry[:, None] + dc[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-        k_r = tl.load(entry[:, None] + KV_RANK + dr[None, :],
-                      mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        k_r = tl.load(
+            entry[:, None] + KV_RANK + dr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
+        )
         s = _dot(q_c, tl.trans(c), IEEE_DOT) + _dot(q_r, tl.trans(k_r), IEEE_DOT)
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
         # Each tile holds at least one visible key (start_n < kv_end): m_new is finite.
@@ -95,8 +114,11 @@ def _mla_decode_kernel(
     out = acc / l_safe[:, None]
     out_mask = head_ok[:, None] & c_ok[None, :]
     if DIRECT_OUT:
-        tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + dc[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + row * stride_on + head[:, None] * stride_oh + dc[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         slot = (row * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
@@ -106,45 +128,69 @@ def _mla_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, stride_on, stride_oh,
-    NUM_HEADS: tl.constexpr, KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    num_splits,
+    stride_on,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    KV_RANK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     base = (row * NUM_HEADS + head) * num_splits
-    lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits,
-                  other=float("-inf"))
+    lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     filled = lse > float("-inf")
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a row of length 0: every slice empty
     weight = tl.where(filled, tl.math.exp2(lse - top), 0.0)
     dc = tl.arange(0, BLOCK_C)
     # Empty slices were written too, but with zeros: masking them keeps 0 * anything out.
-    partial = tl.load(partial_out_ptr + (base + splits)[:, None] * KV_RANK + dc[None, :],
-                      mask=filled[:, None] & (dc < KV_RANK)[None, :], other=0.0)
+    partial = tl.load(
+        partial_out_ptr + (base + splits)[:, None] * KV_RANK + dc[None, :],
+        mask=filled[:, None] & (dc < KV_RANK)[None, :],
+        other=0.0,
+    )
     total = tl.sum(weight, 0)
     out = tl.sum(partial * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * stride_on + head * stride_oh + dc,
-             out.to(out_ptr.dtype.element_ty), mask=dc < KV_RANK)
+    tl.store(
+        out_ptr + row * stride_on + head * stride_oh + dc,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dc < KV_RANK,
+    )
 
 
-def mla_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
-               block_tables: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
-               scale: float, kv_lora_rank: int, num_splits: int,
-               min_split_tokens: int = MIN_SPLIT_TOKENS,
-               config: Optional[MLAKernelConfig] = None) -> None:
+def mla_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_req: torch.Tensor,
+    row_len: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    config: MLAKernelConfig | None = None,
+) -> None:
     """Latent attention of every row of q into out [N, H, kv_lora_rank] (see the module
     docstring). num_splits is a runtime argument (no recompilation when it changes);
     config: the tiles (default: MLAKernelConfig.for_device(q.device))."""
     num_rows, num_heads, entry = q.shape
     if cache.dim() != 3 or cache.shape[2] != entry or not 0 < kv_lora_rank < entry:
-        raise ValueError(f"cache must be [num_blocks, block_size, {entry}] with kv_lora_rank "
-                         f"< {entry}, got {tuple(cache.shape)}, kv_lora_rank {kv_lora_rank}")
+        raise ValueError(
+            f"cache must be [num_blocks, block_size, {entry}] with kv_lora_rank "
+            f"< {entry}, got {tuple(cache.shape)}, kv_lora_rank {kv_lora_rank}"
+        )
     if out.shape != (num_rows, num_heads, kv_lora_rank) or out.stride(2) != 1:
-        raise ValueError(f"out must be [{num_rows}, {num_heads}, {kv_lora_rank}] with a "
-                         f"contiguous last dimension, got {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be [{num_rows}, {num_heads}, {kv_lora_rank}] with a "
+            f"contiguous last dimension, got {tuple(out.shape)}"
+        )
     if q.stride(2) != 1 or cache.stride(2) != 1 or q.dtype != cache.dtype:
         raise ValueError("q and cache need one dtype and a contiguous last dimension")
     if row_req.shape[0] < num_rows or row_len.shape[0] < num_rows:
@@ -157,26 +203,55 @@ def mla_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
     block_h = tiles.block_h
     rope = entry - kv_lora_rank
     if num_splits > 1:
-        partial_out = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
-                                  dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
-                                  device=q.device)
+        partial_out = torch.empty(
+            num_rows, num_heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty(
+            num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
     else:  # unused: the kernel writes out directly
         partial_out = partial_lse = out
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     _mla_decode_kernel[(num_rows, triton.cdiv(num_heads, block_h), num_splits)](
-        out, partial_out, partial_lse, q, cache, block_tables, row_req, row_len,
-        scale * LOG2_E, num_splits, max(1, min_split_tokens),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        cache.stride(0), cache.stride(1),
-        NUM_HEADS=num_heads, BLOCK_H=block_h, PAGE_SIZE=cache.shape[1],
-        KV_RANK=kv_lora_rank, BLOCK_C=block_c, ROPE=rope,
+        out,
+        partial_out,
+        partial_lse,
+        q,
+        cache,
+        block_tables,
+        row_req,
+        row_len,
+        scale * LOG2_E,
+        num_splits,
+        max(1, min_split_tokens),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        NUM_HEADS=num_heads,
+        BLOCK_H=block_h,
+        PAGE_SIZE=cache.shape[1],
+        KV_RANK=kv_lora_rank,
+        BLOCK_C=block_c,
+        ROPE=rope,
         BLOCK_R=max(16, triton.next_power_of_2(rope)),
-        DIRECT_OUT=num_splits == 1, IEEE_DOT=q.dtype == torch.float32, **tiles.launch(),
+        DIRECT_OUT=num_splits == 1,
+        IEEE_DOT=q.dtype == torch.float32,
+        **tiles.launch(),
     )
     if num_splits > 1:
         _mla_merge_kernel[(num_rows, num_heads)](
-            out, partial_out, partial_lse, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, KV_RANK=kv_lora_rank, BLOCK_C=block_c,
+            out,
+            partial_out,
+            partial_lse,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            KV_RANK=kv_lora_rank,
+            BLOCK_C=block_c,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )

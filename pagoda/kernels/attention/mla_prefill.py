@@ -35,7 +35,7 @@ powers of two; those under 16 (tl.dot's smallest) are padded, masked.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -56,8 +56,7 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptrs, row_ok, dims, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK_ROWS: tl.constexpr):
+def _load_rows(ptrs, row_ok, dims, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
     """ptrs [R, BLOCK_D]: rows outside row_ok (MASK_ROWS) and padded dims read as 0,
     never loaded; the unmasked case is a plain load."""
     if MASK_ROWS:
@@ -75,11 +74,30 @@ def _load_rows(ptrs, row_ok, dims, D: tl.constexpr, BLOCK_D: tl.constexpr,
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, start_n, kv_end, q_pos, qk_scale,
-    stride_kn_c, stride_kr_c, stride_v_c,
-    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr,
-    BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q_n,
+    q_r,
+    kn_base,
+    kr_base,
+    v_base,
+    start_n,
+    kv_end,
+    q_pos,
+    qk_scale,
+    stride_kn_c,
+    stride_kr_c,
+    stride_v_c,
+    DN: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DN: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     """Folds context rows start_n .. start_n + BLOCK_N - 1 into (acc, m_i, l_i).
 
@@ -112,12 +130,36 @@ def _attend_tile(
 
 @triton.jit
 def _mla_prefill_kernel(
-    out_ptr, qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, q_rows_ptr, tiles_ptr, qk_scale,
-    stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kn_c, stride_kn_h,
-    stride_kr_c, stride_v_c, stride_v_h, stride_o_t, stride_o_h,
-    NUM_HEADS: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    out_ptr,
+    qn_ptr,
+    qr_ptr,
+    kn_ptr,
+    kr_ptr,
+    v_ptr,
+    q_rows_ptr,
+    tiles_ptr,
+    qk_scale,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qr_t,
+    stride_qr_h,
+    stride_kn_c,
+    stride_kn_h,
+    stride_kr_c,
+    stride_v_c,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    NUM_HEADS: tl.constexpr,
+    DN: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DN: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0) // NUM_HEADS
     head = tl.program_id(0) % NUM_HEADS
@@ -133,10 +175,22 @@ def _mla_prefill_kernel(
     kv_end = first_pos + (q_end - q_start)  # one past the tile's last position
 
     dn, dr, dv = tl.arange(0, BLOCK_DN), tl.arange(0, BLOCK_DR), tl.arange(0, BLOCK_DV)
-    q_n = _load_rows(qn_ptr + rows[:, None] * stride_qn_t + head * stride_qn_h + dn[None, :],
-                     row_ok, dn, DN, BLOCK_DN, True)
-    q_r = _load_rows(qr_ptr + rows[:, None] * stride_qr_t + head * stride_qr_h + dr[None, :],
-                     row_ok, dr, DR, BLOCK_DR, True)
+    q_n = _load_rows(
+        qn_ptr + rows[:, None] * stride_qn_t + head * stride_qn_h + dn[None, :],
+        row_ok,
+        dn,
+        DN,
+        BLOCK_DN,
+        True,
+    )
+    q_r = _load_rows(
+        qr_ptr + rows[:, None] * stride_qr_t + head * stride_qr_h + dr[None, :],
+        row_ok,
+        dr,
+        DR,
+        BLOCK_DR,
+        True,
+    )
     kn_base = kn_ptr + ctx_start * stride_kn_c + head * stride_kn_h
     kr_base = kr_ptr + ctx_start * stride_kr_c
     v_base = v_ptr + ctx_start * stride_v_c + head * stride_v_h
@@ -147,26 +201,72 @@ def _mla_prefill_kernel(
     all_visible_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     for start_n in range(0, all_visible_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, start_n, kv_end, q_pos,
-            qk_scale, stride_kn_c, stride_kr_c, stride_v_c, DN, DR, DV,
-            BLOCK_DN, BLOCK_DR, BLOCK_DV, BLOCK_N, False, IEEE_DOT)
+            acc,
+            m_i,
+            l_i,
+            q_n,
+            q_r,
+            kn_base,
+            kr_base,
+            v_base,
+            start_n,
+            kv_end,
+            q_pos,
+            qk_scale,
+            stride_kn_c,
+            stride_kr_c,
+            stride_v_c,
+            DN,
+            DR,
+            DV,
+            BLOCK_DN,
+            BLOCK_DR,
+            BLOCK_DV,
+            BLOCK_N,
+            False,
+            IEEE_DOT,
+        )
     for start_n in range(all_visible_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, start_n, kv_end, q_pos,
-            qk_scale, stride_kn_c, stride_kr_c, stride_v_c, DN, DR, DV,
-            BLOCK_DN, BLOCK_DR, BLOCK_DV, BLOCK_N, True, IEEE_DOT)
+            acc,
+            m_i,
+            l_i,
+            q_n,
+            q_r,
+            kn_base,
+            kr_base,
+            v_base,
+            start_n,
+            kv_end,
+            q_pos,
+            qk_scale,
+            stride_kn_c,
+            stride_kr_c,
+            stride_v_c,
+            DN,
+            DR,
+            DV,
+            BLOCK_DN,
+            BLOCK_DR,
+            BLOCK_DV,
+            BLOCK_N,
+            True,
+            IEEE_DOT,
+        )
 
     out = acc / l_i[:, None]  # l_i >= 1 on every row: its largest score gives exp2(0)
     o_ptrs = out_ptr + rows[:, None] * stride_o_t + head * stride_o_h + dv[None, :]
     if BLOCK_DV > DV:
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dv < DV)[None, :])
+        tl.store(
+            o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :]
+        )
     else:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def prefill_tile_table(chunks: Sequence[tuple[int, int, int, int]],
-                       block_m: int) -> list[list[int]]:
+def prefill_tile_table(
+    chunks: Sequence[tuple[int, int, int, int]], block_m: int
+) -> list[list[int]]:
     """The tile rows [q_start, q_end, ctx_start, first_pos] of chunks given as
     (row_start, row_end, ctx_start, ctx_end), tiles of at most block_m rows, longest
     context first (ties in chunk order). Host lists: the caller copies them once."""
@@ -176,8 +276,9 @@ def prefill_tile_table(chunks: Sequence[tuple[int, int, int, int]],
         if not 0 < qlen <= klen:
             raise ValueError(f"a chunk needs 0 < query rows <= context rows, got {qlen}, {klen}")
         for start in range(row_start, row_end, block_m):
-            tiles.append([start, min(start + block_m, row_end), ctx_start,
-                          klen - qlen + start - row_start])
+            tiles.append(
+                [start, min(start + block_m, row_end), ctx_start, klen - qlen + start - row_start]
+            )
     tiles.sort(key=lambda t: t[3] + t[1] - t[0], reverse=True)
     return tiles
 
@@ -190,51 +291,92 @@ def supports_widths(dn: int, dr: int, dv: int) -> bool:
 def _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v) -> None:
     tensors = (out, q_nope, q_rope, k_nope, k_rope, v)
     if len({t.dtype for t in tensors}) != 1 or q_nope.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError("out, q and k/v pieces must share one of float16, bfloat16, float32; "
-                         f"got {[t.dtype for t in tensors]}")
+        raise ValueError(
+            "out, q and k/v pieces must share one of float16, bfloat16, float32; "
+            f"got {[t.dtype for t in tensors]}"
+        )
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("every input needs a contiguous last dimension")
     (T, H, dn), dr, dv = q_nope.shape, q_rope.shape[-1], v.shape[-1]
     C = k_nope.shape[0]
-    shapes_ok = (q_rope.shape == (T, H, dr) and out.shape == (T, H, dv)
-                 and k_nope.shape == (C, H, dn) and k_rope.shape == (C, dr)
-                 and v.shape == (C, H, dv))
+    shapes_ok = (
+        q_rope.shape == (T, H, dr)
+        and out.shape == (T, H, dv)
+        and k_nope.shape == (C, H, dn)
+        and k_rope.shape == (C, dr)
+        and v.shape == (C, H, dv)
+    )
     if not shapes_ok:
         raise ValueError(
             f"shapes must be q_nope [T, H, Dn], q_rope [T, H, Dr], out [T, H, Dv], k_nope "
             f"[C, H, Dn], k_rope [C, Dr], v [C, H, Dv]; got {tuple(q_nope.shape)}, "
             f"{tuple(q_rope.shape)}, {tuple(out.shape)}, {tuple(k_nope.shape)}, "
-            f"{tuple(k_rope.shape)}, {tuple(v.shape)}")
+            f"{tuple(k_rope.shape)}, {tuple(v.shape)}"
+        )
     if not supports_widths(dn, dr, dv):
         raise ValueError(f"head widths must be powers of two, got {dn}, {dr}, {dv}")
 
 
-def mla_prefill_attention(out: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                          k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-                          q_rows: torch.Tensor, tiles: torch.Tensor, tile_rows: int,
-                          scale: float, config: Optional[MLAKernelConfig] = None) -> None:
+def mla_prefill_attention(
+    out: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    q_rows: torch.Tensor,
+    tiles: torch.Tensor,
+    tile_rows: int,
+    scale: float,
+    config: MLAKernelConfig | None = None,
+) -> None:
     """Causal attention of the prefill rows into out's rows q_rows (see the module
     docstring). tiles: prefill_tile_table(chunks, tile_rows) on the device (int32
     [num_tiles, 4]); config: the kernel's tiles (default: MLAKernelConfig.for_device),
     whose block_m must hold tile_rows rows."""
     _check_inputs(out, q_nope, q_rope, k_nope, k_rope, v)
-    launch = (config or MLAKernelConfig.for_device(q_nope.device)).prefill_tiles(
-        q_nope.dtype).launch()
+    launch = (
+        (config or MLAKernelConfig.for_device(q_nope.device)).prefill_tiles(q_nope.dtype).launch()
+    )
     if tile_rows > launch["BLOCK_M"]:
         raise ValueError(f"tiles of {tile_rows} rows do not fit BLOCK_M {launch['BLOCK_M']}")
     if tiles.dim() != 2 or tiles.shape[1] != TILE_FIELDS or tiles.dtype != torch.int32:
-        raise ValueError(f"tiles must be int32 [num_tiles, {TILE_FIELDS}], got "
-                         f"{tiles.dtype} {tuple(tiles.shape)}")
+        raise ValueError(
+            f"tiles must be int32 [num_tiles, {TILE_FIELDS}], got "
+            f"{tiles.dtype} {tuple(tiles.shape)}"
+        )
     num_tiles, num_heads = tiles.shape[0], q_nope.shape[1]
     if num_tiles == 0:
         return
     dn, dr, dv = q_nope.shape[-1], q_rope.shape[-1], v.shape[-1]
     _mla_prefill_kernel[(num_tiles * num_heads,)](
-        out, q_nope, q_rope, k_nope, k_rope, v, q_rows, tiles.contiguous(), scale * LOG2_E,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
-        k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, dn),
-        BLOCK_DR=max(16, dr), BLOCK_DV=max(16, dv), IEEE_DOT=q_nope.dtype == torch.float32,
+        out,
+        q_nope,
+        q_rope,
+        k_nope,
+        k_rope,
+        v,
+        q_rows,
+        tiles.contiguous(),
+        scale * LOG2_E,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        k_nope.stride(0),
+        k_nope.stride(1),
+        k_rope.stride(0),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        DN=dn,
+        DR=dr,
+        DV=dv,
+        BLOCK_DN=max(16, dn),
+        BLOCK_DR=max(16, dr),
+        BLOCK_DV=max(16, dv),
+        IEEE_DOT=q_nope.dtype == torch.float32,
         **launch,
     )

@@ -24,8 +24,15 @@ import triton.language as tl
 
 @triton.jit
 def _store_latent_kernel(
-    latent_ptr, cache_ptr, slot_mapping_ptr, stride_lt, stride_cache_block, stride_cache_tok,
-    PAGE_SIZE: tl.constexpr, ENTRY: tl.constexpr, BLOCK: tl.constexpr,
+    latent_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_lt,
+    stride_cache_block,
+    stride_cache_tok,
+    PAGE_SIZE: tl.constexpr,
+    ENTRY: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + row)
@@ -41,28 +48,51 @@ def _store_latent_kernel(
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Writes latent [num_tokens, entry_size] into cache at slot_mapping (-1: skipped)."""
     if latent.dim() != 2 or cache.dim() != 3 or cache.shape[2] != latent.shape[1]:
-        raise ValueError(f"latent must be [num_tokens, E] and cache [num_blocks, block_size, E], "
-                         f"got {tuple(latent.shape)} and {tuple(cache.shape)}")
+        raise ValueError(
+            f"latent must be [num_tokens, E] and cache [num_blocks, block_size, E], "
+            f"got {tuple(latent.shape)} and {tuple(cache.shape)}"
+        )
     if slot_mapping.shape[0] < latent.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
-                         f"{latent.shape[0]} rows")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {latent.shape[0]} rows"
+        )
     if latent.stride(1) != 1 or cache.stride(2) != 1:
         raise ValueError("latent and cache need a contiguous last dimension")
     if latent.shape[0] == 0:
         return
     entry = latent.shape[1]
     _store_latent_kernel[(latent.shape[0],)](
-        latent, cache, slot_mapping, latent.stride(0), cache.stride(0), cache.stride(1),
-        PAGE_SIZE=cache.shape[1], ENTRY=entry, BLOCK=triton.next_power_of_2(entry),
+        latent,
+        cache,
+        slot_mapping,
+        latent.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        PAGE_SIZE=cache.shape[1],
+        ENTRY=entry,
+        BLOCK=triton.next_power_of_2(entry),
     )
 
 
 @triton.jit
 def _norm_rope_store_kernel(
-    kv_ptr, weight_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr, eps,
-    stride_kv, stride_cos, stride_sin, stride_cache_block, stride_cache_tok,
-    PAGE_SIZE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    kv_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    eps,
+    stride_kv,
+    stride_cos,
+    stride_sin,
+    stride_cache_block,
+    stride_cache_tok,
+    PAGE_SIZE: tl.constexpr,
+    RANK: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + row)
@@ -70,8 +100,9 @@ def _norm_rope_store_kernel(
         return
     dtype = kv_ptr.dtype.element_ty
     src = kv_ptr + row * stride_kv
-    dst = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
-           + (slot % PAGE_SIZE) * stride_cache_tok)
+    dst = (
+        cache_ptr + (slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_tok
+    )
     dims = tl.arange(0, BLOCK_C)
     c_ok = dims < RANK
     c = tl.load(src + dims, mask=c_ok, other=0.0).to(tl.float32)
@@ -90,9 +121,15 @@ def _norm_rope_store_kernel(
     tl.store(dst + RANK + HALF + j, (x2 * cos + x1 * sin).to(dtype).to(out_dtype), mask=j_ok)
 
 
-def norm_rope_store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
+def norm_rope_store_latent(
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """kv_a [T, kv_lora_rank + rope] (the projection's output, rows may be strided),
     norm_weight [kv_lora_rank], cos / sin [T, rope / 2] -> [norm(c), rope(k_rope)]
     written into cache [num_blocks, block_size, kv_lora_rank + rope] at slot_mapping
@@ -101,8 +138,10 @@ def norm_rope_store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: f
     rank = norm_weight.shape[0]
     half = (entry - rank) // 2
     if cache.dim() != 3 or cache.shape[2] != entry or entry - rank != 2 * half or half < 1:
-        raise ValueError(f"kv_a {tuple(kv_a.shape)}, norm weight [{rank}] and cache "
-                         f"{tuple(cache.shape)} disagree")
+        raise ValueError(
+            f"kv_a {tuple(kv_a.shape)}, norm weight [{rank}] and cache "
+            f"{tuple(cache.shape)} disagree"
+        )
     if cos.shape != (num_tokens, half) or sin.shape != cos.shape:
         raise ValueError(f"cos / sin must be [{num_tokens}, {half}], got {tuple(cos.shape)}")
     if slot_mapping.shape[0] < num_tokens:
@@ -113,7 +152,22 @@ def norm_rope_store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: f
         return
     block_c = triton.next_power_of_2(rank)
     _norm_rope_store_kernel[(num_tokens,)](
-        kv_a, norm_weight.contiguous(), cos, sin, cache, slot_mapping, float(eps),
-        kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1),
-        PAGE_SIZE=cache.shape[1], RANK=rank, HALF=half, BLOCK_C=block_c,
-        BLOCK_HALF=max(2, triton.next_power_of_2(half)), num_warps=4 if block_c >= 512 else 1)
+        kv_a,
+        norm_weight.contiguous(),
+        cos,
+        sin,
+        cache,
+        slot_mapping,
+        float(eps),
+        kv_a.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        PAGE_SIZE=cache.shape[1],
+        RANK=rank,
+        HALF=half,
+        BLOCK_C=block_c,
+        BLOCK_HALF=max(2, triton.next_power_of_2(half)),
+        num_warps=4 if block_c >= 512 else 1,
+    )

@@ -28,8 +28,6 @@ so a CUDA graph replays with whatever values the layer holds.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -41,12 +39,27 @@ LOG2_E = 1.4426950408889634
 
 @triton.jit
 def attend_kv_tile(
-    q, acc, m_i, l_i,
-    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-    start_n, kv_limit, q_pos, qk_scale,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KV_END: tl.constexpr, CAUSAL: tl.constexpr, IEEE_DOT: tl.constexpr,
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    start_n,
+    kv_limit,
+    q_pos,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASK_KV_END: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     """Folds keys start_n .. start_n + BLOCK_N - 1 into (acc, m_i, l_i).
 
@@ -61,8 +74,11 @@ def attend_kv_tile(
         page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     else:
         page = tl.load(block_table_ptr + offs_n // PAGE_SIZE).to(tl.int64)
-    rows = (page * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok
-            + kv_head * stride_cache_head)
+    rows = (
+        page * stride_cache_block
+        + (offs_n % PAGE_SIZE) * stride_cache_tok
+        + kv_head * stride_cache_head
+    )
     kv_offsets = rows[:, None] + dims[None, :]
     if MASK_KV_END:
         k = tl.load(k_cache_ptr + kv_offsets, mask=n_ok[:, None], other=0.0)
@@ -115,14 +131,33 @@ def _find_request(tile, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _chunk_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    num_reqs, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SKIP_SINGLE_TOKEN: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_scales_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_reqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SKIP_SINGLE_TOKEN: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Last tiles first: under the causal mask they see the most keys (shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -145,8 +180,11 @@ def _chunk_kernel(
     row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
     dims = tl.arange(0, HEAD_DIM)
     tok64 = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     q_pos = context_len + tok
     if KV_FP8:  # scores of stored keys, times k_scale: the scores of the real keys
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
@@ -162,23 +200,62 @@ def _chunk_kernel(
     kv_end = tl.minimum(seq_len, context_len + first_tok + BLOCK_Q)
     for start_n in range(0, all_visible_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            start_n, kv_end, q_pos, qk_scale,
-            stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, False, False, IEEE_DOT)
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            kv_head,
+            start_n,
+            kv_end,
+            q_pos,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_tok,
+            stride_cache_head,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            False,
+            IEEE_DOT,
+        )
     for start_n in range(all_visible_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            start_n, kv_end, q_pos, qk_scale,
-            stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, True, IEEE_DOT)
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            kv_head,
+            start_n,
+            kv_end,
+            q_pos,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_tok,
+            stride_cache_head,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            True,
+            IEEE_DOT,
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the chunk's end, never stored
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * tl.load(kv_scales_ptr + 1)
-    tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
@@ -189,18 +266,32 @@ def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
     """
     group_pad = triton.next_power_of_2(group)
     if dtype == torch.float32 or head_dim > 128:  # fp32 / wide heads: smaller tiles
-        return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 64 // group_pad),
-                    BLOCK_N=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
-    return dict(GROUP_PAD=group_pad, BLOCK_Q=max(1, 256 // group_pad), BLOCK_N=64,
-                num_warps=8, num_stages=3)
+        return dict(
+            GROUP_PAD=group_pad,
+            BLOCK_Q=max(1, 64 // group_pad),
+            BLOCK_N=32 if dtype == torch.float32 else 64,
+            num_warps=4,
+            num_stages=2,
+        )
+    return dict(
+        GROUP_PAD=group_pad, BLOCK_Q=max(1, 256 // group_pad), BLOCK_N=64, num_warps=8, num_stages=3
+    )
 
 
-def paged_attention_chunks(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                           seq_lens: torch.Tensor, num_reqs: int, num_tokens: int,
-                           scale: float, skip_single_token: bool,
-                           config: Optional[dict] = None,
-                           kv_scales: Optional[torch.Tensor] = None) -> None:
+def paged_attention_chunks(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    num_tokens: int,
+    scale: float,
+    skip_single_token: bool,
+    config: dict | None = None,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """Causal paged attention of the first num_tokens rows of q into out ([T, H, D] each).
 
     head_dim must be a power of two >= 16 (checked by the backend). skip_single_token
@@ -217,12 +308,29 @@ def paged_attention_chunks(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     cfg = dict(config) if config is not None else chunk_tile_config(group, head_dim, q.dtype)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_reqs, num_kv_heads)
     _chunk_kernel[grid](
-        out, q, kv_cache[0], kv_cache[1], kv_scales if kv_fp8 else seq_lens,
-        block_tables, query_start_loc, seq_lens,
-        num_reqs, scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        SKIP_SINGLE_TOKEN=skip_single_token, IEEE_DOT=q.dtype == torch.float32,
-        KV_FP8=kv_fp8, **cfg,
+        out,
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        kv_scales if kv_fp8 else seq_lens,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        num_reqs,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        SKIP_SINGLE_TOKEN=skip_single_token,
+        IEEE_DOT=q.dtype == torch.float32,
+        KV_FP8=kv_fp8,
+        **cfg,
     )

@@ -37,8 +37,6 @@ converts the whole key tile for it: cheaper than converting the words, not free)
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -94,43 +92,86 @@ def _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr, q_row, req,
-                 head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                 WRITE_LSE: tl.constexpr):
+def _write_slice(
+    out,
+    l_i,
+    m_i,
+    dims,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_row,
+    req,
+    head,
+    head_ok,
+    split,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
     """Stores out ([BLOCK_H, len(dims)], already divided by the slice's sum) at columns
     dims: the output row itself, or the slice's partial row (and, with WRITE_LSE, its
     log-sum-exp) for the merge."""
     if DIRECT_OUT:
-        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(
+            out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_ok[:, None],
+        )
     else:
         slot = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
         if WRITE_LSE:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
             tl.store(partial_lse_ptr + slot, lse, mask=head_ok)
-        tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=head_ok[:, None])
+        tl.store(
+            partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None]
+        )
 
 
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_scales_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    num_splits,
+    min_split,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
-                                                  USE_PDL)
+    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req, USE_PDL)
     if q_len != 1:
         return
     kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
@@ -139,8 +180,11 @@ def _decode_kernel(
     head = kv_head * GROUP + h
     head_ok = h < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    )
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -153,18 +197,54 @@ def _decode_kernel(
     # no causal mask (q_pos is unused; kv_end stands in for it).
     for start_n in range(kv_start, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            start_n, kv_end, kv_end, qk_scale,
-            stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, True, False, IEEE_DOT)
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            kv_head,
+            start_n,
+            kv_end,
+            kv_end,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_tok,
+            stride_cache_head,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            False,
+            IEEE_DOT,
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse is -inf
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * tl.load(kv_scales_ptr + 1)
-    _write_slice(out, l_i, m_i, dims, out_ptr, partial_out_ptr, partial_lse_ptr, q_row, req,
-                 head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
+    _write_slice(
+        out,
+        l_i,
+        m_i,
+        dims,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+        True,
+    )
 
 
 # --- FP8 cache read as int32 words (decode only): the tile step is
@@ -192,8 +272,11 @@ def _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM: tl.
     each row scaled by a power of two (exact both ways) to at most 448 and rounded to
     e4m3 (ref: pagoda.kernels.attention.paged_decode.quantize_q_fp8_reference)."""
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    ).to(tl.float32)
     wanted = tl.max(tl.abs(q), 1) * (1.0 / 448.0)
     # The smallest power of two >= wanted, and its inverse, from the exponent bits.
     exp_bits = (wanted.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
@@ -204,38 +287,151 @@ def _load_q_fp8(q_ptr, q_row, head, head_ok, stride_qt, stride_qh, HEAD_DIM: tl.
 
 
 @triton.jit
-def _write_word_planes(a0, a1, a2, a3, l_i, m_i, v_scale, out_ptr, partial_out_ptr,
-                       partial_lse_ptr, q_row, req, head, head_ok, split, num_splits,
-                       stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       DIRECT_OUT: tl.constexpr):
+def _write_word_planes(
+    a0,
+    a1,
+    a2,
+    a3,
+    l_i,
+    m_i,
+    v_scale,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_row,
+    req,
+    head,
+    head_ok,
+    split,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+):
     """Stores the four planes' accumulators (plane j holds dims j, j + 4, ...), scaled by
     v_scale / the slice's sum, through _write_slice (the lse once, with plane 0). An
     empty slice's accumulators are 0 and its lse -inf."""
     factor = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
     cols = tl.arange(0, HEAD_DIM // 4) * 4
-    _write_slice(a0 * factor[:, None], l_i, m_i, cols, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, True)
-    _write_slice(a1 * factor[:, None], l_i, m_i, cols + 1, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
-    _write_slice(a2 * factor[:, None], l_i, m_i, cols + 2, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
-    _write_slice(a3 * factor[:, None], l_i, m_i, cols + 3, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 q_row, req, head, head_ok, split, num_splits, stride_ot, stride_oh,
-                 NUM_HEADS, HEAD_DIM, DIRECT_OUT, False)
+    _write_slice(
+        a0 * factor[:, None],
+        l_i,
+        m_i,
+        cols,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+        True,
+    )
+    _write_slice(
+        a1 * factor[:, None],
+        l_i,
+        m_i,
+        cols + 1,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+        False,
+    )
+    _write_slice(
+        a2 * factor[:, None],
+        l_i,
+        m_i,
+        cols + 2,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+        False,
+    )
+    _write_slice(
+        a3 * factor[:, None],
+        l_i,
+        m_i,
+        cols + 3,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+        False,
+    )
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
 def _decode_words_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_splits, min_split,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, OFFSETS_32: tl.constexpr = False,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_scales_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    num_splits,
+    min_split,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    OFFSETS_32: tl.constexpr = False,
     PTX_PAIRS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
@@ -248,8 +444,7 @@ def _decode_words_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req,
-                                                  USE_PDL)
+    q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req, USE_PDL)
     if q_len != 1:
         return
     kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
@@ -272,21 +467,67 @@ def _decode_words_kernel(
     score_scale = (qk_scale * k_scale * q_scale)[:, None]
     for start_n in range(kv_start, kv_end, BLOCK_N):
         a0, a1, a2, a3, m_i, l_i = attend_word_tile(
-            q8, a0, a1, a2, a3, m_i, l_i, k_words_ptr, v_words_ptr,
-            block_table_ptr, kv_head, start_n, kv_end, score_scale,
-            stride_cache_block, stride_cache_tok, stride_cache_head,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, OFFSETS_32, PTX_PAIRS)
+            q8,
+            a0,
+            a1,
+            a2,
+            a3,
+            m_i,
+            l_i,
+            k_words_ptr,
+            v_words_ptr,
+            block_table_ptr,
+            kv_head,
+            start_n,
+            kv_end,
+            score_scale,
+            stride_cache_block,
+            stride_cache_tok,
+            stride_cache_head,
+            PAGE_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            OFFSETS_32,
+            PTX_PAIRS,
+        )
 
-    _write_word_planes(a0, a1, a2, a3, l_i, m_i, v_scale, out_ptr, partial_out_ptr,
-                       partial_lse_ptr, q_row, req, head, head_ok, split, num_splits,
-                       stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT_OUT)
+    _write_word_planes(
+        a0,
+        a1,
+        a2,
+        a3,
+        l_i,
+        m_i,
+        v_scale,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        q_row,
+        req,
+        head,
+        head_ok,
+        split,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIRECT_OUT,
+    )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_splits,
-    stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_start_loc_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     req = tl.program_id(0)
@@ -302,11 +543,16 @@ def _merge_kernel(
     weight = tl.where(filled, tl.math.exp2(lse - tl.max(lse, 0)), 0.0)
     dims = tl.arange(0, HEAD_DIM)
     # Empty slices were never written: do not read them (0 * garbage may be NaN).
-    partial = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=filled[:, None], other=0.0)
+    partial = tl.load(
+        partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=filled[:, None],
+        other=0.0,
+    )
     out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+    )
 
 
 def min_split_tokens(num_decode_reqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -317,8 +563,9 @@ def min_split_tokens(num_decode_reqs: int, num_kv_heads: int, num_sms: int) -> i
     return MIN_SPLIT_TOKENS
 
 
-def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
-                      num_sms: int) -> int:
+def choose_num_splits(
+    num_decode_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+) -> int:
     """Context slices per (request, kv head): enough programs to fill the GPU about
     PROGRAMS_PER_SM times over, no slice under min_split_tokens, at most MAX_SPLITS."""
     min_split = min_split_tokens(num_decode_reqs, num_kv_heads, num_sms)
@@ -329,14 +576,21 @@ def choose_num_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
-def short_context_splits(num_decode_reqs: int, num_kv_heads: int, max_seq_len: int,
-                         num_sms: int, config: DecodeAttentionConfig) -> Optional[int]:
+def short_context_splits(
+    num_decode_reqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    config: DecodeAttentionConfig,
+) -> int | None:
     """The slices of a second decode graph for steps whose longest context is at most
     config.short_context_tokens, or None where the graph planned for max_seq_len (the
     block table's longest context) has no more slices than that already."""
-    if max_seq_len <= config.short_context_tokens or \
-            choose_num_splits(num_decode_reqs, num_kv_heads, max_seq_len, num_sms) <= \
-            config.short_context_splits:
+    if (
+        max_seq_len <= config.short_context_tokens
+        or choose_num_splits(num_decode_reqs, num_kv_heads, max_seq_len, num_sms)
+        <= config.short_context_splits
+    ):
         return None
     return config.short_context_splits
 
@@ -349,8 +603,9 @@ def quantize_q_fp8_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     wanted = q.abs().amax(-1, keepdim=True) * (1.0 / 448.0)  # the kernel's float32 product
     mantissa, exponent = torch.frexp(wanted)  # wanted = mantissa * 2^exponent, 0.5 <= m < 1
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # a power of two stays
-    scale = torch.where(wanted > 0, torch.ldexp(torch.ones_like(wanted), exponent),
-                        torch.ones_like(wanted))
+    scale = torch.where(
+        wanted > 0, torch.ldexp(torch.ones_like(wanted), exponent), torch.ones_like(wanted)
+    )
     return (q / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
@@ -360,7 +615,7 @@ def _offsets_fit_32(kv_cache: torch.Tensor) -> bool:
     included."""
     half = kv_cache[0]
     span = sum((size - 1) * stride for size, stride in zip(half.shape, half.stride())) + 1
-    return span * half.element_size() <= 2 ** 31
+    return span * half.element_size() <= 2**31
 
 
 def words_kernel_reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -368,18 +623,30 @@ def words_kernel_reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     boundaries, 16-bit queries, head_dim a power of two >= 64 (planes of at least 16
     columns for the dots). Elsewhere the tile kernel reads the FP8 cache."""
     head_dim = q.shape[-1]
-    return (kv_cache.dtype == torch.float8_e4m3fn
-            and q.dtype in (torch.float16, torch.bfloat16) and head_dim >= 64
-            and head_dim & (head_dim - 1) == 0 and kv_cache.data_ptr() % 4 == 0
-            and all(stride % 4 == 0 for stride in kv_cache.stride()[:4]))
+    return (
+        kv_cache.dtype == torch.float8_e4m3fn
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and head_dim >= 64
+        and head_dim & (head_dim - 1) == 0
+        and kv_cache.data_ptr() % 4 == 0
+        and all(stride % 4 == 0 for stride in kv_cache.stride()[:4])
+    )
 
 
-def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                           seq_lens: torch.Tensor, num_reqs: int, scale: float,
-                           num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                           config: Optional[DecodeAttentionConfig] = None,
-                           kv_scales: Optional[torch.Tensor] = None) -> None:
+def paged_attention_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    num_splits: int,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    config: DecodeAttentionConfig | None = None,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """Attention of every single-query-row request into out; other requests untouched.
 
     num_splits is a runtime argument (no recompilation when it changes); slices hold at
@@ -400,31 +667,76 @@ def paged_attention_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.T
     words = kv_fp8 and words_kernel_reads(q, kv_cache)
     tiles = config.tiles_for(q.dtype, kv_fp8, words)
     if num_splits > 1:
-        partial_out = torch.empty(num_reqs, num_heads, num_splits, head_dim,
-                                  dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32,
-                                  device=q.device)
+        partial_out = torch.empty(
+            num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty(
+            num_reqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
     else:  # unused: the kernel writes out directly
         partial_out = partial_lse = out
-    args = (out, partial_out, partial_lse, q, kv_cache[0], kv_cache[1],
-            kv_scales if kv_fp8 else seq_lens, block_tables, query_start_loc, seq_lens,
-            scale * LOG2_E, num_splits, max(1, min_split_tokens),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=tiles.block_h(group),
-                  PAGE_SIZE=page_size, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1)
+    args = (
+        out,
+        partial_out,
+        partial_lse,
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        kv_scales if kv_fp8 else seq_lens,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2_E,
+        num_splits,
+        max(1, min_split_tokens),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+    )
+    consts = dict(
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        BLOCK_H=tiles.block_h(group),
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        DIRECT_OUT=num_splits == 1,
+    )
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = launch_options(q.device)
     if words:
-        _decode_words_kernel[grid](*args, **consts, OFFSETS_32=_offsets_fit_32(kv_cache),
-                                   PTX_PAIRS=config.e4m3_pairs_ptx, **tiles.launch(), **pdl)
+        _decode_words_kernel[grid](
+            *args,
+            **consts,
+            OFFSETS_32=_offsets_fit_32(kv_cache),
+            PTX_PAIRS=config.e4m3_pairs_ptx,
+            **tiles.launch(),
+            **pdl,
+        )
     else:
-        _decode_kernel[grid](*args, **consts, IEEE_DOT=q.dtype == torch.float32,
-                             KV_FP8=kv_fp8, **tiles.launch(), **pdl)
+        _decode_kernel[grid](
+            *args,
+            **consts,
+            IEEE_DOT=q.dtype == torch.float32,
+            KV_FP8=kv_fp8,
+            **tiles.launch(),
+            **pdl,
+        )
     if num_splits > 1:
         _merge_kernel[(num_reqs, num_heads)](
-            out, partial_out, partial_lse, query_start_loc, num_splits,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out,
+            partial_out,
+            partial_lse,
+            query_start_loc,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             **pdl,
         )

@@ -27,19 +27,23 @@ on CUDA only (or by tests under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.attention.store_kv import check_kv_scales, quantize_e4m3
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 
 @triton.jit
 def _norm_rope_head(
-    head_ptr, live_half, w1, w2, cos, sin, eps,
+    head_ptr,
+    live_half,
+    w1,
+    w2,
+    cos,
+    sin,
+    eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -72,10 +76,22 @@ def _norm_rope_head(
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, cache_ptr,
-    slot_mapping_ptr, kv_scales_ptr,
-    stride_qkv_t, stride_cos_t, stride_sin_t,
-    stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    kv_scales_ptr,
+    stride_qkv_t,
+    stride_cos_t,
+    stride_sin_t,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
     eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -103,34 +119,87 @@ def _qk_norm_rope_store_kernel(
     # they took Qwen3-30B-A3B's batch-1 step from 2.618 to 2.595 ms (H200;
     # docs/performance.md, "Measured reasons: Launch").
     cos, sin, w1, w2, slot = _row_operands(
-        cos_ptr + token * stride_cos_t, sin_ptr + token * stride_sin_t, weight_ptr,
-        slot_mapping_ptr + token, HEAD_DIM, BLOCK_HALF, HAS_QK_NORM)
+        cos_ptr + token * stride_cos_t,
+        sin_ptr + token * stride_sin_t,
+        weight_ptr,
+        slot_mapping_ptr + token,
+        HEAD_DIM,
+        BLOCK_HALF,
+        HAS_QK_NORM,
+    )
     pdl_wait_and_release(USE_PDL)  # before any load of what a predecessor writes
     if group < q_groups:
-        _norm_rope_heads(row, group * HEADS_PER_PROGRAM, w1, w2, cos, sin, eps,
-                         q_out_ptr + token * (NUM_HEADS * HEAD_DIM), HEAD_DIM, kv_scales_ptr,
-                         NUM_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
-                         HAS_QK_NORM, False)
+        _norm_rope_heads(
+            row,
+            group * HEADS_PER_PROGRAM,
+            w1,
+            w2,
+            cos,
+            sin,
+            eps,
+            q_out_ptr + token * (NUM_HEADS * HEAD_DIM),
+            HEAD_DIM,
+            kv_scales_ptr,
+            NUM_HEADS,
+            HEAD_DIM,
+            HEADS_PER_PROGRAM,
+            BLOCK_DIM,
+            BLOCK_HALF,
+            HAS_QK_NORM,
+            False,
+        )
     else:
         if slot >= 0:  # -1: a padding row, nothing to store
-            slot_ptr = (cache_ptr + (slot // PAGE_SIZE) * stride_cache_block
-                        + (slot % PAGE_SIZE) * stride_cache_tok)
+            slot_ptr = (
+                cache_ptr
+                + (slot // PAGE_SIZE) * stride_cache_block
+                + (slot % PAGE_SIZE) * stride_cache_tok
+            )
             if group < q_groups + kv_groups:
-                _norm_rope_heads(row + NUM_HEADS * HEAD_DIM,
-                                 (group - q_groups) * HEADS_PER_PROGRAM, w1, w2, cos, sin,
-                                 eps, slot_ptr, stride_cache_head, kv_scales_ptr, NUM_KV_HEADS,
-                                 HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, BLOCK_HALF,
-                                 HAS_QK_NORM, KV_FP8)
+                _norm_rope_heads(
+                    row + NUM_HEADS * HEAD_DIM,
+                    (group - q_groups) * HEADS_PER_PROGRAM,
+                    w1,
+                    w2,
+                    cos,
+                    sin,
+                    eps,
+                    slot_ptr,
+                    stride_cache_head,
+                    kv_scales_ptr,
+                    NUM_KV_HEADS,
+                    HEAD_DIM,
+                    HEADS_PER_PROGRAM,
+                    BLOCK_DIM,
+                    BLOCK_HALF,
+                    HAS_QK_NORM,
+                    KV_FP8,
+                )
             else:
-                _store_v(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM,
-                         (group - q_groups - kv_groups) * HEADS_PER_PROGRAM,
-                         slot_ptr + stride_cache_kv, stride_cache_head, kv_scales_ptr,
-                         NUM_KV_HEADS, HEAD_DIM, HEADS_PER_PROGRAM, BLOCK_DIM, KV_FP8)
+                _store_v(
+                    row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM,
+                    (group - q_groups - kv_groups) * HEADS_PER_PROGRAM,
+                    slot_ptr + stride_cache_kv,
+                    stride_cache_head,
+                    kv_scales_ptr,
+                    NUM_KV_HEADS,
+                    HEAD_DIM,
+                    HEADS_PER_PROGRAM,
+                    BLOCK_DIM,
+                    KV_FP8,
+                )
 
 
 @triton.jit
-def _row_operands(cos_row, sin_row, weight_ptr, slot_ptr, HEAD_DIM: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+def _row_operands(
+    cos_row,
+    sin_row,
+    weight_ptr,
+    slot_ptr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+):
     """What a program needs besides its qkv row: the token's cos / sin halves, the norm
     weight's halves (zeros without a q/k norm) and the token's cache slot."""
     half = HEAD_DIM // 2
@@ -148,7 +217,15 @@ def _row_operands(cos_row, sin_row, weight_ptr, slot_ptr, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def _norm_rope_heads(
-    src_row, first_head, w1, w2, cos, sin, eps, dst_row, dst_head_stride,
+    src_row,
+    first_head,
+    w1,
+    w2,
+    cos,
+    sin,
+    eps,
+    dst_row,
+    dst_head_stride,
     kv_scales_ptr,
     NUM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -167,8 +244,19 @@ def _norm_rope_heads(
     for i in tl.static_range(HEADS_PER_PROGRAM):
         head = first_head + i
         live_half = tl.where(head < NUM, half, 0)
-        out1, out2 = _norm_rope_head(src_row + head * HEAD_DIM, live_half, w1, w2, cos,
-                                     sin, eps, HEAD_DIM, BLOCK_DIM, BLOCK_HALF, HAS_QK_NORM)
+        out1, out2 = _norm_rope_head(
+            src_row + head * HEAD_DIM,
+            live_half,
+            w1,
+            w2,
+            cos,
+            sin,
+            eps,
+            HEAD_DIM,
+            BLOCK_DIM,
+            BLOCK_HALF,
+            HAS_QK_NORM,
+        )
         if QUANT_FP8:
             k_scale = tl.load(kv_scales_ptr)
             out1, out2 = quantize_e4m3(out1, k_scale), quantize_e4m3(out2, k_scale)
@@ -179,7 +267,11 @@ def _norm_rope_heads(
 
 @triton.jit
 def _store_v(
-    v_row, first_head, slot_ptr, stride_cache_head, kv_scales_ptr,
+    v_row,
+    first_head,
+    slot_ptr,
+    stride_cache_head,
+    kv_scales_ptr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
@@ -193,8 +285,9 @@ def _store_v(
     v = tl.load(v_row + heads * HEAD_DIM + cols, mask=mask)
     if KV_FP8:
         v = quantize_e4m3(v, tl.load(kv_scales_ptr + 1))
-    tl.store(slot_ptr + heads * stride_cache_head + cols, v.to(slot_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        slot_ptr + heads * stride_cache_head + cols, v.to(slot_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def default_heads_per_program(num_tokens: int) -> int:
@@ -212,47 +305,87 @@ def default_heads_per_program(num_tokens: int) -> int:
     return 4 if num_tokens <= 512 else 16
 
 
-def _check_inputs(qkv, cos, sin, q_norm_weight, k_norm_weight, kv_cache, slot_mapping,
-                  num_heads, num_kv_heads, head_dim) -> None:
+def _check_inputs(
+    qkv,
+    cos,
+    sin,
+    q_norm_weight,
+    k_norm_weight,
+    kv_cache,
+    slot_mapping,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+) -> None:
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [T, {width}] ((heads + 2 * kv_heads) * head_dim) with "
-                         f"contiguous rows, got {tuple(qkv.shape)} strides {qkv.stride()}")
+        raise ValueError(
+            f"qkv must be [T, {width}] ((heads + 2 * kv_heads) * head_dim) with "
+            f"contiguous rows, got {tuple(qkv.shape)} strides {qkv.stride()}"
+        )
     if head_dim % 2 != 0:
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() != 2 or tuple(table.shape) != (qkv.shape[0], head_dim // 2):
-            raise ValueError(f"{name} must be [{qkv.shape[0]}, {head_dim // 2}], "
-                             f"got {tuple(table.shape)}")
+            raise ValueError(
+                f"{name} must be [{qkv.shape[0]}, {head_dim // 2}], got {tuple(table.shape)}"
+            )
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together (both or neither)")
     for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if weight is not None and (weight.shape != (head_dim,) or weight.dtype != qkv.dtype):
-            raise ValueError(f"{name} must be [{head_dim}] in qkv's dtype {qkv.dtype}, got "
-                             f"{weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(
+                f"{name} must be [{head_dim}] in qkv's dtype {qkv.dtype}, got "
+                f"{weight.dtype} {tuple(weight.shape)}"
+            )
     expected = (2, num_kv_heads, head_dim)
-    if (kv_cache.dim() != 5 or (kv_cache.shape[0],) + tuple(kv_cache.shape[3:]) != expected
-            or kv_cache.stride(4) != 1):
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, "
-                         f"{head_dim}] with a contiguous last dim, got {tuple(kv_cache.shape)}")
+    if (
+        kv_cache.dim() != 5
+        or (kv_cache.shape[0],) + tuple(kv_cache.shape[3:]) != expected
+        or kv_cache.stride(4) != 1
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, "
+            f"{head_dim}] with a contiguous last dim, got {tuple(kv_cache.shape)}"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] < qkv.shape[0]:
-        raise ValueError(f"slot_mapping needs at least {qkv.shape[0]} entries, "
-                         f"got {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping needs at least {qkv.shape[0]} entries, got {tuple(slot_mapping.shape)}"
+        )
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       q_norm_weight: Optional[torch.Tensor],
-                       k_norm_weight: Optional[torch.Tensor], eps: float,
-                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       kv_scales: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
-                       head_dim: int, heads_per_program: Optional[int] = None) -> torch.Tensor:
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    heads_per_program: int | None = None,
+) -> torch.Tensor:
     """qkv [T, (H + 2*Hkv) * D] (row stride may exceed the width) -> q [T, H*D], new and
     contiguous: q heads normed (q_norm_weight [D], when given) and rotated by cos/sin
     [T, D/2]; k heads normed (k_norm_weight) and rotated, and v, written into kv_cache
     [2, num_blocks, block_size, Hkv, D] at slot_mapping (slot -1: nothing written).
     An FP8 cache needs kv_scales (float32 [k_scale, v_scale] on the device)."""
-    _check_inputs(qkv, cos, sin, q_norm_weight, k_norm_weight, kv_cache, slot_mapping,
-                  num_heads, num_kv_heads, head_dim)
+    _check_inputs(
+        qkv,
+        cos,
+        sin,
+        q_norm_weight,
+        k_norm_weight,
+        kv_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
     check_kv_scales(kv_scales, kv_cache)
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     num_tokens = qkv.shape[0]
@@ -268,18 +401,34 @@ def qk_norm_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     has_norm = q_norm_weight is not None
     block_dim = triton.next_power_of_2(head_dim)
     _qk_norm_rope_store_kernel[(num_tokens, groups)](
-        qkv, cos, sin,
+        qkv,
+        cos,
+        sin,
         q_norm_weight.contiguous() if has_norm else qkv,
         k_norm_weight.contiguous() if has_norm else qkv,
-        q, kv_cache, slot_mapping, kv_scales if kv_fp8 else slot_mapping,
-        qkv.stride(0), cos.stride(0), sin.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        q,
+        kv_cache,
+        slot_mapping,
+        kv_scales if kv_fp8 else slot_mapping,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         float(eps),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        PAGE_SIZE=kv_cache.shape[2], HEADS_PER_PROGRAM=per_program,
-        BLOCK_DIM=block_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        HAS_QK_NORM=has_norm, KV_FP8=kv_fp8,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=kv_cache.shape[2],
+        HEADS_PER_PROGRAM=per_program,
+        BLOCK_DIM=block_dim,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        HAS_QK_NORM=has_norm,
+        KV_FP8=kv_fp8,
         # rms_norm's warps for a row of block_dim: the same reduction order.
-        num_warps=min(8, max(1, block_dim // 512)), **launch_options(qkv.device),
+        num_warps=min(8, max(1, block_dim // 512)),
+        **launch_options(qkv.device),
     )
     return q

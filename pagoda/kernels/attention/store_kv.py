@@ -15,8 +15,6 @@ power of two) applies.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -49,9 +47,19 @@ def quantize_e4m3(x, scale):
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, kv_scales_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    kv_scales_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
     PAGE_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -71,8 +79,12 @@ def _store_kv_kernel(
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    dst = (block * stride_cache_block + offset * stride_cache_tok
-           + heads[:, None] * stride_cache_head + dims[None, :])
+    dst = (
+        block * stride_cache_block
+        + offset * stride_cache_tok
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )
     if KV_FP8:
         k = quantize_e4m3(k, tl.load(kv_scales_ptr))
         v = quantize_e4m3(v, tl.load(kv_scales_ptr + 1))
@@ -80,28 +92,46 @@ def _store_kv_kernel(
     tl.store(cache_ptr + stride_cache_kv + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def check_kv_scales(kv_scales: Optional[torch.Tensor], kv_cache: torch.Tensor) -> None:
+def check_kv_scales(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> None:
     """An FP8 cache's kernels read float32 [k_scale, v_scale] on the cache's device."""
     if kv_cache.dtype != torch.float8_e4m3fn:
         return
     if kv_scales is None:
         raise ValueError("an FP8 KV cache needs kv_scales (float32 [k_scale, v_scale])")
-    if (kv_scales.shape != (2,) or kv_scales.dtype != torch.float32
-            or kv_scales.device != kv_cache.device):
-        raise ValueError(f"kv_scales must be float32 [2] on {kv_cache.device}, got "
-                         f"{kv_scales.dtype} {tuple(kv_scales.shape)} on {kv_scales.device}")
+    if (
+        kv_scales.shape != (2,)
+        or kv_scales.dtype != torch.float32
+        or kv_scales.device != kv_cache.device
+    ):
+        raise ValueError(
+            f"kv_scales must be float32 [2] on {kv_cache.device}, got "
+            f"{kv_scales.dtype} {tuple(kv_scales.shape)} on {kv_scales.device}"
+        )
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """Writes k/v [num_tokens, num_kv_heads, head_dim] into kv_cache at slot_mapping.
     An FP8 cache needs kv_scales (float32 [k_scale, v_scale] on the device)."""
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {k.shape[1]}, {k.shape[2]}], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"k and v must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:])
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {k.shape[1]}, {k.shape[2]}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
     if slot_mapping.shape[0] < k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} rows")
     if k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
@@ -112,9 +142,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping, kv_scales if kv_fp8 else slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        kv_scales if kv_fp8 else slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         PAGE_SIZE=kv_cache.shape[2],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

@@ -43,27 +43,30 @@ dependent): CUDA-graph capturable. Kernels take part in PDL (pagoda.kernels.laun
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fp8.quant import (FLOAT32_TINY, FP8_DTYPE, FP8_MAX, per_token_quant_fp8_ref,
-                                      round_to_e4m3)
+from pagoda.kernels.fp8.quant import (
+    FLOAT32_TINY,
+    FP8_DTYPE,
+    FP8_MAX,
+    per_token_quant_fp8_ref,
+    round_to_e4m3,
+)
+from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
+
 # The unfused norm's chunk size and warps: the fused norm must reduce its sum of squares
 # over the same BLOCK with the same layout to round inv_rms the same way.
 from pagoda.kernels.norm.fused_ops import _MAX_NORM_BLOCK, _num_warps, check_norm_args
-from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 
 # silu_and_mul_fp8 holds rows up to this width in registers (one read of every byte);
 # wider rows are walked in chunks of _ACT_CHUNK, twice.
 _ACT_MAX_BLOCK = 16384
 _ACT_CHUNK = 2048
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-              torch.float32: tl.float32}
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -105,8 +108,16 @@ def _norm_input(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr, ROW_DTYPE: tl.
 
 
 @triton.jit
-def _norm_output(x_ptrs, r_ptrs, w_ptrs, mask, inv_rms, HAS_RESIDUAL: tl.constexpr,
-                 ROW_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _norm_output(
+    x_ptrs,
+    r_ptrs,
+    w_ptrs,
+    mask,
+    inv_rms,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """The unfused norm's output values at one chunk, recomputed from the inputs (float32,
     rounded to OUT_DTYPE): normalise in float32, round to the row's dtype, multiply by
     the weight, round to the output's."""
@@ -118,11 +129,23 @@ def _norm_output(x_ptrs, r_ptrs, w_ptrs, mask, inv_rms, HAS_RESIDUAL: tl.constex
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr,
-    stride_x, stride_r, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROW_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, TINY: tl.constexpr, VEC: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    q_ptr,
+    scale_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    TINY: tl.constexpr,
+    VEC: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     """One program per row: the residual sum (stored) and inv_rms, then the norm's
@@ -136,7 +159,7 @@ def _rms_norm_fp8_kernel(
     bytes); left alone, this kernel's one-byte stores would make it 16, and inv_rms
     could round differently. So the fp8 stores' offsets are written as VEC-long runs
     (equal values; the compiler then sees no wider contiguity) and every access wants
-    the unfused kernel's layout. tests/test_fp8_fused_quant.py compiles both kernels
+    the unfused kernel's layout. tests/kernels/test_fp8_fused_quant.py compiles both kernels
     for sm_90 and compares the layouts.
     HIDDEN <= BLOCK: one chunk, the output held in registers for its amax and its
     bytes; else two more passes over chunks (amax, quantize), each recomputing the
@@ -151,8 +174,9 @@ def _rms_norm_fp8_kernel(
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, HIDDEN, BLOCK):
         mask = start + cols < HIDDEN
-        summed = _norm_input(x_row + start + cols, r_row + start + cols, mask, HAS_RESIDUAL,
-                             ROW_DTYPE)
+        summed = _norm_input(
+            x_row + start + cols, r_row + start + cols, mask, HAS_RESIDUAL, ROW_DTYPE
+        )
         if HAS_RESIDUAL:
             tl.store(res_row + start + cols, summed.to(ROW_DTYPE), mask=mask)
         sum_sq += summed * summed
@@ -160,25 +184,48 @@ def _rms_norm_fp8_kernel(
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     if HIDDEN <= BLOCK:
         mask = cols < HIDDEN
-        out = _norm_output(x_row + cols, r_row + cols, weight_ptr + cols, mask, inv_rms,
-                           HAS_RESIDUAL, ROW_DTYPE, OUT_DTYPE)
+        out = _norm_output(
+            x_row + cols,
+            r_row + cols,
+            weight_ptr + cols,
+            mask,
+            inv_rms,
+            HAS_RESIDUAL,
+            ROW_DTYPE,
+            OUT_DTYPE,
+        )
         scale = _row_scale(_running_amax(amax, out, mask), FP8_MAX_C, TINY)
         _store_fp8(out, scale, q_row + (cols // VEC) * VEC + cols % VEC, mask, FP8_MAX_C)
     else:
         for start in range(0, HIDDEN, BLOCK):
             mask = start + cols < HIDDEN
-            out = _norm_output(x_row + start + cols, r_row + start + cols,
-                               weight_ptr + start + cols, mask, inv_rms, HAS_RESIDUAL,
-                               ROW_DTYPE, OUT_DTYPE)
+            out = _norm_output(
+                x_row + start + cols,
+                r_row + start + cols,
+                weight_ptr + start + cols,
+                mask,
+                inv_rms,
+                HAS_RESIDUAL,
+                ROW_DTYPE,
+                OUT_DTYPE,
+            )
             amax = _running_amax(amax, out, mask)
         scale = _row_scale(amax, FP8_MAX_C, TINY)
         for start in range(0, HIDDEN, BLOCK):
             mask = start + cols < HIDDEN
-            out = _norm_output(x_row + start + cols, r_row + start + cols,
-                               weight_ptr + start + cols, mask, inv_rms, HAS_RESIDUAL,
-                               ROW_DTYPE, OUT_DTYPE)
-            _store_fp8(out, scale, q_row + start + (cols // VEC) * VEC + cols % VEC, mask,
-                       FP8_MAX_C)
+            out = _norm_output(
+                x_row + start + cols,
+                r_row + start + cols,
+                weight_ptr + start + cols,
+                mask,
+                inv_rms,
+                HAS_RESIDUAL,
+                ROW_DTYPE,
+                OUT_DTYPE,
+            )
+            _store_fp8(
+                out, scale, q_row + start + (cols // VEC) * VEC + cols % VEC, mask, FP8_MAX_C
+            )
     tl.store(scale_ptr + row, scale)
 
 
@@ -192,17 +239,18 @@ def norm_vec(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def norm_dtypes(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]
-                ) -> tuple[torch.dtype, torch.dtype]:
+def norm_dtypes(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.dtype, torch.dtype]:
     """(row dtype, output dtype) of the unfused norm: the residual sum is in the inputs'
     promoted dtype, the output in that promoted with the weight's."""
     row = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     return row, torch.promote_types(weight.dtype, row)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """per_token_quant_fp8 of rms_norm(x) (residual None) or of fused_add_rms_norm(x,
     residual)'s norm, in one launch: (x_fp8 [M, H], scale [M, 1] float32, the residual
     sum in x's shape or None), M = x.numel() / H."""
@@ -212,27 +260,41 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_rows = x_rows.shape[0]
     q = torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    residual_out = None if residual is None else torch.empty(x.shape, dtype=row_dtype,
-                                                              device=x.device)
+    residual_out = (
+        None if residual is None else torch.empty(x.shape, dtype=row_dtype, device=x.device)
+    )
     if num_rows == 0 or hidden == 0:
         scale.fill_(FLOAT32_TINY)  # per_token_quant_fp8's scale of an empty row
         return q, scale, residual_out
     r_rows = x_rows if residual is None else _rows(residual, hidden)
     block = min(triton.next_power_of_2(hidden), _MAX_NORM_BLOCK)
     _rms_norm_fp8_kernel[(num_rows,)](
-        x_rows, r_rows, weight.contiguous(), q, scale,
+        x_rows,
+        r_rows,
+        weight.contiguous(),
+        q,
+        scale,
         q if residual_out is None else residual_out,
-        x_rows.stride(0), r_rows.stride(0), float(eps),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        ROW_DTYPE=_tl_dtype(row_dtype), OUT_DTYPE=_tl_dtype(out_dtype),
-        FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, VEC=norm_vec(x_rows.dtype),
-        num_warps=_num_warps(block), **launch_options(x.device))
+        x_rows.stride(0),
+        r_rows.stride(0),
+        float(eps),
+        HIDDEN=hidden,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        ROW_DTYPE=_tl_dtype(row_dtype),
+        OUT_DTYPE=_tl_dtype(out_dtype),
+        FP8_MAX_C=FP8_MAX,
+        TINY=FLOAT32_TINY,
+        VEC=norm_vec(x_rows.dtype),
+        num_warps=_num_warps(block),
+        **launch_options(x.device),
+    )
     return q, scale, residual_out
 
 
-def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def rms_norm_fp8_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Torch reference of rms_norm_fp8: RMSNorm's torch order of operations (add in the
     inputs' dtype, normalise in float32, round, multiply by the weight), then
     per_token_quant_fp8_ref."""
@@ -257,9 +319,14 @@ def _silu_mul(x_row, offs, mask, INTERMEDIATE: tl.constexpr, OUT_DTYPE: tl.const
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x_row,
-    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, TINY: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x_row,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    TINY: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     """One program per row of x = [gate | up] (each INTERMEDIATE wide): silu(gate) * up
@@ -301,8 +368,9 @@ def silu_and_mul_warps(block: int) -> int:
     return min(16, max(4, block // 1024))
 
 
-def silu_and_mul_fp8(x: torch.Tensor, block: Optional[int] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(
+    x: torch.Tensor, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """per_token_quant_fp8 of silu_and_mul(x) in one launch: x [..., 2 * I] = [gate | up]
     -> (x_fp8 [M, I], scale [M, 1] float32), M = x.numel() / (2 I). block: the columns a
     program handles at once (a power of two; default silu_and_mul_block(I); >= I keeps
@@ -321,9 +389,17 @@ def silu_and_mul_fp8(x: torch.Tensor, block: Optional[int] = None
     if block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
     _silu_and_mul_fp8_kernel[(rows.shape[0],)](
-        rows, q, scale, rows.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
-        FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY, num_warps=silu_and_mul_warps(block),
-        **launch_options(rows.device))
+        rows,
+        q,
+        scale,
+        rows.stride(0),
+        INTERMEDIATE=intermediate,
+        BLOCK=block,
+        FP8_MAX_C=FP8_MAX,
+        TINY=FLOAT32_TINY,
+        num_warps=silu_and_mul_warps(block),
+        **launch_options(rows.device),
+    )
     return q, scale
 
 

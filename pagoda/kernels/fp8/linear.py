@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.launch.capability import cuda_capability
 from pagoda.kernels.fp8.quant import (
     FP8_DTYPE,
     dequantize_blockwise,
@@ -40,24 +39,25 @@ from pagoda.kernels.fp8.quant import (
     triton_usable,
 )
 from pagoda.kernels.fp8.w8a16 import fit_block_k, w8a16_linear
-from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
+from pagoda.kernels.launch.capability import cuda_capability
 
 # Rows up to which fp8_linear / fp8_block_linear use the W8A16 kernel rather than
 # quantizing the activation for a tensor-core GEMM. Both are bound by the weight bytes at
 # this size; the fp8-gemm benchmark measures the crossover (it prints it).
 W8A16_MAX_M = 16
 # W8A8 GEMM tiles (fp8 tl.dot): 64-row tiles for mid M, 128 beyond.
-W8A8_SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4,
-                         num_stages=4)
-W8A8_LARGE_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
-                         num_stages=3)
+W8A8_SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+W8A8_LARGE_CONFIG = dict(
+    BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3
+)
 
 
 # ------------------------------------------------------------------ checks ---------
 def _flatten(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     if not x.is_floating_point() or x.dtype == FP8_DTYPE or x.shape[-1] != k:
-        raise ValueError(f"{what}: x must be a float [..., {k}] tensor, got "
-                         f"{tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"{what}: x must be a float [..., {k}] tensor, got {tuple(x.shape)} {x.dtype}"
+        )
     x2 = x.reshape(-1, k)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
@@ -70,8 +70,10 @@ def _weight_shape(w_fp8: torch.Tensor, what: str) -> tuple[int, int]:
 
 def _check_fp8_weight(w_fp8: torch.Tensor, x: torch.Tensor, what: str) -> None:
     if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2 or w_fp8.stride(1) != 1:
-        raise ValueError(f"{what}: w_fp8 must be a [N, K] float8_e4m3fn tensor with "
-                         f"contiguous rows, got {tuple(w_fp8.shape)} {w_fp8.dtype}")
+        raise ValueError(
+            f"{what}: w_fp8 must be a [N, K] float8_e4m3fn tensor with "
+            f"contiguous rows, got {tuple(w_fp8.shape)} {w_fp8.dtype}"
+        )
     if w_fp8.device != x.device:
         raise ValueError(f"{what}: x on {x.device}, w_fp8 on {w_fp8.device}")
 
@@ -83,8 +85,10 @@ def _check_bias(bias, n: int, what: str) -> None:
 
 def _per_channel_scale(w_scale: torch.Tensor, n: int) -> torch.Tensor:
     if w_scale.numel() != n:
-        raise ValueError(f"fp8_linear: w_scale must have {n} elements (one per output "
-                         f"row), got shape {tuple(w_scale.shape)}")
+        raise ValueError(
+            f"fp8_linear: w_scale must have {n} elements (one per output "
+            f"row), got shape {tuple(w_scale.shape)}"
+        )
     return w_scale.reshape(n).to(torch.float32).contiguous()
 
 
@@ -94,20 +98,41 @@ def _block_scale(w_scale: torch.Tensor, n: int, k: int, block) -> tuple[torch.Te
     bn, bk = int(block[0]), int(block[1])
     want = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     if tuple(w_scale.shape) != want:
-        raise ValueError(f"fp8_block_linear: w_scale_blocks must have shape {want} for "
-                         f"weight {n}x{k} and block {block}, got {tuple(w_scale.shape)}")
+        raise ValueError(
+            f"fp8_block_linear: w_scale_blocks must have shape {want} for "
+            f"weight {n}x{k} and block {block}, got {tuple(w_scale.shape)}"
+        )
     return w_scale.to(torch.float32).contiguous(), bn, bk
 
 
 # --------------------------------------------------------------- W8A8 GEMM ---------
 @triton.jit
 def _w8a8_gemm_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr,
-    M, N, K, stride_am, stride_bn, stride_cm,
-    stride_asm, stride_asg, stride_bsn, stride_bsg,
-    SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    as_ptr,
+    bs_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_asg,
+    stride_bsn,
+    stride_bsg,
+    SCALE_BLOCKED: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """c[M, N] = (a_fp8 * a_scale) @ (b_fp8 * b_scale).T on the FP8 tensor cores.
     Per channel: a_scale [M] per row, b_scale [N], applied to the final accumulator.
@@ -156,13 +181,23 @@ def _w8a8_gemm_kernel(
         acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
-def w8a8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
-              w_scale: torch.Tensor, bias=None, out_dtype=torch.bfloat16,
-              block: tuple[int, int] | None = None, config=None) -> torch.Tensor:
+def w8a8_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias=None,
+    out_dtype=torch.bfloat16,
+    block: tuple[int, int] | None = None,
+    config=None,
+) -> torch.Tensor:
     """Triton W8A8 GEMM. block=None: x_scale [M, 1], w_scale [N]; block=(bn, bk): x_scale
     [M, ceil(K/bk)] (any strides), w_scale [ceil(N/bn), ceil(K/bk)]."""
     m, k = x_fp8.shape
@@ -176,12 +211,29 @@ def w8a8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
         return out
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](
-        x_fp8, w_fp8, x_scale, w_scale, bias if bias is not None else out, out,
-        m, n, k, x_fp8.stride(0), w_fp8.stride(0), out.stride(0),
-        x_scale.stride(0), x_scale.stride(1) if block is not None else 0,
-        w_scale.stride(0), w_scale.stride(1) if block is not None else 0,
-        SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+        x_fp8,
+        w_fp8,
+        x_scale,
+        w_scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x_fp8.stride(0),
+        w_fp8.stride(0),
+        out.stride(0),
+        x_scale.stride(0),
+        x_scale.stride(1) if block is not None else 0,
+        w_scale.stride(0),
+        w_scale.stride(1) if block is not None else 0,
+        SCALE_BLOCKED=block is not None,
+        GROUP_N=bn,
+        GROUP_K=bk,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        **cfg,
+    )
     return out
 
 
@@ -194,12 +246,23 @@ def scaled_mm_usable(x: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtyp
     if x.device.type != "cuda" or cuda_capability(x.device) < (8, 9):
         return False
     n, k = w_fp8.shape
-    return (k % 16 == 0 and n % 16 == 0 and w_fp8.is_contiguous()
-            and w_fp8.data_ptr() % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16))
+    return (
+        k % 16 == 0
+        and n % 16 == 0
+        and w_fp8.is_contiguous()
+        and w_fp8.data_ptr() % 16 == 0
+        and out_dtype in (torch.bfloat16, torch.float16)
+    )
 
 
-def scaled_mm_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
-                     w_scale: torch.Tensor, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+def scaled_mm_linear(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias=None,
+    out_dtype=torch.bfloat16,
+) -> torch.Tensor:
     """torch._scaled_mm with rowwise scales: x_scale [M, 1], w_scale [N] -> scale_b [1, N].
     The bias is fused when its dtype is the output's (what _scaled_mm accepts), else added.
 
@@ -208,17 +271,27 @@ def scaled_mm_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Te
     float8 forward use): 256 x 1024/128 at 5,729 -> 6,073 tok/s for a logprob error of
     0.1899 -> 0.1915 (H200; docs/performance.md, "Measured reasons: GEMV and FP8 weights")."""
     fuse = bias is not None and bias.dtype == out_dtype
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
-                           bias=bias if fuse else None, out_dtype=out_dtype,
-                           use_fast_accum=True)
+    out = torch._scaled_mm(
+        x_fp8,
+        w_fp8.t(),
+        scale_a=x_scale,
+        scale_b=w_scale.view(1, -1),
+        bias=bias if fuse else None,
+        out_dtype=out_dtype,
+        use_fast_accum=True,
+    )
     if bias is not None and not fuse:
         out += bias.to(out_dtype)
     return out
 
 
 # ------------------------------------------------------------ public entries -------
-def fp8_linear_silu_and_mul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                            out_dtype: torch.dtype | None = None):
+def fp8_linear_silu_and_mul(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+):
     """silu(gate) * up of fp8_linear(x, w_fp8, w_scale) = [gate | up] in one launch, for
     one row on CUDA (the gated W8A16 GEMV: the separate activation launch and its read
     of the [1, 2N] product go away); None where that kernel does not apply (more rows,
@@ -228,13 +301,19 @@ def fp8_linear_silu_and_mul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch
     if x2.shape[0] != 1 or n2 % 2 or not triton_usable(x2):
         return None
     _check_fp8_weight(w_fp8, x2, "fp8_linear_silu_and_mul")
-    out = w8a16_linear(x2, w_fp8, _per_channel_scale(w_scale, n2), None, out_dtype or x.dtype,
-                       gated=True)
+    out = w8a16_linear(
+        x2, w_fp8, _per_channel_scale(w_scale, n2), None, out_dtype or x.dtype, gated=True
+    )
     return out.reshape(*x.shape[:-1], n2 // 2)
 
 
-def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias=None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [..., K] -> [..., N] = x @ (w_fp8 * w_scale[:, None]).T (+ bias), in out_dtype
     (default x.dtype). w_fp8 [N, K] float8_e4m3fn, w_scale [N] (or [N, 1]) float32."""
     n, k = _weight_shape(w_fp8, "fp8_linear")
@@ -255,8 +334,14 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias
     return out.reshape(*x.shape[:-1], n)
 
 
-def w8a8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
-                w_scale: torch.Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def w8a8_linear(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """fp8_linear's product past its per-token quantization: x_fp8 [M, K] with x_scale
     [M, 1] times w_fp8 [N, K] with w_scale [N] (+ bias) -> [M, N] in out_dtype, by
     torch._scaled_mm where it takes the case, else the Triton W8A8 GEMM (the torch
@@ -269,9 +354,14 @@ def w8a8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
     return w8a8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
 
 
-def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_blocks: torch.Tensor,
-                     block: tuple[int, int] = (128, 128), bias=None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_block_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_blocks: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias=None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [..., K] -> [..., N] with block-scaled weights: w_scale_blocks [ceil(N/bn),
     ceil(K/bk)]. Above W8A16_MAX_M rows the activation is quantized in groups of bk."""
     n, k = _weight_shape(w_fp8, "fp8_block_linear")
@@ -282,8 +372,9 @@ def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_blocks: torch
     out_dtype = out_dtype or x.dtype
     m = x2.shape[0]
     if not triton_usable(x2):
-        out = fp8_block_linear_ref(x2, w_fp8, scale, (bn, bk), bias, out_dtype,
-                                   act_quant=m > W8A16_MAX_M)
+        out = fp8_block_linear_ref(
+            x2, w_fp8, scale, (bn, bk), bias, out_dtype, act_quant=m > W8A16_MAX_M
+        )
     elif m == 0:
         out = torch.empty(0, n, dtype=out_dtype, device=x.device)
     elif m <= W8A16_MAX_M:
@@ -301,32 +392,51 @@ def _finish(y: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     return y.to(out_dtype)
 
 
-def fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias=None,
-                   out_dtype=None, act_quant: bool = False) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias=None,
+    out_dtype=None,
+    act_quant: bool = False,
+) -> torch.Tensor:
     """Torch reference: float32 matmul of x (act_quant: quantized per token and
     dequantized, as the W8A8 path does) with the dequantized weight; cast at the end."""
     if act_quant:
-        return w8a8_linear_ref(*per_token_quant_fp8_ref(x), w_fp8, w_scale, bias,
-                               out_dtype or x.dtype)
+        return w8a8_linear_ref(
+            *per_token_quant_fp8_ref(x), w_fp8, w_scale, bias, out_dtype or x.dtype
+        )
     y = x.float() @ dequantize_per_channel(w_fp8, w_scale).t()
     return _finish(y, bias, out_dtype or x.dtype)
 
 
-def w8a8_linear_ref(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
-                    w_scale: torch.Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def w8a8_linear_ref(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """Torch reference of w8a8_linear: the activation and weight dequantized, a float32
     matmul, cast at the end."""
     y = (x_fp8.float() * x_scale) @ dequantize_per_channel(w_fp8, w_scale).t()
     return _finish(y, bias, out_dtype)
 
 
-def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                         block=(128, 128), bias=None, out_dtype=None,
-                         act_quant: bool = False) -> torch.Tensor:
+def fp8_block_linear_ref(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    block=(128, 128),
+    bias=None,
+    out_dtype=None,
+    act_quant: bool = False,
+) -> torch.Tensor:
     """Torch reference of fp8_block_linear (act_quant: x quantized in groups of block[1])."""
     xf = x.float()
     if act_quant:
         q, s = per_token_group_quant_fp8_ref(x, block[1])
-        xf = q.float() * s.repeat_interleave(block[1], dim=1)[:, :x.shape[1]]
+        xf = q.float() * s.repeat_interleave(block[1], dim=1)[:, : x.shape[1]]
     y = xf @ dequantize_blockwise(w_fp8, w_scale, block).t()
     return _finish(y, bias, out_dtype or x.dtype)

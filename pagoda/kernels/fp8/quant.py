@@ -71,17 +71,18 @@ def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     scale = torch.empty(n, dtype=torch.float32, device=w.device)
     rows = max(1, _QUANT_CHUNK_ELEMENTS // max(k, 1))
     for r0 in range(0, n, rows):
-        chunk = w[r0:r0 + rows]
+        chunk = w[r0 : r0 + rows]
         amax = chunk.abs().amax(dim=1) if k else torch.zeros(chunk.shape[0], device=w.device)
         _check_finite(amax, "quantize_weight_per_channel")
         s = _scale_from_amax(amax)
-        scale[r0:r0 + rows] = s
-        q[r0:r0 + rows] = _to_fp8(chunk, s[:, None])
+        scale[r0 : r0 + rows] = s
+        q[r0 : r0 + rows] = _to_fp8(chunk, s[:, None])
     return q, scale
 
 
-def quantize_weight_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128)
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_blockwise(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (w_fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)] float32): one scale per
     bn x bk block (edge blocks are partial). w ~= w_fp8 * scale expanded over blocks."""
     _check_weight(w)
@@ -97,13 +98,13 @@ def quantize_weight_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 12
         r0, r1 = b0 * bn, min(n, (b0 + blocks_per_chunk) * bn)
         rows_b = triton.cdiv(r1 - r0, bn)
         padded = torch.zeros(rows_b * bn, kb * bk, dtype=torch.float32, device=w.device)
-        padded[:r1 - r0, :k] = w[r0:r1]
+        padded[: r1 - r0, :k] = w[r0:r1]
         tiles = padded.view(rows_b, bn, kb, bk)
         amax = tiles.abs().amax(dim=(1, 3))
         _check_finite(amax, "quantize_weight_blockwise")
         s = _scale_from_amax(amax)
-        scale[b0:b0 + rows_b] = s
-        q[r0:r1] = _to_fp8(tiles, s[:, None, :, None]).view(rows_b * bn, kb * bk)[:r1 - r0, :k]
+        scale[b0 : b0 + rows_b] = s
+        q[r0:r1] = _to_fp8(tiles, s[:, None, :, None]).view(rows_b * bn, kb * bk)[: r1 - r0, :k]
     return q, scale
 
 
@@ -118,8 +119,9 @@ def dequantize_per_channel(w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return w_fp8.float() * scale.float().reshape(-1, 1)
 
 
-def dequantize_blockwise(w_fp8: torch.Tensor, scale: torch.Tensor,
-                         block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def dequantize_blockwise(
+    w_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """-> float32 [N, K]: each bn x bk block of w_fp8 times its scale."""
     bn, bk = _check_block(block)
     n, k = w_fp8.shape
@@ -135,8 +137,9 @@ def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return _to_fp8(x, scale), scale
 
 
-def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = 128
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8_ref(
+    x: torch.Tensor, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of per_token_group_quant_fp8."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
@@ -167,9 +170,20 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                       FP8_MAX_C: tl.constexpr, TINY: tl.constexpr):
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    TINY: tl.constexpr,
+):
     """Program (row, g) quantizes columns [g * GROUP, (g + 1) * GROUP) of one row with
     one scale: two passes over the span (amax, then scale and cast); the second pass
     reads from L2. GROUP >= K (one group) is the per-token case."""
@@ -200,9 +214,20 @@ def _launch_quant(x: torch.Tensor, group: int, scale: torch.Tensor) -> torch.Ten
         return q
     block = min(triton.next_power_of_2(group), 1024)
     _quant_rows_kernel[(m, scale.shape[1])](
-        x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-        GROUP=group, BLOCK=block, FP8_MAX_C=FP8_MAX, TINY=FLOAT32_TINY,
-        num_warps=4 if block >= 512 else 1)
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        GROUP=group,
+        BLOCK=block,
+        FP8_MAX_C=FP8_MAX,
+        TINY=FLOAT32_TINY,
+        num_warps=4 if block >= 512 else 1,
+    )
     return q
 
 
@@ -223,8 +248,9 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_quant(x, max(x.shape[1], 1), scale), scale
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major: bool = False
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group: int = 128, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_fp8 [M, K], scale [M, ceil(K/group)] float32), one scale per row and
     group of `group` columns (the last group may be partial). column_major=True lays the
     scales out with stride (1, M) (what cuBLAS's 1x128 block scaling reads)."""

@@ -52,8 +52,11 @@ def w8a16_config(m: int, n: int, k: int) -> dict:
         if n <= 8192 and k <= 4096:
             return dict(SHORT_K_GEMV_CONFIG)
         # Pipelined K loop: 3 loads in flight for the wide-N projections, 4 for down.
-        return dict(W8A16_GEMV_CONFIG, BLOCK_K=1024 if k >= 8192 else 512,
-                    LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4)
+        return dict(
+            W8A16_GEMV_CONFIG,
+            BLOCK_K=1024 if k >= 8192 else 512,
+            LOOP_STAGES=3 if n > 4096 and k <= 4096 else 4,
+        )
     if n >= 65536:
         return dict(W8A16_DOT_CONFIG, DECODE="bits")
     return dict(W8A16_DOT_CONFIG, SPLIT_K=4 if k >= 8192 else 2, DECODE="bits")
@@ -102,20 +105,38 @@ def _e4m3_bits_to(w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, GROUP_N: tl.constexpr,
-                  GROUP_K: tl.constexpr):
+def _block_scales(
+    s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr
+):
     """The block scales of weight rows offs_n at K offset k0: one per (GROUP_N, GROUP_K)
     block, [len(offs_n)] float32, 0 for rows past N."""
-    return tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
-                   mask=n_ok, other=0.0)
+    return tl.load(
+        s_ptr + (offs_n // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0
+    )
 
 
 @triton.jit
-def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
-                  stride_sn, stride_sk, SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr,
-                  GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                  DECODE: tl.constexpr):
+def _gemv_one_row(
+    x_ptr,
+    s_ptr,
+    w_rows,
+    offs_n,
+    n_ok,
+    offs_k,
+    k_start,
+    k_end,
+    stride_sn,
+    stride_sk,
+    SCALE_BLOCKED: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    DECODE: tl.constexpr,
+):
     """One x row times the ROWS weight rows at w_rows over [k_start, k_end): [1, ROWS]
     float32, block scales applied, per-channel scales not (the kernel's epilogue does).
     DECODE "bits": acc2 sums products with value * 2^-120 weights; per channel the
@@ -147,11 +168,31 @@ def _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
 
 
 @triton.jit
-def _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_end, M,
-               stride_xm, stride_sn, stride_sk, SCALE_BLOCKED: tl.constexpr,
-               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DECODE: tl.constexpr):
+def _dot_tiles(
+    x_ptr,
+    s_ptr,
+    w_rows,
+    offs_m,
+    offs_n,
+    n_ok,
+    offs_k,
+    k_start,
+    k_end,
+    M,
+    stride_xm,
+    stride_sn,
+    stride_sk,
+    SCALE_BLOCKED: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DECODE: tl.constexpr,
+):
     """x's rows (BLOCK_M, those >= M zero) times the BLOCK_N weight rows at w_rows over
     [k_start, k_end) by tl.dot on weights decoded to x's dtype: [BLOCK_M, BLOCK_N]
     float32, block scales applied, per-channel scales not."""
@@ -159,8 +200,17 @@ def _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_en
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
         w_ptrs = w_rows[None, :] + (k0 + offs_k)[:, None]
-        x, w = load_kn_step(x_rows + (k0 + offs_k)[None, :], w_ptrs, offs_m < M, n_ok, offs_k,
-                            k0, k_end, EVEN_N, EVEN_K)
+        x, w = load_kn_step(
+            x_rows + (k0 + offs_k)[None, :],
+            w_ptrs,
+            offs_m < M,
+            n_ok,
+            offs_k,
+            k0,
+            k_end,
+            EVEN_N,
+            EVEN_K,
+        )
         if DECODE == "bits":
             w = _e4m3_bits_to(w, x.dtype)
         else:
@@ -186,13 +236,35 @@ def _silu_mul_pairs(acc, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_sn, stride_sk,
-    SCALE_BLOCKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    DECODE: tl.constexpr, GATED: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_sn,
+    stride_sk,
+    SCALE_BLOCKED: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    DECODE: tl.constexpr,
+    GATED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     """Program (n block, k split) -> out[:, n block] (SPLIT_K == 1) or the split's float32
@@ -221,14 +293,53 @@ def _w8a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     pdl_wait_and_release(USE_PDL)  # before any load or store
     if BLOCK_M == 1:
-        acc = _gemv_one_row(x_ptr, s_ptr, w_rows, offs_n, n_ok, offs_k, k_start, k_end,
-                            stride_sn, stride_sk, SCALE_BLOCKED, GROUP_N, GROUP_K,
-                            2 * BLOCK_N if GATED else BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
-                            LOOP_STAGES, DECODE)
+        acc = _gemv_one_row(
+            x_ptr,
+            s_ptr,
+            w_rows,
+            offs_n,
+            n_ok,
+            offs_k,
+            k_start,
+            k_end,
+            stride_sn,
+            stride_sk,
+            SCALE_BLOCKED,
+            GROUP_N,
+            GROUP_K,
+            2 * BLOCK_N if GATED else BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            EVEN_N,
+            LOOP_STAGES,
+            DECODE,
+        )
     else:
-        acc = _dot_tiles(x_ptr, s_ptr, w_rows, offs_m, offs_n, n_ok, offs_k, k_start, k_end,
-                         M, stride_xm, stride_sn, stride_sk, SCALE_BLOCKED, GROUP_N, GROUP_K,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DECODE)
+        acc = _dot_tiles(
+            x_ptr,
+            s_ptr,
+            w_rows,
+            offs_m,
+            offs_n,
+            n_ok,
+            offs_k,
+            k_start,
+            k_end,
+            M,
+            stride_xm,
+            stride_sn,
+            stride_sk,
+            SCALE_BLOCKED,
+            GROUP_N,
+            GROUP_K,
+            DOT_PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            EVEN_N,
+            DECODE,
+        )
     if not SCALE_BLOCKED:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
     if GATED:
@@ -239,16 +350,28 @@ def _w8a16_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
     else:
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+def _split_k_reduce_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """out[m, n block] = sum over splits of part[split, m, n block] (+ bias), in a fixed
     order (deterministic, no atomics)."""
     pdl_wait_and_release(USE_PDL)  # before any load or store
@@ -269,14 +392,23 @@ def fit_block_k(block_k: int, group_k: int, minimum: int) -> int:
     while block_k > minimum and group_k % block_k:
         block_k //= 2
     if group_k % block_k:
-        raise ValueError(f"a K block of {group_k} columns needs a power-of-two divisor "
-                         f">= {minimum} for the FP8 block kernels")
+        raise ValueError(
+            f"a K block of {group_k} columns needs a power-of-two divisor "
+            f">= {minimum} for the FP8 block kernels"
+        )
     return block_k
 
 
-def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias=None,
-                 out_dtype=None, block: tuple[int, int] | None = None, config=None,
-                 gated: bool = False) -> torch.Tensor:
+def w8a16_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale: torch.Tensor,
+    bias=None,
+    out_dtype=None,
+    block: tuple[int, int] | None = None,
+    config=None,
+    gated: bool = False,
+) -> torch.Tensor:
     """x [M <= W8A16_ROWS_LIMIT, K] -> [M, N] with weights dequantized in registers.
     block=None: scale [N] per channel; block=(bn, bk): scale [ceil(N/bn), ceil(K/bk)]
     (BLOCK_K is narrowed to divide bk). Arguments are checked by the public entries.
@@ -310,21 +442,49 @@ def w8a16_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, bias
         cfg["BLOCK_K"] = fit_block_k(cfg["BLOCK_K"], bk, 16 if block_m > 1 else 1)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    part = (torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-            if split_k > 1 else out)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     _w8a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
-        x, w_fp8, scale, bias if bias is not None else out, out, part,
-        m, n, k, k_per_split, x.stride(0), w_fp8.stride(0), out.stride(0),
-        scale.stride(0), scale.stride(1) if block is not None else 0,
-        SCALE_BLOCKED=block is not None, GROUP_N=bn, GROUP_K=bk, HAS_BIAS=bias is not None,
-        SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x,
+        w_fp8,
+        scale,
+        bias if bias is not None else out,
+        out,
+        part,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        w_fp8.stride(0),
+        out.stride(0),
+        scale.stride(0),
+        scale.stride(1) if block is not None else 0,
+        SCALE_BLOCKED=block is not None,
+        GROUP_N=bn,
+        GROUP_K=bk,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         EVEN_K=k % (k_per_split) == 0 and k_per_split % cfg["BLOCK_K"] == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, LOOP_STAGES=loop_stages, DECODE=decode, GATED=gated,
-        **cfg, **launch_options(x.device))
+        EVEN_N=n % cfg["BLOCK_N"] == 0,
+        LOOP_STAGES=loop_stages,
+        DECODE=decode,
+        GATED=gated,
+        **cfg,
+        **launch_options(x.device),
+    )
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](
-            part, bias if bias is not None else out, out, m, n, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=1024,
-            **launch_options(x.device))
+            part,
+            bias if bias is not None else out,
+            out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=1024,
+            **launch_options(x.device),
+        )
     return out

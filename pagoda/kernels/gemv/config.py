@@ -16,8 +16,8 @@ the shape (w8a16_config), not from this table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
 import torch
 
@@ -50,19 +50,18 @@ class GemvConfig:
     table: Mapping[tuple[int, int, int], GemvTiles] = field(default_factory=dict)
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "GemvConfig":
+    def for_device(cls, device: torch.device) -> GemvConfig:
         """for_capability of device's compute capability on CUDA; Hopper's table on the
         CPU, where the tests run the kernel interpreted."""
         device = torch.device(device)
-        return cls.for_capability(cuda_capability(device) if device.type == "cuda"
-                                  else HOPPER)
+        return cls.for_capability(cuda_capability(device) if device.type == "cuda" else HOPPER)
 
     @classmethod
-    def for_capability(cls, capability: tuple[int, int]) -> "GemvConfig":
+    def for_capability(cls, capability: tuple[int, int]) -> GemvConfig:
         """GEMV_TABLES' table for a CUDA compute capability (Hopper's for one not listed)."""
         return _CONFIGS.get(tuple(capability), _CONFIGS[HOPPER])
 
-    def lookup(self, n: int, k: int, m: int) -> Optional[GemvTiles]:
+    def lookup(self, n: int, k: int, m: int) -> GemvTiles | None:
         """The tiles for an [m, k] x [n, k] product, or None (F.linear keeps it)."""
         return self.table.get((n, k, rows_bucket(m)))
 

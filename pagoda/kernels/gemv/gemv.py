@@ -37,7 +37,6 @@ the first use must be outside capture (the graph runner's warm-up forwards are).
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -73,18 +72,37 @@ def default_tiles(m: int, n: int, k: int) -> GemvTiles:
     blocks, split = triton.cdiv(n, block_n), 1
     while blocks * split < 264 and k >= 2 * split * block_k and split < 8:
         split *= 2
-    return GemvTiles(block_n=block_n, block_k=block_k, split_k=split, loop_stages=3,
-                     num_warps=4, dot=dot)
+    return GemvTiles(
+        block_n=block_n, block_k=block_k, split_k=split, loop_stages=3, num_warps=4, dot=dot
+    )
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     """Program (column block pid_n, K split pid_k) -> out[:, block] (SPLIT_K == 1), or its
@@ -104,14 +122,41 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     if BLOCK_M == 1:
-        acc = _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N,
-                       EVEN_K, LOOP_STAGES)
+        acc = _one_row(
+            x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, LOOP_STAGES
+        )
     elif DOT:
-        acc = _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION, BLOCK_M,
-                        BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, LOOP_STAGES)
+        acc = _dot_rows(
+            x_rows,
+            w_rows,
+            m_ok,
+            n_ok,
+            k_start,
+            k_end,
+            DOT_PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_N,
+            EVEN_K,
+            LOOP_STAGES,
+        )
     else:
-        acc = _fma_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_M, EVEN_N, EVEN_K, LOOP_STAGES)
+        acc = _fma_rows(
+            x_rows,
+            w_rows,
+            m_ok,
+            n_ok,
+            k_start,
+            k_end,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_M,
+            EVEN_N,
+            EVEN_K,
+            LOOP_STAGES,
+        )
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -119,14 +164,39 @@ def _gemv_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs_m,
-                        offs_n, n_ok, pid_n, pid_k, M, N, HAS_BIAS, SPLIT_K, BLOCK_M,
-                        BLOCK_N)
+        _split_k_finish(
+            acc,
+            part_ptr,
+            count_ptr,
+            bias_ptr,
+            out_ptrs,
+            out_mask,
+            offs_m,
+            offs_n,
+            n_ok,
+            pid_n,
+            pid_k,
+            M,
+            N,
+            HAS_BIAS,
+            SPLIT_K,
+            BLOCK_M,
+            BLOCK_N,
+        )
 
 
 @triton.jit
-def load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
-                  EVEN_K: tl.constexpr, X_F32: tl.constexpr = False):
+def load_row_step(
+    x_ptr,
+    w_rows,
+    n_ok,
+    offs_k,
+    k0,
+    k_end,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    X_F32: tl.constexpr = False,
+):
     """One K step of a one-row GEMV: x[k0 + offs_k] (as stored, or float32 with X_F32)
     and the weight tile [rows, len(offs_k)] at w_rows' row starts as stored, zero past
     N's or K's end. A load carries a mask only along an axis the tile can be cut on
@@ -152,8 +222,9 @@ def load_row_step(x_ptr, w_rows, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
 
 
 @triton.jit
-def load_kn_step(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def load_kn_step(
+    x_ptrs, w_ptrs, m_ok, n_ok, offs_k, k0, k_end, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr
+):
     """One K step of a tl.dot tile, as stored: x [rows, len(offs_k)] at x_ptrs (rows not
     m_ok read as 0) and the weight tile read as [len(offs_k), N] at w_ptrs, zero past N's
     or K's end; the weight load is masked only along an axis the tile can be cut on."""
@@ -171,9 +242,18 @@ def load_kn_step(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, k0, k_end, EVEN_N: tl.const
 
 
 @triton.jit
-def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-             LOOP_STAGES: tl.constexpr):
+def _one_row(
+    x_ptr,
+    w_rows,
+    n_ok,
+    k_start,
+    k_end,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
     """[1, BLOCK_N] float32: one row of x times the block's weight rows over
     [k_start, k_end); a [BLOCK_N, BLOCK_K] accumulator reduced over K once, at the end.
     LOOP_STAGES > 1: Triton's pipeliner keeps that many K steps' loads in flight (the
@@ -187,9 +267,21 @@ def _one_row(x_ptr, w_rows, n_ok, k_start, k_end, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+def _dot_rows(
+    x_rows,
+    w_rows,
+    m_ok,
+    n_ok,
+    k_start,
+    k_end,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
     """[BLOCK_M, BLOCK_N] float32 by tl.dot: x [BLOCK_M >= 16, BLOCK_K] (padding rows
     masked to 0) times the weight slab read as [BLOCK_K, BLOCK_N]."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -203,9 +295,21 @@ def _dot_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, DOT_PRECISION: tl.cons
 
 
 @triton.jit
-def _fma_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+def _fma_rows(
+    x_rows,
+    w_rows,
+    m_ok,
+    n_ok,
+    k_start,
+    k_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
     """[BLOCK_M, BLOCK_N] float32 by FMAs: a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
     reduced over K once, at the end (a per-step reduction crosses warps through shared
     memory: a barrier every step)."""
@@ -232,9 +336,25 @@ def _fma_rows(x_rows, w_rows, m_ok, n_ok, k_start, k_end, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs_m, offs_n,
-                    n_ok, pid_n, pid_k, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_k_finish(
+    acc,
+    part_ptr,
+    count_ptr,
+    bias_ptr,
+    out_ptrs,
+    out_mask,
+    offs_m,
+    offs_n,
+    n_ok,
+    pid_n,
+    pid_k,
+    M,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Stores this split's partial part[pid_k, :, block]; the block's last split to
     arrive sums all of them in split order, stores the output and resets the counter."""
     rows = offs_m[:, None] * N + offs_n[None, :]
@@ -248,8 +368,9 @@ def _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):
             # .cg: from L2, never a stale L1 line of an earlier launch.
-            total += tl.load(part_ptr + s * M * N + rows, mask=out_mask, other=0.0,
-                             cache_modifier=".cg")
+            total += tl.load(
+                part_ptr + s * M * N + rows, mask=out_mask, other=0.0, cache_modifier=".cg"
+            )
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
@@ -258,17 +379,22 @@ def _split_k_finish(acc, part_ptr, count_ptr, bias_ptr, out_ptrs, out_mask, offs
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> tuple[int, int]:
     if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"gemv: weight must be 2-D [N, K] with contiguous rows, got "
-                         f"shape {tuple(weight.shape)} strides {weight.stride()}")
+        raise ValueError(
+            f"gemv: weight must be 2-D [N, K] with contiguous rows, got "
+            f"shape {tuple(weight.shape)} strides {weight.stride()}"
+        )
     n, k = weight.shape
     if x.shape[-1] != k or x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"gemv: x must be [..., {k}] {weight.dtype} on {weight.device}, got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        raise ValueError(
+            f"gemv: x must be [..., {k}] {weight.dtype} on {weight.device}, got "
+            f"{tuple(x.shape)} {x.dtype} on {x.device}"
+        )
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"gemv: weights must be bfloat16, float16 or float32, got {weight.dtype}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_floating_point()):
-        raise ValueError(f"gemv: bias must be a float [{n}] tensor, got {tuple(bias.shape)} "
-                         f"{bias.dtype}")
+        raise ValueError(
+            f"gemv: bias must be a float [{n}] tensor, got {tuple(bias.shape)} {bias.dtype}"
+        )
     return n, k
 
 
@@ -282,12 +408,17 @@ def _check_tiles(tiles: GemvTiles, m: int) -> None:
     if tiles.split_k < 1 or tiles.loop_stages < 1:
         raise ValueError(f"gemv: split_k and loop_stages must be >= 1, got {tiles}")
     if tiles.dot and (m == 1 or tiles.block_n < 16 or tiles.block_k < 16):
-        raise ValueError("gemv: the dot product needs M > 1 and block_n, block_k >= 16, "
-                         f"got M={m}, {tiles}")
+        raise ValueError(
+            f"gemv: the dot product needs M > 1 and block_n, block_k >= 16, got M={m}, {tiles}"
+        )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         tiles: Optional[GemvTiles] = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+) -> torch.Tensor:
     """x [..., K] (M = its rows, 1..GEMV_MAX_ROWS; rows may be strided) @ weight[N, K].T
     (+ bias) -> [..., N] in x's dtype, float32 accumulation, rounded once. tiles:
     default the device's routing-table entry for the shape, else default_tiles."""
@@ -298,8 +429,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     m = x2.shape[0]
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
-    tiles = (tiles or GemvConfig.for_device(x.device).lookup(n, k, m)
-             or default_tiles(m, n, k))
+    tiles = tiles or GemvConfig.for_device(x.device).lookup(n, k, m) or default_tiles(m, n, k)
     _check_tiles(tiles, m)
     split, block_n, block_k = tiles.split_k, tiles.block_n, tiles.block_k
     block_m = 1 if m == 1 else max(16 if tiles.dot else 1, triton.next_power_of_2(m))
@@ -309,19 +439,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(COUNTERS_OWNER, x.device, blocks) if split > 1 else out
     _gemv_kernel[(blocks, split)](
-        x2, weight, bias if bias is not None else out, out, part, counters,
-        m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split,
+        x2,
+        weight,
+        bias if bias is not None else out,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        k_per_split,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        EVEN_K=k % k_per_split == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        LOOP_STAGES=tiles.loop_stages, num_warps=tiles.num_warps, DOT=tiles.dot,
-        **launch_options(x.device))
+        BLOCK_M=block_m,
+        EVEN_M=m == block_m,
+        EVEN_N=n % block_n == 0,
+        EVEN_K=k % k_per_split == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        LOOP_STAGES=tiles.loop_stages,
+        num_warps=tiles.num_warps,
+        DOT=tiles.dot,
+        **launch_options(x.device),
+    )
     return out.reshape(*x.shape[:-1], n)
 
 
-def maybe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               config: Optional[GemvConfig] = None) -> Optional[torch.Tensor]:
+def maybe_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor | None:
     """gemv(x, weight, bias) when the engine should take it: x on CUDA (or any device
     under TRITON_INTERPRET=1), fp16 or bf16 x and weight, at most GEMV_MAX_ROWS rows,
     the (N, K, rows bucket) in config's table (default: GemvConfig.for_device) and
@@ -340,8 +493,9 @@ def maybe_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return gemv(x, weight, bias, tiles)
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor,
-             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Torch reference: float32 product (+ float32 bias), rounded once to x's dtype."""
     y = x.float() @ weight.float().t()
     if bias is not None:

@@ -31,9 +31,11 @@ def arrival_counters(owner: str, device: torch.device, count: int) -> torch.Tens
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{owner}: its arrival counters must be allocated before "
-                               "CUDA-graph capture; run the same shapes once eagerly first "
-                               "(warm-up)")
+            raise RuntimeError(
+                f"{owner}: its arrival counters must be allocated before "
+                "CUDA-graph capture; run the same shapes once eagerly first "
+                "(warm-up)"
+            )
         buf = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
         _BUFFERS[key] = buf
     return buf

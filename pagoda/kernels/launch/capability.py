@@ -12,18 +12,17 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device; its index defaults to the current device."""
-    return _capability_of(device.index if device.index is not None
-                          else torch.cuda.current_device())
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -33,5 +32,4 @@ def sm_count(device: torch.device) -> int:
     4 for any other device (the interpreter, where any value gives the same result)."""
     if device.type != "cuda":
         return 4
-    return _sm_count_of(device.index if device.index is not None
-                        else torch.cuda.current_device())
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -14,7 +14,7 @@ import torch
 
 from pagoda.kernels.launch.capability import cuda_capability
 
-_CACHE: dict[tuple[str, int], "LaunchConfig"] = {}
+_CACHE: dict[tuple[str, int], LaunchConfig] = {}
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class LaunchConfig:
     pdl: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "LaunchConfig":
+    def for_device(cls, device: torch.device) -> LaunchConfig:
         """PDL where the device can run it: CUDA of compute capability 9.0 or newer and a
         Triton with griddepcontrol; never the CPU (the interpreter cannot run it)."""
         if not isinstance(device, torch.device):
@@ -47,4 +47,5 @@ class LaunchConfig:
 def _triton_has_gdc() -> bool:
     """Whether this Triton has griddepcontrol in its CUDA extras (tl.extra.cuda.gdc_wait)."""
     import triton.language as tl  # Triton: CUDA only
+
     return hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")

@@ -29,8 +29,6 @@ reads almost nothing.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -51,19 +49,24 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and cuda_capability(device)[0] >= 9
 
 
-def prefetch_bytes(weight: Optional[torch.Tensor], num_rows: int, device: torch.device) -> int:
+def prefetch_bytes(weight: torch.Tensor | None, num_rows: int, device: torch.device) -> int:
     """How many bytes of weight a launch of num_rows rows on device should prefetch: its
     whole storage rounded down to 16 bytes (the instruction's granularity) where weight
     is a contiguous tensor on device starting at a 16-byte boundary (the instruction's
     alignment), the step is decode-sized and the device can; else 0 (prefetch nothing)."""
-    if (weight is None or num_rows > MAX_ROWS or not available(device)
-            or weight.device != device or not weight.is_contiguous()
-            or weight.data_ptr() % 16):
+    if (
+        weight is None
+        or num_rows > MAX_ROWS
+        or not available(device)
+        or weight.device != device
+        or not weight.is_contiguous()
+        or weight.data_ptr() % 16
+    ):
         return 0
     return weight.numel() * weight.element_size() // 16 * 16
 
 
-def weight_of(layer: torch.nn.Module) -> Optional[torch.Tensor]:
+def weight_of(layer: torch.nn.Module) -> torch.Tensor | None:
     """The tensor a linear layer's one-row GEMV streams: its `weight` (unquantized, or an
     FP8 method's e4m3 weight), or None where it has none."""
     weight = getattr(layer, "weight", None)
@@ -77,7 +80,12 @@ def _bulk_prefetch_l2(byte_ptr, nbytes):
     tl.inline_asm_elementwise(
         "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 first, tid, 0; "
         "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [byte_ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [byte_ptr, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -96,9 +104,11 @@ def prefetch_program_share(base_ptr, nbytes):
     """Prefetches this program's share (share_bounds, one share per program of a 2-D grid
     in the order of its linear id, axis 0 major) of the nbytes bytes at base_ptr (16-byte
     aligned) into L2, in pieces of at most PIECE_BYTES."""
-    start, end = share_bounds(nbytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                              tl.num_programs(0) * tl.num_programs(1))
+    start, end = share_bounds(
+        nbytes,
+        tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+        tl.num_programs(0) * tl.num_programs(1),
+    )
     byte_ptr = base_ptr.to(tl.pointer_type(tl.int8))
     for offset in range(start, end, PIECE_BYTES):
-        _bulk_prefetch_l2(byte_ptr + offset,
-                          tl.minimum(end - offset, PIECE_BYTES).to(tl.int32))
+        _bulk_prefetch_l2(byte_ptr + offset, tl.minimum(end - offset, PIECE_BYTES).to(tl.int32))

@@ -1,7 +1,7 @@
 """The expert sort of the fused MoE GEMMs: (token, choice) pairs grouped by expert into
 blocks of BLOCK_M rows (``moe_align_block_size``), on the GPU without a host sync.
 
-Two ways to the same result on the GPU, exactly (tests/test_fused_moe_kernel.py), and
+Two ways to the same result on the GPU, exactly (tests/kernels/test_fused_moe_kernel.py), and
 the torch ops:
 - up to SMALL_ALIGN_PAIRS pairs, one Triton program (``_align_small_kernel``);
 - above, three launches over chunks of ALIGN_CHUNK pairs, any number of pairs:
@@ -39,9 +39,9 @@ SCAN_CHUNKS = 256
 SCAN_BUCKETS = 8
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
-                         use_kernel: bool | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, use_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] (ids in [0, num_experts), or -1 for another rank's expert) ->
 
     - sorted_ids int32 [max_padded]: flat pair indices (t * k + j) grouped by expert in
@@ -71,8 +71,9 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
 
 
-def _align_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_torch(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs, num_buckets = flat.numel(), num_experts + 1
@@ -92,8 +93,9 @@ def _align_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int
     sorted_ids[dest] = order.to(torch.int32)
     block_starts = torch.arange(0, max_padded, block_m, device=device)
     block_bucket = torch.searchsorted(ends, block_starts, right=True)
-    expert_ids = torch.where(block_bucket < num_experts, block_bucket,
-                             torch.full_like(block_bucket, -1)).to(torch.int32)
+    expert_ids = torch.where(
+        block_bucket < num_experts, block_bucket, torch.full_like(block_bucket, -1)
+    ).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
@@ -112,26 +114,43 @@ def _fill_padding(sorted_ids_ptr, first, step, max_padded, num_pairs, CHUNK: tl.
     """sorted_ids[first::step-strided chunks] = num_pairs (the padding value)."""
     for off in range(first, max_padded, step):
         rows = off + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
-                 mask=rows < max_padded)
+        tl.store(
+            sorted_ids_ptr + rows,
+            tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
+            mask=rows < max_padded,
+        )
 
 
 @triton.jit
-def _write_block_experts(expert_ids_ptr, ends, num_blocks, num_experts,
-                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _write_block_experts(
+    expert_ids_ptr, ends, num_blocks, num_experts, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
+):
     """A block's bucket: how many buckets end at or before its first row."""
     for off in range(0, num_blocks, CHUNK):
         blocks = off + tl.arange(0, CHUNK)
         owner = tl.sum((ends[:, None] <= (blocks * BLOCK_M)[None, :]).to(tl.int32), axis=0)
-        tl.store(expert_ids_ptr + blocks, tl.where(owner < num_experts, owner, -1),
-                 mask=blocks < num_blocks)
+        tl.store(
+            expert_ids_ptr + blocks,
+            tl.where(owner < num_experts, owner, -1),
+            mask=blocks < num_blocks,
+        )
 
 
 @triton.jit
-def _align_small_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-                        num_pairs, num_experts, max_padded, num_blocks,
-                        BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BUCKETS: tl.constexpr,
-                        CHUNK: tl.constexpr):
+def _align_small_kernel(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_pairs,
+    num_experts,
+    max_padded,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # One program. Buckets 0..E-1 are the experts, bucket E the other ranks' (-1).
     pairs = tl.arange(0, PAIRS)
     bucket = _buckets_of(topk_ids_ptr, pairs, num_pairs, num_experts)
@@ -152,31 +171,54 @@ def _align_small_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_p
     _write_block_experts(expert_ids_ptr, ends, num_blocks, num_experts, BLOCK_M, CHUNK)
 
 
-def _align_small(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_small(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
     num_pairs = flat.numel()
     sorted_ids, expert_ids, used = _align_outputs(num_pairs, num_experts, block_m, flat.device)
-    _align_small_kernel[(1,)](flat, sorted_ids, expert_ids, used, num_pairs, num_experts,
-                              sorted_ids.numel(), expert_ids.numel(), BLOCK_M=block_m,
-                              PAIRS=max(16, triton.next_power_of_2(num_pairs)),
-                              BUCKETS=triton.next_power_of_2(num_experts + 1), CHUNK=256,
-                              num_warps=8)
+    _align_small_kernel[(1,)](
+        flat,
+        sorted_ids,
+        expert_ids,
+        used,
+        num_pairs,
+        num_experts,
+        sorted_ids.numel(),
+        expert_ids.numel(),
+        BLOCK_M=block_m,
+        PAIRS=max(16, triton.next_power_of_2(num_pairs)),
+        BUCKETS=triton.next_power_of_2(num_experts + 1),
+        CHUNK=256,
+        num_warps=8,
+    )
     return sorted_ids, expert_ids, used
 
 
-def _align_outputs(num_pairs: int, num_experts: int, block_m: int, device
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_outputs(
+    num_pairs: int, num_experts: int, block_m: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
-    return (torch.empty(max_padded, dtype=torch.int32, device=device),
-            torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
-            torch.empty(1, dtype=torch.int32, device=device))
+    return (
+        torch.empty(max_padded, dtype=torch.int32, device=device),
+        torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+        torch.empty(1, dtype=torch.int32, device=device),
+    )
 
 
 @triton.jit
-def _align_count_kernel(topk_ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, num_pairs,
-                        num_experts, max_padded, num_chunks,
-                        BUCKETS: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    rank_ptr,
+    sorted_ids_ptr,
+    num_pairs,
+    num_experts,
+    max_padded,
+    num_chunks,
+    BUCKETS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # Program c: counts[c, b] = pairs of chunk c in bucket b; rank[p] = how many earlier
     # pairs of p's chunk share its bucket; and its share of the padding fill.
     chunk = tl.program_id(0)
@@ -189,13 +231,19 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, num_
     # Inclusive running count along the chunk, read at each pair's own bucket, minus 1.
     rank = tl.sum(onehot * tl.cumsum(onehot, axis=1), axis=0) - 1
     tl.store(rank_ptr + pairs, rank, mask=pairs < num_pairs)
-    _fill_padding(sorted_ids_ptr, chunk * CHUNK, num_chunks * CHUNK, max_padded, num_pairs,
-                  CHUNK)
+    _fill_padding(sorted_ids_ptr, chunk * CHUNK, num_chunks * CHUNK, max_padded, num_pairs, CHUNK)
 
 
 @triton.jit
-def _align_scan_kernel(counts_ptr, before_ptr, totals_ptr, num_chunks,
-                       BUCKETS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+def _align_scan_kernel(
+    counts_ptr,
+    before_ptr,
+    totals_ptr,
+    num_chunks,
+    BUCKETS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     # Program b: for buckets [b * BLOCK_B, (b + 1) * BLOCK_B), before[c, bucket] = the
     # pairs of that bucket in chunks 0..c-1, and totals[bucket] = all of them.
     buckets = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -211,10 +259,21 @@ def _align_scan_kernel(counts_ptr, before_ptr, totals_ptr, num_chunks,
 
 
 @triton.jit
-def _align_place_kernel(topk_ids_ptr, before_ptr, totals_ptr, rank_ptr, sorted_ids_ptr,
-                        expert_ids_ptr, num_post_padded_ptr, num_pairs, num_experts,
-                        num_blocks, BLOCK_M: tl.constexpr, BUCKETS: tl.constexpr,
-                        CHUNK: tl.constexpr):
+def _align_place_kernel(
+    topk_ids_ptr,
+    before_ptr,
+    totals_ptr,
+    rank_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # Program c: the rows of chunk c's pairs.
     chunk = tl.program_id(0)
     buckets = tl.arange(0, BUCKETS)
@@ -233,8 +292,9 @@ def _align_place_kernel(topk_ids_ptr, before_ptr, totals_ptr, rank_ptr, sorted_i
         _write_block_experts(expert_ids_ptr, ends, num_blocks, num_experts, BLOCK_M, CHUNK)
 
 
-def _align_chunked(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_chunked(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
     num_pairs, device = flat.numel(), flat.device
     sorted_ids, expert_ids, used = _align_outputs(num_pairs, num_experts, block_m, device)
@@ -246,14 +306,43 @@ def _align_chunked(topk_ids: torch.Tensor, block_m: int, num_experts: int
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     # One stream: the count kernel's padding fill lands before the place kernel writes
     # the pairs' rows.
-    _align_count_kernel[(num_chunks,)](flat, counts, rank, sorted_ids, num_pairs, num_experts,
-                                       sorted_ids.numel(), num_chunks, BUCKETS=buckets,
-                                       CHUNK=ALIGN_CHUNK, num_warps=8)
-    _align_scan_kernel[(buckets // SCAN_BUCKETS,)](counts, before, totals, num_chunks,
-                                                   BUCKETS=buckets, BLOCK_C=SCAN_CHUNKS,
-                                                   BLOCK_B=SCAN_BUCKETS, num_warps=4)
-    _align_place_kernel[(num_chunks,)](flat, before, totals, rank, sorted_ids, expert_ids, used,
-                                       num_pairs, num_experts, expert_ids.numel(),
-                                       BLOCK_M=block_m, BUCKETS=buckets, CHUNK=ALIGN_CHUNK,
-                                       num_warps=8)
+    _align_count_kernel[(num_chunks,)](
+        flat,
+        counts,
+        rank,
+        sorted_ids,
+        num_pairs,
+        num_experts,
+        sorted_ids.numel(),
+        num_chunks,
+        BUCKETS=buckets,
+        CHUNK=ALIGN_CHUNK,
+        num_warps=8,
+    )
+    _align_scan_kernel[(buckets // SCAN_BUCKETS,)](
+        counts,
+        before,
+        totals,
+        num_chunks,
+        BUCKETS=buckets,
+        BLOCK_C=SCAN_CHUNKS,
+        BLOCK_B=SCAN_BUCKETS,
+        num_warps=4,
+    )
+    _align_place_kernel[(num_chunks,)](
+        flat,
+        before,
+        totals,
+        rank,
+        sorted_ids,
+        expert_ids,
+        used,
+        num_pairs,
+        num_experts,
+        expert_ids.numel(),
+        BLOCK_M=block_m,
+        BUCKETS=buckets,
+        CHUNK=ALIGN_CHUNK,
+        num_warps=8,
+    )
     return sorted_ids, expert_ids, used

@@ -13,7 +13,6 @@ this module imports no triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -35,8 +34,12 @@ class GateUpTiles:
     num_stages: int
 
     def launch(self) -> dict:
-        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+        return dict(
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class DownTiles:
     num_warps, and loop_stages choices' weight rows in flight."""
 
     block_n: int
-    block_k: Optional[int]
+    block_k: int | None
     num_warps: int
     loop_stages: int
 
@@ -55,8 +58,13 @@ class DownTiles:
         block_k = self.block_k
         if block_k is None:
             block_k = (1 << (inter - 1).bit_length()) if inter <= DOWN_ONE_CHUNK_MAX else 256
-        return dict(BLOCK_N=self.block_n, BLOCK_K=block_k, num_warps=self.num_warps,
-                    LOOP_STAGES=self.loop_stages, ONE_CHUNK=block_k >= inter)
+        return dict(
+            BLOCK_N=self.block_n,
+            BLOCK_K=block_k,
+            num_warps=self.num_warps,
+            LOOP_STAGES=self.loop_stages,
+            ONE_CHUNK=block_k >= inter,
+        )
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,15 @@ class GroupedGemmTiles:
     b_tma: bool = False
 
     def launch(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-                    GROUP_M=self.group_m, num_warps=self.num_warps,
-                    num_stages=self.num_stages, B_TMA=self.b_tma)
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            GROUP_M=self.group_m,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+            B_TMA=self.b_tma,
+        )
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,7 @@ class GroupedTier:
     """The grouped GEMMs' tiles for up to max_rows_per_expert expected rows an expert
     (None: any number), for 2-byte and for float32 operands."""
 
-    max_rows_per_expert: Optional[float]
+    max_rows_per_expert: float | None
     gate_up_16bit: GroupedGemmTiles
     down_16bit: GroupedGemmTiles
     gate_up_fp32: GroupedGemmTiles
@@ -105,15 +119,14 @@ class MoEKernelConfig:
     grouped_tiers: tuple[GroupedTier, ...]
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "MoEKernelConfig":
+    def for_device(cls, device: torch.device) -> MoEKernelConfig:
         """for_capability of device's compute capability on CUDA; Hopper's tiles on the
         CPU, whose interpreter runs the GPU's tiles."""
         device = torch.device(device)
-        return cls.for_capability(cuda_capability(device) if device.type == "cuda"
-                                  else HOPPER)
+        return cls.for_capability(cuda_capability(device) if device.type == "cuda" else HOPPER)
 
     @classmethod
-    def for_capability(cls, capability: tuple[int, int]) -> "MoEKernelConfig":
+    def for_capability(cls, capability: tuple[int, int]) -> MoEKernelConfig:
         """MOE_CONFIGS' entry for a CUDA compute capability (Hopper's for one not listed)."""
         return MOE_CONFIGS.get(tuple(capability), MOE_CONFIGS[HOPPER])
 
@@ -121,8 +134,9 @@ class MoEKernelConfig:
         """The down GEMV's tiles for an intermediate size of inter."""
         return self.narrow_down if inter <= self.narrow_down_max else self.down
 
-    def grouped_tiles(self, num_pairs: int, num_experts: int, element_size: int,
-                      gemm: str) -> GroupedGemmTiles:
+    def grouped_tiles(
+        self, num_pairs: int, num_experts: int, element_size: int, gemm: str
+    ) -> GroupedGemmTiles:
         """The tiles of one grouped GEMM ("gate_up" or "down") by the expected rows per
         expert; BLOCK_M is the same for both (the expert sort pads to it)."""
         if gemm not in ("gate_up", "down"):
@@ -142,8 +156,13 @@ HOPPER = (9, 0)
 def _tier(max_rows, gate_up_16bit, down_16bit=None, gate_up_fp32=None, down_fp32=None):
     """A GroupedTier whose missing entries repeat gate_up_16bit (resp. its float32 one)."""
     gate_up_fp32 = gate_up_fp32 or gate_up_16bit
-    return GroupedTier(max_rows, gate_up_16bit, down_16bit or gate_up_16bit, gate_up_fp32,
-                       down_fp32 or gate_up_fp32)
+    return GroupedTier(
+        max_rows,
+        gate_up_16bit,
+        down_16bit or gate_up_16bit,
+        gate_up_fp32,
+        down_fp32 or gate_up_fp32,
+    )
 
 
 # Measured on Hopper (H100, H200); other devices take these too (unmeasured).
@@ -171,13 +190,19 @@ MOE_CONFIGS: dict[tuple[int, int], MoEKernelConfig] = {
         # 2-byte operands: float32 takes fewer stages and pointer loads, so that the A
         # and B tiles stay inside Hopper's 227 KiB of shared memory.
         grouped_tiers=(
-            _tier(128, GroupedGemmTiles(32, 128, 128, 1, 4, 3),
-                  gate_up_fp32=GroupedGemmTiles(32, 128, 64, 1, 4, 3)),
+            _tier(
+                128,
+                GroupedGemmTiles(32, 128, 128, 1, 4, 3),
+                gate_up_fp32=GroupedGemmTiles(32, 128, 64, 1, 4, 3),
+            ),
             _tier(512, GroupedGemmTiles(64, 128, 64, 8, 4, 3)),
-            _tier(None, GroupedGemmTiles(128, 128, 64, 8, 8, 4, b_tma=True),
-                  GroupedGemmTiles(128, 256, 64, 8, 8, 3, b_tma=True),
-                  GroupedGemmTiles(128, 128, 64, 8, 8, 3),
-                  GroupedGemmTiles(128, 128, 64, 8, 8, 3)),
+            _tier(
+                None,
+                GroupedGemmTiles(128, 128, 64, 8, 8, 4, b_tma=True),
+                GroupedGemmTiles(128, 256, 64, 8, 8, 3, b_tma=True),
+                GroupedGemmTiles(128, 128, 64, 8, 8, 3),
+                GroupedGemmTiles(128, 128, 64, 8, 8, 3),
+            ),
         ),
     ),
 }

@@ -42,10 +42,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagoda.kernels.launch.capability import cuda_capability
+from pagoda.kernels.moe.align import moe_align_block_size
 from pagoda.kernels.moe.config import HOPPER, MOE_CONFIGS, MoEKernelConfig
 from pagoda.kernels.moe.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
 from pagoda.kernels.moe.reference import check_moe_shapes, fused_moe_reference
-from pagoda.kernels.moe.align import moe_align_block_size
 
 __all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
 
@@ -54,8 +54,13 @@ PATHS = ("gemv", "fused")
 SUM_BLOCK_T = 8
 
 
-def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
-                gemm: str = "gate_up", config: MoEKernelConfig | None = None) -> dict:
+def pick_config(
+    num_pairs: int,
+    num_experts: int,
+    element_size: int = 2,
+    gemm: str = "gate_up",
+    config: MoEKernelConfig | None = None,
+) -> dict:
     """The tiles and launch options of one grouped GEMM ("gate_up" or "down") for
     num_pairs pairs over num_experts experts of element_size-byte operands, from
     config's tiers (default: Hopper's)."""
@@ -65,16 +70,35 @@ def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
     b_desc,  # with B_TMA: a tensor descriptor over b as [E * b_rows, K], else unused
-    N, K, num_pairs, max_padded, b_rows,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    N,
+    K,
+    num_pairs,
+    max_padded,
+    b_rows,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
     A_ROW_DIV: tl.constexpr,  # pairs per A row: k for the first GEMM (A = tokens), else 1
     MUL_WEIGHT: tl.constexpr,
     GATE_UP_ACT: tl.constexpr,  # B rows [0, N) gate, [N, 2N) up; C = silu(gate) * up
     IEEE_FP32: tl.constexpr,
     B_TMA: tl.constexpr,  # B tiles by the bulk tensor copy engine (Hopper's TMA)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert(pair), n, k] (* weight[pair]).
     # With GATE_UP_ACT the program also accumulates the up rows (B rows N + n) of the
@@ -103,8 +127,7 @@ def _moe_gemm_kernel(
         return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
-              + offs_k[:, None] * stride_bk)
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     # TMA: the tile's first row of b viewed as [E * b_rows, K]. Rows past N (a partial
     # last column block) read the next rows of b or the descriptor's zero fill: they
     # only reach columns the store masks off. Columns past K are zero-filled.
@@ -126,8 +149,9 @@ def _moe_gemm_kernel(
             if B_TMA:
                 b_up = b_desc.load([b_row + N, k0 * BLOCK_K]).T
             else:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
-                               other=0.0)
+                b_up = tl.load(
+                    b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+                )
             if IEEE_FP32:
                 acc_up += tl.dot(a, b_up, input_precision="ieee")
             else:
@@ -150,14 +174,24 @@ def has_tma(device: torch.device) -> bool:
 def tma_takes(b: torch.Tensor) -> bool:
     """Whether a tensor descriptor can cover b [E, rows, K]: contiguous (a view as
     [E * rows, K], no copy) with 16-byte aligned rows and base, as TMA requires."""
-    return (b.is_contiguous() and b.data_ptr() % 16 == 0
-            and (b.shape[2] * b.element_size()) % 16 == 0)
+    return (
+        b.is_contiguous() and b.data_ptr() % 16 == 0 and (b.shape[2] * b.element_size()) % 16 == 0
+    )
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
-                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                  num_post_padded: torch.Tensor, a_row_div: int, mul_weight: bool,
-                  config: dict[str, int], gate_up_act: bool = False) -> None:
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
+    a_row_div: int,
+    mul_weight: bool,
+    config: dict[str, int],
+    gate_up_act: bool = False,
+) -> None:
     num_experts, b_rows, k = b.shape
     n = b_rows // 2 if gate_up_act else b_rows
     max_padded = sorted_ids.shape[0]
@@ -165,22 +199,50 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
     b_tma = config.pop("B_TMA", False) and tma_takes(b) and has_tma(b.device)
     b_desc = b  # unused without B_TMA
     if b_tma:
-        b_desc = TensorDescriptor.from_tensor(b.reshape(num_experts * b_rows, k),
-                                              [config["BLOCK_N"], config["BLOCK_K"]])
+        b_desc = TensorDescriptor.from_tensor(
+            b.reshape(num_experts * b_rows, k), [config["BLOCK_N"], config["BLOCK_K"]]
+        )
     grid = (triton.cdiv(max_padded, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
-        a, b, out, weights, sorted_ids, expert_ids, num_post_padded, b_desc,
-        n, k, out.shape[0], max_padded, b_rows,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATE_UP_ACT=gate_up_act,
-        IEEE_FP32=a.dtype == torch.float32, B_TMA=b_tma,
-        **config)
+        a,
+        b,
+        out,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        b_desc,
+        n,
+        k,
+        out.shape[0],
+        max_padded,
+        b_rows,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        A_ROW_DIV=a_row_div,
+        MUL_WEIGHT=mul_weight,
+        GATE_UP_ACT=gate_up_act,
+        IEEE_FP32=a.dtype == torch.float32,
+        B_TMA=b_tma,
+        **config,
+    )
 
 
 @triton.jit
-def _sum_choices_kernel(rows_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_choices_kernel(
+    rows_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # out[t, h] = sum over j of rows[t * TOP_K + j, h]: float32, j in order, one rounding.
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -189,8 +251,11 @@ def _sum_choices_kernel(rows_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constex
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(rows_ptr + first + j * hidden, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * hidden + offs_h[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + offs_t.to(tl.int64)[:, None] * hidden + offs_h[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -202,8 +267,16 @@ def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     block_h = min(512, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, SUM_BLOCK_T), triton.cdiv(hidden, block_h))
-    _sum_choices_kernel[grid](rows, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=SUM_BLOCK_T,
-                              BLOCK_H=block_h, num_warps=4)
+    _sum_choices_kernel[grid](
+        rows,
+        out,
+        num_tokens,
+        hidden,
+        TOP_K=top_k,
+        BLOCK_T=SUM_BLOCK_T,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
     return out
 
 
@@ -214,12 +287,17 @@ def gemv_path_takes(num_pairs: int, config: MoEKernelConfig | None = None) -> bo
     return 0 < num_pairs <= config.gemv_max_pairs
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              path: str | None = None,
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-              prefetch_after: torch.Tensor | None = None,
-              config: MoEKernelConfig | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    path: str | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefetch_after: torch.Tensor | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
     -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice).
@@ -241,18 +319,30 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
     if path == "gemv":
-        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, shared,
-                              prefetch_after, config)
+        return fused_moe_gemv(
+            hidden, w13, w2, topk_weights, topk_ids, shared, prefetch_after, config
+        )
     size = w13.element_size()
     gate_up = config.grouped_tiles(num_pairs, w13.shape[0], size, "gate_up").launch()
     down = config.grouped_tiles(num_pairs, w13.shape[0], size, "down").launch()
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-        topk_ids, gate_up["BLOCK_M"], w13.shape[0])
+        topk_ids, gate_up["BLOCK_M"], w13.shape[0]
+    )
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_pairs, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, act, weights, sorted_ids, expert_ids, num_post_padded,
-                  top_k, False, gate_up, gate_up_act=True)
+    _grouped_gemm(
+        hidden,
+        w13,
+        act,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        top_k,
+        False,
+        gate_up,
+        gate_up_act=True,
+    )
     rows = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, rows, weights, sorted_ids, expert_ids, num_post_padded,
-                  1, True, down)
+    _grouped_gemm(act, w2, rows, weights, sorted_ids, expert_ids, num_post_padded, 1, True, down)
     return sum_choices(rows, top_k)

@@ -39,8 +39,6 @@ unfused block's `routed + shared` rounds. That saves the shared MLP's four launc
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +46,7 @@ import triton.language as tl
 from pagoda.kernels.launch import l2_prefetch
 from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.moe.config import DownTiles, GateUpTiles, MoEKernelConfig
+
 
 @triton.jit
 def silu_mul_rounded(gate, up, dtype: tl.constexpr):
@@ -61,9 +60,22 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr,
-    H, I, stride_xm, stride_we, stride_wn, num_routed_pairs, shared_inter, stride_swn,
-    TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    ids_ptr,
+    act_ptr,
+    ws13_ptr,
+    H,
+    I,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    num_routed_pairs,
+    shared_inter,
+    stride_swn,
+    TOP_K: tl.constexpr,
+    SHARED_CHUNKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
@@ -77,15 +89,23 @@ def _gemv_gate_up_kernel(
     if pair >= num_routed_pairs:  # (never, without shared chunks)
         shared_pair = pair - num_routed_pairs
         token = shared_pair // SHARED_CHUNKS
-        w_gate = (ws13_ptr + (shared_pair % SHARED_CHUNKS) * I * stride_swn
-                  + offs_n[:, None] * stride_swn + offs_k[None, :])
+        w_gate = (
+            ws13_ptr
+            + (shared_pair % SHARED_CHUNKS) * I * stride_swn
+            + offs_n[:, None] * stride_swn
+            + offs_k[None, :]
+        )
         w_up = w_gate + shared_inter * stride_swn
         length = H
     else:
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
-        w_gate = (w13_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
-                  + offs_k[None, :])
+        w_gate = (
+            w13_ptr
+            + tl.maximum(expert, 0) * stride_we
+            + offs_n[:, None] * stride_wn
+            + offs_k[None, :]
+        )
         w_up = w_gate + I * stride_wn
         # -1 (another rank's expert): nothing read, and down reads nothing of this row.
         length = tl.where(expert >= 0, H, 0)
@@ -99,20 +119,39 @@ def _gemv_gate_up_kernel(
         mask = n_ok[:, None] & k_ok[None, :]
         acc_g += tl.load(w_gate + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
         acc_u += tl.load(w_up + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
-    act = silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1),
-                           act_ptr.dtype.element_ty)
+    act = silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), act_ptr.dtype.element_ty)
     # A row of another rank's expert is not stored (a vector mask from a scalar bound:
     # the interpreter refuses a scalar bool combined with a vector).
-    tl.store(act_ptr + pair * I + offs_n, act.to(act_ptr.dtype.element_ty),
-             mask=offs_n < tl.where(length > 0, I, 0))
+    tl.store(
+        act_ptr + pair * I + offs_n,
+        act.to(act_ptr.dtype.element_ty),
+        mask=offs_n < tl.where(length > 0, I, 0),
+    )
 
 
 @triton.jit
 def _gemv_down_sum_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, ws2_ptr, next_ptr,
-    H, I, stride_we, stride_wn, stride_om, num_routed_pairs, stride_swn, next_bytes,
-    TOP_K: tl.constexpr, SHARED_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    ws2_ptr,
+    next_ptr,
+    H,
+    I,
+    stride_we,
+    stride_wn,
+    stride_om,
+    num_routed_pairs,
+    stride_swn,
+    next_bytes,
+    TOP_K: tl.constexpr,
+    SHARED_CHUNKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     PREFETCH_NEXT: tl.constexpr = False,  # pagoda.kernels.launch.l2_prefetch
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
@@ -135,17 +174,23 @@ def _gemv_down_sum_kernel(
         # -1 (another rank's expert): its act row was never written, so the reduction
         # length is 0 (masked loads read nothing, add 0).
         length = tl.where(expert >= 0, I, 0)
-        w_rows = (w2_ptr + tl.maximum(expert, 0) * stride_we + offs_n[:, None] * stride_wn
-                  + offs_k[None, :])
+        w_rows = (
+            w2_ptr
+            + tl.maximum(expert, 0) * stride_we
+            + offs_n[:, None] * stride_wn
+            + offs_k[None, :]
+        )
         act_row = act_ptr + pair * I
         if SHARED_CHUNKS > 0:
             # Chunk c of the shared MLP's down weight ws2 [H, SHARED_CHUNKS * I] and the
             # act row its gate/up pair wrote (past the routed pairs).
             c = j - TOP_K
-            w_rows = tl.where(routed, w_rows,
-                              ws2_ptr + offs_n[:, None] * stride_swn + c * I + offs_k[None, :])
-            act_row = tl.where(routed, act_row,
-                               act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I)
+            w_rows = tl.where(
+                routed, w_rows, ws2_ptr + offs_n[:, None] * stride_swn + c * I + offs_k[None, :]
+            )
+            act_row = tl.where(
+                routed, act_row, act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I
+            )
             length = tl.where(routed, length, I)
         y = _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N, BLOCK_K, ONE_CHUNK)
         weight = tl.load(weights_ptr + pair, mask=routed, other=0.0)
@@ -159,15 +204,23 @@ def _gemv_down_sum_kernel(
         # round(round(routed) + round(shared)), the unfused order.
         total = total.to(out_ptr.dtype.element_ty).to(tl.float32)
         total += shared.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
-             mask=n_ok)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
     if PREFETCH_NEXT:  # the next layer's weight, a share per program, during the tail
         l2_prefetch.prefetch_program_share(next_ptr, next_bytes)
 
 
 @triton.jit
-def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _down_rows(
+    act_row,
+    w_rows,
+    length,
+    I,
+    n_ok,
+    offs_k,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+):
     """float32 [BLOCK_N]: the w_rows block times act_row over its first length (<= I)
     columns (w_rows: [BLOCK_N, BLOCK_K] pointers of the first chunk)."""
     if ONE_CHUNK:
@@ -187,11 +240,16 @@ def _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N: tl.constexpr,
     return y
 
 
-def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   prefetch_after: Optional[torch.Tensor] = None,
-                   config: Optional[MoEKernelConfig] = None) -> torch.Tensor:
+def fused_moe_gemv(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefetch_after: torch.Tensor | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
     """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
     one pair) -> [T, H] in hidden's dtype. shared: a shared MLP's (gate_up [2 * Is, H],
     down [H, Is]) with Is a multiple of the experts' I (shared_chunks_of); its output is
@@ -207,31 +265,71 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     routed = ids.numel()
-    act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype,
-                      device=hidden.device)
+    act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     config = config or MoEKernelConfig.for_device(hidden.device)
     launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, config.gate_up)
-    launch_down(act, w2, ids, weights, out, ws2, top_k, chunks, config.down_tiles(inter),
-                prefetch=prefetch_after)
+    launch_down(
+        act,
+        w2,
+        ids,
+        weights,
+        out,
+        ws2,
+        top_k,
+        chunks,
+        config.down_tiles(inter),
+        prefetch=prefetch_after,
+    )
     return out
 
 
-def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
-                   act: torch.Tensor, ws13: torch.Tensor, top_k: int, chunks: int,
-                   tiles: GateUpTiles) -> None:
+def launch_gate_up(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    ids: torch.Tensor,
+    act: torch.Tensor,
+    ws13: torch.Tensor,
+    top_k: int,
+    chunks: int,
+    tiles: GateUpTiles,
+) -> None:
     """The gate/up kernel: hidden [T, H], ids int32 [T * top_k] -> act [T * top_k + T *
     chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks)."""
     inter = w13.shape[1] // 2
     _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, tiles.block_n))](
-        hidden, w13, ids, act, ws13, hidden.shape[1], inter, hidden.stride(0), w13.stride(0),
-        w13.stride(1), ids.numel(), ws13.shape[0] // 2, ws13.stride(0), TOP_K=top_k,
-        SHARED_CHUNKS=chunks, **tiles.launch(), **launch_options(hidden.device))
+        hidden,
+        w13,
+        ids,
+        act,
+        ws13,
+        hidden.shape[1],
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        ids.numel(),
+        ws13.shape[0] // 2,
+        ws13.stride(0),
+        TOP_K=top_k,
+        SHARED_CHUNKS=chunks,
+        **tiles.launch(),
+        **launch_options(hidden.device),
+    )
 
 
-def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                out: torch.Tensor, ws2: torch.Tensor, top_k: int, chunks: int,
-                tiles: DownTiles, prefetch: Optional[torch.Tensor] = None) -> None:
+def launch_down(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    ws2: torch.Tensor,
+    top_k: int,
+    chunks: int,
+    tiles: DownTiles,
+    prefetch: torch.Tensor | None = None,
+) -> None:
     """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
     shared chunks) summed. prefetch: a weight asked into L2 at the kernel's end, where
     l2_prefetch allows."""
@@ -239,24 +337,50 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights:
     next_bytes = l2_prefetch.prefetch_bytes(prefetch, out.shape[0], out.device)
     config = tiles.launch(inter)
     _gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, tiles.block_n))](
-        act, w2, ids, weights, out, ws2, prefetch if next_bytes else w2, hidden_size, inter,
-        w2.stride(0), w2.stride(1), out.stride(0), ids.numel(), ws2.stride(0), next_bytes,
-        TOP_K=top_k, SHARED_CHUNKS=chunks, PREFETCH_NEXT=next_bytes > 0,
-        **config, **launch_options(act.device))
+        act,
+        w2,
+        ids,
+        weights,
+        out,
+        ws2,
+        prefetch if next_bytes else w2,
+        hidden_size,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        ids.numel(),
+        ws2.stride(0),
+        next_bytes,
+        TOP_K=top_k,
+        SHARED_CHUNKS=chunks,
+        PREFETCH_NEXT=next_bytes > 0,
+        **config,
+        **launch_options(act.device),
+    )
 
 
-def shared_chunks_of(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
-                     w2: torch.Tensor) -> int:
+def shared_chunks_of(
+    shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor
+) -> int:
     """How many expert-sized chunks a shared MLP (gate_up [2 * Is, H], down [H, Is]) is
     (Is / I); ValueError when it cannot ride along the experts' kernels."""
     gate_up, down = shared
     hidden_size, inter = w2.shape[1], w2.shape[2]
     shared_inter = down.shape[-1]
-    if (gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape != (2 * shared_inter, hidden_size)
-            or down.shape[0] != hidden_size or shared_inter % inter or shared_inter == 0):
-        raise ValueError(f"shared MLP gate_up {tuple(gate_up.shape)} / down "
-                         f"{tuple(down.shape)} is no whole number of [{2 * inter}, "
-                         f"{hidden_size}] experts")
+    if (
+        gate_up.dim() != 2
+        or down.dim() != 2
+        or gate_up.shape != (2 * shared_inter, hidden_size)
+        or down.shape[0] != hidden_size
+        or shared_inter % inter
+        or shared_inter == 0
+    ):
+        raise ValueError(
+            f"shared MLP gate_up {tuple(gate_up.shape)} / down "
+            f"{tuple(down.shape)} is no whole number of [{2 * inter}, "
+            f"{hidden_size}] experts"
+        )
     if gate_up.dtype != w13.dtype or down.dtype != w2.dtype:
         raise ValueError("the shared MLP's weights must have the experts' dtype")
     if gate_up.stride(1) != 1 or down.stride(1) != 1:

@@ -27,12 +27,11 @@ No host sync, outputs allocated from shapes alone: CUDA-graph capturable.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
-
 
 
 class RoutingParams(Protocol):
@@ -50,17 +49,31 @@ class RoutingParams(Protocol):
     @property
     def grouped(self) -> bool: ...
 
+
 # The largest expert count one program routes (all scores of a row live in registers).
 MAX_KERNEL_EXPERTS = 1024
 
 
 @triton.jit
-def route_rows(logits, valid, experts, bias_ptr, num_experts, group_size,
-               routed_scaling_factor,
-               TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-               GROUPED: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, N_GROUP: tl.constexpr,
-               TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+def route_rows(
+    logits,
+    valid,
+    experts,
+    bias_ptr,
+    num_experts,
+    group_size,
+    routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    GROUP_BY_TOP2: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The routing of a tile of rows: logits float32 [R, BLOCK_E] (any value where not
     valid), valid / experts [BLOCK_E] (experts = arange, valid = experts < num_experts)
     -> (weights float32 [R, BLOCK_K], ids int32 [R, BLOCK_K]); slots >= TOP_K hold 0.
@@ -86,8 +99,10 @@ def route_rows(logits, valid, experts, bias_ptr, num_experts, group_size,
         best = tl.max(in_group, axis=2)  # [R, BLOCK_G]
         if GROUP_BY_TOP2:  # the sum of the group's two best (the best one masked once)
             first = tl.argmax(in_group, axis=2)
-            second = tl.max(tl.where(experts[None, None, :] == first[:, :, None],
-                                     float("-inf"), in_group), axis=2)
+            second = tl.max(
+                tl.where(experts[None, None, :] == first[:, :, None], float("-inf"), in_group),
+                axis=2,
+            )
             group_score = best + second
         else:
             group_score = best
@@ -119,36 +134,67 @@ def route_rows(logits, valid, experts, bias_ptr, num_experts, group_size,
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits,
-    num_experts, group_size, routed_scaling_factor,
-    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GROUPED: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_logits,
+    num_experts,
+    group_size,
+    routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    GROUP_BY_TOP2: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    logits = tl.load(logits_ptr + row * stride_logits + experts[None, :],
-                     mask=valid[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_E]
+    logits = tl.load(
+        logits_ptr + row * stride_logits + experts[None, :], mask=valid[None, :], other=0.0
+    ).to(tl.float32)  # [1, BLOCK_E]
     chosen_w, chosen_ids = route_rows(
-        logits, valid, experts, bias_ptr, num_experts, group_size, routed_scaling_factor,
-        TOP_K, SIGMOID, HAS_BIAS, GROUPED, GROUP_BY_TOP2, N_GROUP, TOPK_GROUP, RENORMALIZE,
-        BLOCK_G, BLOCK_K)
+        logits,
+        valid,
+        experts,
+        bias_ptr,
+        num_experts,
+        group_size,
+        routed_scaling_factor,
+        TOP_K,
+        SIGMOID,
+        HAS_BIAS,
+        GROUPED,
+        GROUP_BY_TOP2,
+        N_GROUP,
+        TOPK_GROUP,
+        RENORMALIZE,
+        BLOCK_G,
+        BLOCK_K,
+    )
     slots = tl.arange(0, BLOCK_K)[None, :]
     tl.store(weights_ptr + row * TOP_K + slots, chosen_w, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
 
 
-def route_topk(router_logits: torch.Tensor, cfg: RoutingParams,
-               correction_bias: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    router_logits: torch.Tensor, cfg: RoutingParams, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (topk_weights float32 [T, k], topk_ids
     int32 [T, k]); the caller (select_experts) has checked the shapes and the bias."""
     num_tokens, num_experts = router_logits.shape
     if num_experts > MAX_KERNEL_EXPERTS:
-        raise ValueError(f"route_topk routes at most {MAX_KERNEL_EXPERTS} experts in one "
-                         f"program, got {num_experts}")
+        raise ValueError(
+            f"route_topk routes at most {MAX_KERNEL_EXPERTS} experts in one "
+            f"program, got {num_experts}"
+        )
     k = cfg.num_experts_per_tok
     device = router_logits.device
     weights = torch.empty(num_tokens, k, dtype=torch.float32, device=device)
@@ -159,12 +205,25 @@ def route_topk(router_logits: torch.Tensor, cfg: RoutingParams,
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     block_e = triton.next_power_of_2(num_experts)
     _route_kernel[(num_tokens,)](
-        logits, bias, weights, ids, logits.stride(0),
-        num_experts, num_experts // cfg.n_group, float(cfg.routed_scaling_factor),
-        TOP_K=k, SIGMOID=cfg.scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None,
-        GROUPED=cfg.grouped, GROUP_BY_TOP2=cfg.topk_method == "noaux_tc",
-        N_GROUP=cfg.n_group, TOPK_GROUP=cfg.topk_group, RENORMALIZE=cfg.renormalize,
-        BLOCK_E=block_e, BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
+        logits,
+        bias,
+        weights,
+        ids,
+        logits.stride(0),
+        num_experts,
+        num_experts // cfg.n_group,
+        float(cfg.routed_scaling_factor),
+        TOP_K=k,
+        SIGMOID=cfg.scoring_func == "sigmoid",
+        HAS_BIAS=correction_bias is not None,
+        GROUPED=cfg.grouped,
+        GROUP_BY_TOP2=cfg.topk_method == "noaux_tc",
+        N_GROUP=cfg.n_group,
+        TOPK_GROUP=cfg.topk_group,
+        RENORMALIZE=cfg.renormalize,
+        BLOCK_E=block_e,
+        BLOCK_G=max(2, triton.next_power_of_2(cfg.n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(k)),
-        num_warps=4 if block_e >= 512 else (2 if block_e >= 128 else 1))
+        num_warps=4 if block_e >= 512 else (2 if block_e >= 128 else 1),
+    )
     return weights, ids

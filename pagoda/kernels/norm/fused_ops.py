@@ -38,8 +38,16 @@ def _num_warps(block: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    inner_rows, stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    inner_rows,
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_outer,
+    stride_r_inner,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -108,21 +116,23 @@ def check_norm_args(x: torch.Tensor, weight: torch.Tensor, residual) -> int:
     """The row width of an RMSNorm of x (+ residual) by weight, once their shapes agree."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}] to normalise rows of {hidden}, "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [{hidden}] to normalise rows of {hidden}, got {tuple(weight.shape)}"
+        )
     if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, "
-                         f"got {tuple(residual.shape)}")
+        raise ValueError(
+            f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
+        )
     return hidden
 
 
 def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     hidden = check_norm_args(x, weight, residual)
     row_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, row_dtype),
-                      device=x.device)
-    residual_out = None if residual is None else torch.empty(x.shape, dtype=row_dtype,
-                                                              device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, row_dtype), device=x.device)
+    residual_out = (
+        None if residual is None else torch.empty(x.shape, dtype=row_dtype, device=x.device)
+    )
     num_rows = x.numel() // hidden if hidden else 0
     if num_rows == 0:
         return out, residual_out
@@ -135,12 +145,23 @@ def _launch_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float
             r_rows, _, sr0, sr1 = _row_layout(residual.reshape(-1, hidden))
     block = min(triton.next_power_of_2(hidden), _MAX_NORM_BLOCK)
     _rms_norm_kernel[(num_rows,)](
-        x_rows, r_rows, weight.contiguous(), out,
+        x_rows,
+        r_rows,
+        weight.contiguous(),
+        out,
         out if residual_out is None else residual_out,
-        inner_rows, sx0, sx1, sr0, sr1, float(eps),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        inner_rows,
+        sx0,
+        sx1,
+        sr0,
+        sr1,
+        float(eps),
+        HIDDEN=hidden,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
         PRELOAD_WEIGHT=block >= hidden,
-        num_warps=_num_warps(block), **launch_options(x.device),
+        num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return out, residual_out
 
@@ -152,15 +173,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to the inputs' dtype."""
     return _launch_rms_norm(x, residual, weight, eps)
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x_row,
+    x_ptr,
+    out_ptr,
+    stride_x_row,
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
@@ -192,16 +216,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(intermediate), _ACT_BLOCK)
     grid = (rows.shape[0], triton.cdiv(intermediate, block))
-    _silu_and_mul_kernel[grid](rows, out, rows.stride(0), INTERMEDIATE=intermediate,
-                                        BLOCK=block, num_warps=_num_warps(block),
-                                        **launch_options(rows.device))
+    _silu_and_mul_kernel[grid](
+        rows,
+        out,
+        rows.stride(0),
+        INTERMEDIATE=intermediate,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+        **launch_options(rows.device),
+    )
     return out
 
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    stride_xt, stride_xh, stride_cos_t, stride_sin_t,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_cos_t,
+    stride_sin_t,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
@@ -243,8 +279,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return out
     block_heads, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
     _rotary_kernel[(num_tokens,)](
-        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        NUM_HEADS=num_heads, HALF=half, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+        x,
+        cos,
+        sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_HEADS=num_heads,
+        HALF=half,
+        BLOCK_HEADS=block_heads,
+        BLOCK_HALF=block_half,
         num_warps=_num_warps(block_heads * block_half),
     )
     return out

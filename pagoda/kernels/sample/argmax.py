@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -86,9 +85,17 @@ def _first_max(values, indices, valid):
 
 @triton.jit
 def _argmax_rows_kernel(
-    x_ptr, out_ptr, part_val_ptr, part_idx_ptr, counter_ptr,
-    vocab_size, stride_x, stride_part, num_chunks,
-    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    counter_ptr,
+    vocab_size,
+    stride_x,
+    stride_part,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
 ):
     """Program (row, chunk): the chunk's partial; the row's last arrival reduces them."""
@@ -98,8 +105,9 @@ def _argmax_rows_kernel(
     # -- this chunk's partial ---------------------------------------------------------
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = cols < vocab_size
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=valid,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=valid, other=float("-inf")).to(
+        tl.float32
+    )
     value, index = _first_max(x, cols, valid)
     slot = row * stride_part + chunk
     tl.store(part_val_ptr + slot, value)
@@ -112,10 +120,10 @@ def _argmax_rows_kernel(
         chunks = tl.arange(0, BLOCK_C)
         present = chunks < num_chunks
         base = row * stride_part
-        values = tl.load(part_val_ptr + base + chunks, mask=present,
-                         other=float("-inf"), cache_modifier=".cg")
-        indices = tl.load(part_idx_ptr + base + chunks, mask=present, other=0,
-                          cache_modifier=".cg")
+        values = tl.load(
+            part_val_ptr + base + chunks, mask=present, other=float("-inf"), cache_modifier=".cg"
+        )
+        indices = tl.load(part_idx_ptr + base + chunks, mask=present, other=0, cache_modifier=".cg")
         _, best = _first_max(values, indices, present)
         tl.store(out_ptr + row, best.to(tl.int64))
         tl.store(counter_ptr + row, 0)  # ready for the next launch (and graph replay)
@@ -125,22 +133,27 @@ def _argmax_rows_kernel(
 class ArgmaxWorkspace:
     """One device's partials (float32 values and int32 indices [MAX_ROWS, MAX_CHUNKS])
     and arrival counters (int32 [MAX_ROWS], 0 between launches: the module docstring)."""
+
     values: torch.Tensor
     indices: torch.Tensor
     counters: torch.Tensor
 
     @classmethod
-    def create(cls, device: torch.device) -> "ArgmaxWorkspace":
+    def create(cls, device: torch.device) -> ArgmaxWorkspace:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the argmax workspace is made on the first argmax_rows call "
-                               "of a device, which must run eagerly, before CUDA-graph "
-                               "capture (or call argmax_workspace(device) first)")
-        return cls(torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=device),
-                   torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.int32, device=device),
-                   arrival_counters(COUNTERS_OWNER, device, MAX_ROWS))
+            raise RuntimeError(
+                "the argmax workspace is made on the first argmax_rows call "
+                "of a device, which must run eagerly, before CUDA-graph "
+                "capture (or call argmax_workspace(device) first)"
+            )
+        return cls(
+            torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=device),
+            torch.empty(MAX_ROWS, MAX_CHUNKS, dtype=torch.int32, device=device),
+            arrival_counters(COUNTERS_OWNER, device, MAX_ROWS),
+        )
 
 
-_workspaces: dict[tuple[str, Optional[int]], ArgmaxWorkspace] = {}
+_workspaces: dict[tuple[str, int | None], ArgmaxWorkspace] = {}
 
 
 def argmax_workspace(device: torch.device) -> ArgmaxWorkspace:
@@ -166,32 +179,50 @@ def default_chunk(rows: int, vocab_size: int) -> int:
 
 def argmax_covers(x: torch.Tensor) -> bool:
     """Whether argmax_rows takes x (else: torch.argmax)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and 0 < x.shape[1] <= MAX_VOCAB
-            and x.dtype in _DTYPES)
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[1] <= MAX_VOCAB
+        and x.dtype in _DTYPES
+    )
 
 
-def argmax_rows(x: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """x [rows, V] -> int64 [rows], equal to torch.argmax(x, dim=-1). chunk: elements per
     program (a power of two, at least 16; default: default_chunk)."""
     if not argmax_covers(x):
-        raise ValueError(f"argmax_rows: x {tuple(x.shape)} {x.dtype} not covered (2-d, 1 to "
-                         f"{MAX_ROWS} rows, 1 to {MAX_VOCAB} columns, one of {_DTYPES})")
+        raise ValueError(
+            f"argmax_rows: x {tuple(x.shape)} {x.dtype} not covered (2-d, 1 to "
+            f"{MAX_ROWS} rows, 1 to {MAX_VOCAB} columns, one of {_DTYPES})"
+        )
     rows, vocab_size = x.shape
     chunk = chunk or default_chunk(rows, vocab_size)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"argmax_rows: chunk {chunk} is not a power of two >= 16")
     num_chunks = triton.cdiv(vocab_size, chunk)
     if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"argmax_rows: {num_chunks} chunks of {chunk} for V={vocab_size}, "
-                         f"more than MAX_CHUNKS={MAX_CHUNKS}")
+        raise ValueError(
+            f"argmax_rows: {num_chunks} chunks of {chunk} for V={vocab_size}, "
+            f"more than MAX_CHUNKS={MAX_CHUNKS}"
+        )
     x = x if x.stride(1) == 1 else x.contiguous()
     workspace = argmax_workspace(x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     _argmax_rows_kernel[(rows, num_chunks)](
-        x, out, workspace.values, workspace.indices, workspace.counters,
-        vocab_size, x.stride(0), workspace.values.stride(0), num_chunks,
-        CHUNK=chunk, BLOCK_C=max(16, triton.next_power_of_2(num_chunks)),
-        num_warps=4 if chunk <= 2048 else 8, **launch_options(x.device))
+        x,
+        out,
+        workspace.values,
+        workspace.indices,
+        workspace.counters,
+        vocab_size,
+        x.stride(0),
+        workspace.values.stride(0),
+        num_chunks,
+        CHUNK=chunk,
+        BLOCK_C=max(16, triton.next_power_of_2(num_chunks)),
+        num_warps=4 if chunk <= 2048 else 8,
+        **launch_options(x.device),
+    )
     return out
 
 

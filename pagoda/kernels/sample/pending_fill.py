@@ -28,8 +28,9 @@ MAX_KERNEL_ROWS = 4096
 
 # num_rows is not specialised: 1, multiples of 16 and the rest would be three compiles.
 @triton.jit(do_not_specialize=["num_rows"])
-def _fill_pending_kernel(ids_ptr, index_ptr, tokens_ptr, num_rows, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+def _fill_pending_kernel(
+    ids_ptr, index_ptr, tokens_ptr, num_rows, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     pdl_wait_and_release(USE_PDL)  # before any load or store
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_rows
@@ -44,8 +45,9 @@ def fill_pending_ref(ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tenso
     ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
 
 
-def fill_pending(ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
-                 use_kernel: bool | None = None) -> None:
+def fill_pending(
+    ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor, use_kernel: bool | None = None
+) -> None:
     """ids[index[0]] = tokens[index[1]]: one launch on CUDA, the reference elsewhere
     (use_kernel True: the kernel on any device, as the interpreter tests run it)."""
     if index.dim() != 2 or index.shape[0] != 2 or index.dtype != torch.long:
@@ -61,4 +63,5 @@ def fill_pending(ids: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
     if ids.dim() != 1 or tokens.dim() != 1 or not ids.is_contiguous() or not tokens.is_contiguous():
         raise ValueError("ids and tokens must be contiguous 1-D tensors")
     _fill_pending_kernel[(triton.cdiv(num_rows, _BLOCK),)](
-        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device))
+        ids, index.contiguous(), tokens, num_rows, BLOCK=_BLOCK, **launch_options(ids.device)
+    )

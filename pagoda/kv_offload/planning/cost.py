@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
 
 # Load bandwidth assumed for a tier not measured yet, bytes/s, by tier name (a plugin
 # tier gets the disk's). Conservative: a host-to-device copy from pinned memory runs at
@@ -100,11 +100,16 @@ class LoadDecision:
 class LoadCostModel:
     """The estimates and the cut. Tiers by index, top (CPU) first, as in the TierStack."""
 
-    def __init__(self, tier_names: Sequence[str], block_bytes: int, block_tokens: int,
-                 prefill_sample: Optional[tuple[int, float]] = None,
-                 load_samples: Optional[Mapping[str, tuple[int, float]]] = None,
-                 pinned_bytes_per_s: Optional[Mapping[str, float]] = None,
-                 explore_every: int = EXPLORE_EVERY) -> None:
+    def __init__(
+        self,
+        tier_names: Sequence[str],
+        block_bytes: int,
+        block_tokens: int,
+        prefill_sample: tuple[int, float] | None = None,
+        load_samples: Mapping[str, tuple[int, float]] | None = None,
+        pinned_bytes_per_s: Mapping[str, float] | None = None,
+        explore_every: int = EXPLORE_EVERY,
+    ) -> None:
         """prefill_sample (tokens, seconds) and load_samples (tier name -> bytes, seconds):
         what the worker measured at start-up; a tier without one starts at its kind's
         default. pinned_bytes_per_s: figures the user fixed (math.inf: always load from
@@ -112,12 +117,16 @@ class LoadCostModel:
         if block_bytes < 1 or block_tokens < 1:
             raise ValueError("block_bytes and block_tokens must be >= 1")
         if not isinstance(explore_every, int) or explore_every < 0:
-            raise ValueError(f"explore_every must be an integer >= 0 (0: never), got {explore_every!r}")
+            raise ValueError(
+                f"explore_every must be an integer >= 0 (0: never), got {explore_every!r}"
+            )
         pinned = dict(pinned_bytes_per_s or {})
         unknown = sorted(set(pinned) - set(tier_names))
         if unknown:
-            raise ValueError(f"kv_offloading_bandwidth names tier(s) {', '.join(unknown)}; "
-                             f"the tiers are {', '.join(tier_names)}")
+            raise ValueError(
+                f"kv_offloading_bandwidth names tier(s) {', '.join(unknown)}; "
+                f"the tiers are {', '.join(tier_names)}"
+            )
         samples = dict(load_samples or {})
         self.tier_names = list(tier_names)
         self.block_bytes = block_bytes
@@ -131,8 +140,9 @@ class LoadCostModel:
             if name in pinned:
                 self.bandwidth.append(RunningRate(pinned[name], LOAD_DECAY, pinned=True))
                 continue
-            rate = RunningRate(DEFAULT_LOAD_BYTES_PER_S.get(name, DEFAULT_LOWER_LOAD_BYTES_PER_S),
-                               LOAD_DECAY)
+            rate = RunningRate(
+                DEFAULT_LOAD_BYTES_PER_S.get(name, DEFAULT_LOWER_LOAD_BYTES_PER_S), LOAD_DECAY
+            )
             if name in samples:
                 rate.observe(*samples[name])
             self.bandwidth.append(rate)
@@ -172,8 +182,11 @@ class LoadCostModel:
         skipped = Counter(sources[best_k:])
         explored = False
         if skipped and self.explore_every:
-            due = [t for t in skipped if not self.bandwidth[t].pinned
-                   and self._skip_streak[t] + 1 >= self.explore_every]
+            due = [
+                t
+                for t in skipped
+                if not self.bandwidth[t].pinned and self._skip_streak[t] + 1 >= self.explore_every
+            ]
             if due:
                 best_k, skipped, explored = len(sources), Counter(), True
         for tier in set(sources[:best_k]):
@@ -185,6 +198,9 @@ class LoadCostModel:
 
     def snapshot(self) -> dict:
         """The estimates, for the stats: prefill tokens/s and each tier's bytes/s."""
-        return {"prefill_tokens_per_s": self.prefill.value,
-                "load_bytes_per_s": {name: rate.value
-                                     for name, rate in zip(self.tier_names, self.bandwidth)}}
+        return {
+            "prefill_tokens_per_s": self.prefill.value,
+            "load_bytes_per_s": {
+                name: rate.value for name, rate in zip(self.tier_names, self.bandwidth)
+            },
+        }

@@ -53,22 +53,32 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Optional
 
 from pagoda.core.block_hash import BlockHash
 from pagoda.core.block_pool import KVCacheBlock
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.kv_offload.planning.cost import LoadCostModel
-from pagoda.kv_offload.planning.tiers import (KVTransferPlan, KVTransferReport, LoadJob, TierIOTotals,
-                                  TierRead, TierStack, TierWrite, accumulate_io, tier_snapshot)
 from pagoda.core.request import Request
+from pagoda.kv_offload.planning.cost import LoadCostModel
+from pagoda.kv_offload.planning.tiers import (
+    KVTransferPlan,
+    KVTransferReport,
+    LoadJob,
+    TierIOTotals,
+    TierRead,
+    TierStack,
+    TierWrite,
+    accumulate_io,
+    tier_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 # step_scheduled entries kept at most (each is dropped by its step_done; a bound in case
 # a step's results never come, e.g. after a failed step).
 _MAX_STEPS_TIMED = 64
+
 
 class LoadStart(IntEnum):
     """What `start_load` did (falsy: nothing)."""
@@ -97,10 +107,15 @@ class _Job:
 
 
 class KVOffloadManager:
-    def __init__(self, kv_cache_manager: KVCacheManager, tiers: TierStack,
-                 max_blocks_per_step: int, cost: Optional[LoadCostModel] = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 max_inline_blocks_per_step: int = 0) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        tiers: TierStack,
+        max_blocks_per_step: int,
+        cost: LoadCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_inline_blocks_per_step: int = 0,
+    ) -> None:
         """cost: decides which hits are worth loading (None: every hit is loaded).
         clock: the step timing's time source (tests pass their own).
         max_inline_blocks_per_step: blocks per step that CPU-only jobs may load inline
@@ -108,10 +123,14 @@ class KVOffloadManager:
         if not kv_cache_manager.enable_caching:
             raise ValueError("KV offloading needs prefix caching (enable_prefix_caching=True)")
         if not isinstance(max_blocks_per_step, int) or max_blocks_per_step < 1:
-            raise ValueError(f"max_blocks_per_step must be an integer >= 1, got {max_blocks_per_step!r}")
+            raise ValueError(
+                f"max_blocks_per_step must be an integer >= 1, got {max_blocks_per_step!r}"
+            )
         if not isinstance(max_inline_blocks_per_step, int) or max_inline_blocks_per_step < 0:
-            raise ValueError("max_inline_blocks_per_step must be an integer >= 0, got "
-                             f"{max_inline_blocks_per_step!r}")
+            raise ValueError(
+                "max_inline_blocks_per_step must be an integer >= 0, got "
+                f"{max_inline_blocks_per_step!r}"
+            )
         self.manager = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
         self.block_size = kv_cache_manager.block_size
@@ -150,15 +169,19 @@ class KVOffloadManager:
 
     @property
     def has_in_flight(self) -> bool:
-        return bool(self._store_batches or self._writes
-                    or any(not job.done for job in self._jobs.values()))
+        return bool(
+            self._store_batches or self._writes or any(not job.done for job in self._jobs.values())
+        )
 
     def start_load(self, request: Request, gpu_hits: list[KVCacheBlock]) -> LoadStart:
         """Plans loading the request's blocks that follow its GPU prefix hits from the
         tiers. WAIT: the request must wait for the load, out of the queue; INLINE: the
         blocks are in the GPU prefix cache now (look the request up again and admit it);
         NONE: nothing to load."""
-        if request.request_id in self._job_of or request.sampling_params.prompt_logprobs is not None:
+        if (
+            request.request_id in self._job_of
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return LoadStart.NONE  # loaded once already, or every prompt position must run
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         start = len(gpu_hits)
@@ -167,20 +190,27 @@ class KVOffloadManager:
         if start >= max_hit_blocks or budget < 1 or num_free < 1:
             return LoadStart.NONE
         hashes = list(request.block_hashes[start:max_hit_blocks])
-        sources = self._worth_loading(request, self.tiers.lookup(hashes)[:min(budget, num_free)])
+        sources = self._worth_loading(request, self.tiers.lookup(hashes)[: min(budget, num_free)])
         slots, reads = self._pin_sources(hashes, sources)
-        sources = sources[:len(slots)]
+        sources = sources[: len(slots)]
         if not sources:
             return LoadStart.NONE
-        hashes = hashes[:len(sources)]
+        hashes = hashes[: len(sources)]
         self.pool.touch(gpu_hits)
         load_blocks = self.pool.get_new_blocks(len(sources))  # may evict: stores planned
         inline = not reads and len(sources) <= self.max_inline_blocks_per_step - self._step_inline
         job = LoadJob(next(self._ids), slots, [b.block_id for b in load_blocks], reads, inline)
-        tokens = [tuple(request.all_token_ids[(start + i) * self.block_size:
-                                              (start + i + 1) * self.block_size])
-                  for i in range(len(sources))]
-        entry = _Job(job, request, hashes, tokens, sources, list(gpu_hits) + load_blocks, load_blocks)
+        tokens = [
+            tuple(
+                request.all_token_ids[
+                    (start + i) * self.block_size : (start + i + 1) * self.block_size
+                ]
+            )
+            for i in range(len(sources))
+        ]
+        entry = _Job(
+            job, request, hashes, tokens, sources, list(gpu_hits) + load_blocks, load_blocks
+        )
         self._jobs[job.job_id] = entry
         self._job_of[request.request_id] = job.job_id
         self._plan.loads.append(job)
@@ -203,19 +233,30 @@ class KVOffloadManager:
         for tier_index, count in decision.skipped.items():
             self.tiers.tiers[tier_index].counters.skipped += count
         if decision.skipped and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request %s: %d of %d tier hits recomputed (%s): a block loads in %s, "
-                         "recomputes in %.2f ms", request.request_id,
-                         len(sources) - decision.num_load, len(sources),
-                         ", ".join(f"{self.tiers.tiers[t].name} {n}" for t, n in decision.skipped.items()),
-                         ", ".join(f"{self.tiers.tiers[t].name} {self.cost.load_seconds(t) * 1e3:.2f} ms"
-                                   for t in sorted(set(sources))),
-                         self.cost.recompute_seconds() * 1e3)
+            logger.debug(
+                "request %s: %d of %d tier hits recomputed (%s): a block loads in %s, "
+                "recomputes in %.2f ms",
+                request.request_id,
+                len(sources) - decision.num_load,
+                len(sources),
+                ", ".join(f"{self.tiers.tiers[t].name} {n}" for t, n in decision.skipped.items()),
+                ", ".join(
+                    f"{self.tiers.tiers[t].name} {self.cost.load_seconds(t) * 1e3:.2f} ms"
+                    for t in sorted(set(sources))
+                ),
+                self.cost.recompute_seconds() * 1e3,
+            )
         elif decision.explored:
-            logger.debug("request %s: %d tier hits loaded to measure a tier again",
-                         request.request_id, len(sources))
-        return sources[:decision.num_load]
+            logger.debug(
+                "request %s: %d tier hits loaded to measure a tier again",
+                request.request_id,
+                len(sources),
+            )
+        return sources[: decision.num_load]
 
-    def _pin_sources(self, hashes: list[BlockHash], sources: list[int]) -> tuple[list[int], list[TierRead]]:
+    def _pin_sources(
+        self, hashes: list[BlockHash], sources: list[int]
+    ) -> tuple[list[int], list[TierRead]]:
         """Pins each source block, and reserves a CPU slot for each read from a lower
         tier; stops at the first block for which no CPU slot can be had. The CPU sources
         are pinned first, so that reserving a slot for a read never evicts one of them.
@@ -259,8 +300,10 @@ class KVOffloadManager:
             return
         job = self._jobs[job_id]
         if not job.gpu_ready:
-            raise RuntimeError(f"internal error: request {request.request_id!r} admitted "
-                               "while its KV load is in flight")
+            raise RuntimeError(
+                f"internal error: request {request.request_id!r} admitted "
+                "while its KV load is in flight"
+            )
         if job.done:
             del self._jobs[job_id]
         else:
@@ -314,7 +357,7 @@ class KVOffloadManager:
 
     # ------------------------------------------------------------ worker round trip
 
-    def take_plan(self) -> Optional[KVTransferPlan]:
+    def take_plan(self) -> KVTransferPlan | None:
         """This step's plan for the worker (None: nothing to do and nothing in flight)."""
         plan, self._plan = self._plan, KVTransferPlan()
         # The step's allocations are over: the inline loads' blocks may be evicted from
@@ -347,8 +390,9 @@ class KVOffloadManager:
         now = self._clock()
         started = self._scheduled_at.pop(id(step), None)
         if started is not None:
-            self.cost.observe_prefill(step.total_num_scheduled_tokens,
-                                      now - max(started, self._last_step_done))
+            self.cost.observe_prefill(
+                step.total_num_scheduled_tokens, now - max(started, self._last_step_done)
+            )
         self._last_step_done = now
 
     def apply_report(self, report: KVTransferReport) -> None:
@@ -379,8 +423,10 @@ class KVOffloadManager:
         """The worker reported the job: its tier pins go; an asynchronous job's intact
         blocks are registered on the GPU and its request is ready to be admitted."""
         if job.inline and num_intact != len(job.load_blocks):
-            raise RuntimeError(f"internal error: inline KV load {job.job.job_id} reported "
-                               f"{num_intact} of {len(job.load_blocks)} blocks")
+            raise RuntimeError(
+                f"internal error: inline KV load {job.job.job_id} reported "
+                f"{num_intact} of {len(job.load_blocks)} blocks"
+            )
         self._release_sources(job, num_intact)
         job.done = True
         if not job.inline:
@@ -421,11 +467,14 @@ class KVOffloadManager:
     def stats(self) -> list[dict]:
         """Per tier, top first: usage, lookups, blocks moved and skipped, bytes, latencies,
         and the cost model's load bandwidth and prefill estimates (None without one)."""
-        rows = [tier_snapshot(tier, self.io_totals.get(tier.name, TierIOTotals()))
-                for tier in self.tiers.tiers]
+        rows = [
+            tier_snapshot(tier, self.io_totals.get(tier.name, TierIOTotals()))
+            for tier in self.tiers.tiers
+        ]
         for index, row in enumerate(rows):
-            row["est_load_bytes_per_s"] = (None if self.cost is None
-                                           else self.cost.bandwidth[index].value)
+            row["est_load_bytes_per_s"] = (
+                None if self.cost is None else self.cost.bandwidth[index].value
+            )
             row["est_prefill_tokens_per_s"] = None if self.cost is None else self.cost.prefill.value
         return rows
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 from pagoda.core.block_hash import BlockHash
 
@@ -63,7 +63,9 @@ class TierIndex:
 
     def __init__(self, name: str, capacity: int, slotted: bool) -> None:
         if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"tier {name!r}: capacity must be an integer >= 1 block, got {capacity!r}")
+            raise ValueError(
+                f"tier {name!r}: capacity must be an integer >= 1 block, got {capacity!r}"
+            )
         self.name = name
         self.capacity = capacity
         self.slotted = slotted
@@ -90,7 +92,9 @@ class TierIndex:
         """Makes the entry most recently used."""
         self.entries.move_to_end(block_hash)
 
-    def reserve(self, block_hash: BlockHash, ready: bool) -> Optional[tuple[TierEntry, list[BlockHash]]]:
+    def reserve(
+        self, block_hash: BlockHash, ready: bool
+    ) -> tuple[TierEntry, list[BlockHash]] | None:
         """Makes room for a new entry (pinned once, most recent) and returns it with the
         hashes evicted for it; None, changing nothing, when every entry is pinned."""
         if block_hash in self.entries:
@@ -108,7 +112,7 @@ class TierIndex:
         self.entries[block_hash] = entry
         return entry, evicted
 
-    def _lru_unpinned(self) -> Optional[BlockHash]:
+    def _lru_unpinned(self) -> BlockHash | None:
         for block_hash, entry in self.entries.items():
             if entry.pins == 0:
                 return block_hash
@@ -158,14 +162,21 @@ class TierIndex:
             used = [entry.slot for entry in self.entries.values()]
             if len(set(used)) != len(used):
                 _fail(f"{self.name}: a slot is held by two hashes")
-            if set(used) & set(self._free_slots) or len(used) + len(self._free_slots) != self.capacity:
-                _fail(f"{self.name}: used {len(used)} + free {len(self._free_slots)} slots "
-                      f"!= capacity {self.capacity}, or a slot is both")
+            if (
+                set(used) & set(self._free_slots)
+                or len(used) + len(self._free_slots) != self.capacity
+            ):
+                _fail(
+                    f"{self.name}: used {len(used)} + free {len(self._free_slots)} slots "
+                    f"!= capacity {self.capacity}, or a slot is both"
+                )
         for block_hash, entry in self.entries.items():
             want = expected_pins.get(block_hash, 0)
             if entry.pins != want:
-                _fail(f"{self.name}: {block_hash.hex()[:12]} has {entry.pins} pins, "
-                      f"transfers in flight account for {want}")
+                _fail(
+                    f"{self.name}: {block_hash.hex()[:12]} has {entry.pins} pins, "
+                    f"transfers in flight account for {want}"
+                )
             if not entry.ready and entry.pins == 0:
                 _fail(f"{self.name}: pending {block_hash.hex()[:12]} has no transfer in flight")
         for block_hash in expected_pins:
@@ -254,7 +265,7 @@ class KVTransferPlan:
     store_id names this step's batch of stores (None: none); `poll` asks only for a
     report of transfers done (sent while some are in flight)."""
 
-    store_id: Optional[int] = None
+    store_id: int | None = None
     store_gpu_block_ids: list[int] = field(default_factory=list)
     store_cpu_slots: list[int] = field(default_factory=list)
     store_hashes: list[bytes] = field(default_factory=list)
@@ -285,14 +296,18 @@ class TierIOStats:
     # Files found corrupt, truncated or foreign (the disk tier), by tier name.
     invalid_files: dict[str, int] = field(default_factory=dict)
 
-    def merge(self, other: "TierIOStats") -> None:
-        for counts, more in ((self.bytes_stored, other.bytes_stored),
-                             (self.bytes_loaded, other.bytes_loaded),
-                             (self.invalid_files, other.invalid_files)):
+    def merge(self, other: TierIOStats) -> None:
+        for counts, more in (
+            (self.bytes_stored, other.bytes_stored),
+            (self.bytes_loaded, other.bytes_loaded),
+            (self.invalid_files, other.invalid_files),
+        ):
             for name, value in more.items():
                 counts[name] = counts.get(name, 0) + value
-        for times, later in ((self.store_seconds, other.store_seconds),
-                             (self.load_seconds, other.load_seconds)):
+        for times, later in (
+            (self.store_seconds, other.store_seconds),
+            (self.load_seconds, other.load_seconds),
+        ):
             for name, values in later.items():
                 times.setdefault(name, []).extend(values)
 
@@ -310,7 +325,7 @@ class KVTransferReport:
     def is_empty(self) -> bool:
         return not (self.stores_done or self.loads_done or self.writes_done)
 
-    def merge(self, other: "KVTransferReport") -> None:
+    def merge(self, other: KVTransferReport) -> None:
         """Adds a later report (one not handed out yet must never be lost)."""
         self.stores_done.extend(other.stores_done)
         self.loads_done.update(other.loads_done)
@@ -320,8 +335,22 @@ class KVTransferReport:
 
 # ------------------------------------------------------------------ metrics
 
-TRANSFER_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                            1.0, 2.5, 5.0, 10.0)
+TRANSFER_SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class LatencyHistogram:
@@ -341,8 +370,12 @@ class LatencyHistogram:
                 self.counts[index] += 1
 
     def snapshot(self) -> dict:
-        return {"buckets": list(self.buckets), "cumulative_counts": list(self.counts),
-                "count": self.count, "sum": self.sum}
+        return {
+            "buckets": list(self.buckets),
+            "cumulative_counts": list(self.counts),
+            "count": self.count,
+            "sum": self.sum,
+        }
 
 
 @dataclass
@@ -375,12 +408,21 @@ def tier_snapshot(tier: TierIndex, io: TierIOTotals) -> dict:
     """One tier's figures for EngineStats and the metrics (plain data)."""
     counters = tier.counters
     return {
-        "tier": tier.name, "capacity_blocks": tier.capacity, "blocks": len(tier),
-        "usage": len(tier) / tier.capacity, "queries": counters.queries, "hits": counters.hits,
-        "stored_blocks": counters.stored, "loaded_blocks": counters.loaded,
+        "tier": tier.name,
+        "capacity_blocks": tier.capacity,
+        "blocks": len(tier),
+        "usage": len(tier) / tier.capacity,
+        "queries": counters.queries,
+        "hits": counters.hits,
+        "stored_blocks": counters.stored,
+        "loaded_blocks": counters.loaded,
         "skipped_blocks": counters.skipped,
-        "evicted_blocks": counters.evicted, "dropped_blocks": counters.dropped,
-        "failed_reads": counters.failed_reads, "bytes_stored": io.bytes_stored,
-        "bytes_loaded": io.bytes_loaded, "invalid_files": io.invalid_files,
-        "store_seconds": io.store_seconds.snapshot(), "load_seconds": io.load_seconds.snapshot(),
+        "evicted_blocks": counters.evicted,
+        "dropped_blocks": counters.dropped,
+        "failed_reads": counters.failed_reads,
+        "bytes_stored": io.bytes_stored,
+        "bytes_loaded": io.bytes_loaded,
+        "invalid_files": io.invalid_files,
+        "store_seconds": io.store_seconds.snapshot(),
+        "load_seconds": io.load_seconds.snapshot(),
     }

@@ -29,6 +29,7 @@ class SiluAndMul(nn.Module):
             return self._forward_fp8(x)
         if x.is_cuda:
             from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
+
             if fused_ops.FUSED_OPS_ENABLED:
                 return fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
@@ -36,8 +37,11 @@ class SiluAndMul(nn.Module):
 
     def _forward_fp8(self, x: torch.Tensor) -> Fp8Activation:
         if x.device.type in FUSED_FP8_DEVICES:
-            from pagoda.kernels.fp8 import fused_quant as fp8_fused_quant  # imports triton: CUDA only
+            from pagoda.kernels.fp8 import (
+                fused_quant as fp8_fused_quant,  # imports triton: CUDA only
+            )
             from pagoda.kernels.norm import fused_ops
+
             if fused_ops.FUSED_OPS_ENABLED:
                 data, scale = fp8_fused_quant.silu_and_mul_fp8(x)
                 return Fp8Activation(data, scale, x.dtype)

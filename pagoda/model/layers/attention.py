@@ -21,15 +21,15 @@ this layer with the Triton store_kv kernel), then ``forward_stored(q)`` attends.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from pagoda.attention.forward_context import get_forward_context
+from pagoda.attention.kv_pool import FullAttentionLayout
 from pagoda.attention.kv_quant import is_fp8
 from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
-from pagoda.attention.kv_pool import FullAttentionLayout
 
 # Checkpoint names of the KV cache scales, under the layer's attention block
 # (model.layers.N.self_attn.k_scale), as compressed-tensors / FP8 checkpoints save them.
@@ -38,26 +38,28 @@ KV_SCALE_NAMES = {"k_scale": 0, "v_scale": 1}
 
 class KVStoreTarget(NamedTuple):
     """Where a fused kernel writes one layer's k/v this step, as the pool would."""
+
     cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor  # int64 [>= T]; -1: a padding row, nothing written
-    kv_scales: Optional[torch.Tensor]  # float32 [k_scale, v_scale] of an FP8 cache, else None
+    kv_scales: torch.Tensor | None  # float32 [k_scale, v_scale] of an FP8 cache, else None
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float) -> None:
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
         # [k_scale, v_scale] of an FP8 cache; a buffer, not a parameter: never a weight
         # to fill (dummy weights) and never required of a checkpoint. Not persistent:
         # checkpoints name the scales their own way (load_kv_scale).
-        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
 
     def reset_kv_scales(self) -> None:
         """Scales 1.0 (vLLM's default without checkpoint scales); after materializing."""
@@ -67,8 +69,9 @@ class Attention(nn.Module):
     def load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
         """Loads a checkpoint's k_scale / v_scale (a positive finite scalar)."""
         if tensor.numel() != 1:
-            raise ValueError(f"{name} must be a scalar (one per layer), got shape "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must be a scalar (one per layer), got shape {tuple(tensor.shape)}"
+            )
         value = float(tensor.reshape(()).float())
         if not 0.0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive finite number, got {value}")
@@ -77,8 +80,9 @@ class Attention(nn.Module):
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """What this layer keeps per token: a key and a value per KV head, in dtype."""
-        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim,
-                                 str(dtype).removeprefix("torch."))
+        return FullAttentionSpec(
+            block_size, self.num_kv_heads, self.head_dim, str(dtype).removeprefix("torch.")
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; also writes k/v into this layer's cache."""
@@ -86,13 +90,18 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         cache = ctx.kv_pool.cache(self.layer_idx)
         scales = self.kv_scales if is_fp8(cache.dtype) else None
-        ctx.kv_pool.store(self.layer_idx, ctx.metadata.common,
-                          k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                          v.view(num_tokens, self.num_kv_heads, self.head_dim), scales=scales)
+        ctx.kv_pool.store(
+            self.layer_idx,
+            ctx.metadata.common,
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            scales=scales,
+        )
         return self._attend(ctx, q, cache, scales)
 
-    def _attend(self, ctx, q: torch.Tensor, cache: torch.Tensor,
-                scales: Optional[torch.Tensor]) -> torch.Tensor:
+    def _attend(
+        self, ctx, q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None
+    ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if scales is None:  # an unscaled cache: the backends' plain signature
@@ -101,7 +110,7 @@ class Attention(nn.Module):
             out = ctx.backend.forward(q, cache, ctx.metadata, kv_scales=scales)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
-    def kv_store_target(self) -> Optional[KVStoreTarget]:
+    def kv_store_target(self) -> KVStoreTarget | None:
         """This layer's cache, the step's slot mapping and the FP8 scales when the KV
         pool writes this layer with the Triton store_kv kernel (exactly the
         FullAttentionLayout, use_triton: CUDA, or the interpreter in tests), so that a
@@ -133,12 +142,14 @@ class Attention(nn.Module):
 
 def kv_cache_specs(model: nn.Module, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
     """Every attention layer's spec, index i for layer_idx i (0..n-1, each once)."""
-    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
-                    key=lambda m: m.layer_idx)
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
     indices = [layer.layer_idx for layer in layers]
     if indices != list(range(len(layers))):
-        raise ValueError(f"attention layer indices must be 0..{len(layers) - 1}, each once; "
-                         f"got {indices}")
+        raise ValueError(
+            f"attention layer indices must be 0..{len(layers) - 1}, each once; got {indices}"
+        )
     return [layer.get_kv_cache_spec(block_size, dtype) for layer in layers]
 
 
@@ -161,8 +172,10 @@ def load_kv_scale(model: nn.Module, hf_name: str, tensor: torch.Tensor) -> bool:
     except AttributeError:
         layer = None
     if not isinstance(layer, Attention):
-        raise ValueError(f"checkpoint tensor {hf_name!r} names a KV cache scale, but "
-                         f"{prefix!r} holds no attention layer")
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} names a KV cache scale, but "
+            f"{prefix!r} holds no attention layer"
+        )
     try:
         layer.load_kv_scale(leaf, tensor)
     except ValueError as e:

@@ -15,21 +15,26 @@ the method quantizes, and the head multiplies through it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_gather, tp_all_reduce
-from pagoda.model.layers.linear import (ColumnParallelLinear, LayerWeightLoader, ShardId,
-                                        check_tp, check_tp_group, copy_checked)
+from pagoda.model.layers.linear import (
+    ColumnParallelLinear,
+    LayerWeightLoader,
+    ShardId,
+    check_tp,
+    check_tp_group,
+    copy_checked,
+)
 from pagoda.model.quant.cpu_kernels import rows_linear
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         self.num_embeddings = num_embeddings
@@ -38,20 +43,27 @@ class VocabParallelEmbedding(nn.Module):
         # [vocab_start, vocab_end): the ids this rank owns (empty past a tiny vocab's end).
         self.vocab_start = min(tp_rank * self.rows_per_rank, num_embeddings)
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False
+        )
         self.weight.weight_loader = LayerWeightLoader(self)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
         if loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} "
-                             f"rows, expected vocab size {self.num_embeddings}")
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} "
+                f"rows, expected vocab size {self.num_embeddings}"
+            )
         owned = self.vocab_end - self.vocab_start
-        copy_checked(param.data[:owned], loaded_weight[self.vocab_start:self.vocab_end],
-                     type(self).__name__)
+        copy_checked(
+            param.data[:owned],
+            loaded_weight[self.vocab_start : self.vocab_end],
+            type(self).__name__,
+        )
         with torch.no_grad():
             param.data[owned:].zero_()
 
@@ -71,11 +83,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab] (no bias)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         self.quant_method = None  # set before loading; applied by process_weights_after_loading
-        self.quantized: Optional[ColumnParallelLinear] = None
+        self.quantized: ColumnParallelLinear | None = None
 
     def set_quant_method(self, method) -> None:
         self.quant_method = method
@@ -89,10 +102,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         with torch.device("meta"):
             head = ColumnParallelLinear(dim, rows)
         head.set_quant_method(self.quant_method)
-        for name, param in list(head.named_parameters()):
+        for name, _param in list(head.named_parameters()):
             if name != "weight":
-                raise ValueError(f"the LM head's method {self.quant_method.name} must quantize "
-                                 f"from the float weight; it made a {name!r} parameter")
+                raise ValueError(
+                    f"the LM head's method {self.quant_method.name} must quantize "
+                    f"from the float weight; it made a {name!r} parameter"
+                )
         head.weight = nn.Parameter(self.weight.detach().clone(), requires_grad=False)
         self.quant_method.process_weights_after_loading(head)
         self.quantized = head
@@ -108,5 +123,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         check_tp_group(type(self).__name__, self.tp_rank, self.tp_size)
         logits = tp_all_gather(self._local_logits(hidden), dim=-1)  # [N, size * rows]
         if logits.shape[-1] != self.num_embeddings:  # drop the last rank's padded rows
-            logits = logits[:, :self.num_embeddings].contiguous()
+            logits = logits[:, : self.num_embeddings].contiguous()
         return logits

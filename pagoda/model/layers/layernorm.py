@@ -8,7 +8,7 @@ takes ``torch.rms_norm`` (F.rms_norm without its Python wrapper): ATen's composi
 runs the very same ops in the same order (pow, mean, add eps, rsqrt, multiply,
 multiply by the weight) in C++, so the bits are the same and a decode step saves ~6
 Python-dispatched ops per norm (61 norms per step for SmolLM2);
-tests/test_cpu_fused_ops.py asserts the equality.
+tests/model/test_cpu_fused_ops.py asserts the equality.
 
 ``forward(..., fp8_out=True)`` gives the normed rows quantized per token as an
 ``Fp8Activation`` (what an FP8 linear that asked for it multiplies): on CUDA one kernel
@@ -18,16 +18,13 @@ per_token_quant_fp8), elsewhere that composition.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.layers.linear import default_weight_loader
 from pagoda.model.quant.base import Fp8Activation
 
-NormOutput = Union[torch.Tensor, Fp8Activation]
+NormOutput = torch.Tensor | Fp8Activation
 # Devices whose fp8_out runs the fused kernel (tests add "cpu": Triton's interpreter).
 FUSED_FP8_DEVICES = ("cuda",)
 
@@ -55,14 +52,16 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(variance + self.eps)
         return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                fp8_out: bool = False) -> Union[NormOutput, tuple[NormOutput, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
+    ) -> NormOutput | tuple[NormOutput, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual). fp8_out:
         norm(...) comes as an Fp8Activation of its rows [numel / hidden, hidden]."""
         if fp8_out:
             return self._forward_fp8(x, residual)
         if x.is_cuda:
             from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
+
             if fused_ops.FUSED_OPS_ENABLED:
                 if residual is None:
                     return fused_ops.rms_norm(x, self.weight, self.eps)
@@ -72,14 +71,19 @@ class RMSNorm(nn.Module):
         summed = x + residual
         return self._normalize(summed), summed
 
-    def _forward_fp8(self, x: torch.Tensor, residual: Optional[torch.Tensor]
-                     ) -> Union[Fp8Activation, tuple[Fp8Activation, torch.Tensor]]:
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
         if x.device.type in FUSED_FP8_DEVICES:
-            from pagoda.kernels.fp8 import fused_quant as fp8_fused_quant  # imports triton: CUDA only
+            from pagoda.kernels.fp8 import (
+                fused_quant as fp8_fused_quant,  # imports triton: CUDA only
+            )
             from pagoda.kernels.norm import fused_ops
+
             if fused_ops.FUSED_OPS_ENABLED:
-                data, scale, summed = fp8_fused_quant.rms_norm_fp8(x, self.weight, self.eps,
-                                                                   residual)
+                data, scale, summed = fp8_fused_quant.rms_norm_fp8(
+                    x, self.weight, self.eps, residual
+                )
                 _, dtype = fp8_fused_quant.norm_dtypes(x, self.weight, residual)
                 out = Fp8Activation(data, scale, dtype)
                 return out if residual is None else (out, summed)

@@ -29,20 +29,27 @@ the method would compute from the float shard itself.
 from __future__ import annotations
 
 import weakref
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
-from pagoda.model.quant.base import (OUTPUT_VECTOR_DIMS, REPLICATED_DIMS, Fp8Activation,
-                                     LinearMethod, ShardDims, ShardPlan, load_sharded,
-                                     set_shard_dims)
+from pagoda.model.quant.base import (
+    OUTPUT_VECTOR_DIMS,
+    REPLICATED_DIMS,
+    Fp8Activation,
+    LinearMethod,
+    ShardDims,
+    ShardPlan,
+    load_sharded,
+    set_shard_dims,
+)
 from pagoda.model.quant.unquantized import UNQUANTIZED
 
-ShardId = Union[int, str, None]
+ShardId = int | str | None
 # What a linear layer multiplies: a float activation, or one quantized by its producer.
-LinearInput = Union[torch.Tensor, Fp8Activation]
+LinearInput = torch.Tensor | Fp8Activation
 
 
 class LayerWeightLoader:
@@ -53,8 +60,9 @@ class LayerWeightLoader:
     def __init__(self, layer: nn.Module) -> None:
         self._layer = weakref.ref(layer)
 
-    def __call__(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                 shard_id: ShardId = None) -> None:
+    def __call__(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
         layer = self._layer()
         if layer is None:
             raise RuntimeError("the layer owning this parameter no longer exists")
@@ -70,9 +78,11 @@ def check_tp_group(layer: str, rank: int, size: int) -> None:
     """Raises unless this process joined the group the layer was built for: without it
     the collectives would be the identity and the layer's output silently a partial."""
     if tp_world_size() != size or tp_rank() != rank:
-        raise RuntimeError(f"{layer} was built for tp rank {rank} of {size}, but this process "
-                           f"is rank {tp_rank()} of {tp_world_size()}: call "
-                           f"pagoda.distributed.parallel_state.init_distributed first")
+        raise RuntimeError(
+            f"{layer} was built for tp rank {rank} of {size}, but this process "
+            f"is rank {tp_rank()} of {tp_world_size()}: call "
+            f"pagoda.distributed.parallel_state.init_distributed first"
+        )
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -84,22 +94,26 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     """dst.copy_(src) after checking shapes match exactly (copy_ would broadcast)."""
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match "
-                         f"parameter shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(src.shape)} does not match "
+            f"parameter shape {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(src)
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
-                          shard_id: ShardId = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+) -> None:
     """For replicated parameters (norms): copy the whole tensor."""
     if shard_id is not None:
         raise ValueError(f"a replicated parameter takes no shard_id, got {shard_id!r}")
     copy_checked(param.data, loaded_weight, "replicated parameter")
 
 
-def materialize_module(module: nn.Module, device: torch.device | str,
-                       dtype: torch.dtype | None = None) -> None:
+def materialize_module(
+    module: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None
+) -> None:
     """Replaces every meta-device parameter and buffer of module with uninitialised
     storage on device (floating parameters cast to dtype when given).
 
@@ -115,11 +129,16 @@ def materialize_module(module: nn.Module, device: torch.device | str,
             if param is None:
                 continue
             if id(param) not in replaced:
-                cast = (dtype is not None and param.is_floating_point()
-                        and not getattr(param, "keep_dtype", False))
+                cast = (
+                    dtype is not None
+                    and param.is_floating_point()
+                    and not getattr(param, "keep_dtype", False)
+                )
                 want = dtype if cast else param.dtype
-                new = nn.Parameter(torch.empty_like(param, device=device, dtype=want),
-                                   requires_grad=param.requires_grad)
+                new = nn.Parameter(
+                    torch.empty_like(param, device=device, dtype=want),
+                    requires_grad=param.requires_grad,
+                )
                 new.__dict__.update(param.__dict__)
                 replaced[id(param)] = new
             sub._parameters[name] = replaced[id(param)]
@@ -135,8 +154,15 @@ class LinearBase(nn.Module):
     # The dims a column layer's bias follows (a row layer's bias is replicated).
     bias_dims: ShardDims = OUTPUT_VECTOR_DIMS
 
-    def __init__(self, in_per_rank: int, out_per_rank: int, bias: bool,
-                 tp_rank: int, tp_size: int, num_shards: int = 1) -> None:
+    def __init__(
+        self,
+        in_per_rank: int,
+        out_per_rank: int,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+        num_shards: int = 1,
+    ) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -147,13 +173,20 @@ class LinearBase(nn.Module):
         self._method_params: list[str] = []
         self.set_quant_method(UNQUANTIZED)
         if bias:
-            self.register_weight("bias", torch.empty(out_per_rank), self.bias_dims,
-                                 from_method=False)
+            self.register_weight(
+                "bias", torch.empty(out_per_rank), self.bias_dims, from_method=False
+            )
         else:
             self.register_parameter("bias", None)
 
-    def register_weight(self, name: str, tensor: torch.Tensor, dims: ShardDims,
-                        keep_dtype: bool = False, from_method: bool = True) -> nn.Parameter:
+    def register_weight(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        dims: ShardDims,
+        keep_dtype: bool = False,
+        from_method: bool = True,
+    ) -> nn.Parameter:
         """Registers a parameter the checkpoint fills through this layer's loader."""
         param = set_shard_dims(nn.Parameter(tensor, requires_grad=False), dims)
         param.weight_loader = LayerWeightLoader(self)
@@ -181,10 +214,15 @@ class LinearBase(nn.Module):
         """This rank's output rows of each merged checkpoint tensor, in order."""
         return [self.out_per_rank]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: ShardId = None) -> None:
-        load_sharded(param, loaded_weight, self.shard_plan(shard_id),
-                     f"{type(self).__name__}" + ("" if shard_id is None else f" shard {shard_id}"))
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        load_sharded(
+            param,
+            loaded_weight,
+            self.shard_plan(shard_id),
+            f"{type(self).__name__}" + ("" if shard_id is None else f" shard {shard_id}"),
+        )
 
     def takes_fp8_input(self, num_rows: int) -> bool:
         """Whether forward wants its input for num_rows rows as an Fp8Activation (the
@@ -201,11 +239,18 @@ class LinearBase(nn.Module):
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         check_tp(tp_rank, tp_size)
-        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias,
-                         tp_rank, tp_size)
+        super().__init__(
+            input_size, divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size
+        )
 
     def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if shard_id is not None:
@@ -217,18 +262,32 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(LinearBase):
     """Outputs output_sizes[0], output_sizes[1], ... stacked; shard_id indexes them."""
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         check_tp(tp_rank, tp_size)
         self.output_sizes = list(output_sizes)
         self.rank_sizes = [divide(s, tp_size, "output size") for s in self.output_sizes]
-        super().__init__(input_size, sum(self.rank_sizes), bias, tp_rank, tp_size,
-                         num_shards=len(self.output_sizes))
+        super().__init__(
+            input_size,
+            sum(self.rank_sizes),
+            bias,
+            tp_rank,
+            tp_size,
+            num_shards=len(self.output_sizes),
+        )
 
     def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"MergedColumnParallelLinear needs shard_id in "
-                             f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+            raise ValueError(
+                f"MergedColumnParallelLinear needs shard_id in "
+                f"0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
         size = self.rank_sizes[shard_id]
         offset = sum(self.rank_sizes[:shard_id])
         return ShardPlan(out=(self.tp_rank * size, size, offset), shard_index=shard_id)
@@ -240,8 +299,12 @@ class MergedColumnParallelLinear(LinearBase):
         """act(self(x)) for a bias-free [gate, up] pair, act being SiluAndMul: through
         the quant method's fused step where it has one for x (the FP8 GEMV at one
         row), else the linear and then act."""
-        if self.bias is None and len(self.rank_sizes) == 2 and \
-                self.rank_sizes[0] == self.rank_sizes[1] and not isinstance(x, Fp8Activation):
+        if (
+            self.bias is None
+            and len(self.rank_sizes) == 2
+            and self.rank_sizes[0] == self.rank_sizes[1]
+            and not isinstance(x, Fp8Activation)
+        ):
             fused = self.quant_method.apply_silu_and_mul(self, x)
             if fused is not None:
                 return fused
@@ -252,8 +315,16 @@ class QKVParallelLinear(LinearBase):
     """q, k, v projections in one matmul. Heads split across ranks; when there are
     fewer kv heads than ranks, each kv head is replicated on tp_size/num_kv_heads ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         check_tp(tp_rank, tp_size)
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size, "num_heads")
@@ -266,8 +337,9 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp_rank // (tp_size // num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, tp_rank, tp_size,
-                         num_shards=3)
+        super().__init__(
+            hidden_size, self.q_size + 2 * self.kv_size, bias, tp_rank, tp_size, num_shards=3
+        )
 
     def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         kv_start = self.kv_head_start * self.head_dim
@@ -276,8 +348,9 @@ class QKVParallelLinear(LinearBase):
         if shard_id == "k":
             return ShardPlan(out=(kv_start, self.kv_size, self.q_size), shard_index=1)
         if shard_id == "v":
-            return ShardPlan(out=(kv_start, self.kv_size, self.q_size + self.kv_size),
-                             shard_index=2)
+            return ShardPlan(
+                out=(kv_start, self.kv_size, self.q_size + self.kv_size), shard_index=2
+            )
         raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
 
     def shard_sizes(self) -> list[int]:
@@ -293,15 +366,25 @@ class RowParallelLinear(LinearBase):
 
     bias_dims = REPLICATED_DIMS
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        reduce_results: bool = True,
+    ) -> None:
         check_tp(tp_rank, tp_size)
         if bias and not reduce_results:
-            raise ValueError("RowParallelLinear without reduce_results cannot add a bias "
-                             "(it would be added once per rank)")
+            raise ValueError(
+                "RowParallelLinear without reduce_results cannot add a bias "
+                "(it would be added once per rank)"
+            )
         self.reduce_results = reduce_results
-        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias,
-                         tp_rank, tp_size)
+        super().__init__(
+            divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size
+        )
 
     def shard_plan(self, shard_id: ShardId) -> ShardPlan:
         if shard_id is not None:

@@ -9,14 +9,12 @@ single-threaded) fixes both: every SmolLM2-135M projection got faster, at 1 row 
 
 Invariant: each output element is still one dot product over the whole of K by the
 same kernel; only which thread computes which columns changes. The result is
-bit-identical to F.linear (asserted by tests/test_linear_blocks.py), so greedy outputs
+bit-identical to F.linear (asserted by tests/model/test_linear_blocks.py), so greedy outputs
 stay identical to Hugging Face's, which calls F.linear. CUDA tensors, other dtypes and
 weights without a suitable split take F.linear unchanged.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,23 +32,25 @@ def num_blocks(out_features: int, in_features: int, element_size: int, threads: 
     """How many equal column blocks a weight [out_features, in_features] is split into:
     the smallest divisor of out_features that gives blocks of at most _BLOCK_BYTES and
     at least max(_MIN_BLOCKS, threads) blocks; 1 (no split) when none is wide enough."""
-    want = max(_MIN_BLOCKS, threads,
-               -(-out_features * in_features * element_size // _BLOCK_BYTES))
+    want = max(_MIN_BLOCKS, threads, -(-out_features * in_features * element_size // _BLOCK_BYTES))
     for blocks in range(want, out_features // _MIN_BLOCK_COLS + 1):
         if out_features % blocks == 0:
             return blocks
     return 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight[out, in].T (+ bias) -> [M, out], exactly like F.linear."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.dim() != 2 or not weight.is_contiguous()):
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.dim() != 2
+        or not weight.is_contiguous()
+    ):
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
-    blocks = num_blocks(out_features, in_features, weight.element_size(),
-                        torch.get_num_threads())
+    blocks = num_blocks(out_features, in_features, weight.element_size(), torch.get_num_threads())
     if blocks == 1:
         return F.linear(x, weight, bias)
     cols = out_features // blocks

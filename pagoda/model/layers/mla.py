@@ -29,12 +29,11 @@ latent cache are replicated on every rank (the latent is shared by all heads).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
 from pagoda.attention.forward_context import get_forward_context
+from pagoda.attention.kv_pool import MLALatentLayout
 from pagoda.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.attention import Attention
@@ -43,7 +42,6 @@ from pagoda.model.layers.linear import ColumnParallelLinear, RowParallelLinear, 
 from pagoda.model.layers.rotary import apply_rotary
 from pagoda.model.mla_config import MLAConfig, mla_softmax_scale
 from pagoda.model.parallel import TensorParallel
-from pagoda.attention.kv_pool import MLALatentLayout
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the
 # config's rms_norm_eps (as in the reference implementation and transformers).
@@ -57,17 +55,24 @@ def _per_token_kernels_take(rows: torch.Tensor) -> bool:
     per head)."""
     if not rows.is_cuda:
         return False
-    from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
     from pagoda.kernels.attention.mla_absorb import PER_TOKEN_MAX_ROWS
+    from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
+
     return fused_ops.FUSED_OPS_ENABLED and rows.shape[0] <= PER_TOKEN_MAX_ROWS
 
 
-def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def absorbed_query(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    w_uk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     """[q_nope W_UK per head, rope(q_rope)] -> [N, H, kv_lora_rank + qk_rope]: one
     Triton kernel on CUDA for a few rows, this torch code (its reference) elsewhere."""
     if _per_token_kernels_take(q_nope):
         from pagoda.kernels.attention.mla_absorb import absorb_q  # Triton: CUDA only
+
         return absorb_q(q_nope, q_rope, w_uk, cos, sin)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora_rank]
     return torch.cat((q_lat, apply_rotary(q_rope, cos, sin)), dim=-1)
@@ -79,6 +84,7 @@ def value_projection(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     reference) elsewhere."""
     if _per_token_kernels_take(o_lat):
         from pagoda.kernels.attention.mla_absorb import project_v  # Triton: CUDA only
+
         return project_v(o_lat, w_uv)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -96,12 +102,23 @@ class MLALatentAttention(Attention):
         self.mla = mla
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return MLAAttentionSpec(block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
-                                str(dtype).removeprefix("torch."))
+        return MLAAttentionSpec(
+            block_size,
+            self.mla.kv_lora_rank,
+            self.mla.qk_rope_head_dim,
+            str(dtype).removeprefix("torch."),
+        )
 
-    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_a: torch.Tensor,
-                kv_a_layernorm: RMSNorm, kv_b_proj: ColumnParallelLinear, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_a: torch.Tensor,
+        kv_a_layernorm: RMSNorm,
+        kv_b_proj: ColumnParallelLinear,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope] (not yet rotated; cos / sin
         [T, qk_rope / 2]), kv_a [T, kv_lora_rank + qk_rope] (kv_a_proj_with_mqa's output:
         c, then the un-rotated k_rope) -> [T, H * v_head_dim]; stores this step's latent
@@ -112,7 +129,7 @@ class MLALatentAttention(Attention):
         self._store_latents(kv_a, kv_a_layernorm, cos, sin, cache, ctx)
         mla, num_tokens, heads = self.mla, q_nope.shape[0], self.num_heads
         w = kv_b_proj.weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
-        w_uk, w_uv = w[:, :mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
+        w_uk, w_uv = w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
         rows = plan.latent_rows
         if rows is None and not plan.prefill_chunks:  # every row latent (decode, graphs)
             out = self._latent(q_nope, q_rope, cos, sin, cache, w_uk, w_uv, ctx)
@@ -121,8 +138,9 @@ class MLALatentAttention(Attention):
         # rows neither path names (padding) stay zero.
         out = q_nope.new_zeros(num_tokens, heads, mla.v_head_dim)
         if plan.num_latent_rows:
-            out[rows] = self._latent(q_nope[rows], q_rope[rows], cos[rows], sin[rows],
-                                     cache, w_uk, w_uv, ctx)
+            out[rows] = self._latent(
+                q_nope[rows], q_rope[rows], cos[rows], sin[rows], cache, w_uk, w_uv, ctx
+            )
         if plan.prefill_chunks:
             self._prefill(out, q_nope, apply_rotary(q_rope, cos, sin), cache, kv_b_proj, ctx)
         return out.reshape(num_tokens, heads * mla.v_head_dim)
@@ -134,10 +152,21 @@ class MLALatentAttention(Attention):
         plan, rank = ctx.metadata, self.mla.kv_lora_rank
         if self.pool_stores_with_triton(MLALatentLayout):
             from pagoda.kernels.norm import fused_ops  # imports triton
+
             if fused_ops.FUSED_OPS_ENABLED:
-                from pagoda.kernels.attention.mla_store import norm_rope_store_latent  # Triton: CUDA only
-                norm_rope_store_latent(kv_a, kv_a_layernorm.weight, kv_a_layernorm.eps,
-                                       cos, sin, cache, plan.common.slot_mapping)
+                from pagoda.kernels.attention.mla_store import (
+                    norm_rope_store_latent,  # Triton: CUDA only
+                )
+
+                norm_rope_store_latent(
+                    kv_a,
+                    kv_a_layernorm.weight,
+                    kv_a_layernorm.eps,
+                    cos,
+                    sin,
+                    cache,
+                    plan.common.slot_mapping,
+                )
                 return
         c, k_rope = kv_a.split([rank, self.mla.qk_rope_head_dim], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
@@ -157,11 +186,13 @@ class MLALatentAttention(Attention):
         gathered entries' tail, one key for every head) and assembles what it needs."""
         plan, mla = ctx.metadata, self.mla
         entries = cache.view(-1, mla.latent_dim).index_select(0, plan.prefill_slots)
-        kv = kv_b_proj(entries[:, :mla.kv_lora_rank]).view(
-            entries.shape[0], self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        kv = kv_b_proj(entries[:, : mla.kv_lora_rank]).view(
+            entries.shape[0], self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim
+        )
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        ctx.backend.forward_prefill(out, q_nope, q_rope, k_nope, entries[:, mla.kv_lora_rank:],
-                                    v, plan)
+        ctx.backend.forward_prefill(
+            out, q_nope, q_rope, k_nope, entries[:, mla.kv_lora_rank :], v, plan
+        )
 
 
 class MLAAttention(nn.Module):
@@ -181,18 +212,24 @@ class MLAAttention(nn.Module):
         else:
             self.q_a_proj = replicated_linear(arch.hidden_size, mla.q_lora_rank)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * mla.qk_head_dim,
-                                                 **column)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * mla.qk_head_dim, **column)
         self.kv_a_proj_with_mqa = replicated_linear(arch.hidden_size, mla.latent_dim)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(
-            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), **column)
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), **column
+        )
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, arch.hidden_size, **column)
-        self.attn = MLALatentAttention(layer_idx, self.num_heads, mla,
-                                       mla_softmax_scale(mla, arch.rope_scaling))
+        self.attn = MLALatentAttention(
+            layer_idx, self.num_heads, mla, mla_softmax_scale(mla, arch.rope_scaling)
+        )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or [len(output_rows), hidden] for those rows only
         (attention still runs, and stores its latent, for every row)."""
         mla, num_tokens = self.mla, hidden.shape[0]
@@ -201,9 +238,17 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_rope = q.view(num_tokens, self.num_heads, mla.qk_head_dim).split(
-            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        out = self.attn(q_nope, q_rope, self.kv_a_proj_with_mqa(hidden), self.kv_a_layernorm,
-                        self.kv_b_proj, cos, sin)
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1
+        )
+        out = self.attn(
+            q_nope,
+            q_rope,
+            self.kv_a_proj_with_mqa(hidden),
+            self.kv_a_layernorm,
+            self.kv_b_proj,
+            cos,
+            sin,
+        )
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)

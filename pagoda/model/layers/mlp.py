@@ -16,10 +16,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], bias=False,
-            tp_rank=tp.rank, tp_size=tp.size)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=False,
-                                           tp_rank=tp.rank, tp_size=tp.size)
+            arch.hidden_size,
+            [arch.intermediate_size, arch.intermediate_size],
+            bias=False,
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+        )
+        self.down_proj = RowParallelLinear(
+            arch.intermediate_size, arch.hidden_size, bias=False, tp_rank=tp.rank, tp_size=tp.size
+        )
         self.act = SiluAndMul()
 
     def takes_fp8_input(self, num_rows: int) -> bool:

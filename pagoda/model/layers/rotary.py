@@ -21,7 +21,6 @@ On the CPU a forward may instead turn (cos, sin) once into full-width tables
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from pagoda.model.mla_config import yarn_mscale
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     """1 / base^(2i / head_dim) for i < head_dim / 2, in float32 on the CPU."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (base ** exponents)
+    return 1.0 / (base**exponents)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -74,8 +73,9 @@ def yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
     beta_slow = scaling.get("beta_slow") or 1
 
     def correction_dim(num_rotations: float) -> float:
-        return (head_dim * math.log(original_len / (num_rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+            head_dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if scaling.get("truncate", True):
@@ -90,7 +90,7 @@ def yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
-def compute_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
+def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     if scaling is None:
         return default_inv_freq(head_dim, base)
     rope_type = scaling.get("rope_type")
@@ -98,45 +98,52 @@ def compute_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> tor
         return llama3_inv_freq(default_inv_freq(head_dim, base), scaling)
     if rope_type == "yarn":
         return yarn_inv_freq(head_dim, base, scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
-                     f"supported: default, llama3, yarn")
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3, yarn"
+    )
 
 
-def attention_factor(scaling: Optional[dict]) -> float:
+def attention_factor(scaling: dict | None) -> float:
     """What cos and sin are multiplied by (YaRN's magnitude correction; else 1)."""
     if scaling is not None and scaling.get("rope_type") == "yarn":
         return yarn_attention_factor(scaling)
     return 1.0
 
 
-def interleaved_to_half(weight: torch.Tensor, rotary_dim: int, row_start: int,
-                        group: int) -> torch.Tensor:
+def interleaved_to_half(
+    weight: torch.Tensor, rotary_dim: int, row_start: int, group: int
+) -> torch.Tensor:
     """Weight rows reordered for a checkpoint that rotates adjacent pairs (2i, 2i+1):
     in every group of `group` rows, the rotary_dim rows starting at row_start become
     [even rows, odd rows], the half-split layout apply_rotary rotates. Only q.k dot
     products see these rows, and q and k are permuted alike, so attention is unchanged."""
     rows = weight.shape[0]
     if rows % group or row_start + rotary_dim > group:
-        raise ValueError(f"cannot permute rotary rows [{row_start}, {row_start + rotary_dim}) "
-                         f"in groups of {group} of a {rows}-row weight")
+        raise ValueError(
+            f"cannot permute rotary rows [{row_start}, {row_start + rotary_dim}) "
+            f"in groups of {group} of a {rows}-row weight"
+        )
     order = torch.arange(rows).view(rows // group, group)
-    seg = order[:, row_start:row_start + rotary_dim]
-    order[:, row_start:row_start + rotary_dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
+    seg = order[:, row_start : row_start + rotary_dim]
+    order[:, row_start : row_start + rotary_dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
     return weight.index_select(0, order.flatten())
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float,
-                 scaling: Optional[dict] = None) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, scaling: dict | None = None
+    ) -> None:
         super().__init__()
         if head_dim % 2 != 0:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim, self.max_position = head_dim, max_position
         self.base, self.scaling = base, scaling
-        self.register_buffer("cos_cache", torch.empty(max_position, head_dim // 2),
-                             persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_position, head_dim // 2),
-                             persistent=False)
+        self.register_buffer(
+            "cos_cache", torch.empty(max_position, head_dim // 2), persistent=False
+        )
+        self.register_buffer(
+            "sin_cache", torch.empty(max_position, head_dim // 2), persistent=False
+        )
         if self.cos_cache.device.type != "meta":
             self.reset_cache()
 
@@ -161,6 +168,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     PAGODA_FUSED_OPS=0) a Triton kernel does it; this torch code is its reference."""
     if x.is_cuda:
         from pagoda.kernels.norm import fused_ops  # imports triton: CUDA only
+
         if fused_ops.FUSED_OPS_ENABLED:
             return fused_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
@@ -174,12 +182,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, D/2] -> full-width tables ([cos | cos], [-sin | sin]), each
     [T, 1, D] float32, built once per forward for ``apply_rotary_tables``."""
-    return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
-            torch.cat((sin.neg(), sin), dim=-1).unsqueeze(1))
+    return (
+        torch.cat((cos, cos), dim=-1).unsqueeze(1),
+        torch.cat((sin.neg(), sin), dim=-1).unsqueeze(1),
+    )
 
 
-def apply_rotary_tables(x: torch.Tensor, cos_full: torch.Tensor,
-                        sin_signed: torch.Tensor) -> torch.Tensor:
+def apply_rotary_tables(
+    x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor
+) -> torch.Tensor:
     """apply_rotary with rotary_tables' tables (the CPU path): x * [cos | cos] +
     [x2 | x1] * [-sin | sin]. Bit-identical to apply_rotary: x2 * -sin is exactly
     -(x2 * sin) and a + -b is exactly a - b (IEEE rounding is symmetric); each element

@@ -24,7 +24,6 @@ dtype for its device first.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
@@ -39,8 +38,14 @@ from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.presets import PRESET_NAMES, is_preset
 from pagoda.model.quant.registry import process_loaded_weights
 
-__all__ = ["build_model", "detect_load_format", "find_gguf_file", "is_safetensors_dir",
-           "load_arch_config", "load_model"]
+__all__ = [
+    "build_model",
+    "detect_load_format",
+    "find_gguf_file",
+    "is_safetensors_dir",
+    "load_arch_config",
+    "load_model",
+]
 
 
 def detect_load_format(model: str) -> str:
@@ -51,18 +56,23 @@ def detect_load_format(model: str) -> str:
     if is_safetensors_dir(path):
         return "safetensors"
     if is_preset(model):
-        raise ValueError(f"{model!r} is a preset (a shape without weights): pass "
-                         f"load_format='dummy' to run it with random weights")
-    raise ValueError(f"cannot load {model!r}: looked for a .gguf file (or a directory holding "
-                     f"one), a directory with config.json and *.safetensors, or a preset name "
-                     f"({', '.join(PRESET_NAMES)}) with load_format='dummy'")
+        raise ValueError(
+            f"{model!r} is a preset (a shape without weights): pass "
+            f"load_format='dummy' to run it with random weights"
+        )
+    raise ValueError(
+        f"cannot load {model!r}: looked for a .gguf file (or a directory holding "
+        f"one), a directory with config.json and *.safetensors, or a preset name "
+        f"({', '.join(PRESET_NAMES)}) with load_format='dummy'"
+    )
 
 
 def _resolve_format(model_path_or_preset, load_format: str) -> tuple[str, str]:
     """(the model as a string, its concrete format); "auto" is detected from the path."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unsupported load_format {load_format!r}; supported: "
-                         f"{', '.join(LOAD_FORMATS)}")
+        raise ValueError(
+            f"unsupported load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}"
+        )
     name = str(model_path_or_preset)
     return name, detect_load_format(name) if load_format == "auto" else load_format
 
@@ -78,22 +88,28 @@ def load_arch_config(model_path_or_preset: str, load_format: str = "auto") -> Ar
     return dummy_arch_config(name)
 
 
-def load_model(model_path_or_preset: str, load_format: str = "auto",
-               dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               seed: int = 0, tp: TensorParallel = SINGLE_RANK,
-               quantization: str | None = None,
-               quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
+def load_model(
+    model_path_or_preset: str,
+    load_format: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    tp: TensorParallel = SINGLE_RANK,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+) -> tuple[nn.Module, ArchConfig]:
     """The model (this rank's share: loaders shard while loading) and its ArchConfig.
     quantize_lm_head: the quantization scheme covers the LM head too (FP8 only)."""
     name, fmt = _resolve_format(model_path_or_preset, load_format)
     if fmt == "gguf":
-        model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization,
-                                      quantize_lm_head)
+        model, arch = load_gguf_model(Path(name), dtype, device, tp, quantization, quantize_lm_head)
     elif fmt == "safetensors":
-        model, arch = load_safetensors_model(Path(name), dtype, device, tp, quantization,
-                                             quantize_lm_head)
+        model, arch = load_safetensors_model(
+            Path(name), dtype, device, tp, quantization, quantize_lm_head
+        )
     else:
-        model, arch = load_dummy_model(name, dtype, device, seed, tp, quantization,
-                                       quantize_lm_head)
+        model, arch = load_dummy_model(
+            name, dtype, device, seed, tp, quantization, quantize_lm_head
+        )
     process_loaded_weights(model)
     return model, arch

@@ -5,7 +5,6 @@ files (``find_gguf_file``, ``is_safetensors_dir``). Shared by every format's loa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
@@ -24,8 +23,10 @@ def find_gguf_file(path: Path) -> Path | None:
     if path.is_dir():
         files = sorted(path.glob("*.gguf"))
         if len(files) > 1:
-            raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in files)}); "
-                             f"pass the file itself")
+            raise ValueError(
+                f"{path} holds several .gguf files ({', '.join(f.name for f in files)}); "
+                f"pass the file itself"
+            )
         return files[0] if files else None
     return None
 
@@ -34,14 +35,21 @@ def is_safetensors_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def build_model(arch: ArchConfig, dtype: torch.dtype, device: Union[str, torch.device],
-                tp: TensorParallel = SINGLE_RANK, quant_config=None) -> nn.Module:
+def build_model(
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp: TensorParallel = SINGLE_RANK,
+    quant_config=None,
+) -> nn.Module:
     """The model for arch, this rank's share of it (tp), with uninitialised weights of
     dtype on device (built on meta, so nothing is allocated or initialised twice); with
     quant_config (a pagoda.model.quant QuantConfig) its linear layers take their
     methods' parameters. Call process_loaded_weights once the weights are in."""
     cls = get_model_class(arch.architecture)
-    check_tensor_parallel(arch, tp.size, tp.expert_parallel)  # a clear message before any layer's own check
+    check_tensor_parallel(
+        arch, tp.size, tp.expert_parallel
+    )  # a clear message before any layer's own check
     with torch.device("meta"):
         model = cls(arch, tp)
     attach_quant_methods(model, arch, quant_config, torch.device(device), dtype)

@@ -9,20 +9,18 @@ gives the same weights, and an 8B model never makes a CPU round trip.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
-
-from pagoda.model.presets import get_preset
 from pagoda.model.dtypes import resolve_dtype
-from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.loader.build import build_model
-from pagoda.model.quant.registry import resolve_quant_config
 from pagoda.model.loader.safetensors import read_arch_config
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
+from pagoda.model.presets import get_preset
+from pagoda.model.quant.registry import resolve_quant_config
 
 WEIGHT_STD = 0.02
 
@@ -52,14 +50,20 @@ def dummy_arch_config(name: str) -> ArchConfig:
     return get_preset(name)
 
 
-def load_dummy_model(name: str, dtype: Union[str, torch.dtype], device: Union[str, torch.device],
-                     seed: int, tp: TensorParallel = SINGLE_RANK,
-                     quantization: str | None = None,
-                     quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
+def load_dummy_model(
+    name: str,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    tp: TensorParallel = SINGLE_RANK,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+) -> tuple[nn.Module, ArchConfig]:
 
     arch = dummy_arch_config(name)
-    quant = resolve_quant_config(quantization, arch.quantization_config, "dummy",
-                                 quantize_lm_head=quantize_lm_head)
+    quant = resolve_quant_config(
+        quantization, arch.quantization_config, "dummy", quantize_lm_head=quantize_lm_head
+    )
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     fill_dummy_weights(model, seed)
     return model, arch

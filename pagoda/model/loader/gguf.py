@@ -14,8 +14,8 @@ blocks too: a block never spans two rows).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Union
 
 import numpy as np
 import torch
@@ -25,11 +25,10 @@ from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
+from pagoda.model.loader.build import build_model, find_gguf_file
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
-from pagoda.progress import progress
-from pagoda.model.loader.build import find_gguf_file
-from pagoda.model.loader.build import build_model
 from pagoda.model.quant.registry import resolve_quant_config
+from pagoda.progress import progress
 
 # llama.cpp tensor name -> HF name; {i} is the block index.
 _BLOCK_NAMES = {
@@ -82,9 +81,7 @@ def hf_name(gguf_name: str) -> str:
 def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's permute: rows grouped (n_head, head_dim/2, 2) -> (n_head, 2, head_dim/2)."""
     half = rows.shape[0] // n_head // 2
-    return (rows.reshape(n_head, half, 2, *rows.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(rows.shape))
+    return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def dequantized(tensor) -> np.ndarray:
@@ -110,9 +107,9 @@ def gguf_tensor_types(reader: GGUFReader) -> dict[str, str]:
     return {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
 
 
-def iter_gguf_weights(reader: GGUFReader, arch: ArchConfig, rank: int = 0,
-                      keep_blocks: frozenset[str] = frozenset()
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    reader: GGUFReader, arch: ArchConfig, rank: int = 0, keep_blocks: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted
     (with a progress bar on a terminal, for rank 0); the tensors named in keep_blocks
     come as raw blocks (see raw_blocks) instead."""
@@ -137,11 +134,14 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
     return ArchConfig.from_gguf_metadata(FastGGUFReader(str(file)))
 
 
-def load_gguf_model(path: Path, dtype: Union[str, torch.dtype],
-                    device: Union[str, torch.device],
-                    tp: TensorParallel = SINGLE_RANK,
-                    quantization: str | None = None,
-                    quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
+def load_gguf_model(
+    path: Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    tp: TensorParallel = SINGLE_RANK,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+) -> tuple[nn.Module, ArchConfig]:
 
     file = find_gguf_file(path)
     if file is None:

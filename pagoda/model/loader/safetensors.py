@@ -7,8 +7,8 @@ into the model's load_weights, so peak extra memory is one tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -16,10 +16,10 @@ from torch import nn
 
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
-from pagoda.model.parallel import SINGLE_RANK, TensorParallel
-from pagoda.progress import progress, progress_enabled
 from pagoda.model.loader.build import build_model
+from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.quant.registry import resolve_quant_config
+from pagoda.progress import progress, progress_enabled
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -40,7 +40,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(files: list[Path], rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(
+    files: list[Path], rank: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every file in turn, with a progress bar on a terminal for rank 0
     (its total counts tensors: only the files' headers are read for it)."""
     total = None
@@ -67,17 +69,21 @@ def read_arch_config(model_dir: Path) -> ArchConfig:
     return ArchConfig.from_hf_config(json.loads(config_file.read_text()))
 
 
-def load_safetensors_model(model_dir: Path, dtype: Union[str, torch.dtype],
-                           device: Union[str, torch.device],
-                           tp: TensorParallel = SINGLE_RANK,
-                           quantization: str | None = None,
-                           quantize_lm_head: bool = False) -> tuple[nn.Module, ArchConfig]:
+def load_safetensors_model(
+    model_dir: Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    tp: TensorParallel = SINGLE_RANK,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+) -> tuple[nn.Module, ArchConfig]:
     """The model with its weights loaded (quantized layers not yet processed: the
     caller, pagoda.model.loader.load_model, does that)."""
 
     arch = read_arch_config(model_dir)
-    quant = resolve_quant_config(quantization, arch.quantization_config, "safetensors",
-                                 quantize_lm_head=quantize_lm_head)
+    quant = resolve_quant_config(
+        quantization, arch.quantization_config, "safetensors", quantize_lm_head=quantize_lm_head
+    )
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     model.load_weights(iter_safetensors_weights(safetensors_files(model_dir), tp.rank))
     return model, arch

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -44,8 +43,8 @@ class ShardDims:
     scalar at its index.
     """
 
-    output_dim: Optional[int] = None
-    input_dim: Optional[int] = None
+    output_dim: int | None = None
+    input_dim: int | None = None
     output_block: int = 1
     input_block: int = 1
     per_shard: bool = False
@@ -70,16 +69,19 @@ def shard_dims_of(param: nn.Parameter) -> ShardDims:
 
 
 # Pagoda's merged layers and the checkpoint layers each one holds, in order.
-MERGED_CHECKPOINT_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                            "gate_up_proj": ("gate_proj", "up_proj")}
+MERGED_CHECKPOINT_LAYERS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def checkpoint_layers(prefix: str) -> list[str]:
     """The checkpoint's module names behind the layer named prefix
     ('model.layers.0.self_attn.qkv_proj' -> its q_proj, k_proj, v_proj)."""
     head, _, last = prefix.rpartition(".")
-    return [f"{head}.{part}" if head else part
-            for part in MERGED_CHECKPOINT_LAYERS.get(last, (last,))]
+    return [
+        f"{head}.{part}" if head else part for part in MERGED_CHECKPOINT_LAYERS.get(last, (last,))
+    ]
 
 
 def replace_parameter(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -98,19 +100,22 @@ class ShardPlan:
     shard_index: the merged shard (0 for an unmerged layer), for per-shard parameters.
     """
 
-    out: Optional[tuple[int, int, int]] = None
-    inp: Optional[tuple[int, int]] = None
+    out: tuple[int, int, int] | None = None
+    inp: tuple[int, int] | None = None
     shard_index: int = 0
 
 
-def _narrow_blocks(tensor: torch.Tensor, dim: int, start: int, size: int, block: int,
-                   what: str) -> torch.Tensor:
+def _narrow_blocks(
+    tensor: torch.Tensor, dim: int, start: int, size: int, block: int, what: str
+) -> torch.Tensor:
     if start % block != 0:
         raise ValueError(f"{what}: shard starts at {start}, not on a block of {block}")
     first, count = start // block, -(-size // block)
     if first + count > tensor.shape[dim]:
-        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} has no "
-                         f"[{first}, {first + count}) along dim {dim}")
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(tensor.shape)} has no "
+            f"[{first}, {first + count}) along dim {dim}"
+        )
     return tensor.narrow(dim, first, count)
 
 
@@ -120,8 +125,9 @@ def load_sharded(param: nn.Parameter, loaded: torch.Tensor, plan: ShardPlan, wha
     dst, src = param.data, loaded
     if dims.per_shard:
         if src.numel() != 1:
-            raise ValueError(f"{what}: a per-tensor value must hold one element, got shape "
-                             f"{tuple(src.shape)}")
+            raise ValueError(
+                f"{what}: a per-tensor value must hold one element, got shape {tuple(src.shape)}"
+            )
         dst = dst.narrow(0, plan.shard_index, 1)
         src = src.reshape(1)
     else:
@@ -133,11 +139,14 @@ def load_sharded(param: nn.Parameter, loaded: torch.Tensor, plan: ShardPlan, wha
             start, size = plan.inp
             src = _narrow_blocks(src, dims.input_dim, start, size, dims.input_block, what)
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match "
-                         f"parameter shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(src.shape)} does not match "
+            f"parameter shape {tuple(dst.shape)}"
+        )
     if dst.dtype != src.dtype and not (dst.is_floating_point() and src.is_floating_point()):
-        raise ValueError(f"{what}: checkpoint dtype {src.dtype} cannot be stored in a "
-                         f"{dst.dtype} parameter")
+        raise ValueError(
+            f"{what}: checkpoint dtype {src.dtype} cannot be stored in a {dst.dtype} parameter"
+        )
     with torch.no_grad():
         dst.copy_(src)
 
@@ -156,11 +165,15 @@ class Fp8Activation:
     def __post_init__(self) -> None:
         m = self.data.shape[0] if self.data.dim() == 2 else -1
         if self.data.dtype != torch.float8_e4m3fn or m < 0:
-            raise ValueError(f"Fp8Activation data must be a [M, K] float8_e4m3fn tensor, got "
-                             f"{tuple(self.data.shape)} {self.data.dtype}")
+            raise ValueError(
+                f"Fp8Activation data must be a [M, K] float8_e4m3fn tensor, got "
+                f"{tuple(self.data.shape)} {self.data.dtype}"
+            )
         if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (m, 1):
-            raise ValueError(f"Fp8Activation scale must be [{m}, 1] float32, got "
-                             f"{tuple(self.scale.shape)} {self.scale.dtype}")
+            raise ValueError(
+                f"Fp8Activation scale must be [{m}, 1] float32, got "
+                f"{tuple(self.scale.shape)} {self.scale.dtype}"
+            )
 
     @property
     def shape(self) -> torch.Size:
@@ -172,10 +185,11 @@ class Fp8Activation:
         return self.data.shape[0]
 
     @classmethod
-    def quantize(cls, x: torch.Tensor) -> "Fp8Activation":
+    def quantize(cls, x: torch.Tensor) -> Fp8Activation:
         """x [..., K] quantized per token by per_token_quant_fp8 (the unfused path: what
         an FP8 linear does to its float input)."""
         from pagoda.kernels.fp8.quant import per_token_quant_fp8  # imports triton
+
         data, scale = per_token_quant_fp8(x.reshape(-1, x.shape[-1]))
         return cls(data, scale, x.dtype)
 
@@ -194,8 +208,9 @@ class LinearMethod(ABC):
     name: str = "?"
 
     @abstractmethod
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
         """Registers the layer's weight parameters (not the bias) on the meta device,
         each with ``shard_dims`` and ``weight_loader = LayerWeightLoader(layer)``; a
         parameter whose dtype is not the model's sets ``keep_dtype = True``.
@@ -205,8 +220,9 @@ class LinearMethod(ABC):
         """Turns the loaded parameters into the layout apply() wants (default: as is)."""
 
     @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [M, in_per_rank] -> [M, out_per_rank] (+ bias), in x's dtype."""
 
     def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
@@ -215,16 +231,19 @@ class LinearMethod(ABC):
         it would quantize the activation exactly so itself. Default: never."""
         return False
 
-    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply_fp8(
+        self, layer: nn.Module, x: Fp8Activation, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """An Fp8Activation [M, in_per_rank] -> [M, out_per_rank] (+ bias) in x.dtype,
         equal to apply() on the float activation it quantizes. The default refuses: a
         method that does not quantize its input that way cannot take one."""
-        raise ValueError(f"the {self.name} linear method takes no pre-quantized FP8 "
-                         f"activation (its takes_fp8_input is False); pass the float "
-                         f"activation")
+        raise ValueError(
+            f"the {self.name} linear method takes no pre-quantized FP8 "
+            f"activation (its takes_fp8_input is False); pass the float "
+            f"activation"
+        )
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free [gate | up] layer, [M, out_per_rank / 2], where
         the method computes it in one step (a fused kernel); None (the default, and for
         inputs the fused kernel does not take) makes the caller run apply() and the
@@ -238,20 +257,22 @@ class QuantConfig(ABC):
     name: str = "?"
 
     @abstractmethod
-    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+    def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         """The method for the linear layer named prefix (e.g.
         'model.layers.0.self_attn.qkv_proj'); None keeps it unquantized."""
 
-    def lm_head_method(self) -> Optional[LinearMethod]:
+    def lm_head_method(self) -> LinearMethod | None:
         """The method for the LM head, or None (unquantized). It must quantize from the
         float weight after loading (the head may share its weight with the embedding)."""
         return None
 
-    def with_quantized_lm_head(self) -> "QuantConfig":
+    def with_quantized_lm_head(self) -> QuantConfig:
         """This scheme with its LM head quantized too (--quantize-lm-head); the default
         refuses: only FP8 offers it."""
-        raise ValueError(f"--quantize-lm-head is an FP8 option; the {self.name} scheme "
-                         f"keeps its own LM head choice")
+        raise ValueError(
+            f"--quantize-lm-head is an FP8 option; the {self.name} scheme "
+            f"keeps its own LM head choice"
+        )
 
     def check_device(self, device: torch.device) -> None:
         """Raises ValueError when this scheme cannot run on device."""

@@ -24,22 +24,25 @@ These are CPU methods: on a GPU the schemes refuse to run (use fp8 there).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
-from pagoda.model.quant.base import (WEIGHT_DIMS, LinearMethod, QuantConfig, ShardDims,
-                                     replace_parameter)
-from pagoda.model.quant.cpu_kernels import (BLOCK_BYTES, QK, blocks_mm, quantize_q4_1,
-                                            quantize_q8_0)
+from pagoda.model.quant.base import (
+    WEIGHT_DIMS,
+    LinearMethod,
+    QuantConfig,
+    ShardDims,
+    replace_parameter,
+)
+from pagoda.model.quant.cpu_kernels import BLOCK_BYTES, QK, blocks_mm, quantize_q4_1, quantize_q8_0
 
 # A blocks tensor [out, in / 32, bytes]: rows follow the output, blocks the input.
 BLOCK_DIMS = ShardDims(output_dim=0, input_dim=1, input_block=QK)
 
 
-def apply_blocks(layer: nn.Module, x: torch.Tensor, kind: str,
-                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_blocks(
+    layer: nn.Module, x: torch.Tensor, kind: str, bias: torch.Tensor | None
+) -> torch.Tensor:
     shape = x.shape
     y = blocks_mm(x.reshape(-1, shape[-1]).to(torch.float32), layer.weight, kind)
     if bias is not None:
@@ -49,8 +52,10 @@ def apply_blocks(layer: nn.Module, x: torch.Tensor, kind: str,
 
 def _check_cpu(name: str, device: torch.device) -> None:
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--quantization {name} is a CPU method (its kernel is x86 AVX2); "
-                         f"on a {torch.device(device).type} device use --quantization fp8")
+        raise ValueError(
+            f"--quantization {name} is a CPU method (its kernel is x86 AVX2); "
+            f"on a {torch.device(device).type} device use --quantization fp8"
+        )
 
 
 class OnlineBlockMethod(LinearMethod):
@@ -63,30 +68,34 @@ class OnlineBlockMethod(LinearMethod):
         self.kind = kind
         self.name = f"{kind}-online"
 
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
         if in_per_rank % QK:
-            raise ValueError(f"{self.kind} needs in_features per rank divisible by {QK}, "
-                             f"got {in_per_rank}")
+            raise ValueError(
+                f"{self.kind} needs in_features per rank divisible by {QK}, got {in_per_rank}"
+            )
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
         if weight.shape[-1] % QK:
-            raise ValueError(f"{self.kind} needs in_features divisible by {QK}, got "
-                             f"{weight.shape[-1]}")
+            raise ValueError(
+                f"{self.kind} needs in_features divisible by {QK}, got {weight.shape[-1]}"
+            )
         quantize = quantize_q8_0 if self.kind == "q8_0" else quantize_q4_1
         replace_parameter(layer, "weight", quantize(weight.data.float().cpu()))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return apply_blocks(layer, x, self.kind, bias)
 
 
 class CpuBlockConfig(QuantConfig):
     """What int8, int4 and gguf share: CPU only, a Q8_0 LM head, float activations."""
 
-    def lm_head_method(self) -> Optional[LinearMethod]:
+    def lm_head_method(self) -> LinearMethod | None:
         return OnlineBlockMethod("q8_0")
 
     def check_device(self, device: torch.device) -> None:
@@ -104,12 +113,12 @@ def block_ready(layer: nn.Module) -> bool:
 class Int8QuantConfig(CpuBlockConfig):
     name = "int8"
 
-    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+    def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         return OnlineBlockMethod("q8_0") if block_ready(layer) else None
 
 
 class Int4QuantConfig(CpuBlockConfig):
     name = "int4"
 
-    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+    def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         return OnlineBlockMethod("q4_1") if block_ready(layer) else None

@@ -39,7 +39,6 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -72,21 +71,25 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 def _check_blocks(blocks: torch.Tensor, kind: str) -> None:
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != BLOCK_BYTES[kind]:
-        raise ValueError(f"{kind} weight must be uint8 [out, in/{QK}, {BLOCK_BYTES[kind]}], got "
-                         f"{blocks.dtype} {tuple(blocks.shape)}")
+        raise ValueError(
+            f"{kind} weight must be uint8 [out, in/{QK}, {BLOCK_BYTES[kind]}], got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
 
 
 def _fp16_bytes(values: torch.Tensor, what: str) -> torch.Tensor:
     """float [...] -> uint8 [..., 2] (little-endian fp16); refuses values fp16 cannot hold."""
     half = values.to(torch.float16)
     if not torch.isfinite(half).all():
-        raise ValueError(f"{what} overflows float16 (|value| > 65504): cannot store the "
-                         f"weight in GGUF-style blocks")
+        raise ValueError(
+            f"{what} overflows float16 (|value| > 65504): cannot store the "
+            f"weight in GGUF-style blocks"
+        )
     return half.view(torch.uint8).view(*values.shape, 2)
 
 
 def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
@@ -124,9 +127,9 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*w.shape[:2], Q4_1_BYTES, dtype=torch.uint8)
     out[..., :2] = _fp16_bytes(d, "a Q4_1 scale")
     out[..., 2:4] = _fp16_bytes(m, "a Q4_1 minimum")
-    q = ((w - m.float().unsqueeze(-1)) * _inverse(d.float()).unsqueeze(-1))
+    q = (w - m.float().unsqueeze(-1)) * _inverse(d.float()).unsqueeze(-1)
     q = q.round_().clamp_(0, 15).to(torch.uint8)
-    out[..., 4:] = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
+    out[..., 4:] = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
     return out
 
 
@@ -134,8 +137,10 @@ def q4_0_to_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_0 blocks [..., 18] -> Q4_1 blocks [..., 20] holding the same weights exactly:
     d (q - 8) = d q + m with m = -8 d (a power-of-two multiple: exact in fp16)."""
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != Q4_0_BYTES:
-        raise ValueError(f"Q4_0 blocks must be uint8 [..., {Q4_0_BYTES}], got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}")
+        raise ValueError(
+            f"Q4_0 blocks must be uint8 [..., {Q4_0_BYTES}], got {blocks.dtype} "
+            f"{tuple(blocks.shape)}"
+        )
     d = _fp16_field(blocks, 0)
     m = _fp16_bytes(-8 * d, "a Q4_0 scale times 8")
     return torch.cat([blocks[..., :2], m, blocks[..., 2:]], dim=-1).contiguous()
@@ -178,14 +183,15 @@ def reference_gemv_q8(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch
 # --- the native kernel -------------------------------------------------------------
 
 _lock = threading.Lock()
-_native: Optional[ctypes.CDLL] = None
-_native_error: Optional[str] = None
+_native: ctypes.CDLL | None = None
+_native_error: str | None = None
 _loaded = False
 
 
 def _cache_dir() -> Path:
     root = os.environ.get("PAGODA_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda"
+    )
     return Path(root) / "cpu_kernels"
 
 
@@ -193,8 +199,9 @@ def _build() -> ctypes.CDLL:
     """Compiles the kernel sources once per source/flags/compiler (cached by hash) and
     loads the library."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"the CPU lacks AVX2 (torch reports "
-                           f"{torch.backends.cpu.get_cpu_capability()})")
+        raise RuntimeError(
+            f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        )
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc, or $CC) to build the kernel")
@@ -206,8 +213,9 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed to build the kernel: {proc.stderr[-2000:]}")
             os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
@@ -231,7 +239,7 @@ def _build() -> ctypes.CDLL:
     return so
 
 
-def native_kernel() -> Optional[ctypes.CDLL]:
+def native_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None when it cannot be built here (see native_status)."""
     global _native, _native_error, _loaded
     if not _loaded:
@@ -261,8 +269,9 @@ def native_dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
         return dequantize(blocks, kind)
     n, nb, _ = blocks.shape
     out = torch.empty(n, nb * QK, dtype=torch.float32)
-    getattr(so, f"pagoda_{kind}_dequant")(blocks.data_ptr(), n, nb * QK, out.data_ptr(),
-                                          torch.get_num_threads())
+    getattr(so, f"pagoda_{kind}_dequant")(
+        blocks.data_ptr(), n, nb * QK, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
@@ -280,32 +289,66 @@ def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0] == 1 and QUANTIZE_ACTIVATIONS:
         fn = so.pagoda_q4_1_gemv_q8 if kind == "q4_1" else so.pagoda_q8_0_gemv_q8
-        if fn(x.data_ptr(), x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
-              torch.get_num_threads()) != 0:
+        if (
+            fn(
+                x.data_ptr(),
+                x.shape[1],
+                blocks.data_ptr(),
+                n,
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+            != 0
+        ):
             raise MemoryError("the quantized matmul kernel could not allocate its activation")
         return y
 
     fn = so.pagoda_q4_1_mm if kind == "q4_1" else so.pagoda_q8_0_mm
-    if fn(x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(),
-          torch.get_num_threads()) != 0:
+    if (
+        fn(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            blocks.data_ptr(),
+            n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise MemoryError("the quantized matmul kernel could not allocate its tile buffer")
     return y
 
 
-def float_small_mm(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+def float_small_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K].T for float32 CPU tensors through the kernel's register
     tiles (one pass over the weight), or None where the kernel does not apply (no
     native kernel, K not a multiple of 8, another dtype or device). Not bit-identical to
     F.linear: the sums run in another order (float32 rounding)."""
     so = native_kernel()
-    if (so is None or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or weight.device.type != "cpu"
-            or not weight.is_contiguous() or weight.shape[1] != x.shape[1] or x.shape[1] % 8):
+    if (
+        so is None
+        or x.dim() != 2
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+        or weight.shape[1] != x.shape[1]
+        or x.shape[1] % 8
+    ):
         return None
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    so.pagoda_f32_mm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
-                     y.data_ptr(), torch.get_num_threads())
+    so.pagoda_f32_mm(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.data_ptr(),
+        weight.shape[0],
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -315,8 +358,9 @@ def float_small_mm(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tens
 SMALL_ROWS = 32
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """linear(), except that 2 to SMALL_ROWS float32 rows on the CPU go through the
     register-tile kernel when it is available (see the module docstring)."""
     if x.device.type == "cpu" and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_ROWS:

@@ -27,7 +27,7 @@ kernels' torch references, which is how CI checks the layers.
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -56,20 +56,25 @@ FP8_INPUT_DEVICES = ("cuda",)
 def check_fp8_device(device: torch.device) -> None:
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError("fp8 quantization runs on NVIDIA GPUs with FP8 tensor cores (compute "
-                         "capability 8.9+: Ada, Hopper); on the CPU use --quantization int8 "
-                         "or int4")
+        raise ValueError(
+            "fp8 quantization runs on NVIDIA GPUs with FP8 tensor cores (compute "
+            "capability 8.9+: Ada, Hopper); on the CPU use --quantization int8 "
+            "or int4"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
-        raise ValueError(f"fp8 quantization needs compute capability 8.9+ (Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} has "
-                         f"{capability[0]}.{capability[1]}")
+        raise ValueError(
+            f"fp8 quantization needs compute capability 8.9+ (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} has "
+            f"{capability[0]}.{capability[1]}"
+        )
 
 
 def check_fp8_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8 quantization computes in bfloat16 or float16, not {dtype}: "
-                         f"pass --dtype bfloat16")
+        raise ValueError(
+            f"fp8 quantization computes in bfloat16 or float16, not {dtype}: pass --dtype bfloat16"
+        )
 
 
 def spread_per_shard(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.Tensor:
@@ -78,8 +83,13 @@ def spread_per_shard(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.
     return torch.repeat_interleave(values.float(), sizes)
 
 
-def linear_static_input(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                        input_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear_static_input(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """W8A8 with the checkpoint's per-tensor activation scale. Decode sizes take the
     W8A16 kernel like the dynamic scheme (the activation is not quantized there)."""
     k = x.shape[-1]
@@ -105,15 +115,18 @@ def per_token_input_wanted(layer: nn.Module, num_rows: int) -> bool:
     return num_rows > kernels.W8A16_MAX_M and layer.weight.device.type in FP8_INPUT_DEVICES
 
 
-def linear_fp8_input(x: Fp8Activation, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear_fp8_input(
+    x: Fp8Activation, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """What fp8_linear computes after its per_token_quant_fp8 call (w8a8_linear), on an
     activation its producer quantized, so the result equals fp8_linear on the float
     activation. -> [M, N] in x.dtype."""
     n, k = w_fp8.shape
     if x.data.shape[1] != k or x.data.device != w_fp8.device:
-        raise ValueError(f"an FP8 activation {tuple(x.data.shape)} on {x.data.device} "
-                         f"cannot multiply a [{n}, {k}] weight on {w_fp8.device}")
+        raise ValueError(
+            f"an FP8 activation {tuple(x.data.shape)} on {x.data.device} "
+            f"cannot multiply a [{n}, {k}] weight on {w_fp8.device}"
+        )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
     scale = w_scale.reshape(n).to(torch.float32).contiguous()  # as fp8_linear takes it
@@ -125,8 +138,9 @@ class Fp8OnlineLinearMethod(LinearMethod):
 
     name = "fp8"
 
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -134,8 +148,9 @@ class Fp8OnlineLinearMethod(LinearMethod):
         replace_parameter(layer, "weight", weight)
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(x, Fp8Activation):
             return self.apply_fp8(layer, x, bias)
         return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
@@ -143,11 +158,12 @@ class Fp8OnlineLinearMethod(LinearMethod):
     def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
         return per_token_input_wanted(layer, num_rows)
 
-    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply_fp8(
+        self, layer: nn.Module, x: Fp8Activation, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return linear_fp8_input(x, layer.weight, layer.weight_scale, bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return kernels.fp8_linear_silu_and_mul(x, layer.weight, layer.weight_scale)
 
 
@@ -159,8 +175,13 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     static_input: the checkpoint holds a per-tensor input_scale per shard.
     """
 
-    def __init__(self, strategy: str, block: Optional[tuple[int, int]] = None,
-                 scale_name: str = "weight_scale", static_input: bool = False) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        block: tuple[int, int] | None = None,
+        scale_name: str = "weight_scale",
+        static_input: bool = False,
+    ) -> None:
         if strategy not in ("channel", "tensor", "block"):
             raise ValueError(f"unknown FP8 weight strategy {strategy!r}")
         if (strategy == "block") != (block is not None):
@@ -171,10 +192,15 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         self.static_input = static_input
         self.name = f"fp8 ({strategy}{'' if block is None else f' {block[0]}x{block[1]}'})"
 
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
-        layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank, dtype=FP8_DTYPE),
-                              WEIGHT_DIMS, keep_dtype=True)
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
+        layer.register_weight(
+            "weight",
+            torch.empty(out_per_rank, in_per_rank, dtype=FP8_DTYPE),
+            WEIGHT_DIMS,
+            keep_dtype=True,
+        )
         if self.strategy == "channel":
             scale, dims = torch.empty(out_per_rank, 1), OUTPUT_VECTOR_DIMS
         elif self.strategy == "tensor":
@@ -185,8 +211,9 @@ class Fp8CheckpointLinearMethod(LinearMethod):
             dims = ShardDims(output_dim=0, input_dim=1, output_block=bn, input_block=bk)
         layer.register_weight(self.scale_name, scale.float(), dims, keep_dtype=True)
         if self.static_input:
-            layer.register_weight("input_scale", torch.empty(num_shards),
-                                  ShardDims(per_shard=True), keep_dtype=True)
+            layer.register_weight(
+                "input_scale", torch.empty(num_shards), ShardDims(per_shard=True), keep_dtype=True
+            )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = getattr(layer, self.scale_name).data
@@ -197,8 +224,9 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if self.static_input:
             replace_parameter(layer, "input_scale", layer.input_scale.data.max().reshape(1).float())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(x, Fp8Activation):
             return self.apply_fp8(layer, x, bias)
         scale = getattr(layer, self.scale_name)
@@ -215,16 +243,22 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def takes_fp8_input(self, layer: nn.Module, num_rows: int) -> bool:
         return self._per_token() and per_token_input_wanted(layer, num_rows)
 
-    def apply_fp8(self, layer: nn.Module, x: Fp8Activation,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply_fp8(
+        self, layer: nn.Module, x: Fp8Activation, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if not self._per_token():
-            how = ("in groups of block columns" if self.strategy == "block"
-                   else "with the checkpoint's static input_scale")
-            raise ValueError(f"the {self.name} method quantizes its activation {how}, not "
-                             f"per token: it cannot take a per-token Fp8Activation")
+            how = (
+                "in groups of block columns"
+                if self.strategy == "block"
+                else "with the checkpoint's static input_scale"
+            )
+            raise ValueError(
+                f"the {self.name} method quantizes its activation {how}, not "
+                f"per token: it cannot take a per-token Fp8Activation"
+            )
         return linear_fp8_input(x, layer.weight, getattr(layer, self.scale_name), bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         if self.strategy == "block":  # the gated kernel takes per-channel scales
             return None
         return kernels.fp8_linear_silu_and_mul(x, layer.weight, getattr(layer, self.scale_name))
@@ -233,24 +267,29 @@ class Fp8CheckpointLinearMethod(LinearMethod):
 class Fp8Config(QuantConfig):
     """FP8 for every linear layer except those the checkpoint leaves in float (ignored)."""
 
-    def __init__(self, method: LinearMethod, ignored: Sequence[str] = (),
-                 name: str = "fp8", fp8_lm_head: bool = False) -> None:
+    def __init__(
+        self,
+        method: LinearMethod,
+        ignored: Sequence[str] = (),
+        name: str = "fp8",
+        fp8_lm_head: bool = False,
+    ) -> None:
         """fp8_lm_head: the LM head quantized per channel at load time as well (from
         its float weight; a checkpoint's FP8 scheme leaves it in float)."""
         self.method, self.ignored, self.name = method, tuple(ignored), name
         self.fp8_lm_head = fp8_lm_head
 
     @classmethod
-    def online(cls) -> "Fp8Config":
+    def online(cls) -> Fp8Config:
         return cls(Fp8OnlineLinearMethod())
 
-    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+    def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         return None if is_ignored(prefix, self.ignored) else self.method
 
-    def lm_head_method(self) -> Optional[LinearMethod]:
+    def lm_head_method(self) -> LinearMethod | None:
         return Fp8OnlineLinearMethod() if self.fp8_lm_head else None
 
-    def with_quantized_lm_head(self) -> "Fp8Config":
+    def with_quantized_lm_head(self) -> Fp8Config:
         return Fp8Config(self.method, self.ignored, self.name, fp8_lm_head=True)
 
     def check_device(self, device: torch.device) -> None:
@@ -271,8 +310,10 @@ def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:
     parts = checkpoint_layers(prefix)
     hits = [_matches(part, ignored) for part in parts]
     if any(hits) and not all(hits):
-        raise ValueError(f"the checkpoint keeps only some of {', '.join(parts)} unquantized; "
-                         f"Pagoda multiplies them as one layer ({prefix}) and needs all or none")
+        raise ValueError(
+            f"the checkpoint keeps only some of {', '.join(parts)} unquantized; "
+            f"Pagoda multiplies them as one layer ({prefix}) and needs all or none"
+        )
     return all(hits)
 
 

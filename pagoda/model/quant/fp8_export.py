@@ -27,21 +27,32 @@ SCHEMES = ("channel", "block")
 
 def _is_projection(name: str) -> bool:
     return name.startswith("model.layers.") and any(
-        name.endswith(f".{p}.weight") for p in PROJECTIONS)
+        name.endswith(f".{p}.weight") for p in PROJECTIONS
+    )
 
 
 def quantization_config(scheme: str) -> dict:
     if scheme == "channel":
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-        return {"quant_method": "compressed-tensors", "format": "float-quantized",
-                "config_groups": {"group_0": {
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
                     "targets": ["Linear"],
                     "weights": {**fp8, "strategy": "channel", "dynamic": False},
-                    "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
-                "ignore": ["lm_head"]}
+                    "input_activations": {**fp8, "strategy": "token", "dynamic": True},
+                }
+            },
+            "ignore": ["lm_head"],
+        }
     if scheme == "block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     raise ValueError(f"unknown FP8 scheme {scheme!r}; one of {', '.join(SCHEMES)}")
 
 
@@ -51,7 +62,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str) -> dict[str,
         if not _is_projection(name):
             out[name] = tensor
             continue
-        stem = name[:-len(".weight")]
+        stem = name[: -len(".weight")]
         if scheme == "channel":
             weight, scale = quantize_weight_per_channel(tensor)
             out[f"{stem}.weight_scale"] = scale.reshape(-1, 1).float()
@@ -70,8 +81,11 @@ def export_fp8(src: Path, dst: Path, scheme: str) -> None:
     config["quantization_config"] = quantization_config(scheme)
     dst.mkdir(parents=True, exist_ok=True)
     for file in src.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and file.name not in (
-                "config.json", "model.safetensors.index.json"):
+        if (
+            file.is_file()
+            and file.suffix != ".safetensors"
+            and file.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy2(file, dst / file.name)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}

@@ -11,15 +11,16 @@ LM head is Q8_0 from its float weight (cpu_int.CpuBlockConfig).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from pagoda.model.loader.gguf import gguf_tensor_types
 from pagoda.model.quant.base import LinearMethod, checkpoint_layers, replace_parameter
 from pagoda.model.quant.cpu_int import BLOCK_DIMS, CpuBlockConfig, apply_blocks, block_ready
 from pagoda.model.quant.cpu_kernels import BLOCK_BYTES, Q4_0_BYTES, QK, q4_0_to_q4_1
-from pagoda.model.loader.gguf import gguf_tensor_types
+
 
 class GGUFBlockMethod(LinearMethod):
     """A layer whose checkpoint tensors are GGUF blocks of one type (Q4_0, Q4_1 or
@@ -34,22 +35,28 @@ class GGUFBlockMethod(LinearMethod):
         self.ggml_type, self.kind = ggml_type, self._KIND[ggml_type]
         self.name = f"gguf-{ggml_type.lower()}"
 
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
         if in_per_rank % QK:
-            raise ValueError(f"GGUF blocks need in_features per rank divisible by {QK}, "
-                             f"got {in_per_rank}")
+            raise ValueError(
+                f"GGUF blocks need in_features per rank divisible by {QK}, got {in_per_rank}"
+            )
         layer.register_weight(
-            "weight", torch.empty(out_per_rank, in_per_rank // QK,
-                                   self._FILE_BYTES[self.ggml_type], dtype=torch.uint8),
-            BLOCK_DIMS)
+            "weight",
+            torch.empty(
+                out_per_rank, in_per_rank // QK, self._FILE_BYTES[self.ggml_type], dtype=torch.uint8
+            ),
+            BLOCK_DIMS,
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.ggml_type == "Q4_0":
             replace_parameter(layer, "weight", q4_0_to_q4_1(layer.weight.data))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return apply_blocks(layer, x, self.kind, bias)
 
 
@@ -66,7 +73,7 @@ class GGUFQuantConfig(CpuBlockConfig):
         self._raw: set[str] = set()
 
     @classmethod
-    def from_reader(cls, reader) -> "GGUFQuantConfig":
+    def from_reader(cls, reader) -> GGUFQuantConfig:
         """The scheme for the open GGUF file (a gguf.GGUFReader)."""
 
         return cls(gguf_tensor_types(reader))
@@ -75,7 +82,7 @@ class GGUFQuantConfig(CpuBlockConfig):
         """The checkpoint weights merged into the layer named prefix."""
         return [f"{name}.weight" for name in checkpoint_layers(prefix)]
 
-    def linear_method(self, prefix: str, layer: nn.Module) -> Optional[LinearMethod]:
+    def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         names = self.tensor_names(prefix)
         types = {self.tensor_types.get(n) for n in names}
         if len(types) != 1 or None in types or not block_ready(layer):

@@ -7,13 +7,11 @@ model runner; pagoda.kernels.gemv.config) take the Triton GEMV instead
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
-from pagoda.model.quant.cpu_kernels import rows_linear
 from pagoda.model.quant.base import WEIGHT_DIMS, LinearMethod
+from pagoda.model.quant.cpu_kernels import rows_linear
 
 # Devices whose steps may take the Triton GEMV. Its module is imported on first use there,
 # so CPU-only runs never load triton. (Tests add "cpu": the kernel's interpreter.)
@@ -25,6 +23,7 @@ def _gemv_router():
     global _maybe_gemv
     if _maybe_gemv is None:
         from pagoda.kernels.gemv.gemv import maybe_gemv  # Triton: CUDA only
+
         _maybe_gemv = maybe_gemv
     return _maybe_gemv
 
@@ -32,12 +31,14 @@ def _gemv_router():
 class UnquantizedLinearMethod(LinearMethod):
     name = "unquantized"
 
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int,
-                       num_shards: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_per_rank: int, out_per_rank: int, num_shards: int
+    ) -> None:
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if x.device.type in GEMV_DEVICES:
             # None unless tuned faster than cuBLAS at this shape.
             y = _gemv_router()(x, layer.weight, bias, layer.gemv_config)

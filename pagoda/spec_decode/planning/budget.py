@@ -57,8 +57,8 @@ engine-wide estimate.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 # A draft expected to be accepted less often than this is not proposed: what one more
 # verification row (and its proposer work) costs, in tokens, where the step is not
@@ -106,15 +106,22 @@ class _RequestState:
 
 def _gain(alpha: float, k: int) -> float:
     """Expected extra tokens of drafts 1..k: alpha + ... + alpha ** k."""
-    return sum(alpha ** i for i in range(1, k + 1))
+    return sum(alpha**i for i in range(1, k + 1))
 
 
 class SpecBudget:
-    def __init__(self, max_k: int, compute_bound_tokens: int, adaptive: bool = True,
-                 decay: float = DEFAULT_DECAY, min_gain: float = MIN_GAIN,
-                 prior_weight: float = PRIOR_WEIGHT, drafting_holds: bool = False,
-                 probe_interval: int = PROBE_INTERVAL,
-                 max_probe_interval: int = MAX_PROBE_INTERVAL) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        compute_bound_tokens: int,
+        adaptive: bool = True,
+        decay: float = DEFAULT_DECAY,
+        min_gain: float = MIN_GAIN,
+        prior_weight: float = PRIOR_WEIGHT,
+        drafting_holds: bool = False,
+        probe_interval: int = PROBE_INTERVAL,
+        max_probe_interval: int = MAX_PROBE_INTERVAL,
+    ) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if compute_bound_tokens < 1:
@@ -122,8 +129,10 @@ class SpecBudget:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if not 1 <= probe_interval <= max_probe_interval:
-            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got "
-                             f"{probe_interval} and {max_probe_interval}")
+            raise ValueError(
+                f"need 1 <= probe_interval <= max_probe_interval, got "
+                f"{probe_interval} and {max_probe_interval}"
+            )
         self.max_k = max_k
         self.compute_bound_tokens = compute_bound_tokens
         self.adaptive = adaptive
@@ -185,8 +194,9 @@ class SpecBudget:
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    def choose(self, req_ids: Iterable[str], base_tokens: int,
-               num_running: Optional[int] = None) -> dict[str, int]:
+    def choose(
+        self, req_ids: Iterable[str], base_tokens: int, num_running: int | None = None
+    ) -> dict[str, int]:
         """Each request's draft count for this step (every request gets an entry).
         num_running: the requests running in the step (default: len(req_ids))."""
         req_ids = list(req_ids)
@@ -239,7 +249,7 @@ class SpecBudget:
             return dict(wanted)
         gains: list[tuple[float, int, int, str]] = []
         for order, (rid, k) in enumerate(wanted.items()):
-            gains.extend((-alphas[rid] ** i, order, i, rid) for i in range(1, k + 1))
+            gains.extend((-(alphas[rid] ** i), order, i, rid) for i in range(1, k + 1))
         gains.sort()
         chosen = {rid: 0 for rid in wanted}
         for _, _, _, rid in gains[:spare]:

@@ -34,8 +34,6 @@ must_wait): the host proposer (n-gram) needs step N's tokens on the host to draf
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request
 
@@ -54,8 +52,9 @@ class DraftRollback:
     """Takes back a step's rejected drafts: num_computed_tokens, and the blocks an
     optimistic later step took for them."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, num_lookahead_tokens: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, num_lookahead_tokens: int, max_model_len: int
+    ) -> None:
         """num_lookahead_tokens, max_model_len: the scheduler's (the synchronous
         schedule reserves that many slots past its tokens, none past max_model_len)."""
         self.kv_cache_manager = kv_cache_manager
@@ -73,8 +72,10 @@ class DraftRollback:
         request.num_computed_tokens -= rejected
         if request.num_output_placeholders:  # a later step in flight took worst-case slots
             # What the synchronous schedule holds: its tokens and lookahead slots.
-            needed = min(request.num_computed_tokens + self.num_lookahead_tokens,
-                         max(self.max_model_len, request.num_computed_tokens))
+            needed = min(
+                request.num_computed_tokens + self.num_lookahead_tokens,
+                max(self.max_model_len, request.num_computed_tokens),
+            )
             kept = self.kv_cache_manager.trim(request, needed)
             if kept is not None:
                 self._trims[request.request_id] = kept
@@ -84,6 +85,6 @@ class DraftRollback:
         trims, self._trims = self._trims, {}
         return trims
 
-    def forget(self, req_id: str) -> Optional[int]:
+    def forget(self, req_id: str) -> int | None:
         """Drops a pending trim (the worker drops the request's table itself)."""
         return self._trims.pop(req_id, None)

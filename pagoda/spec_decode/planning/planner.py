@@ -28,12 +28,12 @@ that verifies it does not ask again (held, it costs one verification and two wai
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
 
-from pagoda.spec_decode.planning.optimistic import PLACEHOLDER_DRAFT, is_placeholder
 from pagoda.core.request import Request, RequestStatus
 from pagoda.spec_decode.planning.budget import SpecBudget
+from pagoda.spec_decode.planning.optimistic import PLACEHOLDER_DRAFT, is_placeholder
 
 # (the request's prompt + output token ids, most drafts wanted) -> drafts
 HostProposer = Callable[[list[int], int], list[int]]
@@ -60,9 +60,13 @@ class SpecDecodingStats:
 
 
 class DraftPlanner:
-    def __init__(self, budget: SpecBudget, max_model_len: int,
-                 host_proposer: Optional[HostProposer] = None,
-                 async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        budget: SpecBudget,
+        max_model_len: int,
+        host_proposer: HostProposer | None = None,
+        async_scheduling: bool = False,
+    ) -> None:
         """host_proposer: drafts proposed on the host after each step (None: the
         worker proposes them, asked through SchedulerOutput.num_drafts_to_propose).
         async_scheduling: the scheduler's (set by it)."""
@@ -78,20 +82,23 @@ class DraftPlanner:
         self._base = 0  # this step's load without drafts (plan_step)
         # req_id -> per sampling step in flight, oldest first: the drafts asked of the
         # proposer after it (None: not in num_drafts_to_propose); popped by its update.
-        self._asked: dict[str, list[Optional[int]]] = {}
+        self._asked: dict[str, list[int | None]] = {}
         # req_id -> the worker's drafts that its optimistic step in flight verifies
         # (its scheduled drafts are placeholders), set by the previous step's update.
         self._verifying: dict[str, list[int]] = {}
 
     # ---- schedule() -------------------------------------------------------------------
-    def plan_step(self, running: Iterable[Request], admits_waiting: bool,
-                  max_num_batched_tokens: int) -> None:
+    def plan_step(
+        self, running: Iterable[Request], admits_waiting: bool, max_num_batched_tokens: int
+    ) -> None:
         """Chooses this step's draft counts. The load is the running requests' tokens
         other than drafts, plus a full budget of prefill when waiting requests will be
         admitted (a prefill step is compute-bound already)."""
         running = list(running)
-        base = sum(max(0, r.num_tokens + r.num_output_placeholders - r.num_computed_tokens)
-                   for r in running)
+        base = sum(
+            max(0, r.num_tokens + r.num_output_placeholders - r.num_computed_tokens)
+            for r in running
+        )
         if admits_waiting:
             base += max_num_batched_tokens
         self._base = base
@@ -102,8 +109,13 @@ class DraftPlanner:
         its kept tokens) on the worker: its next step is scheduled before that step's
         update, with placeholder drafts (core/optimistic_drafts.py)."""
         asked = self._asked.get(request.request_id)
-        return bool(self.async_scheduling and self.host_proposer is None
-                    and request.num_output_placeholders and asked and asked[-1] is not None)
+        return bool(
+            self.async_scheduling
+            and self.host_proposer is None
+            and request.num_output_placeholders
+            and asked
+            and asked[-1] is not None
+        )
 
     def must_wait(self, request: Request) -> bool:
         """True for a request whose step in flight verifies drafts or will propose some
@@ -126,11 +138,14 @@ class DraftPlanner:
         this step's budget and beyond what the request may still produce once its
         steps in flight are done; called before the request's tokens are counted."""
         if self.optimistic(request):
-            request.spec_token_ids = [PLACEHOLDER_DRAFT] * (self._asked[request.request_id][-1] or 0)
-        k = min(self._k.get(request.request_id, 0),
-                self._room(request, request.num_output_placeholders))
+            request.spec_token_ids = [PLACEHOLDER_DRAFT] * (
+                self._asked[request.request_id][-1] or 0
+            )
+        k = min(
+            self._k.get(request.request_id, 0), self._room(request, request.num_output_placeholders)
+        )
         if len(request.spec_token_ids) > k:
-            del request.spec_token_ids[max(k, 0):]
+            del request.spec_token_ids[max(k, 0) :]
 
     def unprepare(self, request: Request) -> None:
         """Drops the placeholder drafts of a request prepare() set up and the step did
@@ -180,7 +195,7 @@ class DraftPlanner:
             self.stats.record(len(drafts), accepted)
             self.budget.observe(request.request_id, len(drafts), accepted)
 
-    def next_drafts(self, request: Request, worker_drafts: Optional[list[int]]) -> list[int]:
+    def next_drafts(self, request: Request, worker_drafts: list[int] | None) -> list[int]:
         """The drafts an unfinished request carries into its next step, after a step
         that sampled (none while another step of it is in flight: that step was
         scheduled with placeholders for the worker's drafts, or asked for none)."""
@@ -190,7 +205,7 @@ class DraftPlanner:
         if request.num_output_placeholders:
             if asked is not None and self.host_proposer is None:
                 # The later step verifies the first of these (as many as it scheduled).
-                self._verifying[rid] = list(worker_drafts or ())[:len(request.spec_token_ids)]
+                self._verifying[rid] = list(worker_drafts or ())[: len(request.spec_token_ids)]
             return []
         if not asked or request.status != RequestStatus.RUNNING:
             return []
@@ -198,7 +213,7 @@ class DraftPlanner:
         if self.host_proposer is not None:
             proposal = self.host_proposer(request.all_token_ids, asked) if asked > 0 else []
         else:
-            proposal = list(worker_drafts or ())[:max(asked, 0)]
+            proposal = list(worker_drafts or ())[: max(asked, 0)]
         if asked > 0 and not proposal and self.budget.drafting_holds:
             # Asked and found nothing: held for it, a failed draft; otherwise the ask
             # cost nothing and says nothing of acceptance.

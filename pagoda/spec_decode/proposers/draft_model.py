@@ -25,7 +25,6 @@ catches up from position 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -33,9 +32,14 @@ from torch import nn
 from pagoda.attention.forward_context import forward_context
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.attention import Attention, kv_cache_specs
-from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter, Segment, segment_inputs
 from pagoda.model.loader import load_model
 from pagoda.model.presets import is_preset
+from pagoda.spec_decode.proposers.greedy_drafter import (
+    DraftStart,
+    GreedyDrafter,
+    Segment,
+    segment_inputs,
+)
 
 # Prune `_fed` of requests the worker no longer holds once it has this many entries
 # per running request slot (finished requests are never told to the drafter).
@@ -54,9 +58,17 @@ class LoadedDraft:
     kv_specs: list
 
 
-def load_draft_model(name: str, target_arch: ArchConfig, target_load_format: str,
-                     dtype: torch.dtype, device: torch.device, seed: int, tp, block_size: int,
-                     kv_dtype: torch.dtype) -> LoadedDraft:
+def load_draft_model(
+    name: str,
+    target_arch: ArchConfig,
+    target_load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    tp,
+    block_size: int,
+    kv_dtype: torch.dtype,
+) -> LoadedDraft:
     """Loads the draft `name` and renumbers its attention layers after the target's.
     Random weights (seeded with seed + 1: another model than a same-shaped target) for
     a preset, or when the target itself has dummy weights (then a directory's
@@ -65,12 +77,16 @@ def load_draft_model(name: str, target_arch: ArchConfig, target_load_format: str
     dummy = is_preset(name) or target_load_format == "dummy"
     model, arch = load_model(name, "dummy" if dummy else "auto", dtype, device, seed + 1, tp)
     if arch.vocab_size != target_arch.vocab_size:
-        raise ValueError(f"speculative_config draft model {name!r} has a vocabulary of "
-                         f"{arch.vocab_size} tokens, the target {target_arch.vocab_size}: "
-                         "a draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative_config draft model {name!r} has a vocabulary of "
+            f"{arch.vocab_size} tokens, the target {target_arch.vocab_size}: "
+            "a draft must share the target's tokenizer"
+        )
     if arch.mla is not None:
-        raise ValueError(f"speculative_config draft model {name!r} uses latent attention "
-                         "(MLA); draft models with full attention only")
+        raise ValueError(
+            f"speculative_config draft model {name!r} uses latent attention "
+            "(MLA); draft models with full attention only"
+        )
     specs = kv_cache_specs(model, block_size, kv_dtype)
     first_layer = target_arch.num_hidden_layers
     for module in model.modules():
@@ -81,16 +97,27 @@ def load_draft_model(name: str, target_arch: ArchConfig, target_load_format: str
 
 
 class DraftModelProposer(GreedyDrafter):
-    def __init__(self, draft: LoadedDraft, backend, kv_pool, block_size: int,
-                 device: torch.device, max_model_len: int, max_rows: int,
-                 max_num_seqs: int, confidence_threshold: Optional[float] = None,
-                 graph_runner=None) -> None:
+    def __init__(
+        self,
+        draft: LoadedDraft,
+        backend,
+        kv_pool,
+        block_size: int,
+        device: torch.device,
+        max_model_len: int,
+        max_rows: int,
+        max_num_seqs: int,
+        confidence_threshold: float | None = None,
+        graph_runner=None,
+    ) -> None:
         """max_rows: the most rows one draft forward takes (catch-ups are chunked);
         graph_runner: the draft's CUDA graphs (None: eager)."""
         if draft.arch.max_position_embeddings < max_model_len:
-            raise ValueError(f"speculative_config draft model holds "
-                             f"{draft.arch.max_position_embeddings} positions, fewer than "
-                             f"max_model_len ({max_model_len})")
+            raise ValueError(
+                f"speculative_config draft model holds "
+                f"{draft.arch.max_position_embeddings} positions, fewer than "
+                f"max_model_len ({max_model_len})"
+            )
         super().__init__(max_model_len, confidence_threshold)
         self.draft, self.model = draft, draft.model
         self.backend, self.kv_pool = backend, kv_pool
@@ -130,12 +157,17 @@ class DraftModelProposer(GreedyDrafter):
         rounds = max(-(-len(s.tokens) // piece) for s in segments)
         if rounds == 1:
             return self._forward(segments)
-        last: list[Optional[torch.Tensor]] = [None] * len(segments)
+        last: list[torch.Tensor | None] = [None] * len(segments)
         for r in range(rounds):
             members = [i for i, s in enumerate(segments) if len(s.tokens) > r * piece]
-            pieces = [Segment(segments[i].start + r * piece,
-                              segments[i].tokens[r * piece:(r + 1) * piece],
-                              segments[i].block_ids) for i in members]
+            pieces = [
+                Segment(
+                    segments[i].start + r * piece,
+                    segments[i].tokens[r * piece : (r + 1) * piece],
+                    segments[i].block_ids,
+                )
+                for i in members
+            ]
             hidden = self._forward(pieces)
             for row, i in enumerate(members):
                 if len(segments[i].tokens) <= (r + 1) * piece:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -50,8 +49,10 @@ class DraftStart:
                 tokens.extend(part[lo:hi])
             offset += len(part)
         if len(tokens) != end - start:
-            raise ValueError(f"request {self.req_id} holds {offset} tokens, asked for "
-                             f"positions {start}..{end - 1}")
+            raise ValueError(
+                f"request {self.req_id} holds {offset} tokens, asked for "
+                f"positions {start}..{end - 1}"
+            )
         return tokens
 
 
@@ -66,8 +67,7 @@ class Segment:
 
 
 class GreedyDrafter(ABC):
-    def __init__(self, max_model_len: int,
-                 confidence_threshold: Optional[float] = None) -> None:
+    def __init__(self, max_model_len: int, confidence_threshold: float | None = None) -> None:
         self.max_model_len = max_model_len
         self.confidence_threshold = confidence_threshold
 
@@ -94,12 +94,13 @@ class GreedyDrafter(ABC):
         threshold stop it)."""
         drafts: dict[str, list[int]] = {s.req_id: [] for s in starts}
         # Draft i sits at position + i + 1 and must stay inside max_model_len.
-        limits = {s.req_id: min(s.num_drafts, self.max_model_len - 1 - s.position)
-                  for s in starts}
+        limits = {s.req_id: min(s.num_drafts, self.max_model_len - 1 - s.position) for s in starts}
         active = [s for s in starts if limits[s.req_id] > 0]
         firsts = [self.first_position(s) for s in active]
-        segments = [Segment(first, s.tokens_between(first, s.position + 1), s.block_ids)
-                    for s, first in zip(active, firsts)]
+        segments = [
+            Segment(first, s.tokens_between(first, s.position + 1), s.block_ids)
+            for s, first in zip(active, firsts)
+        ]
         step = 0
         while active:
             guesses, confident = self._guess(segments)
@@ -133,8 +134,9 @@ def segment_inputs(segments: list[Segment], block_size: int, device: torch.devic
     forward over the segments, flattened in order."""
     query_lens = [len(s.tokens) for s in segments]
     seq_lens = [s.start + len(s.tokens) for s in segments]
-    metadata = build_attention_metadata(query_lens, seq_lens, [s.block_ids for s in segments],
-                                        block_size, device)
+    metadata = build_attention_metadata(
+        query_lens, seq_lens, [s.block_ids for s in segments], block_size, device
+    )
     ids, pos, last_rows, row = [], [], [], 0
     for segment, n in zip(segments, query_lens):
         ids.extend(segment.tokens)

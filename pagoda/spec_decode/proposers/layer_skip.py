@@ -24,27 +24,42 @@ position.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pagoda.attention.forward_context import forward_context
-from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter, Segment, segment_inputs
+from pagoda.spec_decode.proposers.greedy_drafter import (
+    DraftStart,
+    GreedyDrafter,
+    Segment,
+    segment_inputs,
+)
 
 
 class LayerSkipProposer(GreedyDrafter):
-    def __init__(self, model, num_layers: int, backend, kv_pool, block_size: int,
-                 device: torch.device, max_model_len: int,
-                 confidence_threshold: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        model,
+        num_layers: int,
+        backend,
+        kv_pool,
+        block_size: int,
+        device: torch.device,
+        max_model_len: int,
+        confidence_threshold: float | None = None,
+    ) -> None:
         super().__init__(max_model_len, confidence_threshold)
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, name) for name in needed):
-            raise ValueError(f"layer_skip speculation needs a Llama-family decoder "
-                             f"(embed_tokens, layers, norm); {type(model).__name__} is not one")
+            raise ValueError(
+                f"layer_skip speculation needs a Llama-family decoder "
+                f"(embed_tokens, layers, norm); {type(model).__name__} is not one"
+            )
         if not 1 <= num_layers < len(inner.layers):
-            raise ValueError(f"layer_skip num_layers ({num_layers}) must be smaller than "
-                             f"the target's {len(inner.layers)} layers")
+            raise ValueError(
+                f"layer_skip num_layers ({num_layers}) must be smaller than "
+                f"the target's {len(inner.layers)} layers"
+            )
         self.model, self.inner = model, inner
         self.num_layers = num_layers
         self.backend, self.kv_pool = backend, kv_pool
@@ -64,7 +79,7 @@ class LayerSkipProposer(GreedyDrafter):
             # LlamaModel.rotary: the form its layers take (CPU tables); else the plain one.
             cos, sin = getattr(inner, "rotary", inner.rotary_emb)(pos)
             hidden, residual = inner.embed_tokens(ids), None
-            for layer in inner.layers[:self.num_layers]:
+            for layer in inner.layers[: self.num_layers]:
                 hidden, residual = layer(hidden, residual, cos, sin)
             hidden, _ = inner.norm(hidden, residual)
         if len(last_rows) != hidden.shape[0]:

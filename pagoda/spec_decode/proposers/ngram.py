@@ -13,31 +13,34 @@ continue the same way; the suffix itself is not a candidate).
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 
 
 class NgramProposer:
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
-                 prompt_lookup_max: int) -> None:
+    def __init__(
+        self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
+    ) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{prompt_lookup_min} and {prompt_lookup_max}")
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{prompt_lookup_min} and {prompt_lookup_max}"
+            )
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: Union[Sequence[int], np.ndarray], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens continuing token_ids (none: no match)."""
         k = min(self.k, max_drafts)
         tokens = np.asarray(token_ids, dtype=np.int64)
         end = find_ngram_match(tokens, self.min_n, self.max_n)
         if k <= 0 or end < 0:
             return []
-        return tokens[end + 1:end + 1 + k].tolist()
+        return tokens[end + 1 : end + 1 + k].tolist()
 
 
 def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> int:
@@ -50,14 +53,14 @@ def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> int:
     if length < min_n + 1:
         return -1
     # Candidate ends j in [0, L - 2]: the occurrence must have a following token.
-    alive = tokens[:length - 1] == tokens[length - 1]
+    alive = tokens[: length - 1] == tokens[length - 1]
     best = -1
     for n in range(1, min(max_n, length - 1) + 1):
         if n > 1:
             # The token n - 1 places before each candidate end must match too; ends
             # j < n - 1 have no room for an n-gram.
-            alive[:n - 1] = False
-            alive[n - 1:] &= tokens[:length - n] == tokens[length - n]
+            alive[: n - 1] = False
+            alive[n - 1 :] &= tokens[: length - n] == tokens[length - n]
         hits = np.flatnonzero(alive)
         if len(hits) == 0:
             break

@@ -23,9 +23,10 @@ class MoEGate(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False) -> None:
         super().__init__()
         self.fp32 = fp32
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size,
-                                               dtype=torch.float32 if fp32 else None),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=torch.float32 if fp32 else None),
+            requires_grad=False,
+        )
         self.weight.weight_loader = default_weight_loader
         self.weight.keep_dtype = fp32
         # The fused router kernel's per-layer scratch and counter (routing.route makes
