@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import os
 import random
 import signal
@@ -41,10 +39,19 @@ from collections import Counter
 from datetime import UTC, datetime
 
 import aiohttp
-import numpy as np
 
 from benchmarks.harness.results import write_result
 from benchmarks.harness.server import ServerProcess
+from benchmarks.soak_bench.client import (
+    FAILURES,
+    PROMPTS,
+    Result,
+    Spec,
+    describe,
+    make_spec,
+    run_request,
+)
+from benchmarks.soak_bench.report import print_table, summarize
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=30)  # /health and /debug/kv_audit calls
 # Server flags the soak sets; flags passed through come after them and win. A small
@@ -63,196 +70,6 @@ SERVER_DEFAULTS = (
     "--enable-debug-routes",
 )
 OWNED_FLAGS = ("--host", "--port", "--api-key")
-PROMPTS = (
-    "Name three colours.",
-    "What is the capital of France?",
-    "Write a haiku about rain.",
-    "Count from one to five.",
-    "Why is the sky blue?",
-    "Describe a cat in one sentence.",
-    "What is 7 times 8?",
-    "Say hello in Spanish.",
-    "Tell me a fun fact.",
-    "Name a planet.",
-)
-MAX_TOKENS = (8, 16, 32, 64)
-RSS_GROWTH_LIMIT = 0.05
-FAILURES = ("http_error", "bad_429", "malformed", "stream_error", "connection_error", "hung")
-
-
-# ----------------------------------------------------------------------------- one request
-
-
-@dataclasses.dataclass
-class Spec:
-    behaviour: str  # normal | disconnect (mid-stream) | abort (before the first token)
-    chat: bool
-    stream: bool
-    max_tokens: int
-    ignore_eos: bool
-    temperature: float
-    prompt: str
-    disconnect_after: int = 0  # content chunks read before closing the connection
-    abort_after_s: float = 0.0
-
-
-@dataclasses.dataclass
-class Result:
-    spec: Spec
-    start: float
-    outcome: str = ""  # completed | rejected | aborted | one of FAILURES
-    detail: str = ""
-    end: float = 0.0
-    ttft: float | None = None
-    tokens: int | None = None
-
-
-def make_spec(
-    rng: random.Random, disconnect_share: float, abort_share: float, normal_only: bool = False
-) -> Spec:
-    draw = 1.0 if normal_only else rng.random()
-    behaviour = (
-        "disconnect"
-        if draw < disconnect_share
-        else "abort"
-        if draw < disconnect_share + abort_share
-        else "normal"
-    )
-    spec = Spec(
-        behaviour,
-        chat=rng.random() < 0.5,
-        stream=rng.random() < 0.5,
-        max_tokens=rng.choice(MAX_TOKENS),
-        ignore_eos=rng.random() < 0.5,
-        temperature=rng.choice((0.0, 0.8)),
-        prompt=rng.choice(PROMPTS),
-    )
-    if behaviour == "disconnect":  # long enough that it is cut mid-stream
-        spec.stream, spec.max_tokens, spec.ignore_eos = True, 64, True
-        spec.disconnect_after = rng.randint(1, 4)
-    elif behaviour == "abort":
-        spec.abort_after_s = rng.uniform(0.0, 0.5)
-    return spec
-
-
-def _body(spec: Spec) -> tuple[str, dict]:
-    body = {
-        "max_tokens": spec.max_tokens,
-        "temperature": spec.temperature,
-        "ignore_eos": spec.ignore_eos,
-        "stream": spec.stream,
-    }
-    if spec.stream:
-        body["stream_options"] = {"include_usage": True}
-    if spec.chat:
-        return "/v1/chat/completions", {
-            **body,
-            "messages": [{"role": "user", "content": spec.prompt}],
-        }
-    return "/v1/completions", {**body, "prompt": spec.prompt}
-
-
-def _check_answer(spec: Spec, finish_reason, tokens) -> str:
-    """'' for a full answer, else what is wrong with it."""
-    if finish_reason not in ("stop", "length"):
-        return f"finish_reason {finish_reason!r}"
-    if not isinstance(tokens, int) or not 0 <= tokens <= spec.max_tokens:
-        return f"completion_tokens {tokens!r} outside [0, {spec.max_tokens}]"
-    if (spec.ignore_eos or finish_reason == "length") and tokens != spec.max_tokens:
-        return f"{tokens} completion tokens, expected {spec.max_tokens} ({finish_reason})"
-    return ""
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
-    spec, chunks, finish, tokens, done = res.spec, 0, None, None, False
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line:
-            continue
-        if done or not line.startswith(b"data: "):
-            res.outcome, res.detail = "malformed", f"unexpected line {line[:80]!r}"
-            return
-        if line == b"data: [DONE]":
-            done = True
-            continue
-        try:
-            event = json.loads(line[6:])
-        except ValueError:
-            res.outcome, res.detail = "malformed", f"not JSON: {line[:80]!r}"
-            return
-        if "error" in event:
-            res.outcome, res.detail = "stream_error", json.dumps(event["error"])[:200]
-            return
-        for choice in event.get("choices") or []:
-            if (choice.get("delta") or {}).get("content") if spec.chat else choice.get("text"):
-                chunks += 1
-                if res.ttft is None:
-                    res.ttft = time.monotonic() - res.start
-            finish = choice.get("finish_reason") or finish
-        if event.get("usage"):
-            tokens = event["usage"].get("completion_tokens")
-        if spec.behaviour == "disconnect" and chunks >= spec.disconnect_after:
-            resp.close()  # the client goes away mid-stream
-            res.outcome, res.detail = "aborted", "disconnected mid-stream"
-            return
-    problem = "no [DONE]" if not done else _check_answer(spec, finish, tokens)
-    res.tokens = tokens
-    res.outcome, res.detail = ("malformed", problem) if problem else ("completed", "")
-
-
-async def _exchange(session: aiohttp.ClientSession, url: str, res: Result) -> None:
-    path, body = _body(res.spec)
-    async with session.post(url + path, json=body) as resp:
-        if resp.status == 429:
-            ok = resp.headers.get("Retry-After", "").isdigit()
-            res.outcome, res.detail = ("rejected", "") if ok else ("bad_429", "no Retry-After")
-        elif resp.status != 200:
-            res.outcome, res.detail = (
-                "http_error",
-                f"HTTP {resp.status}: {(await resp.text())[:200]}",
-            )
-        elif res.spec.stream:
-            await _read_stream(resp, res)
-        else:
-            try:
-                data = await resp.json()
-                choice = data["choices"][0]
-                text = choice["message"]["content"] if res.spec.chat else choice["text"]
-                res.tokens, finish = data["usage"]["completion_tokens"], choice["finish_reason"]
-                problem = "" if isinstance(text, str) else "no text"
-                problem = problem or _check_answer(res.spec, finish, res.tokens)
-            except (ValueError, KeyError, IndexError, TypeError, aiohttp.ContentTypeError) as exc:
-                problem = f"bad JSON answer: {type(exc).__name__}: {exc}"
-            res.outcome, res.detail = ("malformed", problem) if problem else ("completed", "")
-
-
-async def run_request(
-    session: aiohttp.ClientSession, url: str, spec: Spec, timeout_s: float
-) -> Result:
-    """One request to its single outcome (never raises but on cancellation of the caller)."""
-    res = Result(spec, start=time.monotonic())
-    task = asyncio.create_task(_exchange(session, url, res))
-    try:
-        if spec.behaviour == "abort":
-            await asyncio.wait({task}, timeout=spec.abort_after_s)
-            if not task.done():  # the client gives up: cancelling closes the connection
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                res.outcome = "aborted"
-                res.detail = (
-                    "before the first token" if res.ttft is None else "after the first token"
-                )
-        if not res.outcome:
-            await asyncio.wait_for(task, max(0.0, timeout_s - (time.monotonic() - res.start)))
-    except TimeoutError:
-        res.outcome, res.detail = "hung", f"no end within {timeout_s:.0f} s"
-    except (aiohttp.ClientError, OSError) as exc:
-        res.outcome, res.detail = "connection_error", f"{type(exc).__name__}: {exc}"[:200]
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    res.end = time.monotonic()
-    return res
 
 
 # ----------------------------------------------------------------------------- phases
@@ -284,7 +101,7 @@ async def calibrate(session, url: str, args, rng: random.Random) -> dict:
         "completed": len(ends),
         "completed_per_s": rate,
         "outcomes": dict(Counter(r.outcome for r in results)),
-        "failures": [_describe(r) for r in results if r.outcome in FAILURES][:20],
+        "failures": [describe(r) for r in results if r.outcome in FAILURES][:20],
     }
 
 
@@ -406,138 +223,6 @@ async def run_soak(server: ServerProcess, args) -> dict:
         "rss_samples": samples,
         **final,
     }
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None  # linear, as pagoda bench
-
-
-def _describe(r: Result) -> dict:
-    s = r.spec
-    return {
-        "outcome": r.outcome,
-        "detail": r.detail,
-        "behaviour": s.behaviour,
-        "endpoint": "chat" if s.chat else "completions",
-        "stream": s.stream,
-        "max_tokens": s.max_tokens,
-        "latency_s": round(r.end - r.start, 3),
-    }
-
-
-def _rss_growth(samples: list, baseline_s: float, sending_s: float) -> dict:
-    """Growth from the first minute of load (`baseline_s`) to the end, the larger of two:
-    to the end of the load and to the final sample, after settling. Under load RSS moves
-    by a few % between samples, so each figure under load is the median of the samples
-    in the `baseline_s / 2` before it."""
-
-    def median(lo: float, hi: float) -> int | None:
-        values = [rss for t, rss in samples[:-1] if lo <= t <= hi]
-        return int(np.median(values)) if values else None
-
-    if len(samples) < 2:
-        return {"rss_1min_bytes": None, "rss_end_bytes": None, "growth": None}
-    base = median(baseline_s / 2, baseline_s) or samples[0][1]
-    load_end, end = median(sending_s - baseline_s / 2, sending_s), samples[-1][1]
-    growth = max((rss - base) / base for rss in (end, load_end) if rss is not None)
-    return {
-        "baseline_s": baseline_s,
-        "rss_1min_bytes": base,
-        "rss_load_end_bytes": load_end,
-        "rss_end_bytes": end,
-        "rss_peak_bytes": max(rss for _, rss in samples),
-        "growth": growth,
-    }
-
-
-def summarize(run: dict, stopped: dict, args) -> dict:
-    results: list[Result] = run.get("results", [])
-    outcomes = Counter(r.outcome for r in results)
-    completed = [r for r in results if r.outcome == "completed"]
-    reject = [r.end - r.start for r in results if r.outcome == "rejected"]
-    aborted = Counter(r.detail for r in results if r.outcome == "aborted")
-    ms = lambda xs, q: None if not xs else round(1000 * _pct(xs, q), 1)  # noqa: E731
-    e2e, ttft = (
-        [r.end - r.start for r in completed],
-        [r.ttft for r in completed if r.ttft is not None],
-    )
-    rss = _rss_growth(
-        run.get("rss_samples", []), min(60.0, args.duration / 2), run.get("sending_s", 0.0)
-    )
-    failures = sum(outcomes[f] for f in FAILURES) + sum(
-        n for o, n in run.get("calibration", {}).get("outcomes", {}).items() if o in FAILURES
-    )
-    checks = {
-        "calibrated": run.get("calibration", {}).get("completed_per_s", 0) > 0,
-        "every_request_accounted": sum(outcomes.values()) == len(results) and "" not in outcomes,
-        "no_failed_requests": failures == 0,
-        "rss_growth_below_5pct": rss["growth"] is not None and rss["growth"] < RSS_GROWTH_LIMIT,
-        "kv_audit_clean": bool(run.get("audit_clean")),
-        "health_ok": run.get("health_status") == 200,
-        "server_stopped_cleanly": stopped["exit_code"] == 0 and not stopped["killed"],
-    }
-    load_s = run.get("sending_s") or 0.0
-    return {
-        "requests_sent": len(results),
-        "outcomes": dict(outcomes),
-        "aborted_by_kind": dict(aborted),
-        "behaviours": dict(Counter(r.spec.behaviour for r in results)),
-        "target_rate": run.get("target_rate"),
-        "achieved_rate": len(results) / load_s if load_s else None,
-        "completed_per_s": len(completed) / run["load_s"] if run.get("load_s") else None,
-        "e2el_p50_ms": ms(e2e, 50),
-        "e2el_p99_ms": ms(e2e, 99),
-        "ttft_p50_ms": ms(ttft, 50),
-        "ttft_p99_ms": ms(ttft, 99),
-        "reject_p50_ms": ms(reject, 50),
-        "reject_p99_ms": ms(reject, 99),
-        "rss": rss,
-        "failures": [_describe(r) for r in results if r.outcome in FAILURES][:50],
-        "checks": checks,
-        "passed": all(checks.values()),
-    }
-
-
-def print_table(summary: dict, run: dict) -> None:
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    pair = lambda key: f"{fmt(summary[key + '_p50_ms'])} / {fmt(summary[key + '_p99_ms'])} ms"  # noqa: E731
-    rss, cal = summary["rss"], run.get("calibration", {})
-    rows = [
-        ("calibrated capacity", f"{fmt(cal.get('completed_per_s'))} req/s"),
-        (
-            "target / achieved rate",
-            f"{fmt(summary['target_rate'])} / {fmt(summary['achieved_rate'])} req/s",
-        ),
-        ("completed per s (load + tail)", fmt(summary["completed_per_s"])),
-        ("requests sent", str(summary["requests_sent"])),
-    ]
-    for outcome, n in sorted(summary["outcomes"].items()):
-        rows.append((f"  {outcome}", str(n)))
-        if outcome == "aborted":
-            rows += [(f"    {k}", str(n)) for k, n in sorted(summary["aborted_by_kind"].items())]
-    growth = None if rss["growth"] is None else 100 * rss["growth"]
-    rows += [
-        ("E2EL p50 / p99 (completed)", pair("e2el")),
-        ("TTFT p50 / p99 (streams)", pair("ttft")),
-        ("429 latency p50 / p99", pair("reject")),
-        (
-            f"RSS median at {fmt(rss.get('baseline_s'))} s / load end; settled",
-            f"{mib(rss['rss_1min_bytes'])} / {mib(rss.get('rss_load_end_bytes'))}; "
-            f"{mib(rss['rss_end_bytes'])}",
-        ),
-        ("RSS growth / peak", f"{fmt(growth)} % / {mib(rss.get('rss_peak_bytes'))}"),
-        ("KV audit after settle", json.dumps(run.get("audit"))),
-        ("settle time", f"{fmt(run.get('settle_s'))} s"),
-    ]
-    rows += [(f"check {name}", "PASS" if ok else "FAIL") for name, ok in summary["checks"].items()]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    for failure in summary["failures"][:10]:
-        print("failure:", json.dumps(failure))
 
 
 # ----------------------------------------------------------------------------- main

@@ -21,6 +21,8 @@ The loop shuts the engine down (`engine.shutdown()`: its threads, workers, disk 
 and memory) when it ends; a call posted after that fails with EngineNotReadyError.
 
 The loop blocks on a Condition while it has nothing to do: no busy spin, no polling.
+What each request looked like (RequestTimings, handed to `timings_listener`) is built
+by engine/request_timings.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.engine import trace
+from pagoda.engine.request_timings import (
+    RequestTimings,
+    TimingTracker,
+    overall_finish_reason,
+    prompt_len,
+)
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -66,21 +74,6 @@ class RequestFailedError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A whole engine step failed; every request in flight at that moment fails with it."""
-
-
-@dataclasses.dataclass
-class RequestTimings:
-    """What one finished (or aborted/failed) request looked like, for metrics."""
-
-    request_id: str
-    arrival_time: float
-    first_token_time: float | None
-    finished_time: float
-    queue_time: float | None  # arrival -> first scheduled, when the engine told us
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
-    inter_token_latencies: list[float]
 
 
 @dataclasses.dataclass
@@ -245,9 +238,9 @@ class AsyncEngine:
         """
         self._check_accepting()
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), num_prompt_tokens=_prompt_len(prompt))
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), num_prompt_tokens=prompt_len(prompt))
         arrival = time.monotonic()
-        timing = _TimingTracker(request_id, arrival, stream.num_prompt_tokens)
+        timing = TimingTracker(request_id, arrival, stream.num_prompt_tokens)
         self._note_in_flight(+1)
         stream.trace = trace.register(request_id)
         if stream.trace is not None:
@@ -264,7 +257,7 @@ class AsyncEngine:
                 if stream.trace is not None:
                     stream.trace.mark("consumed")
                 if item.finished:
-                    finish_reason = _overall_finish_reason(item)
+                    finish_reason = overall_finish_reason(item)
                 yield item
                 if item.finished:
                     return
@@ -545,60 +538,3 @@ def _request_error(output: RequestOutput) -> str | None:
     if any(c.finish_reason == "error" for c in output.outputs):
         return "the engine failed this request"
     return None
-
-
-def _overall_finish_reason(output: RequestOutput) -> str:
-    reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
-    return "length" if "length" in reasons else "stop"
-
-
-def _prompt_len(prompt: Any) -> int:
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return len(prompt["prompt_token_ids"])
-    if isinstance(prompt, list):
-        return len(prompt)
-    return 0
-
-
-class _TimingTracker:
-    """Builds a request's RequestTimings from the delta outputs it sees."""
-
-    def __init__(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
-        self.request_id = request_id
-        self.arrival = arrival
-        self.num_prompt_tokens = num_prompt_tokens
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_generation_tokens = 0
-        self.inter_token_latencies: list[float] = []
-
-    def observe(self, output: RequestOutput) -> None:
-        new_tokens = sum(len(c.token_ids) for c in output.outputs)
-        if not new_tokens:
-            return
-        now = time.monotonic()
-        if self.first_token_time is None:
-            self.first_token_time = now
-        elif self.last_token_time is not None:
-            # One gap per step; several tokens in one step share it evenly.
-            self.inter_token_latencies.extend(
-                [(now - self.last_token_time) / new_tokens] * new_tokens
-            )
-        self.last_token_time = now
-        self.num_generation_tokens += new_tokens
-
-    def finish(self, finish_reason: str, first_scheduled_time: float | None) -> RequestTimings:
-        queue_time = (
-            None if first_scheduled_time is None else max(0.0, first_scheduled_time - self.arrival)
-        )
-        return RequestTimings(
-            request_id=self.request_id,
-            arrival_time=self.arrival,
-            first_token_time=self.first_token_time,
-            finished_time=time.monotonic(),
-            queue_time=queue_time,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            finish_reason=finish_reason,
-            inter_token_latencies=self.inter_token_latencies,
-        )

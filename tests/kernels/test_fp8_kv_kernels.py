@@ -41,6 +41,8 @@ kernel_modules(
     "attention.store_kv",
     "attention.paged_attention",
     "attention.fp8_decode_words",
+    "attention.paged_decode_slices",
+    "attention.paged_decode_words",
     "attention.paged_decode",
 )
 

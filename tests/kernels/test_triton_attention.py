@@ -26,12 +26,11 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 from helpers.interpreted_kernels import kernel_modules  # noqa: E402
 from helpers.kv_pool_helpers import pool_holding, store_and_attend  # noqa: E402
+from helpers.paged_attention_case import TORCH_STORE, TRITON_STORE, Case  # noqa: E402
 
-from pagoda.attention.kv_pool import FullAttentionLayout  # noqa: E402
 from pagoda.attention.metadata import build_attention_metadata  # noqa: E402
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
-from pagoda.core.kv_cache_spec import FullAttentionSpec  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -40,68 +39,10 @@ kernel_modules(
     "attention.store_kv",
     "attention.paged_attention",
     "attention.fp8_decode_words",
+    "attention.paged_decode_slices",
+    "attention.paged_decode_words",
     "attention.paged_decode",
 )
-
-# The reference stores with torch's index_copy, the case under test with the kernel.
-TORCH_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=False)}
-TRITON_STORE = {FullAttentionSpec: FullAttentionLayout(use_triton=True)}
-
-
-class Case:
-    """A batch of requests given as (tokens already cached, query length), its KV pools
-    and metadata. pool_ref holds finite values everywhere (torch_ref reads whole
-    blocks); pool_tri is the same with every slot no request uses set to NaN."""
-
-    def __init__(
-        self,
-        shapes,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype,
-        pad_rows=0,
-        spare_blocks=3,
-        seed=0,
-    ):
-        gen = torch.Generator().manual_seed(seed)
-        self.shapes = shapes
-        needed = [-(-(ctx + qlen) // block_size) for ctx, qlen in shapes]
-        num_blocks = sum(needed) + spare_blocks
-        order = torch.randperm(num_blocks, generator=gen).tolist()
-        self.tables, used = [], torch.zeros(num_blocks, block_size, dtype=torch.bool)
-        for (ctx, qlen), n in zip(shapes, needed):
-            table, order = order[:n], order[n:]
-            self.tables.append(table)
-            pos = torch.arange(ctx + qlen)
-            used[torch.tensor(table)[pos // block_size], pos % block_size] = True
-        self.used = used.to(DEVICE)
-        qlens = [qlen for _, qlen in shapes]
-        seqs = [ctx + qlen for ctx, qlen in shapes]
-        rows = sum(qlens) + pad_rows
-        self.md = build_attention_metadata(
-            qlens, seqs, self.tables, block_size, DEVICE, pad_to=rows if pad_rows else None
-        )
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
-
-        self.q = rand(rows, num_heads, head_dim)
-        self.k = rand(rows, num_kv_heads, head_dim)
-        self.v = rand(rows, num_kv_heads, head_dim)
-        cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.pool_ref = pool_holding([cache], TORCH_STORE)
-        cache[:, ~self.used] = float("nan")
-        self.pool_tri = pool_holding([cache], TRITON_STORE)
-
-    @property
-    def cache_ref(self) -> torch.Tensor:
-        return self.pool_ref.cache(0)
-
-    @property
-    def cache_tri(self) -> torch.Tensor:
-        return self.pool_tri.cache(0)
 
 
 def run_and_compare(case: Case, backend: TritonBackend, atol: float, rtol: float):

@@ -22,7 +22,7 @@ if not ON_GPU:
 pytest.importorskip("triton")
 from helpers.interpreted_kernels import kernel_modules  # noqa: E402
 from helpers.kv_pool_helpers import store_and_attend  # noqa: E402
-from test_triton_attention import Case  # noqa: E402
+from helpers.paged_attention_case import Case  # noqa: E402
 
 from pagoda.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagoda.attention.triton_backend import TritonBackend  # noqa: E402
@@ -34,6 +34,8 @@ kernel_modules(
     "attention.store_kv",
     "attention.paged_attention",
     "attention.fp8_decode_words",
+    "attention.paged_decode_slices",
+    "attention.paged_decode_words",
     "attention.paged_decode",
 )
 

@@ -9,7 +9,7 @@ triton (the CPU backend never loads it).
 Which kernel a call runs follows from its dtypes (`tiles_for`): 16-bit queries on a
 16-bit cache and float32 queries take the tile kernel (attend_kv_tile); 16-bit queries
 on an FP8 cache take the word kernel (the cache read as int32 words, q.K one e4m3 dot:
-paged_decode._decode_words_kernel), or the tile kernel on converted tiles where the
+paged_decode_words._decode_words_kernel), or the tile kernel on converted tiles where the
 word kernel cannot read the cache (head_dim under 64 or not a power of two, rows not on
 4-byte boundaries).
 

@@ -1,6 +1,6 @@
 """The FP8-KV decode kernel's tile step on a cache read as int32 words (decode only):
 `attend_word_tile` and the byte-plane conversions it uses (`word_planes`), for
-paged_decode._decode_words_kernel.
+paged_decode_words._decode_words_kernel.
 
 Why words: Triton 3.6 lowers the e4m3 tiles of attend_kv_tile's dots with one
 shared-memory load per byte (LDS.U8) and holds whole converted tiles in registers (216
@@ -9,7 +9,7 @@ word holds the entries of dims 4i .. 4i + 3; "byte plane" j is the [tokens, HEAD
 tile of entries 4i + j, and P.V is four dots whose outputs are the output columns
 4i + j: no shuffle of the entries, word loads from shared memory, and about 120
 registers per thread. The keys are read as stored, e4m3, for q.K as one FP8 dot with
-the queries rounded to e4m3 (paged_decode._load_q_fp8).
+the queries rounded to e4m3 (paged_decode_words._load_q_fp8).
 """
 
 import triton
