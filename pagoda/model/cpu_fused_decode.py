@@ -15,6 +15,8 @@ When it applies (otherwise LlamaModel.forward runs its layers, unchanged):
   (not FP8, not the Triton store): the kernel writes K/V exactly where the pool's
   store would (slot_mapping), and nothing else, with the values of the unfused path
   up to float32 rounding (the projections' inputs differ by the norms' rounding).
+  Batch 1 multiplies 8-bit activations where the layers' CpuBlocksConfig says so
+  (``blocks_config``), as their own block matmuls would.
 - ``PAGODA_CPU_FUSED_DECODE=0`` turns it off (A/B, bisecting).
 
 Packing: the layers' weight, norm and cache pointers go into ctypes structs once (the
@@ -37,8 +39,12 @@ import torch
 from pagoda.attention.forward_context import ForwardContext, get_forward_context
 from pagoda.attention.kv_pool import FullAttentionLayout
 from pagoda.model.layers.mlp import LlamaMLP
-from pagoda.model.quant import cpu_kernels
-from pagoda.model.quant.cpu_kernels import native_kernel, native_status
+from pagoda.model.quant.cpu_kernels import (
+    DEFAULT_BLOCKS_CONFIG,
+    CpuBlocksConfig,
+    native_kernel,
+    native_status,
+)
 
 ENV_SWITCH = "PAGODA_CPU_FUSED_DECODE"
 _KINDS = {"q4_1": 0, "q8_0": 1}  # cpu_layer.c's KIND_Q4_1, KIND_Q8_0
@@ -111,6 +117,14 @@ def _linears(layer) -> dict:
         "gate_up": mlp.gate_up_proj,
         "down": mlp.down_proj,
     }
+
+
+def blocks_config(model) -> CpuBlocksConfig:
+    """The block kernels' config the model's linear layers multiply with (their
+    `cpu_blocks_config`, set by the model runner's KernelConfigs; None: the defaults),
+    which the fused step follows so that it multiplies as the layers would."""
+    config = model.layers[0].self_attn.qkv_proj.cpu_blocks_config
+    return config or DEFAULT_BLOCKS_CONFIG
 
 
 def _f32(t: torch.Tensor) -> bool:
@@ -277,7 +291,7 @@ class FusedDecode:
         step.slot_mapping, step.seq_lens = slots.data_ptr(), seq_lens.data_ptr()
         step.block_tables, step.table_stride = tables.data_ptr(), tables.stride(0)
         step.max_seq_len = common.max_seq_len
-        self.desc.quantize_one_row = cpu_kernels.QUANTIZE_ACTIVATIONS  # as blocks_mm does
+        self.desc.quantize_one_row = blocks_config(self.model).quantize_activations
         embed = self.model.embed_tokens(input_ids)
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
         if (

@@ -14,6 +14,8 @@ fused step equal those without it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,10 +26,11 @@ from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.core.kv_cache_spec import KVCacheConfig
 from pagoda.model import cpu_fused_decode
 from pagoda.model.arch_config import ArchConfig
+from pagoda.model.kernel_configs import KernelConfigs
 from pagoda.model.layers.attention import kv_cache_specs
 from pagoda.model.loader import build_model
 from pagoda.model.quant.cpu_int import CpuBlockConfig, OnlineBlockMethod, block_ready
-from pagoda.model.quant.cpu_kernels import native_status
+from pagoda.model.quant.cpu_kernels import CpuBlocksConfig, native_status
 from pagoda.model.quant.registry import process_loaded_weights
 
 pytestmark = pytest.mark.skipif(
@@ -130,8 +133,8 @@ def _close(got, want, loose: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-# Batch 1 multiplies 8-bit activations by default (cpu_kernels.QUANTIZE_ACTIVATIONS), in
-# both paths. Their rounding is discontinuous: where a value sits at a rounding boundary,
+# Batch 1 multiplies 8-bit activations by default (CpuBlocksConfig.quantize_activations),
+# in both paths. Their rounding is discontinuous: where a value sits at a rounding boundary,
 # a one-ulp difference in a norm's output moves it a whole step, and on these models a
 # one-ulp change of the embedding alone moves the unfused output by up to 2e-2 (relative
 # L2, measured; most cases 4e-7). So batch 1 is compared twice: tightly with float
@@ -139,13 +142,22 @@ def _close(got, want, loose: bool) -> None:
 LOOSE_REL = 5e-2
 
 
-def _compare(model, arch, lengths, monkeypatch, seed=0):
-    from pagoda.model.quant import cpu_kernels
+def _with_blocks_config(configs: KernelConfigs, quantize_activations: bool) -> KernelConfigs:
+    return dataclasses.replace(configs, cpu_blocks=CpuBlocksConfig(quantize_activations))
 
+
+def _install_blocks_config(model, quantize_activations: bool) -> None:
+    """The CPU's kernel configs with this block-kernel variant on model's layers, as the
+    model runner installs them."""
+    configs = KernelConfigs.for_device(torch.device("cpu"))
+    _with_blocks_config(configs, quantize_activations).install(model)
+
+
+def _compare(model, arch, lengths, monkeypatch, seed=0):
     if len(lengths) == 1:
-        monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
+        _install_blocks_config(model, quantize_activations=False)
         _compare_once(model, arch, lengths, monkeypatch, seed, loose=False)
-        monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", True)
+        _install_blocks_config(model, quantize_activations=True)
     return _compare_once(model, arch, lengths, monkeypatch, seed, loose=len(lengths) == 1)
 
 
@@ -274,7 +286,7 @@ def test_fp8_cache_falls_back(monkeypatch):
 
 
 # The embedded SmolLM2 end to end: its greedy tokens with and without the fused step.
-# Batch 1 runs with float activations here (cpu_kernels.QUANTIZE_ACTIVATIONS off, which
+# Batch 1 runs with float activations here (CpuBlocksConfig.quantize_activations off, which
 # both paths follow): the default 8-bit activation rounding is discontinuous, and on
 # this model a one-ulp change of the embedding table alone moves the unfused path's
 # greedy tokens (first difference after 4 to 26 of 32 tokens on 4 of 6 prompts,
@@ -286,7 +298,6 @@ NEW_TOKENS = 16
 
 def _greedy(path, fused: bool, monkeypatch) -> list[list[int]]:
     from pagoda.entrypoints.llm import LLM
-    from pagoda.model.quant import cpu_kernels
     from pagoda.sampling_params import SamplingParams
 
     monkeypatch.setenv(cpu_fused_decode.ENV_SWITCH, "1" if fused else "0")
@@ -295,7 +306,8 @@ def _greedy(path, fused: bool, monkeypatch) -> list[list[int]]:
     assert (cpu_fused_decode.fused_decode_status(model) == "on") == fused
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
+    runner = llm.llm_engine.executor.runner
+    runner.use_kernel_configs(_with_blocks_config(runner.kernel_configs, False))
     alone = [
         list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in PROMPTS[:2]
     ]
@@ -325,12 +337,10 @@ def test_engine_preemption_prefix_cache_async_same_tokens(monkeypatch):
     prefix caching (prompts sharing a prefix) and async scheduling, the fused steps give
     the tokens the layers give, and every block comes back. Float activations at batch 1
     (see PROMPTS above): the batch shrinks to one row at times."""
-    from test_engine_batching import assert_all_blocks_free, make_prompts
+    from helpers.engine_checks import assert_all_blocks_free, make_prompts
 
     from pagoda import LLM, SamplingParams
-    from pagoda.model.quant import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "QUANTIZE_ACTIVATIONS", False)
     fused_steps = []
     run = cpu_fused_decode.FusedDecode.run
 
@@ -354,6 +364,8 @@ def test_engine_preemption_prefix_cache_async_same_tokens(monkeypatch):
             enable_prefix_caching=True,
             async_scheduling=True,
         )
+        runner = llm.llm_engine.executor.runner
+        runner.use_kernel_configs(_with_blocks_config(runner.kernel_configs, False))
         prompts = make_prompts(llm.get_tokenizer(), 10)
         prompts = prompts + [prompts[5] + [11, 12, 13], prompts[9][:20]]  # shared prefixes
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

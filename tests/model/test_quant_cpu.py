@@ -52,9 +52,10 @@ def test_kernel_matches_dequantize_then_matmul(kind, m):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_activation_quantization(kind, monkeypatch):
+def test_activation_quantization(kind):
     """The 8-bit activation: blocks of 32 scaled by amax / 127, rounded half to even;
-    an all-zero block stays zero; the float path is kept behind the switch."""
+    an all-zero block stays zero; with CpuBlocksConfig(quantize_activations=False)
+    batch 1 multiplies the float activation."""
     x = _randn(1, 96, seed=4)
     x[0, 32:64] = 0.0
     q = ck.quantize_activation_q8(x).reshape(3, 32)
@@ -65,8 +66,13 @@ def test_activation_quantization(kind, monkeypatch):
         assert (steps - steps.round()).abs().max() < 1e-4
         assert steps.round().abs().max() == 127
     blocks = KINDS[kind](_randn(5, 96, seed=5))
-    monkeypatch.setattr(ck, "QUANTIZE_ACTIVATIONS", False)
-    _close(ck.blocks_mm(x, blocks, kind), linear(x, ck.dequantize(blocks, kind)))
+    float_rows = ck.CpuBlocksConfig(quantize_activations=False)
+    _close(ck.blocks_mm(x, blocks, kind, float_rows), linear(x, ck.dequantize(blocks, kind)))
+    eight_bit = ck.CpuBlocksConfig(quantize_activations=True)
+    _close(ck.blocks_mm(x, blocks, kind, eight_bit), ck.reference_gemv_q8(x, blocks, kind))
+    assert not torch.allclose(
+        ck.blocks_mm(x, blocks, kind, float_rows), ck.blocks_mm(x, blocks, kind)
+    )
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -170,6 +170,9 @@ class LinearBase(nn.Module):
         # The Triton GEMV's routing table on this layer's device (a GemvConfig, set by
         # the model runner's KernelConfigs; None: GemvConfig.for_device at each call).
         self.gemv_config = None
+        # The CPU block kernels' variant (a CpuBlocksConfig, set by the model runner's
+        # KernelConfigs; None: its defaults), for block methods (quant/cpu_int.py).
+        self.cpu_blocks_config = None
         self._method_params: list[str] = []
         self.set_quant_method(UNQUANTIZED)
         if bias:

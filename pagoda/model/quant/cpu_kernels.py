@@ -20,6 +20,8 @@ slower; ``native_status()`` says which runs.
 
 Numerics: the weights the kernel dequantizes are bit-identical to the reference's (and
 to gguf.quants.dequantize); only float32 rounding of the sums differs (cpu_kernels.c).
+The kernels' variant (8-bit activations at batch 1) is a field of ``CpuBlocksConfig``,
+which the caller passes.
 
 ``rows_linear`` is what the model's float layers call: for steps of 2 to SMALL_ROWS
 rows on the CPU (small batches, speculative verify steps) it takes the compiled
@@ -38,6 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,12 +58,30 @@ BLOCK_BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES}
 # A guess to tune (the crossover was not measured: the 2-core machine was shared).
 LARGE_M = 64
 
-# Batch 1 (one activation row) quantizes the activation to 8 bits per block of 32 and
-# multiplies on 8-bit integers, as llama.cpp does (fewer instructions per weight than
-# converting each weight to float). Results then equal reference_gemv_q8, not
-# reference_mm, up to float32 rounding. More rows keep the float register tiles: an
-# 8-bit version of those measured 2x slower at 32 rows (docs/performance.md).
-QUANTIZE_ACTIVATIONS = True
+
+@dataclass(frozen=True)
+class CpuBlocksConfig:
+    """The block kernels' variant, passed in by the layer that multiplies (each linear
+    layer's `cpu_blocks_config`, set by the model runner's KernelConfigs) and followed
+    by the fused decode step (pagoda/model/cpu_fused_decode.py).
+
+    quantize_activations: batch 1 (one activation row) quantizes the activation to 8
+    bits per block of 32 and multiplies on 8-bit integers, as llama.cpp does (fewer
+    instructions per weight than converting each weight to float). Results then equal
+    reference_gemv_q8, not reference_mm, up to float32 rounding. More rows keep the
+    float register tiles: an 8-bit version of those measured 2x slower at 32 rows
+    (docs/performance.md). Off: batch 1 multiplies the float activation too."""
+
+    quantize_activations: bool = True
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> CpuBlocksConfig:
+        """The config for device: the block kernels run on the CPU only, so every
+        device gets the defaults."""
+        return cls()
+
+
+DEFAULT_BLOCKS_CONFIG = CpuBlocksConfig()
 
 _HERE = Path(__file__).parent
 # Compiled together into one library; the header is part of the cache key.
@@ -275,8 +296,12 @@ def native_dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return out
 
 
-def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """x [M, K] float32 on the CPU @ the blocks' weight [N, K].T -> float32 [M, N]."""
+def blocks_mm(
+    x: torch.Tensor, blocks: torch.Tensor, kind: str, config: CpuBlocksConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 on the CPU @ the blocks' weight [N, K].T -> float32 [M, N], as
+    config says (None: the defaults, DEFAULT_BLOCKS_CONFIG)."""
+    config = config or DEFAULT_BLOCKS_CONFIG
     so = native_kernel()
     n, nb, _ = blocks.shape
     if x.dim() != 2 or x.shape[1] != nb * QK:
@@ -287,7 +312,7 @@ def blocks_mm(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         return linear(x, native_dequantize(blocks, kind))
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 1 and QUANTIZE_ACTIVATIONS:
+    if x.shape[0] == 1 and config.quantize_activations:
         fn = so.pagoda_q4_1_gemv_q8 if kind == "q4_1" else so.pagoda_q8_0_gemv_q8
         if (
             fn(
