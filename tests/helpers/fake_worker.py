@@ -35,6 +35,9 @@ class FakeWorker:
     def model_info(self) -> ModelInfo:
         return ModelInfo("FakeForCausalLM", VOCAB, 256, EOS)
 
+    def describe_weights(self) -> str:
+        return "none (a fake worker)"
+
     def determine_kv_cache_config(self, max_model_len: int) -> KVCacheConfig:
         return KVCacheConfig(64, [FullAttentionSpec(8, 2, 16, "float32")] * 2)
 

@@ -132,13 +132,14 @@ def save_tiny_hub_repo(hub_cache, repo_id: str, commit: str, ref: str = "main"):
 def save_tiny_servable_model(path, **overrides):
     """A tiny random Llama (4 heads, 2 KV heads: it splits over 2 tensor-parallel ranks)
     with the embedded SmolLM2 tokenizer beside it: a directory `pagoda serve` can serve."""
-    from pagoda.model.tokenizer import embedded_model_path, load_tokenizer
+    from helpers.embedded import embedded_gguf
+    from pagoda.model.tokenizer import load_tokenizer
 
     # The vocabulary matches the tokenizer's 49152 ids; tied embeddings keep it small.
     save_tiny_hf_model(
         path, "llama", **{"vocab_size": 49152, "tie_word_embeddings": True, **overrides}
     )
-    load_tokenizer(embedded_model_path()).save_pretrained(path)
+    load_tokenizer(embedded_gguf()).save_pretrained(path)
 
 
 # Token-id prompts of the GPU switch tests: a short one, a repeated token, a longer run.

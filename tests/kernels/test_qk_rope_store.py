@@ -390,7 +390,7 @@ def test_llama_attention_takes_the_fused_kernel_where_the_pool_uses_triton(qk_no
 def test_tiny_model_on_the_fused_path_matches_transformers(kind, tmp_path, monkeypatch):
     # A whole tiny checkpoint, prefilled in two chunks (the second reads the first's
     # K/V back), with every layer's q/k/v through the fused kernel.
-    from test_model_hf_equivalence import PROMPT, PagedRunner, hf_logits, make_hf
+    from helpers.hf_compare import PROMPT, PagedRunner, hf_logits, make_hf
 
     from pagoda.attention.kv_pool import KVCachePool
     from pagoda.model.loader import load_model

@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
+from helpers.decode_steps import BLOCK, HEAD_DIM, LAYERS, make_step, run_layers, tables_for
 from helpers.kv_pool_helpers import pool_holding
-from test_torch_decode import BLOCK, HEAD_DIM, LAYERS, make_step, run_layers, tables_for
 
 from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.model.layers.layernorm import RMSNorm

@@ -18,8 +18,8 @@ import logging
 
 import pytest
 import torch
+from helpers.hf_compare import PagedRunner, hf_logits, randomize
 from helpers.tiny_models import tiny_deepseek_config
-from test_model_hf_equivalence import PagedRunner, hf_logits, randomize
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention.mla_backend import MLATorchBackend

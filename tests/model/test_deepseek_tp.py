@@ -13,8 +13,7 @@ import pathlib
 import pytest
 import torch
 from helpers.tiny_models import save_tiny_hf_model
-from helpers.tp_helpers import free_port, paged_forward, run_ranks
-from test_tp_forward import STEPS, assert_fp32_close
+from helpers.tp_helpers import STEPS, assert_fp32_close, free_port, paged_forward, run_ranks
 
 from pagoda.attention.selector import make_attention_backend
 from pagoda.distributed.parallel_state import destroy_distributed, init_distributed

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers.hf_compare import PagedRunner, hf_logits, pagoda_logits
 from helpers.tiny_models import save_tiny_hf_model
-from test_model_hf_equivalence import PagedRunner, hf_logits, pagoda_logits
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.layers.moe.fused_moe import FusedMoE

@@ -12,7 +12,7 @@ accepted (checked), and every KV block is free afterwards.
 from __future__ import annotations
 
 import pytest
-from test_engine_batching import assert_all_blocks_free, make_prompts
+from helpers.engine_checks import assert_all_blocks_free, make_prompts
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.tokenizer import apply_chat_template

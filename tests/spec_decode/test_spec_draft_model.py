@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.engine_checks import assert_all_blocks_free
 from helpers.tiny_models import save_tiny_hf_model, save_tiny_servable_model
-from test_engine_batching import assert_all_blocks_free
 
 from pagoda import LLM, SamplingParams
 

@@ -1,0 +1,124 @@
+"""Pagoda models against transformers on tiny random checkpoints: the tiny shape, random
+weights everywhere (norms and biases included), a step-by-step paged runner over the
+torch_ref backend like the model runner, and both sides' logits."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from pagoda.attention.forward_context import forward_context
+from pagoda.attention.kv_pool import KVCachePool
+from pagoda.attention.metadata import build_attention_metadata
+from pagoda.attention.torch_ref import TorchRefBackend
+from pagoda.core.kv_cache_spec import KVCacheConfig
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.attention import kv_cache_specs
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
+
+
+class PagedRunner:
+    """Drives a Pagoda model step by step through a paged KV cache, like the model runner.
+
+    Blocks are handed out in a scrambled order so that block tables are not contiguous.
+    """
+
+    def __init__(self, model, arch: ArchConfig, num_blocks: int = 64, block_size: int = 4):
+        self.model, self.block_size = model, block_size
+        self.backend = TorchRefBackend(
+            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.head_dim**-0.5
+        )
+        dtype = next(model.parameters()).dtype
+        self.kv_pool = KVCachePool(
+            KVCacheConfig(num_blocks, kv_cache_specs(model, block_size, dtype)), "cpu"
+        )
+        self.free_blocks = torch.randperm(
+            num_blocks, generator=torch.Generator().manual_seed(1)
+        ).tolist()
+        self.block_tables: dict[str, list[int]] = {}
+        self.seq_lens: dict[str, int] = {}
+
+    def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Runs one flattened forward over each request's next tokens; logits per request."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for req, tokens in chunks.items():
+            start = self.seq_lens.get(req, 0)
+            end = start + len(tokens)
+            table = self.block_tables.setdefault(req, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free_blocks.pop())
+            ids += tokens
+            positions += list(range(start, end))
+            query_lens.append(len(tokens))
+            seq_lens.append(end)
+            tables.append(table)
+            self.seq_lens[req] = end
+        metadata = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, "cpu")
+        plan = self.backend.build_metadata(metadata)
+        with torch.no_grad(), forward_context(self.backend, plan, self.kv_pool):
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            logits = self.model.compute_logits(hidden)
+        assert hidden.shape == (len(ids), self.model.arch.hidden_size)
+        assert logits.dtype == torch.float32
+        return dict(zip(chunks, logits.split(query_lens)))
+
+
+def pagoda_logits(model, arch, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
+    runner = PagedRunner(model, arch)
+    out, start = [], 0
+    for size in chunk_sizes:
+        out.append(runner.step({"r": tokens[start : start + size]})["r"])
+        start += size
+    assert start == len(tokens)
+    return torch.cat(out)
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def randomize(hf_model, seed: int) -> None:
+    """Random weights everywhere, norms and biases included, so a mis-mapped tensor shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            else:
+                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
+
+
+def make_hf(kind: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        config = LlamaConfig(**TINY, **overrides)
+        model = LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = Qwen2Config(**TINY, **overrides)
+        model = Qwen2ForCausalLM(config)
+    else:
+        config = Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True, **overrides)
+        model = Qwen3ForCausalLM(config)
+    config._attn_implementation = "eager"
+    randomize(model, seed)
+    return model.eval()
+
+
+PROMPT = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(7)).tolist()
