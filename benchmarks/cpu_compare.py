@@ -10,8 +10,8 @@ The embedded SmolLM2-135M-Instruct GGUF, `--prompt-len` (32) tokens in, `--max-t
 (128) out, greedy, EOS ignored, torch threads fixed. Points: batch 1 (`--num-prompts-
 batch1` prompts, one at a time) and 32 requests at once (`--batches`). Pagoda runs
 without prefix caching (repeats of the same prompts get no cache hits that `generate`
-could not have) and gets `quantization=` only when `--quantization` is given (default:
-the float32 weights); transformers runs the GGUF dequantized to float32 (`generate`,
+could not have) and gets `quantization=` from `--quantization` (default: none, the
+float32 weights); transformers runs the GGUF dequantized to float32 (`generate`,
 sdpa). The optional peer llama.cpp (`llama_cpp`, llama-cpp-python) runs the same GGUF
 file as it is (Q4_1) with `n_threads=--threads`, batch 1 only; when it is not importable
 the script says how to install it and skips it. Each engine is loaded once, then runs
@@ -257,8 +257,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--quantization",
-        default=None,
-        help="Pagoda's LLM(quantization=...); default: float32 weights",
+        default="none",
+        help="Pagoda's LLM(quantization=...); default: none, the float32 weights",
     )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")

@@ -10,8 +10,15 @@ greedy agreement (tokens equal before the first difference / tokens generated) a
 logprob error of the float model's greedy tokens, teacher-forced (max and mean |delta|).
 --kernels adds per-layer matmul timings: float32 linear vs the block kernel vs torch's
 own weight-packed int8/int4 CPU kernels.
+--ab A,B replaces the sweep by two modes loaded side by side in one process and timed in
+alternation (A, B, A, B, ... for --rounds rounds; medians), with every greedy output of
+A compared token by token with B's. Mode "default" is LLM() with no quantization given
+(what a user gets); "float32" asks for float weights (quantization="none"); a mode may
+name a kernel-config variant after "@" (benchmarks/harness/variants.py), e.g.
+`default@cpu_blocks.quantize_activations=1`.
 
     python -m benchmarks.cpu_quant --threads 2
+    python -m benchmarks.cpu_quant --ab default,float32 --rounds 5
     python -m benchmarks.cpu_quant --smoke      # a quick check that everything runs
 """
 
@@ -26,6 +33,7 @@ import time
 
 from benchmarks.harness.results import write_result
 from benchmarks.harness.timing import min_seconds
+from benchmarks.harness.variants import configs_for
 
 QUALITY_PROMPTS = [
     "The capital of France is",
@@ -51,6 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--quality-tokens", type=int, default=32)
     p.add_argument("--quality-prompts", type=int, default=len(QUALITY_PROMPTS))
     p.add_argument("--kernels", action="store_true", help="also time each layer's matmul")
+    p.add_argument(
+        "--ab",
+        default=None,
+        metavar="A,B",
+        help="two modes side by side, timed in alternation (instead of the sweep)",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--ab: timed runs of each mode")
     p.add_argument("--smoke", action="store_true", help="tiny lengths: check that it runs")
     p.add_argument(
         "--out",
@@ -62,7 +77,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.prompt_len, args.output_len, args.batch, args.repeats = 8, 8, 4, 1
-        args.quality_tokens, args.quality_prompts = 4, 2
+        args.quality_tokens, args.quality_prompts, args.rounds = 4, 2, 2
+    if args.ab is not None and len(args.ab.split(",")) != 2:
+        p.error(f"--ab takes two modes, A,B: got {args.ab!r}")
     return args
 
 
@@ -81,12 +98,18 @@ def best_rate(run, tokens, repeats):
 # --- Pagoda ---------------------------------------------------------------------------
 
 
+def quantization_of(mode):
+    """LLM(quantization=...) of a mode: "default" gives none (the user's default),
+    "float32" asks for float weights, any other mode is a scheme's name."""
+    return {"default": None, "float32": "none"}.get(mode, mode)
+
+
 def pagoda_mode(args, path, mode):
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(str(path), quantization=None if mode == "float32" else mode, device="cpu")
+    llm = LLM(str(path), quantization=quantization_of(mode), device="cpu")
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     one, many = prompts(args, 1), prompts(args, args.batch)
@@ -167,6 +190,65 @@ def run_pagoda(args, path):
         del llm
         gc.collect()
     return results
+
+
+# --- two modes side by side ---------------------------------------------------------------
+
+
+def run_ab(args, path):
+    """Modes A and B (--ab) loaded together, each workload timed A, B, A, B, ... over
+    --rounds (after one untimed run of each); medians of output tok/s and their ratio
+    A / B; every greedy output (timed workloads and the quality prompts) compared."""
+    from statistics import median
+
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    modes = args.ab.split(",")
+    llms = {}
+    for mode in modes:
+        print(f"loading {mode} ...", flush=True)
+        # No prefix caching: every round recomputes its prompts, as a new user's would be.
+        scheme, _, variant = mode.partition("@")
+        llms[mode] = LLM(
+            str(path),
+            quantization=quantization_of(scheme),
+            device="cpu",
+            enable_prefix_caching=False,
+        )
+        if variant:  # a kernel-config variant, e.g. cpu_blocks.quantize_activations=1
+            runner = llms[mode].llm_engine.executor.runner
+            runner.use_kernel_configs(configs_for(variant, "cpu"))
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    workloads = {"batch1": prompts(args, 1), f"batch{args.batch}": prompts(args, args.batch)}
+    result = {"modes": modes, "rounds": args.rounds, "workloads": {}}
+    tokens = {mode: [] for mode in modes}
+    for name, batch in workloads.items():
+        rates = {mode: [] for mode in modes}
+        for mode in modes:  # warm-up, and the outputs compared below
+            outs = llms[mode].generate(batch, params, use_tqdm=False)
+            tokens[mode] += [list(o.outputs[0].token_ids) for o in outs]
+        for r in range(args.rounds):
+            for mode in modes:
+                start = time.perf_counter()
+                llms[mode].generate(batch, params, use_tqdm=False)
+                rates[mode].append(len(batch) * args.output_len / (time.perf_counter() - start))
+                print(f"  {name} round {r + 1} {mode:10s} {rates[mode][-1]:7.1f} tok/s", flush=True)
+        medians = {mode: median(rates[mode]) for mode in modes}
+        result["workloads"][name] = {
+            "tok_s": {mode: [round(x, 1) for x in rates[mode]] for mode in modes},
+            "median_tok_s": {mode: round(v, 1) for mode, v in medians.items()},
+            "ratio": round(medians[modes[0]] / medians[modes[1]], 2),
+        }
+    texts = QUALITY_PROMPTS[: args.quality_prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=args.quality_tokens)
+    for mode in modes:
+        outs = llms[mode].generate(texts, greedy, use_tqdm=False)
+        tokens[mode] += [list(o.outputs[0].token_ids) for o in outs]
+    a, b = (tokens[mode] for mode in modes)
+    result["outputs_compared"] = len(a)
+    result["outputs_identical"] = sum(x == y for x, y in zip(a, b))
+    return result
 
 
 # --- peers ------------------------------------------------------------------------------
@@ -296,6 +378,11 @@ def main(argv=None):
         },
         "model": path.name,
     }
+    if args.ab is not None:
+        report["ab"] = run_ab(args, path)
+        print(json.dumps(report, indent=1))
+        write_result(args.out, report, indent=1)
+        return report
     if args.kernels:
         report["kernels_us"] = run_kernels(args)
     report["pagoda"] = run_pagoda(args, path)

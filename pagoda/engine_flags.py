@@ -20,9 +20,10 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-# --quantization, vLLM's names (pagoda.model.quant.registry says what each means). A
-# checkpoint's own quantization_config ("fp8", "compressed-tensors") needs no flag.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "int8", "int4", "gguf")
+# --quantization, vLLM's names (pagoda.model.quant.registry says what each means), and
+# "none": float weights, a GGUF file's blocks expanded. A checkpoint's own
+# quantization_config ("fp8", "compressed-tensors") needs no flag.
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "int8", "int4", "gguf", "none")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
@@ -184,8 +185,10 @@ class EngineFlags:
         None,
         "quantize the weights: fp8 (W8A8 on Hopper/Ada GPUs, from a float checkpoint at "
         "load time), int8 or int4 (CPU), gguf (CPU: keep the GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks); default: as the checkpoint says (an FP8 or compressed-tensors checkpoint is "
-        "read as such)",
+        "blocks), none (float weights: a GGUF file's blocks expanded to --dtype, the "
+        "slower path on the CPU); default: as the checkpoint says (an FP8 or "
+        "compressed-tensors checkpoint is read as such; a GGUF file keeps its blocks on "
+        "the CPU for a dense model, and is expanded to float on a GPU or for MoE/MLA)",
         group=_MODEL,
         choices=QUANTIZATION_METHODS,
         alias="-q",

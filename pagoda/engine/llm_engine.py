@@ -20,20 +20,27 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagoda.config import EngineArgs, EngineConfig, ModelConfig
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import (
     EngineCoreOutput,
-    ModelInfo,
     RunnerOutputFuture,
     SchedulerOutput,
     StepExtras,
 )
 from pagoda.core.request import Request, RequestStatus
-from pagoda.core.scheduler import Scheduler
 from pagoda.engine import trace
+from pagoda.engine.engine_setup import (
+    build_kv_offload,
+    build_scheduler,
+    eos_token_id,
+    load_engine_tokenizer,
+    resolve_max_model_len,
+    resolve_model_path,
+)
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
 from pagoda.engine.release import freeze_heap, release_after_shutdown
+from pagoda.engine.startup_log import log_startup
 from pagoda.executor.base import Executor
 from pagoda.executor.factory import get_executor_class
 from pagoda.outputs import RequestOutput
@@ -87,26 +94,6 @@ class EngineStats:
     block_size: int = 0
 
 
-def _gib(num_bytes: int) -> str:
-    return (
-        f"{num_bytes / (1 << 30):.2f} GiB"
-        if num_bytes >= 1 << 30
-        else f"{num_bytes / (1 << 20):.1f} MiB"
-    )
-
-
-def resolve_model_path(model_config: ModelConfig) -> str:
-    """The model's local path (a hub id becomes its cached snapshot) or preset name."""
-    from pagoda.model.hub import resolve_model
-
-    model = resolve_model(model_config)
-    if model is None:
-        from pagoda.model.tokenizer import embedded_model_path
-
-        return str(embedded_model_path())
-    return model
-
-
 ExecutorFactory = Callable[[EngineConfig, str], Executor]
 
 
@@ -140,36 +127,15 @@ class LLMEngine:
         # (docs/performance.md, "measured reasons"). shutdown() unfreezes.
         freeze_heap(self)
         self.startup_seconds = time.perf_counter() - start
-        self._log_ready()
-
-    def _log_ready(self) -> None:
-        """The start-up summary a user reads before the first request (INFO, the default)."""
-        info, kv = self.model_info, self.kv_cache_config
-        logger.info(
-            "model %s: %s, %s on %s, weights %s",
-            self.model_path,
-            info.architecture,
-            info.dtype or self.config.model.dtype,
-            self.config.device.device,
-            _gib(info.weight_bytes),
-        )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %s); max_model_len %d",
-            self.num_blocks,
-            kv.block_size,
-            self.num_blocks * kv.block_size,
-            getattr(kv.layer_specs[0], "dtype", "?"),
-            self.max_model_len,
-        )
-        logger.info("engine ready in %.1fs", self.startup_seconds)
+        log_startup(self)  # the summary a user reads before the first request
 
     def _start(self, config: EngineConfig) -> None:
         """Everything after the executor: model facts, tokenizer, KV cache, scheduler."""
         info = self.executor.model_info
         self.model_info = info
-        self.max_model_len = self._resolve_max_model_len(config, info)
-        self.tokenizer = self._load_tokenizer(config)
-        self.eos_token_id = self._eos_token_id(info)
+        self.max_model_len = resolve_max_model_len(config, info)
+        self.tokenizer = load_engine_tokenizer(config, self.model_path)
+        self.eos_token_id = eos_token_id(self.tokenizer, info)
         kv_config = self.executor.determine_kv_cache_config(self.max_model_len)
         self.executor.initialize_kv_cache(kv_config, self.max_model_len)
         self.kv_cache_config = kv_config
@@ -180,33 +146,12 @@ class LLMEngine:
             kv_config.block_size,
             enable_caching=config.cache.enable_prefix_caching,
         )
-        self.kv_offload = self._build_kv_offload(config)
-        sched = config.scheduler
-        from pagoda.spec_decode.engine_setup import build_draft_planner
-
-        planner, lookahead = build_draft_planner(
-            config.speculative,
-            config.device.device,
-            self.max_model_len,
-            info.num_hidden_layers,
-            info.draft_weight_bytes / max(info.weight_bytes, 1),
-            async_scheduling=sched.async_scheduling,
+        self.kv_offload = build_kv_offload(config, self.executor, self.kv_cache_manager)
+        self.scheduler = build_scheduler(
+            config, info, self.max_model_len, self.kv_cache_manager, self.kv_offload
         )
-        token_budget = sched.max_num_batched_tokens
-        assert token_budget is not None, "EngineArgs.create_engine_config resolves the budget"
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=token_budget,
-            max_model_len=self.max_model_len,
-            policy=sched.policy,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            async_scheduling=sched.async_scheduling,
-            num_lookahead_tokens=lookahead,
-            draft_planner=planner,
-            kv_offload=self.kv_offload,
-        )
-        self.async_scheduling = sched.async_scheduling
+        planner = self.scheduler.draft_planner
+        self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: the step launched last, whose outputs are not processed yet.
         self._in_flight: tuple[SchedulerOutput, RunnerOutputFuture, trace.StepClock] | None = None
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -232,80 +177,9 @@ class LLMEngine:
         self.num_steps_total = 0  # non-empty steps
         self.scheduled_tokens_total = 0
 
-    def _build_kv_offload(self, config: EngineConfig):
-        """The scheduler's side of the KV offload tiers, from the worker's inventory
-        (a disk tier starts with the blocks it kept from an earlier run)."""
-        if not config.cache.kv_offloading:
-            return None
-        from pagoda.kv_offload.planning.manager import KVOffloadManager
-        from pagoda.kv_offload.planning.tiers import TierIndex, TierStack
-
-        inventory = self.executor.collective_rpc("kv_offload_inventory")[0]
-        tiers = [TierIndex(inventory.tiers[0].name, inventory.tiers[0].capacity, slotted=True)]
-        for entry in inventory.tiers[1:]:
-            tier = TierIndex(entry.name, entry.capacity, slotted=False)
-            kept = tier.add_ready(entry.contents)
-            if entry.contents:
-                logger.info("KV tier %s: %d blocks kept from an earlier run", entry.name, kept)
-            tiers.append(tier)
-        logger.info("KV offloading: %s", ", ".join(f"{t.name} {t.capacity} blocks" for t in tiers))
-        from pagoda.config import parse_tier_bandwidths
-        from pagoda.kv_offload.planning.cost import LoadCostModel
-
-        bandwidth = config.cache.kv_offloading_bandwidth
-        cost = LoadCostModel(
-            [t.name for t in tiers],
-            inventory.block_bytes,
-            self.kv_cache_manager.block_size,
-            inventory.prefill_sample,
-            inventory.load_samples,
-            parse_tier_bandwidths(bandwidth) if bandwidth else None,
-        )
-        return KVOffloadManager(
-            self.kv_cache_manager,
-            TierStack(tiers),
-            inventory.max_blocks_per_step,
-            cost,
-            max_inline_blocks_per_step=inventory.max_inline_blocks_per_step,
-        )
-
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
-
-    # ---- set-up helpers ---------------------------------------------------------------
-    @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
-        limit = info.max_position_embeddings
-        wanted = config.model.max_model_len
-        if wanted is None:
-            return limit
-        if wanted > limit:
-            raise ValueError(
-                f"max_model_len ({wanted}) is larger than the model's maximum "
-                f"context length ({limit})"
-            )
-        return wanted
-
-    def _load_tokenizer(self, config: EngineConfig):
-        from pagoda.model.tokenizer import load_tokenizer
-
-        if config.model.skip_tokenizer_init:
-            return None
-        from pagoda.model.hub import resolve_tokenizer
-
-        source = resolve_tokenizer(config.model) or self.model_path
-        if config.model.tokenizer is None and not _looks_like_path(source):
-            return None  # a preset shape (dummy weights) has no tokenizer: token ids only
-        return load_tokenizer(source, chat_template=config.model.chat_template)
-
-    def _eos_token_id(self, info: ModelInfo) -> int | None:
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return int(self.tokenizer.eos_token_id)
-        eos = info.eos_token_id
-        if isinstance(eos, (list, tuple)):
-            return int(eos[0]) if eos else None
-        return eos
 
     # ---- requests ---------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -673,9 +547,3 @@ def _close(
                 logger.exception("closing the KV offload tiers failed")
     finally:
         executor.shutdown()
-
-
-def _looks_like_path(source: str) -> bool:
-    import os
-
-    return os.path.exists(source)

@@ -13,10 +13,12 @@ import sys
 
 import pagoda
 from pagoda.entrypoints.cli_args import (
+    TEXT_COMMANDS,
     add_engine_args,
     add_sampling_args,
     cli_error_message,
     engine_args_from_namespace,
+    resolve_text_tokenizer,
     sampling_params_from_namespace,
 )
 from pagoda.entrypoints.cli_parser import (
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     configure_logging(ns.log_level)
     try:
+        if ns.command in TEXT_COMMANDS:
+            resolve_text_tokenizer(ns)  # before loading: a missing tokenizer fails at once
         return int(ns.func(ns) or 0)
     except ValueError as exc:
         print(f"error: {cli_error_message(exc)}", file=sys.stderr)

@@ -3,9 +3,10 @@ CLI's spelling of engine errors.
 
 Owns turning EngineFlags' fields (pagoda.engine_flags, where each engine flag is
 defined once: name, type, default, help, choices, alias, group) into argparse flags,
-the parsed flags back into EngineArgs, and rewriting an engine error's Python names
-(`load_format='dummy'`, `max_model_len`) as the flags a CLI user types
-(`--load-format dummy`, `--max-model-len`).
+the parsed flags back into EngineArgs, checking before anything loads that a command
+taking text has a tokenizer (`resolve_text_tokenizer`), and rewriting an engine
+error's Python names (`load_format='dummy'`, `max_model_len`) as the flags a CLI user
+types (`--load-format dummy`, `--max-model-len`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import typing
 
 from pagoda.config import EngineArgs, _cuda_available
 from pagoda.engine_flags import ENGINE_FLAGS, FLAG_GROUPS, EngineFlags, cli_flag
+from pagoda.model.presets import is_preset, preset_tokenizer
 from pagoda.sampling_params import SamplingParams
 
 
@@ -120,6 +122,43 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     values = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
     values["chat_template"] = chat_template
     return EngineArgs(**values)
+
+
+# Subcommands that take text: a model without a tokenizer fails them before it loads.
+# (The bench commands and token-id clients of `serve --skip-tokenizer-init` need none.)
+TEXT_COMMANDS = ("generate", "chat", "serve")
+
+
+def resolve_text_tokenizer(ns: argparse.Namespace) -> None:
+    """Before the engine loads, for a command that takes text (ns.command): a preset
+    shape with dummy weights takes the tokenizer that ships for it, if any (sets
+    ns.tokenizer), else the command fails with one line naming --tokenizer. Models with
+    files bring their own tokenizer; --tokenizer wins; --skip-tokenizer-init serves
+    token ids (refused by generate and chat, which take text)."""
+    if ns.skip_tokenizer_init:
+        if ns.command != "serve":
+            raise ValueError(
+                f"pagoda {ns.command} takes text, and --skip-tokenizer-init leaves it no "
+                f"tokenizer: drop --skip-tokenizer-init"
+            )
+        return
+    model = getattr(ns, "model", None) or getattr(ns, "model_tag", None)
+    if (
+        model is None
+        or ns.tokenizer is not None
+        or ns.load_format != "dummy"
+        or not is_preset(model)
+        or os.path.exists(model)
+    ):
+        return
+    ns.tokenizer = preset_tokenizer(model)
+    if ns.tokenizer is None:
+        token_ids = ", or --skip-tokenizer-init to serve token ids" if ns.command == "serve" else ""
+        raise ValueError(
+            f"{model} is a preset shape with random weights and no tokenizer: pass "
+            f"--tokenizer (a GGUF file, or a Hugging Face directory or hub id with the "
+            f"same vocabulary){token_ids}"
+        )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

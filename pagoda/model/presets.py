@@ -273,6 +273,24 @@ def is_preset(name: str) -> bool:
     return name in _PRESETS
 
 
+# Presets whose tokenizer ships with Pagoda: smollm2-135m is the embedded model's shape,
+# and the embedded GGUF holds its tokenizer.
+_EMBEDDED_TOKENIZER_PRESETS = ("smollm2-135m",)
+
+
+def preset_tokenizer(name: str) -> str | None:
+    """A local tokenizer for the preset's vocabulary (a path), or None when none ships
+    with Pagoda (then text needs --tokenizer, or token ids are sent)."""
+    if name not in _EMBEDDED_TOKENIZER_PRESETS:
+        return None
+    from pagoda.model.tokenizer import embedded_model_path
+
+    try:
+        return str(embedded_model_path())
+    except FileNotFoundError:  # the embedded model package is not installed
+        return None
+
+
 def get_preset(name: str) -> ArchConfig:
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESET_NAMES)}")

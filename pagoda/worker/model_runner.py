@@ -17,6 +17,8 @@ The penalties' history lives on the device between steps (worker/penalty_state.p
 created when a request enters, counted on the device after each single-row sample,
 caught up from the host's kept tokens after a verify step. With `penalty_state` set
 to None it is counted from the host's lists every step instead (the reference path).
+What sampling takes from the request states, row by sampled row, is built by
+worker/sampling_rows.py.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ from pagoda.kernels.launch.host_copy import host_to_device
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.kernel_configs import KernelConfigs
 from pagoda.model.layers.attention import kv_cache_specs
-from pagoda.sample.logprobs import compute_token_logprobs, pack_token_logprobs
+from pagoda.model.quant.registry import describe_weights
+from pagoda.sample.logprobs import pack_token_logprobs
 from pagoda.sample.metadata import (
     PendingOutputs,
     SamplingRow,
     build_sampling_metadata,
     make_generator,
-    token_seed,
 )
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
@@ -61,7 +63,13 @@ from pagoda.worker.input_batch import (
     single_row_index,
 )
 from pagoda.worker.input_stream import make_input_stream
-from pagoda.worker.penalty_state import PenaltyState, StepPenalties
+from pagoda.worker.penalty_state import PenaltyState
+from pagoda.worker.sampling_rows import (
+    packed_prompt_logprobs,
+    pending_outputs,
+    sampling_rows,
+    step_penalties,
+)
 from pagoda.worker.shape_buckets import eager_tokens_bucket, logits_rows_bucket
 from pagoda.worker.staging import StagingRing
 from pagoda.worker.step_output import AsyncRunnerOutput
@@ -334,6 +342,10 @@ class ModelRunner:
             0 if self.draft is None else self.draft.weight_bytes,
         )
 
+    def describe_weights(self) -> str:
+        """How this rank's weights are stored, for the engine's start-up log."""
+        return describe_weights(self.model)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
         """Applies the scheduler's diff and launches the step's forward, without waiting
@@ -442,7 +454,9 @@ class ModelRunner:
         sampled, packed_logprobs, wanted = self._sample(
             launched.hidden, inputs, launched.compacted, extras
         )
-        prompt_logprobs = self._prompt_logprobs(launched.hidden, inputs)
+        prompt_logprobs = packed_prompt_logprobs(
+            self.model, self.states, launched.hidden, inputs, self.device
+        )
         self._prev_sampled = (
             None
             if sampled is None
@@ -515,7 +529,7 @@ class ModelRunner:
                 self.device,
             )
         rows = self._sampling_rows(inputs)
-        step_penalties = self._step_penalties(inputs)
+        penalties = step_penalties(self.penalty_state, self.states, inputs)
         pending = None if self.penalty_state is not None else self._pending_outputs(inputs)
         metadata = build_sampling_metadata(
             rows,
@@ -523,11 +537,11 @@ class ModelRunner:
             self.device,
             self.generator,
             pending_outputs=pending,
-            penalty_history=step_penalties,
+            penalty_history=penalties,
         )
         out = self.sampler(logits, metadata)
-        if step_penalties is not None:
-            step_penalties.record_sampled(out.sampled_token_ids)
+        if penalties is not None:
+            penalties.record_sampled(out.sampled_token_ids)
         wanted = [r.params.logprobs for r in rows]
         if out.logprobs is None:
             return out.sampled_token_ids, None, wanted
@@ -535,76 +549,9 @@ class ModelRunner:
         return out.sampled_token_ids, packed, wanted
 
     def _sampling_rows(self, inputs: StepInputs) -> list[SamplingRow]:
-        """One SamplingRow per sampled row; a request verifying drafts has several, row
-        k seeing drafts[:k] as outputs (what it samples is conditioned on them)."""
-        rows, seen = [], {}
-        for req_id in inputs.sample_req_ids:
-            offset = seen.get(req_id, 0)
-            seen[req_id] = offset + 1
-            rows.append(self._sampling_row(req_id, inputs.pending_output, offset))
-        return rows
-
-    def _sampling_row(
-        self, req_id: str, pending_output: dict[str, int], offset: int
-    ) -> SamplingRow:
-        state = self.states[req_id]
-        num_pending = int(req_id in pending_output)
-        outputs = state.output_token_ids
-        if offset:
-            outputs = outputs + state.spec_token_ids[:offset]
-        generator = state.generator
-        if generator is not None:  # a host-side re-seed: no device work, no sync
-            seed = token_seed(state.params.seed, len(outputs) + num_pending)
-            if offset:  # row 0 keeps the request's own generator; later rows get theirs
-                generator = self._make_generator(seed)
-            else:
-                generator.manual_seed(seed)
-        return SamplingRow(
-            state.params,
-            state.prompt_token_ids,
-            outputs,
-            generator,
-            num_pending_outputs=num_pending,
-        )
-
-    def _step_penalties(self, inputs: StepInputs) -> StepPenalties | None:
-        """This step's rows of the device penalty history (None: no row has one, or
-        the history is rebuilt from the host's lists)."""
-        state = self.penalty_state
-        if state is None:
-            return None
-        num_known = {
-            req_id: len(self.states[req_id].output_token_ids) + int(req_id in inputs.pending_output)
-            for req_id in set(inputs.sample_req_ids)
-            if req_id in state
-        }
-        return state.begin_step(inputs.sample_req_ids, inputs.verified_drafts, num_known)
+        """One SamplingRow per sampled row (sampling_rows.sampling_rows)."""
+        return sampling_rows(self.states, inputs, self._make_generator)
 
     def _pending_outputs(self, inputs: StepInputs) -> PendingOutputs | None:
         """The rows' output tokens that only the previous step's sampled ids hold."""
-        if not inputs.pending_output:
-            return None
-        rows, sources = [], []
-        for row, req_id in enumerate(inputs.sample_req_ids):
-            source = inputs.pending_output.get(req_id)
-            if source is not None:
-                rows.append(row)
-                sources.append(source)
-        return PendingOutputs(rows, sources, self._prev_sampled.token_ids)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, torch.Tensor]:
-        """req_id -> packed prompt logprobs (on the device) of the rows this step computed."""
-        result: dict[str, torch.Tensor] = {}
-        for req_id, (first_row, positions) in inputs.prompt_logprob_rows.items():
-            state = self.states[req_id]
-            start = state.num_computed_tokens
-            rows = host_to_device(
-                [first_row + p - start for p in positions], torch.long, self.device
-            )
-            targets = host_to_device(
-                [state.prompt_token_ids[p + 1] for p in positions], torch.long, self.device
-            )
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            ids, lps, ranks = compute_token_logprobs(logits, targets, state.params.prompt_logprobs)
-            result[req_id] = pack_token_logprobs(ids, lps, ranks)
-        return result
+        return pending_outputs(inputs, self._prev_sampled)

@@ -1,8 +1,14 @@
 """The `pagoda` command's parser and its user-facing errors: --version, --log-level on
 every subcommand, defaults in --help, "did you mean" for mistyped flags naming the
-subcommand's usage, --device cuda without a GPU, and generate's context-length check."""
+subcommand's usage, --device cuda without a GPU, generate's context-length check, a
+text command on a preset shape without a tokenizer (refused before anything loads), and
+engine errors spelled as flags."""
 
 from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +111,93 @@ def test_generate_checks_the_context_length(capsys):
     assert code == 2 and out == ""
     assert "error: this model's maximum context length is 128 tokens" in err
     assert "lower --max-tokens" in err and "Traceback" not in err
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fails the test if the command gets as far as building an engine; records the
+    parsed flags it would have built it from."""
+    seen = []
+
+    def make_llm(ns):
+        seen.append(ns)
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(cli, "_make_llm", make_llm)
+    return seen
+
+
+TEXT_ARGVS = [
+    ["generate", "hi"],
+    ["chat"],
+    pytest.param(
+        ["serve"],
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("fastapi") is None, reason="no server stack"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("argv", TEXT_ARGVS)
+def test_preset_without_tokenizer_fails_before_loading_naming_the_flag(capsys, no_engine, argv):
+    model = ["llama-3.1-8b"] if argv[0] == "serve" else ["--model", "llama-3.1-8b"]
+    args = argv + model + ["--load-format", "dummy"]
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and out == "" and not no_engine
+    serve_hint = ", or --skip-tokenizer-init to serve token ids" if argv[0] == "serve" else ""
+    assert err.strip().splitlines() == [
+        "error: llama-3.1-8b is a preset shape with random weights and no tokenizer: pass "
+        "--tokenizer (a GGUF file, or a Hugging Face directory or hub id with the same "
+        f"vocabulary){serve_hint}"
+    ]
+
+
+def test_the_embedded_models_shape_takes_its_tokenizer(no_engine, smollm2_gguf):
+    argv = ["generate", "hi", "--model", "smollm2-135m", "--load-format", "dummy"]
+    with pytest.raises(AssertionError, match="the engine was built"):
+        cli.main(argv)
+    assert no_engine[0].tokenizer == str(smollm2_gguf)
+
+
+def test_a_given_tokenizer_or_real_weights_need_no_check(no_engine, smollm2_gguf):
+    argv = ["generate", "hi", "--model", "llama-3.1-8b", "--load-format", "dummy"]
+    with pytest.raises(AssertionError, match="the engine was built"):
+        cli.main(argv + ["--tokenizer", str(smollm2_gguf)])
+    with pytest.raises(AssertionError, match="the engine was built"):
+        cli.main(["generate", "hi", "--model", str(smollm2_gguf)])
+    assert [ns.tokenizer for ns in no_engine] == [str(smollm2_gguf), None]
+
+
+def test_text_commands_refuse_skip_tokenizer_init(capsys, no_engine):
+    code, _, err = _run(capsys, "generate", "hi", "--skip-tokenizer-init")
+    assert code == 2 and not no_engine
+    assert err.strip() == (
+        "error: pagoda generate takes text, and --skip-tokenizer-init leaves it no "
+        "tokenizer: drop --skip-tokenizer-init"
+    )
+
+
+def test_engine_errors_read_as_flags(capsys):
+    """A preset named without --load-format dummy, and a model that is nothing: the
+    loader's errors in the flags' spelling, the presets listed from their one table."""
+    from pagoda.model.presets import PRESET_NAMES
+
+    code, _, err = _run(capsys, "generate", "hi", "--model", "qwen3-8b", "--device", "cpu")
+    assert code == 2
+    assert err.strip() == (
+        "error: 'qwen3-8b' is a preset (a shape without weights): pass --load-format dummy "
+        "to run it with random weights"
+    )
+    code, _, err = _run(capsys, "generate", "hi", "--model", "no-such-model", "--device", "cpu")
+    assert code == 2 and "load_format" not in err and len(err.strip().splitlines()) == 1
+    assert f"or a preset name ({', '.join(PRESET_NAMES)}) with --load-format dummy" in err
+
+
+def test_getting_started_lists_every_preset_and_no_other():
+    from pagoda.model.presets import PRESET_NAMES
+
+    text = (Path(__file__).parents[2] / "docs" / "getting-started.md").read_text()
+    start = text.index("Presets:")
+    listed = re.findall(r"`([^`]+)`", text[start : text.index("`.", start) + 1])
+    assert sorted(listed) == sorted(PRESET_NAMES)

@@ -55,6 +55,25 @@ def test_loader_hands_kept_tensors_over_as_raw_blocks(smollm2_gguf):
     assert raw["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float32
 
 
+def test_a_gguf_file_keeps_its_blocks_by_default_where_they_run(smollm2_gguf):
+    from pagoda.model.arch_config import ArchConfig
+    from pagoda.model.loader.gguf import FastGGUFReader
+    from pagoda.model.presets import get_preset
+    from pagoda.model.quant.registry import resolve_quant_config
+
+    reader = FastGGUFReader(str(smollm2_gguf))
+    arch = ArchConfig.from_gguf_metadata(reader)
+
+    def scheme(requested, arch=arch, device="cpu"):
+        return resolve_quant_config(requested, None, "gguf", reader, arch=arch, device=device)
+
+    assert isinstance(scheme(None), GGUFQuantConfig)  # the CPU, a dense model: blocks
+    assert scheme("none") is None  # float weights, asked for
+    assert scheme(None, device="cuda") is None  # the block kernel is the CPU's
+    assert scheme(None, arch=get_preset("tiny-qwen3-moe")) is None  # experts: no block path
+    assert scheme(None, arch=None, device=None) is None  # nothing to judge by: float
+
+
 def test_config_keeps_only_layers_of_one_block_type():
     types = {f"model.layers.0.self_attn.{p}.weight": "Q4_0" for p in ("q_proj", "k_proj", "v_proj")}
     types["model.layers.0.self_attn.o_proj.weight"] = "Q6_K"
@@ -145,7 +164,7 @@ def _greedy(path, quantization):
 
 @pytest.fixture(scope="module")
 def float_tokens(smollm2_gguf):
-    return _greedy(smollm2_gguf, None)
+    return _greedy(smollm2_gguf, "none")
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> float:

@@ -158,6 +158,17 @@ def test_resolution_errors_name_the_problem():
     assert resolve_quant_config(None, None, "safetensors") is None
 
 
+def test_quantization_none_keeps_float_weights_or_says_why_not():
+    assert resolve_quant_config("none", None, "safetensors") is None
+    assert resolve_quant_config("none", {"quant_method": "fp8"}, "dummy") is None
+    with pytest.raises(
+        ValueError,
+        match="--quantization none asks for float weights, but this checkpoint is quantized "
+        "\\(fp8\\)",
+    ):
+        resolve_quant_config("none", {"quant_method": "fp8"}, "safetensors")
+
+
 def test_processing_after_loading_visits_the_lm_heads_private_layer_once():
     from pagoda.model.quant.registry import process_loaded_weights
 

@@ -15,7 +15,7 @@ MIN_IDENTICAL = 3
 def test_gguf_blocks_through_the_server_agree_with_float32():
     from pagoda import LLM, SamplingParams
 
-    reference = LLM(max_model_len=256).generate(
+    reference = LLM(max_model_len=256, quantization="none").generate(
         PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
     )
     server = launch_server(

@@ -16,9 +16,10 @@ Formats:
   explicitly (a benchmark shape must never be mistaken for a real model).
 
 dtype "auto" means the checkpoint's torch_dtype (pagoda.model.dtypes.resolve_dtype):
-config.json's for HF directories, the preset's for dummy weights, float32 for GGUF (its
-weights are dequantized to float32). The engine never passes "auto": it resolves the
-dtype for its device first.
+config.json's for HF directories, the preset's for dummy weights, float32 for GGUF (the
+dtype its expanded weights and its activations take; on the CPU its Q4_0/Q4_1/Q8_0
+blocks stay quantized unless quantization="none"). The engine never passes "auto": it
+resolves the dtype for its device first.
 """
 
 from __future__ import annotations

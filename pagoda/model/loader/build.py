@@ -45,7 +45,8 @@ def build_model(
     """The model for arch, this rank's share of it (tp), with uninitialised weights of
     dtype on device (built on meta, so nothing is allocated or initialised twice); with
     quant_config (a pagoda.model.quant QuantConfig) its linear layers take their
-    methods' parameters. Call process_loaded_weights once the weights are in."""
+    methods' parameters (the scheme is kept as model.quant_config). Call
+    process_loaded_weights once the weights are in."""
     cls = get_model_class(arch.architecture)
     check_tensor_parallel(
         arch, tp.size, tp.expert_parallel
@@ -53,6 +54,7 @@ def build_model(
     with torch.device("meta"):
         model = cls(arch, tp)
     attach_quant_methods(model, arch, quant_config, torch.device(device), dtype)
+    model.quant_config = quant_config  # what describe_weights reports
     model.materialize(device, dtype)
     reset_kv_scales(model)  # buffers come out of materialize uninitialised
     return model.eval()

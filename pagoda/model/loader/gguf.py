@@ -3,8 +3,9 @@
 Every tensor, quantized (Q4_1, Q8_0, ...) or not, is dequantized to float32 with
 gguf.quants.dequantize and then cast to the model dtype by the parameter's loader --
 except the tensors named in ``keep_blocks`` (those of layers the ``gguf`` quantization
-scheme keeps quantized, pagoda.model.quant.gguf_quant): they are handed over raw, as
-uint8 [rows, blocks per row, bytes per block], which shards in whole blocks.
+scheme keeps quantized, pagoda.model.quant.gguf_quant: by default on the CPU, see
+``default_gguf_scheme``; ``--quantization none`` expands them all): they are handed over
+raw, as uint8 [rows, blocks per row, bytes per block], which shards in whole blocks.
 llama.cpp's converter permutes the rows of the Q and K projections (it reshapes
 them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes, turning HF's
 rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that (on rows of
@@ -148,7 +149,9 @@ def load_gguf_model(
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
     arch = ArchConfig.from_gguf_metadata(reader)
-    quant = resolve_quant_config(quantization, None, "gguf", reader, quantize_lm_head)
+    quant = resolve_quant_config(
+        quantization, None, "gguf", reader, quantize_lm_head, arch=arch, device=device
+    )
     model = build_model(arch, resolve_dtype(dtype, device, arch.torch_dtype), device, tp, quant)
     # Built first: the gguf scheme learns which layers keep their blocks as it hands
     # out their methods.

@@ -243,6 +243,11 @@ class LinearMethod(ABC):
             f"activation"
         )
 
+    def weight_format(self, layer: nn.Module) -> str:
+        """How this layer's weight is stored, for the start-up log ('Q4_1', 'float32',
+        'fp8 (channel)'); default: the method's name."""
+        return self.name
+
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a bias-free [gate | up] layer, [M, out_per_rank / 2], where
         the method computes it in one step (a fused kernel); None (the default, and for

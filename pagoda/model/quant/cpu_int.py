@@ -44,7 +44,9 @@ def apply_blocks(
     layer: nn.Module, x: torch.Tensor, kind: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
     shape = x.shape
-    y = blocks_mm(x.reshape(-1, shape[-1]).to(torch.float32), layer.weight, kind)
+    y = blocks_mm(
+        x.reshape(-1, shape[-1]).to(torch.float32), layer.weight, kind, layer.cpu_blocks_config
+    )
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
@@ -76,6 +78,9 @@ class OnlineBlockMethod(LinearMethod):
                 f"{self.kind} needs in_features per rank divisible by {QK}, got {in_per_rank}"
             )
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
+
+    def weight_format(self, layer: nn.Module) -> str:
+        return self.kind.upper()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight

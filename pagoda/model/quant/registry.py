@@ -2,13 +2,20 @@
 the pass that hands every linear layer its method.
 
 Resolution: a checkpoint that says it is quantized is read as such (``--quantization``
-may repeat its method, never contradict it); otherwise ``--quantization`` quantizes a
-float checkpoint (or dummy weights) while loading; otherwise nothing is quantized.
+may repeat its method, never contradict it, and ``none`` is refused: its weights cannot
+be expanded); otherwise ``--quantization`` quantizes a float checkpoint (or dummy
+weights) while loading, or ``none`` keeps float weights (a GGUF file's blocks expanded);
+otherwise a GGUF file keeps its blocks where the ``gguf`` scheme runs faster than float
+(gguf_quant.default_gguf_scheme) and every other checkpoint stays float.
+
+``describe_weights(model)`` says, for the start-up log, how the loaded weights are
+stored.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 
 import torch
 from torch import nn
@@ -30,6 +37,14 @@ ONLINE_METHODS = {
     "int8": "pagoda.model.quant.cpu_int:Int8QuantConfig",
     "int4": "pagoda.model.quant.cpu_int:Int4QuantConfig",
 }
+# How the start-up log names each scheme (describe_weights).
+SCHEME_LABELS = {
+    "gguf": "gguf blocks",
+    "int8": "int8 blocks",
+    "int4": "int4 blocks",
+    "fp8": "fp8 W8A8",
+    "compressed-tensors": "compressed-tensors fp8 W8A8",
+}
 
 
 def _load(target: str):
@@ -46,12 +61,21 @@ def resolve_quant_config(
     load_format: str,
     gguf_reader=None,
     quantize_lm_head: bool = False,
+    *,
+    arch=None,
+    device: torch.device | str | None = None,
 ) -> QuantConfig | None:
     """The scheme to load with, or None for float weights. gguf_reader: the open GGUF
     file, for "gguf" (its tensors' block types pick each layer's method).
     quantize_lm_head: the scheme's LM head quantized too (QuantConfig.with_quantized_lm_head,
-    FP8 only); refused for float weights."""
-    scheme = _resolve_scheme(requested, checkpoint_config, load_format, gguf_reader)
+    FP8 only); refused for float weights. arch and device: the model and where it runs,
+    which decide whether a GGUF file keeps its blocks when nothing is requested (without
+    them it is expanded to float)."""
+    if requested is None and load_format == "gguf" and gguf_reader is not None:
+        default_gguf_scheme = _load("pagoda.model.quant.gguf_quant:default_gguf_scheme")
+        scheme = default_gguf_scheme(gguf_reader, arch, device)
+    else:
+        scheme = _resolve_scheme(requested, checkpoint_config, load_format, gguf_reader)
     if not quantize_lm_head:
         return scheme
     if scheme is None:
@@ -69,6 +93,8 @@ def _resolve_scheme(
         raise ValueError(
             f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATION_METHODS)}"
         )
+    if requested == "none":
+        return _float_weights(checkpoint_config, load_format)
     if checkpoint_config is not None:
         method = checkpoint_config["quant_method"]
         if method not in CHECKPOINT_FORMATS:
@@ -107,6 +133,19 @@ def _resolve_scheme(
             )
         return _load("pagoda.model.quant.gguf_quant:GGUFQuantConfig.from_reader")(gguf_reader)
     return _load(ONLINE_METHODS[requested])()
+
+
+def _float_weights(checkpoint_config: dict | None, load_format: str) -> None:
+    """--quantization none: float weights, which a quantized checkpoint cannot give
+    (its weights are read as stored; nothing expands them). Dummy weights of a
+    quantized config are random float values of its shape."""
+    if checkpoint_config is not None and load_format != "dummy":
+        raise ValueError(
+            f"--quantization none asks for float weights, but this checkpoint is "
+            f"quantized ({checkpoint_config['quant_method']}) and Pagoda reads it only as "
+            f"stored: leave --quantization unset, or load a float checkpoint"
+        )
+    return None
 
 
 def attach_quant_methods(
@@ -154,3 +193,30 @@ def process_loaded_weights(model: nn.Module) -> None:
             changed = True
     if changed and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def describe_weights(model: nn.Module) -> str:
+    """How the loaded model's weights are stored, one phrase for the start-up log: the
+    float dtype ('float32'), or the scheme with what its linear layers and LM head hold,
+    e.g. 'gguf blocks (Q4_1 ×120 linear layers; LM head Q8_0)'."""
+    head = getattr(model, "lm_head", None)
+    float_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if head is not None:
+        float_dtype = str(head.weight.dtype).removeprefix("torch.")
+    scheme = getattr(model, "quant_config", None)
+    if scheme is None:
+        return float_dtype
+    formats: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        # The LM head's private quantized layer is reported as the head.
+        if isinstance(module, LinearBase) and not name.startswith("lm_head."):
+            formats[module.quant_method.weight_format(module)] += 1
+    layers = ", ".join(f"{fmt} ×{count}" for fmt, count in formats.most_common())
+    parts = [f"{layers} linear layers"] if layers else []
+    quantized = getattr(head, "quantized", None)
+    if quantized is not None:
+        parts.append(f"LM head {quantized.quant_method.weight_format(quantized)}")
+    elif head is not None:
+        parts.append(f"LM head {float_dtype}")
+    label = SCHEME_LABELS.get(scheme.name, scheme.name)
+    return f"{label} ({'; '.join(parts)})" if parts else label

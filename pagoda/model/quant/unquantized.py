@@ -36,6 +36,9 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> None:
         layer.register_weight("weight", torch.empty(out_per_rank, in_per_rank), WEIGHT_DIMS)
 
+    def weight_format(self, layer: nn.Module) -> str:
+        return str(layer.weight.dtype).removeprefix("torch.")
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
