@@ -1,6 +1,7 @@
-"""`pagoda serve` start-up as a user sees it: what is logged at the default level, the
-`ready:` line, one log line per request, and a bad model path failing before the port
-is bound (one `error:` line, non-zero exit, no traceback)."""
+"""`pagoda serve` start-up as a user sees it: what is logged at the default level (the
+server's settings, the `ready:` line, one line per request), a busy port failing
+within seconds before anything loads, and a bad model path failing with the port
+given back (each one `error:` line, non-zero exit, no traceback)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,19 @@ def test_default_level_logs_startup_ready_line_and_requests():
         log = server.log_text()
     finally:
         assert server.stop() == 0
-    assert "LlamaForCausalLM, float32 on cpu, weights" in log
+    assert "LlamaForCausalLM" in log and "float32" in log  # the engine says what it loads
     assert "KV cache:" in log and "max_model_len 256" in log
     assert "engine ready in" in log
+    for line in (
+        "served model names: SmolLM2-135M-Instruct",
+        f"address: 127.0.0.1:{server.port}",
+        "API key: off",
+        "web UI: on (/ and /dashboard)",
+        "API docs: off (--enable-api-docs; /openapi.json is served)",
+        "tool calling: the chat template drops tools: responses to requests with tools "
+        "carry x-pagoda-warning",
+    ):
+        assert line in log, line
     assert f"ready: {server.url} (OpenAI API at /v1)" in log
     # The ready line comes after loading: nothing listens before the model is there.
     assert log.index("engine ready in") < log.index("ready: http")
@@ -47,7 +58,7 @@ def test_default_level_logs_startup_ready_line_and_requests():
     assert "loading weights" not in log  # no progress bar in a log file
 
 
-def test_bad_model_path_fails_before_the_port_is_bound():
+def test_bad_model_path_fails_with_one_line_and_gives_the_port_back():
     port = free_port()
     proc = subprocess.run(
         [
@@ -72,7 +83,7 @@ def test_bad_model_path_fails_before_the_port_is_bound():
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "/nonexistent/model.gguf" in errors[0]
     assert "Traceback" not in output and "Uvicorn running" not in output
-    # The port was never taken: binding it now succeeds.
+    # The port is given back: binding it now succeeds.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
 
@@ -110,7 +121,7 @@ def test_ctrl_c_while_loading_exits_without_a_traceback():
     )
     try:
         first = proc.stdout.readline().decode()
-        assert "loading" in first  # the engine is loading now; the port is not bound
+        assert "loading" in first  # the engine is loading now; nothing listens yet
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=120)[0].decode()
     finally:
@@ -119,3 +130,56 @@ def test_ctrl_c_while_loading_exits_without_a_traceback():
             proc.wait()
     assert proc.returncode == 130
     assert rest.strip() == "interrupted"
+
+
+def test_busy_port_fails_within_seconds_before_loading():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--device", "cpu"]
+            + ["--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        elapsed = time.monotonic() - start
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, output
+    assert output.splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; another "
+        "process holds it: stop that process or choose another port with --port"
+    ]
+    # Before the server stack is imported (torch): the time of the CLI's own imports,
+    # not of a model load (a bound on a busy 2-core machine).
+    assert elapsed < 15, elapsed
+
+
+def test_losing_the_port_while_loading_is_one_line_and_exit_1(caplog):
+    """Another process that binds the port with SO_REUSEADDR while the model loads
+    listens first: this server's listen fails with one line naming --port."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from pagoda.entrypoints.openai.api_server import DrainingServer
+    from pagoda.entrypoints.openai.middleware import ServerState
+    from pagoda.entrypoints.openai.server_startup import bind_port
+
+    sock = bind_port("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with sock, socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        config = uvicorn.Config(FastAPI(), host="127.0.0.1", port=port, lifespan="off")
+        server = DrainingServer(config, ServerState(), None, shutdown_timeout=1.0)
+        server.run(sockets=[sock])
+    assert server.exit_code == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        f"cannot listen on 127.0.0.1:{port}: Address already in use; another process "
+        "took the port while the model loaded: choose another port with --port"
+    ]

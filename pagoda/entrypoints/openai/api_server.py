@@ -7,9 +7,12 @@ server state (503 while draining, in-flight count) ->
 request-body size limit -> routes. The web UI (/ and /dashboard, see web_ui.py) and
 its statistics stream (stats_stream.py) are registered here too.
 
-Lifecycle: `run_server` loads the engine before binding the port, so a model that
-cannot load fails with one line and a non-zero exit, and a client that connects
-finds a ready server; once the port is bound it logs `ready: URL`.
+Lifecycle: `run_server` binds the port first (a busy port is one `error:` line
+naming --port, before any loading; server_startup.py), then loads the engine, so a
+model that cannot load fails with one line and a non-zero exit, then logs what is on
+(model names, address, API key, web UI, API docs, tool calling) and only then listens on
+that socket: a client that connects finds a ready server. Listening, it logs
+`ready: URL`. /docs and /redoc (scripts from a CDN) are off unless --enable-api-docs.
 (An app built by `build_app` around an engine not yet started loads it at startup
 and answers 503 "loading" meanwhile.) SIGTERM/SIGINT start a drain - new requests get 503,
 requests in flight finish (up to --shutdown-timeout), then the server stops, the
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -47,6 +51,7 @@ from pagoda.entrypoints.openai.middleware import (
     ServerState,
     ServerStateMiddleware,
 )
+from pagoda.entrypoints.openai.server_startup import bind_port, configuration_lines, format_address
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from pagoda.entrypoints.openai.serving_common import ServerSettings, ServingContext, encode_text
 from pagoda.entrypoints.openai.serving_completion import create_completion
@@ -104,7 +109,9 @@ def settings_from_args(args: Any) -> ServerSettings:
         log_requests=not args.disable_log_requests,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        strict_tool_template=args.strict_tool_template,
         enable_web_ui=not args.disable_web_ui,
+        enable_api_docs=args.enable_api_docs,
     )
 
 
@@ -132,8 +139,15 @@ def build_app(
             await app.state.stats_hub.close()
             await engine_client.shutdown(timeout=0.0)
 
+    # /docs and /redoc fetch their scripts from a CDN: blank pages offline, so they
+    # are off unless --enable-api-docs; /openapi.json is always served.
+    docs = settings.enable_api_docs
     app = FastAPI(
-        title="Pagoda OpenAI-compatible API", version=pagoda.__version__, lifespan=lifespan
+        title="Pagoda OpenAI-compatible API",
+        version=pagoda.__version__,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
     )
     app.state.ctx = ctx
     app.state.server_state = state
@@ -145,6 +159,8 @@ def build_app(
     )
     app.state.stats_hub = hub
     _add_stats_route(app, hub)
+    if not docs:
+        _add_docs_off_routes(app)
     if settings.enable_web_ui:
         add_web_ui_routes(app)
     # add_middleware puts each new one outermost: this order makes auth the first check.
@@ -183,27 +199,25 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         trace.mark("parsed")
         headers = note_ignored(body.ignored_fields())
-        return _respond(await create_chat_completion(ctx, body, request.receive), headers)
+        result, warnings = await create_chat_completion(ctx, body, request.receive)
+        return _respond(result, {**headers, **warnings})
 
     @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)
     async def models():
         # 503 while loading (only an app whose engine loads at startup answers then):
         # a card without the real max_model_len would mislead clients that size by it.
         engine = ctx.require_ready()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pagoda",
-                    "root": name,
-                    "max_model_len": engine.max_model_len,
-                }
-                for name in ctx.settings.served_model_names
-            ],
-        }
+        names = ctx.settings.served_model_names
+        return {"object": "list", "data": [_model_card(name, engine) for name in names]}
+
+    # `:path`: a served name may hold slashes (a hub id such as Qwen/Qwen3-0.6B).
+    @app.get(
+        "/v1/models/{model_id:path}", response_model=protocol.ModelCard, responses=_ERROR_RESPONSES
+    )
+    async def model(model_id: str):
+        engine = ctx.require_ready()
+        ctx.check_model(model_id)  # 404 for a name this server does not serve
+        return _model_card(model_id, engine)
 
     @app.post("/tokenize", response_model=protocol.TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: protocol.TokenizeRequest):
@@ -228,6 +242,17 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
                 f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
             )
         return {"prompt": ctx.tokenizer().decode(body.tokens)}
+
+
+def _model_card(name: str, engine: Any) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "pagoda",
+        "root": name,
+        "max_model_len": engine.max_model_len,
+    }
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
@@ -272,6 +297,22 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> No
                 "num_waiting": stats.num_waiting,
                 "num_in_flight": ctx.engine.num_in_flight,
             }
+
+
+def _add_docs_off_routes(app: FastAPI) -> None:
+    """/docs and /redoc while they are off: a 404 that says how to turn them on."""
+
+    async def docs_off():
+        raise APIError(
+            404,
+            "the interactive API docs are off: start the server with --enable-api-docs "
+            "(their scripts come from a CDN, so the browser needs a network); the schema "
+            "is at /openapi.json",
+            code="api_docs_disabled",
+        )
+
+    for path in ("/docs", "/redoc"):
+        app.add_api_route(path, docs_off, methods=["GET"], include_in_schema=False)
 
 
 def _add_stats_route(app: FastAPI, hub: StatsHub) -> None:
@@ -358,7 +399,21 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except OSError as exc:
+            # listen() on the early-bound socket lost the port to a process that bound
+            # it too while the model loaded (both with SO_REUSEADDR): one line, exit 1.
+            port = sockets[0].getsockname()[1] if sockets else self.config.port
+            logger.error(
+                "cannot listen on %s: %s; another process took the port while the model "
+                "loaded: choose another port with --port",
+                format_address(self.config.host, port),
+                exc.strerror,
+            )
+            self.exit_code = 1
+            self.should_exit = True
+            return
         if self.started:  # uvicorn exits on a bind failure; this is after a good bind
             url = _listening_url(self)
             logger.info("ready: %s (OpenAI API at /v1)", url)
@@ -407,15 +462,29 @@ def _load_engine(engine: AsyncEngine) -> None:
         raise engine.load_error
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Loads the model, then serves until SIGTERM/SIGINT; returns the process exit code."""
+def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Loads the model, then serves until SIGTERM/SIGINT; returns the process exit code.
+    sock: the address already bound (server_startup.bind_port), else bound here."""
     from pagoda.entrypoints.cli_args import engine_args_from_namespace
 
-    engine_args = engine_args_from_namespace(args)
-    metrics = ServerMetrics(served_model_name(args))
-    engine = AsyncEngine.from_engine_args(engine_args, timings_listener=metrics.observe_request)
-    app = build_app(engine, args, metrics=metrics)
-    _load_engine(engine)  # before the port is bound: a failure leaves no half-up server
+    # Bound before loading (a busy port is one line within seconds), listening only
+    # after it (a client that connects finds a ready server).
+    if sock is None:
+        sock = bind_port(args.host, args.port)
+    with contextlib.closing(sock):
+        engine_args = engine_args_from_namespace(args)
+        metrics = ServerMetrics(served_model_name(args))
+        engine = AsyncEngine.from_engine_args(engine_args, timings_listener=metrics.observe_request)
+        app = build_app(engine, args, metrics=metrics)
+        _load_engine(engine)  # a failure leaves no half-up server
+        address = format_address(args.host, sock.getsockname()[1])
+        for line in configuration_lines(app.state.ctx, address):
+            logger.info("%s", line)
+        return _serve(app, engine, args, sock)
+
+
+def _serve(app: FastAPI, engine: AsyncEngine, args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serves on the bound socket until the drain ends; the process exit code."""
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -428,7 +497,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = DrainingServer(config, app.state.server_state, engine, args.shutdown_timeout)
     server.web_ui = not args.disable_web_ui
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         # The lifespan's shutdown stopped the engine; a server that failed to start (a
         # port in use) or was forced to exit did not run it: nothing may outlive this.

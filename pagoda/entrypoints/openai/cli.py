@@ -100,18 +100,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not log one line per HTTP request",
     )
+    add_tool_args(parser)
     g.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(TOOL_PARSERS),
-        help="how to find tool calls in free text for tool_choice 'auto': hermes "
-        "(<tool_call>{json}</tool_call>: Hermes, Qwen) or llama3_json",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
+        "--enable-api-docs",
         action="store_true",
-        help="let the model decide whether to call tools (tool_choice 'auto', the "
-        "default with tools); needs --tool-call-parser",
+        help="serve the interactive API docs at /docs and /redoc (their scripts come "
+        "from a CDN: they need a network); /openapi.json is always served",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -121,18 +115,52 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """The tool-calling flags: which parser reads calls, and what a template that drops
+    tools gets (docs/structured-outputs.md)."""
+    g = parser.add_argument_group("tool calling")
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how to find tool calls in free text for tool_choice 'auto': hermes "
+        "(<tool_call>{json}</tool_call>: Hermes, Qwen) or llama3_json (Llama 3.1+); "
+        "default: the format the chat template writes calls in, when it renders tools",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls for tool_choice 'auto' (the default with tools) even when "
+        "the chat template does not render tools; needs --tool-call-parser. Without it, "
+        "'auto' parses calls when the template renders tools and answers in plain text "
+        "when it does not",
+    )
+    g.add_argument(
+        "--strict-tool-template",
+        action="store_true",
+        help="answer 400 to a chat request with tools when the model's chat template "
+        "does not render them (default: serve it with an x-pagoda-warning header)",
+    )
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from pagoda.entrypoints.openai.api_server import run_server
+    from pagoda.entrypoints.openai.server_startup import bind_port
 
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError(
-            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+            "--enable-auto-tool-choice needs --tool-call-parser hermes (Hermes and Qwen "
+            "templates) or --tool-call-parser llama3_json (Llama 3.1+ templates)"
         )
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
         ns.model = ns.model_tag
-    return run_server(ns)
+    # The port first, before the server stack (torch) is imported: a busy port is one
+    # line within a few seconds.
+    sock = bind_port(ns.host, ns.port)
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    return run_server(ns, sock)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -140,7 +168,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+        "/v1/chat/completions, /v1/models, /v1/models/{id}, /tokenize, /detokenize, /health, "
         "/metrics, /version), with a chat page at / and a live engine dashboard "
         "at /dashboard.",
     )

@@ -12,14 +12,17 @@ fields, as vLLM does.
 Fields that only mean something on OpenAI's platform (store, metadata, user, ...)
 are declared too, and `ignored_fields()` names the ones a request set: they are
 accepted and ignored, never used (ignored_fields.py).
+A chat content part other than text (image_url, input_audio, file, ...) is one
+sentence naming its type, not pydantic's error per member of the content union.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from pagoda.entrypoints.openai.ignored_fields import PLATFORM_FIELDS
 
@@ -132,9 +135,53 @@ class TextContentPart(StrictModel):
     text: str
 
 
+_TEXT_PART = "{'type': 'text', 'text': '...'}"
+
+
+def _content_error(message: str, **ctx: Any) -> PydanticCustomError:
+    return PydanticCustomError("invalid_content", message, ctx)
+
+
+def _text_parts_only(content: Any) -> Any:
+    """Checks a message's content whole, so each problem is one sentence (for a part
+    that is not text: its type, and that only 'text' is read) rather than pydantic's
+    error per member of the content union."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _content_error("content must be a string, a list of content parts or null")
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise _content_error(
+                "content part {index} must be an object with a 'type', such as {example}",
+                index=index,
+                example=_TEXT_PART,
+            )
+        if kind != "text":
+            raise _content_error(
+                "content part type '{kind}' is not supported by this model: it reads "
+                "only 'text' parts (part {index}; send text as a string or as {example})",
+                kind=kind,
+                index=index,
+                example=_TEXT_PART,
+            )
+        if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+            raise _content_error(
+                "content part {index} of type 'text' must be exactly {example}",
+                index=index,
+                example=_TEXT_PART,
+            )
+    return content
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: Annotated[
+        str | list[TextContentPart] | None,
+        BeforeValidator(_text_parts_only),
+        Field(description="a string or a list of text parts (text only: no images or audio)"),
+    ] = None
     name: str | None = None
     # An assistant turn's calls, and a tool turn's answer to one of them.
     tool_calls: list[dict[str, Any]] | None = None

@@ -9,8 +9,11 @@ OpenAI: each choice's first chunk carries `delta.role`, later chunks
 every chunk has `usage: null` and a final chunk with no choices carries the usage.
 
 Tools (tools.py) go to the template; their calls come back as `tool_calls` (deltas
-in streams). With --reasoning-parser the thinking comes back as `reasoning_content`
-(streamed as `delta.reasoning_content`), apart from `content` (chat_output.py).
+in streams). A template that drops tools (tool_template.py probes it once) gets the
+request served with an `x-pagoda-warning` header and a log line, or refused with a
+400 under --strict-tool-template. With --reasoning-parser the thinking comes back as
+`reasoning_content` (streamed as `delta.reasoning_content`), apart from `content`
+(chat_output.py).
 Output constraints (response_format, structured_outputs, tool grammars) are compiled
 before admission: a refused schema is a 400 (structured_request.py).
 """
@@ -49,6 +52,7 @@ from pagoda.entrypoints.openai.structured_request import (
     structured_outputs_of,
     thinking_budget_of,
 )
+from pagoda.entrypoints.openai.tool_template import WARNING_HEADER, unrendered_tools_warning
 from pagoda.entrypoints.openai.tools import ToolPlan, plan_tools
 from pagoda.model.tokenizer import apply_chat_template, check_template_kwargs
 from pagoda.outputs import Logprob, RequestOutput
@@ -117,6 +121,33 @@ def render_chat(
         ) from None
 
 
+def _plan_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
+    """plan_tools with "auto" as the server resolved it (tool_template.py); tools the
+    chat template drops are a 400 under --strict-tool-template, else a warning on the
+    plan, said in the response's header and once in the log."""
+    if not req.tools:
+        return plan_tools(req, False, None)
+    auto = ctx.auto_tool_choice()
+    plan = plan_tools(req, auto.parser is not None, auto.parser, auto.refusal, auto.answers_as_text)
+    if ctx.tool_support().renders_tools:
+        return plan
+    warning = unrendered_tools_warning()
+    if ctx.settings.strict_tool_template:
+        raise bad_request(
+            f"{warning}; this server (--strict-tool-template) refuses requests with tools",
+            param="tools",
+        )
+    plan.warning = warning
+    ctx.warn_once(
+        "unrendered_tools",
+        "a request carries tools, but %s; each such response carries the header %s "
+        "(logged once; --strict-tool-template refuses them with a 400)",
+        warning,
+        WARNING_HEADER,
+    )
+    return plan
+
+
 async def prepare_chat(
     ctx: ServingContext, req: ChatCompletionRequest
 ) -> tuple[GenerationJob, ToolPlan]:
@@ -126,7 +157,7 @@ async def prepare_chat(
     reject_unsupported(req.unsupported_parameters())
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     check_caps(ctx, req.n, num_top, "top_logprobs")
-    plan = plan_tools(req, ctx.settings.enable_auto_tool_choice, ctx.settings.tool_call_parser)
+    plan = _plan_tools(ctx, req)
     token_ids = render_chat(
         ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs, plan.tools or None
     )
@@ -178,14 +209,18 @@ def _choice_outputs(
     return get
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, receive):
-    """The JSON response (non-streaming) or an SSEStream (streaming)."""
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, receive
+) -> tuple[dict | SSEStream, dict[str, str]]:
+    """The JSON response (non-streaming) or an SSEStream (streaming), and the headers
+    to add to it (x-pagoda-warning)."""
     job, plan = await prepare_chat(ctx, req)
     trace.mark("prepared")
+    headers = {WARNING_HEADER: plan.warning} if plan.warning else {}
     if ctx.settings.log_requests:
         logger.info("chat %s: %d prompt tokens, %s", job.request_id, job.prompt_tokens, job.params)
     if req.stream:
-        return SSEStream(_stream(ctx, req, job, plan), job.ticket.release)
+        return SSEStream(_stream(ctx, req, job, plan), job.ticket.release), headers
     try:
         choices = await cancel_on_disconnect(collect(ctx.engine, job), receive)
     finally:
@@ -213,7 +248,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         "model": job.model,
         "choices": result,
         "usage": usage(job.prompt_tokens, sum(c.num_tokens for c in choices)),
-    }
+    }, headers
 
 
 def _token_entry(lp: Logprob) -> dict:

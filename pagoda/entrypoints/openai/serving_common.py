@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -18,9 +19,17 @@ from typing import Any
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.openai.admission import AdmissionController
 from pagoda.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from pagoda.entrypoints.openai.tool_template import (
+    AutoToolChoice,
+    TemplateToolSupport,
+    probe_template,
+    resolve_auto_tool_choice,
+)
 from pagoda.metrics.prometheus import ServerMetrics
-from pagoda.model.tokenizer import encode
+from pagoda.model.tokenizer import apply_chat_template, encode
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -38,7 +47,11 @@ class ServerSettings:
     # tool_choice "auto": the parser that finds calls in free text (tool_parsers.py).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Tools the chat template drops: 400 when set, else served with x-pagoda-warning.
+    strict_tool_template: bool = False
     enable_web_ui: bool = True
+    # /docs and /redoc load their scripts from a CDN: off unless asked for.
+    enable_api_docs: bool = False
 
 
 class ServingContext:
@@ -52,6 +65,41 @@ class ServingContext:
         self.metrics = metrics
         self.admission = AdmissionController(
             settings.max_num_queued_requests, settings.max_queued_tokens
+        )
+        self._tool_support: TemplateToolSupport | None = None
+        self._warned: set[str] = set()
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Logs a warning the first time `key` comes up: a condition every request of
+        a kind meets would otherwise fill the log."""
+        if key not in self._warned:
+            self._warned.add(key)  # the event loop is one thread: no lock needed
+            logger.warning(message, *args)
+
+    def tool_support(self) -> TemplateToolSupport:
+        """What the chat template does with tools, probed once: the template is fixed
+        for the server's life."""
+        if self._tool_support is None:
+            engine = self.require_ready()
+            tokenizer = engine.tokenizer
+            if tokenizer is None:
+                self._tool_support = TemplateToolSupport(False, None)
+            else:
+                template = engine.config.model.chat_template
+
+                def render(messages, tools, add_generation_prompt):
+                    ids = apply_chat_template(
+                        tokenizer, messages, add_generation_prompt, template, None, tools
+                    )
+                    return tokenizer.decode(ids, skip_special_tokens=False)
+
+                self._tool_support = probe_template(render)
+        return self._tool_support
+
+    def auto_tool_choice(self) -> AutoToolChoice:
+        settings = self.settings
+        return resolve_auto_tool_choice(
+            settings.enable_auto_tool_choice, settings.tool_call_parser, self.tool_support()
         )
 
     @property

@@ -1,11 +1,13 @@
 """Tool calling for /v1/chat/completions: what a request's tools and tool_choice mean.
 
-Owns `plan_tools(req, settings) -> ToolPlan` (the checks, 400 on the first problem)
+Owns `plan_tools(req, ...) -> ToolPlan` (the checks, 400 on the first problem)
 and `ToolCallOutput`, which turns one choice's content into OpenAI tool calls, whole
 or as streamed deltas. The modes, as vLLM has them:
 - "none": the tools go to the chat template, the output is plain content;
-- "auto" (the default when tools are given; needs --enable-auto-tool-choice and
-  --tool-call-parser): the parser finds calls in free text;
+- "auto" (the default when tools are given): the parser finds calls in free text;
+  on with --enable-auto-tool-choice and --tool-call-parser, or without them when the
+  chat template renders tools in a format a parser reads; a template that drops the
+  tools serves it as "none" (tool_template.py);
 - "required": a grammar makes the output a JSON array of {"name", "parameters"}
   objects, each the parameters schema of one of the tools (one call at most when
   parallel_tool_calls is false);
@@ -27,6 +29,7 @@ from pagoda.entrypoints.openai.tool_parsers import (
     make_tool_parser,
     tool_call_from_json,
 )
+from pagoda.entrypoints.openai.tool_template import FLAGS_HINT
 from pagoda.structured.params import StructuredOutputsParams
 
 
@@ -37,6 +40,7 @@ class ToolPlan:
     named: str | None = None
     parser: str | None = None  # the tool-call parser for "auto"
     parallel: bool = True
+    warning: str | None = None  # said in x-pagoda-warning (tools the template drops)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
@@ -106,8 +110,16 @@ def _check_tool(tool: Any, index: int) -> dict:
     return tool
 
 
-def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: str | None) -> ToolPlan:
-    """The request's tool mode; 400 for tools or a tool_choice that cannot be honoured."""
+def plan_tools(
+    req,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
+    auto_refusal: str | None = None,
+    auto_as_text: bool = False,
+) -> ToolPlan:
+    """The request's tool mode; 400 for tools or a tool_choice that cannot be honoured.
+    auto_refusal: the message for "auto" while it is off (tool_template.py words it);
+    auto_as_text: "auto" is served as "none" (a template that drops the tools)."""
     tools = [_check_tool(t, i) for i, t in enumerate(req.tools or [])]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
@@ -138,11 +150,13 @@ def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: str | None)
         )
     if choice != "none" and not tools:
         raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice == "auto" and auto_as_text:
+        return ToolPlan("none", tools, parallel=parallel)
     if choice == "auto" and not (enable_auto_tool_choice and tool_call_parser):
         raise bad_request(
-            "tool_choice 'auto' needs the server started with "
-            "--enable-auto-tool-choice and --tool-call-parser; use 'required' "
-            "or a named function",
+            auto_refusal
+            or f"tool_choice 'auto' needs the server started with {FLAGS_HINT}; "
+            "tool_choice 'required' or a named function works without them",
             param="tool_choice",
         )
     return ToolPlan(
