@@ -4,6 +4,9 @@ out of GPU memory), with offloading off (recompute) and on, in one run.
 
     python -m benchmarks.kv_offload serve                # H200: Llama-3.1-8B shape, 2,048 blocks
     python -m benchmarks.kv_offload steps
+    # write-through's step cost on the CPU: with and without it, interleaved
+    python -m benchmarks.kv_offload steps --smoke --modes inline,evict-only --rounds 5 \
+        --disk-gib 0.5 --gpu-blocks 512
     python -m benchmarks.kv_offload disk --dir /tmp --size-gib 2
     python -m benchmarks.kv_offload serve --smoke        # CPU, embedded SmolLM2, small scale
     # serve split under a time limit: the three runs, then the restart probe on the same workdir
@@ -22,14 +25,12 @@ serve   Through a real `pagoda serve` per configuration (off, a CPU tier, a smal
         recomputed because the cost model, pagoda/kv_offload/planning/cost.py, expected
         recompute to be faster) with the estimates it weighed. The probe's prompt is the
         bench run's last turn of conversation 0 (same generator, tokenizer and seed).
-steps   In-process, one engine per mode in a process of its own: offloading off, CPU-tier
-        loads asynchronous only, and inline (the default: a load that fits the step's
-        budget is copied before the step's forward and its request admitted in that step).
-        Token ids drawn at random. Over the revisited turns: TTFT P50/P99 (arrival to the
-        step that hands out the first token), the steps on that path (P50, mean,
-        histogram), and for each request that loaded from the CPU tier the step of each
-        milestone after its arrival (load planned, ready, scheduled, first token); output
-        tok/s and the CPU tier's hits and load GB/s.
+steps   In-process (benchmarks/kv_offload_steps.py), one engine per mode in a process of
+        its own: offloading off, asynchronous CPU-tier loads, inline loads (the default),
+        and evict-only (write-through off); TTFT and steps to the first token of the
+        revisited turns, the busy steps' wall time, output tok/s, the tiers' figures.
+        `--disk-gib` adds a disk tier, `--gpu-blocks` sizes the GPU pool, `--rounds`
+        repeats the modes interleaved.
 disk    The disk's own read ceiling: a file written, read back cold (its pages dropped from
         the page cache) one stream at a time and with the disk tier's reader threads, then
         hot, and crc32 (the tier's checksum) on one thread (harness/rooflines.py).
@@ -39,18 +40,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 
-from benchmarks.harness.processes import run_json_child, write_child_result
 from benchmarks.harness.results import write_result
 from benchmarks.harness.rooflines import describe_disk_ceiling, disk_read_ceiling
 from benchmarks.harness.server import bench_serve, get_json, serve
+from benchmarks.kv_offload_steps import STEP_MODES, percentile, run_steps
 
 WORKLOAD = dict(
     conversations=48,
@@ -101,27 +100,6 @@ SMOKE_SERVE = dict(
     # thread pool only loses time
     env={"OMP_NUM_THREADS": "1"},
 )
-STEPS = dict(
-    engine=dict(
-        model="llama-3.1-8b",
-        load_format="dummy",
-        dtype="bfloat16",
-        max_model_len=8192,
-        num_gpu_blocks_override=2048,
-    ),
-    vocab=128000,
-)
-SMOKE_STEPS = dict(
-    engine=dict(device="cpu", max_model_len=512, num_gpu_blocks_override=48), vocab=49000
-)
-STEP_MODES = ("off", "async", "inline")
-
-
-def percentile(values: list[float], q: float):
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 # ================================================================ serve ============
@@ -386,202 +364,6 @@ def run_serve(args) -> dict:
     }
 
 
-# ================================================================ steps ============
-def workload(p: dict) -> list[tuple[int, list[int]]]:
-    """(turn, prompt token ids) in visiting order: every conversation's turn 1, then
-    every conversation's turn 2, ..."""
-    rng = random.Random(0)
-
-    def draw(n):
-        return [rng.randrange(100, p["vocab"]) for _ in range(n)]
-
-    prompts = [draw(p["first_len"]) for _ in range(p["conversations"])]
-    order = [(1, list(prompt)) for prompt in prompts]
-    for turn in range(2, p["turns"] + 1):
-        for index in range(p["conversations"]):
-            prompts[index] = prompts[index] + draw(p["output_len"]) + draw(p["turn_len"])
-            order.append((turn, list(prompts[index])))
-    return order
-
-
-class Milestones:
-    """Engine step of each milestone of each request (instrumenting the scheduler's
-    offload calls; the engine's own code is unchanged)."""
-
-    def __init__(self, engine) -> None:
-        self.step = 0
-        self.at: dict[str, dict[str, int]] = {}
-        self.inline_jobs = self.async_jobs = 0
-        offload, scheduler = engine.kv_offload, engine.scheduler
-        if offload is not None:
-            start_load, take_ready, take_plan = (
-                offload.start_load,
-                offload.take_ready,
-                offload.take_plan,
-            )
-
-            def traced_start(request, hits):
-                started = start_load(request, hits)
-                if started:
-                    self.mark(request.request_id, "load_planned")
-                return started
-
-            def traced_ready():
-                ready = take_ready()
-                for request in ready:
-                    self.mark(request.request_id, "ready")
-                return ready
-
-            def traced_plan():
-                plan = take_plan()
-                for job in plan.loads if plan is not None else ():
-                    self.inline_jobs += job.inline
-                    self.async_jobs += not job.inline
-                return plan
-
-            offload.start_load, offload.take_ready, offload.take_plan = (
-                traced_start,
-                traced_ready,
-                traced_plan,
-            )
-        schedule = scheduler.schedule
-
-        def traced_schedule():
-            out = schedule()
-            for rid in out.num_scheduled_tokens:
-                self.mark(rid, "scheduled")
-            return out
-
-        scheduler.schedule = traced_schedule
-
-    def mark(self, request_id: str, name: str) -> None:
-        self.at.setdefault(request_id, {}).setdefault(name, self.step)
-
-
-def steps_mode_row(mode: str, p: dict) -> dict:
-    from pagoda.entrypoints.llm import LLM
-    from pagoda.sampling_params import SamplingParams
-
-    llm = LLM(**p["engine"], **({} if mode == "off" else {"kv_offloading_size": p["cpu_gib"]}))
-    engine = llm.llm_engine
-    try:
-        if mode == "async":
-            engine.kv_offload.max_inline_blocks_per_step = 0
-        trace = Milestones(engine)
-        params = SamplingParams(max_tokens=p["output_len"], temperature=0.0, ignore_eos=True)
-        queue = workload(p)
-        turn_of, added, first = {}, {}, {}
-        in_flight = next_index = num_tokens = 0
-        start = time.perf_counter()
-        while next_index < len(queue) or engine.has_unfinished_requests():
-            while in_flight < p["concurrency"] and next_index < len(queue):
-                rid = f"r{next_index}"
-                turn_of[rid], prompt = queue[next_index]
-                engine.add_request(rid, {"prompt_token_ids": prompt}, params, output_kind="delta")
-                added[rid] = (trace.step, time.perf_counter())
-                trace.mark(rid, "added")
-                next_index += 1
-                in_flight += 1
-            trace.step += 1
-            for out in engine.step():
-                num_tokens += len(out.outputs[0].token_ids)
-                if out.outputs[0].token_ids and out.request_id not in first:
-                    first[out.request_id] = (trace.step, time.perf_counter())
-                    trace.mark(out.request_id, "first_token")
-                if out.finished:
-                    in_flight -= 1
-        tokens_per_s = num_tokens / (time.perf_counter() - start)
-        tiers = engine.get_stats().kv_offload
-    finally:
-        engine.shutdown()
-    revisits = [rid for rid, turn in turn_of.items() if turn >= 2]
-    ttft = [(first[r][1] - added[r][1]) * 1e3 for r in revisits]
-    steps = [first[r][0] - added[r][0] for r in revisits]
-    paths = Counter()  # milestone steps after arrival, of the requests that loaded
-    for rid in revisits:
-        at = trace.at.get(rid, {})
-        if "load_planned" in at:
-            paths[
-                tuple(
-                    (name, at[name] - at["added"])
-                    for name in ("load_planned", "ready", "scheduled", "first_token")
-                    if name in at
-                )
-            ] += 1
-    cpu = None if tiers is None else next(t for t in tiers if t["tier"] == "cpu")
-    return {
-        "mode": mode,
-        "revisited_ttft_ms": {
-            "p50": percentile(ttft, 50),
-            "p99": percentile(ttft, 99),
-            "mean": statistics.fmean(ttft),
-        },
-        "revisited_steps_to_first_token": {
-            "p50": percentile(steps, 50),
-            "mean": statistics.fmean(steps),
-            "histogram": dict(sorted(Counter(steps).items())),
-        },
-        "loaded_request_paths": [
-            {"steps_after_arrival": dict(path), "requests": n} for path, n in paths.most_common(6)
-        ],
-        "load_jobs": {"inline": trace.inline_jobs, "async": trace.async_jobs},
-        "output_tokens_per_s": tokens_per_s,
-        "cpu_tier": None
-        if cpu is None
-        else {
-            "hits": cpu["hits"],
-            "bytes_loaded": cpu["bytes_loaded"],
-            # bytes over the timed copies (device events on CUDA, wall time on CPU)
-            "load_gb_per_s": (
-                cpu["bytes_loaded"] / cpu["load_seconds"]["sum"] / 1e9
-                if cpu["load_seconds"]["sum"]
-                else None
-            ),
-        },
-    }
-
-
-def run_steps(args) -> dict:
-    p = {**(SMOKE_WORKLOAD if args.smoke else WORKLOAD), **(SMOKE_STEPS if args.smoke else STEPS)}
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in STEP_MODES]
-    if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from {STEP_MODES}")
-    if args.child:
-        write_child_result(args.child_out, steps_mode_row(args.child, p))
-        return {}
-    if args.smoke:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children
-    results = {}
-    for mode in modes:  # each engine in a process of its own: its memory is gone after
-        row = run_json_child(
-            "benchmarks.kv_offload",
-            ["steps", "--child", mode] + (["--smoke"] if args.smoke else []),
-        )
-        if "error" in row:
-            raise SystemExit(f"mode {mode} failed: {row['error']}")
-        results[mode] = row
-        ttft, steps = row["revisited_ttft_ms"], row["revisited_steps_to_first_token"]
-        print(
-            f"{mode:>6}: revisited TTFT p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} ms; "
-            f"steps to first token p50 {steps['p50']}, mean {steps['mean']:.2f} "
-            f"{steps['histogram']}; {row['output_tokens_per_s']:.1f} output tok/s; "
-            f"loads {row['load_jobs']}; CPU tier {row['cpu_tier']}",
-            flush=True,
-        )
-        for path in row["loaded_request_paths"]:
-            print(f"        {path['requests']:4d} x {path['steps_after_arrival']}")
-    if "off" in results:
-        base = results["off"]["revisited_ttft_ms"]["p50"]
-        print(
-            "revisited P50 TTFT vs recompute: "
-            + ", ".join(
-                f"{m} {base / r['revisited_ttft_ms']['p50']:.2f}x" for m, r in results.items()
-            )
-        )
-    return {"mode": "smoke" if args.smoke else "gpu", "params": p, "results": results}
-
-
 # ================================================================ disk =============
 def run_disk(args) -> dict:
     ceiling = disk_read_ceiling(
@@ -634,8 +416,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = mode("steps", "in-process: steps and ms from arrival to load, schedule, first token")
     p.add_argument("--smoke", action="store_true", help="CPU, embedded SmolLM2, small scale")
     p.add_argument("--modes", default=",".join(STEP_MODES), help=f"some of {','.join(STEP_MODES)}")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each mode, interleaved")
+    p.add_argument(
+        "--disk-gib", type=float, default=0.0, help="a disk tier below the CPU tier (0: none)"
+    )
+    p.add_argument("--gpu-blocks", type=int, default=0, help="GPU pool blocks (0: the preset's)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--disk-dir", default=None, help=argparse.SUPPRESS)
     p = mode("disk", "the disk's read ceiling (cold, parallel, hot) and crc32's rate")
     p.add_argument("--dir", default=".", help="a directory on the disk to measure")
     p.add_argument("--size-gib", type=float, default=2.0)
@@ -653,7 +441,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    result = {"serve": run_serve, "steps": run_steps, "disk": run_disk}[args.mode](args)
+    if args.mode == "steps":
+        result = run_steps(args, SMOKE_WORKLOAD if args.smoke else WORKLOAD)
+    else:
+        result = {"serve": run_serve, "disk": run_disk}[args.mode](args)
     if getattr(args, "child", None):
         return
     write_result(args.out, {"benchmark": f"kv_offload {args.mode}", "args": vars(args), **result})

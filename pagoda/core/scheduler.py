@@ -1,11 +1,11 @@
 """Scheduler: which requests run in each step, with how many tokens, and what follows.
 
 Owns the request lifecycle inside the engine core: the waiting queue (FCFS or
-priority), the running list, preemption when KV blocks run out, the SchedulerOutput
-diff sent to the worker, and, once the model has run, appending sampled tokens (the
-stop checks: core/stop_checks.py) and freeing finished requests. Stop strings need
-detokenized text, so the engine's output processor checks them and calls
-finish_requests().
+priority), the running list, preemption when KV blocks run out, the step's plan and
+the SchedulerOutput diff built from it for the worker (core/step_plan.py), and, once
+the model has run, appending sampled tokens (the stop checks: core/stop_checks.py) and
+freeing finished requests. Stop strings need detokenized text, so the engine's output
+processor checks them and calls finish_requests().
 
 Token accounting follows vLLM v1: request.num_computed_tokens advances at the end of
 schedule() by the tokens scheduled (they count as computed for the next step; prefix
@@ -30,45 +30,18 @@ from collections.abc import Iterable
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import create_request_queue
+from pagoda.core.step_plan import StepPlan
 from pagoda.core.stop_checks import append_until_stop
 from pagoda.kv_offload.planning.manager import KVOffloadManager, LoadStart
 from pagoda.spec_decode.planning.optimistic import DraftRollback
 from pagoda.spec_decode.planning.planner import DraftPlanner
-
-
-class _StepPlan:
-    """What one schedule() call has decided so far; undone piecewise on preemption."""
-
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self.scheduled: list[Request] = []  # in scheduling order
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.new_block_ids: dict[str, list[int]] = {}
-        self.spec_tokens: dict[str, list[int]] = {}
-        self.preempted: list[Request] = []
-
-    def record(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
-        self.scheduled.append(request)
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.new_block_ids[request.request_id] = list(new_block_ids)
-        self.token_budget -= num_tokens
-
-    def unschedule(self, request: Request) -> None:
-        """Forgets a request scheduled earlier in this step (it is being preempted)."""
-        rid = request.request_id
-        self.scheduled.remove(request)
-        self.token_budget += self.num_scheduled_tokens.pop(rid)
-        self.new_block_ids.pop(rid)
-        self.spec_tokens.pop(rid, None)
 
 
 class Scheduler:
@@ -134,8 +107,8 @@ class Scheduler:
         if draft_planner is not None:
             draft_planner.async_scheduling = async_scheduling
         self.rollback = DraftRollback(kv_cache_manager, num_lookahead_tokens, max_model_len)
-        # A waiting request whose blocks the tiers load leaves the queue until they are
-        # on the GPU, then goes back to its head (core/kv_offload.py).
+        # Tier loads for waiting requests (out of the queue until their blocks are on the
+        # GPU), write-through of finished ones' blocks: kv_offload/planning/manager.py.
         self.kv_offload = kv_offload
 
         self.waiting = create_request_queue(policy)  # validates the policy name
@@ -202,6 +175,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         """Releases a finished request (already out of running and waiting)."""
         rid = request.request_id
+        if self.kv_offload is not None:  # its computed blocks go down to the tiers
+            self.kv_offload.request_finished(request)
         self.kv_cache_manager.free(request)
         if self.kv_offload is not None:
             self.kv_offload.abort(request)
@@ -246,9 +221,11 @@ class Scheduler:
         # preempted, WAITING requests are admitted in queue order while budget, free
         # blocks and max_num_seqs allow, starting after their prefix-cache hit; a prompt
         # larger than the remaining budget is chunked. No request is ever dropped.
-        plan = _StepPlan(self.max_num_batched_tokens)
-        if self.kv_offload is not None:  # their blocks are back on the GPU
-            self.waiting.prepend_many(self.kv_offload.take_ready())
+        plan = StepPlan(self.max_num_batched_tokens)
+        if self.kv_offload is not None:
+            # Before any allocation: every block in the prefix cache holds computed KV.
+            self.kv_offload.write_through()
+            self.waiting.prepend_many(self.kv_offload.take_ready())  # blocks back on the GPU
         # Held for drafts: an empty step (the engine takes the step in flight first).
         if self.draft_planner is None or not self.draft_planner.holds_batch(self.running):
             if self.draft_planner is not None:
@@ -260,7 +237,13 @@ class Scheduler:
             self._schedule_running(plan)
             if not plan.preempted:
                 self._schedule_waiting(plan)
-        output = self._build_output(plan)
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        output = plan.build_output(
+            self._num_tokens_sent,
+            self.kv_cache_manager.get_block_ids,
+            finished_req_ids,
+            self.rollback.take_trims(),
+        )
         if self.kv_offload is not None:
             output.kv_transfers = self.kv_offload.take_plan()
             self.kv_offload.step_scheduled(output)  # times steps: the prefill estimate
@@ -280,7 +263,7 @@ class Scheduler:
                 output.num_drafts_to_propose = asked
         return output
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         for request in list(self.running):
             if plan.token_budget <= 0:
                 break
@@ -316,7 +299,7 @@ class Scheduler:
         return min(num_new, token_budget, self.max_model_len - request.num_computed_tokens)
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, plan: _StepPlan
+        self, request: Request, num_new: int, plan: StepPlan
     ) -> list[int] | None:
         lookahead = self._lookahead(request, num_new)
         while True:
@@ -347,7 +330,7 @@ class Scheduler:
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         # num_computed_tokens has not advanced for this step yet (schedule() does that
         # once every decision is made): the blocks this step registered are not valid.
@@ -365,7 +348,7 @@ class Scheduler:
         self.waiting.prepend(request)
         plan.preempted.append(request)
 
-    def _schedule_drafts(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+    def _schedule_drafts(self, request: Request, num_new: int, plan: StepPlan) -> None:
         """Keeps the draft tokens that fit in this step's num_new, drops the rest."""
         num_drafts = (
             request.num_computed_tokens
@@ -379,7 +362,7 @@ class Scheduler:
         elif request.spec_token_ids:
             request.spec_token_ids = []
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         skipped: list[Request] = []  # siblings waiting for their group's sample 0
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
@@ -401,7 +384,7 @@ class Scheduler:
         leader = self._group_leaders.get(request.group_id)
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Schedules the waiting request at the head of the queue; False if it does not fit."""
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         if self.kv_offload is not None:
@@ -439,7 +422,7 @@ class Scheduler:
         return True
 
     def _allocate_for_waiting(
-        self, request: Request, num_new: int, hit_blocks: list, plan: _StepPlan
+        self, request: Request, num_new: int, hit_blocks: list, plan: StepPlan
     ) -> list[int] | None:
         """allocate_slots; under the priority policy, preempts strictly lower-priority
         running requests while there is no room."""
@@ -457,45 +440,6 @@ class Scheduler:
             if (victim.priority, victim.arrival_time) <= (request.priority, request.arrival_time):
                 return None
             self._preempt(victim, plan)
-
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        for request in plan.scheduled:
-            rid = request.request_id
-            num_sent = self._num_tokens_sent.get(rid)
-            if num_sent is None:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=rid,
-                        prompt_token_ids=list(request.prompt_token_ids),
-                        output_token_ids=list(request.output_token_ids),
-                        sampling_params=request.sampling_params,
-                        block_ids=self.kv_cache_manager.get_block_ids(rid),
-                        num_computed_tokens=request.num_computed_tokens,
-                    )
-                )
-            else:
-                cached_reqs.append(
-                    CachedRequestData(
-                        req_id=rid,
-                        new_token_ids=request.all_token_ids[num_sent:],
-                        new_block_ids=plan.new_block_ids[rid],
-                        num_computed_tokens=request.num_computed_tokens,
-                    )
-                )
-            self._num_tokens_sent[rid] = request.num_tokens
-        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens=plan.spec_tokens,
-            finished_req_ids=finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted},
-            trimmed_block_tables=self.rollback.take_trims(),
-        )
 
     # ------------------------------------------------------- update_from_output
 

@@ -244,11 +244,13 @@ def random_step(scheduler, rng, documents, step, abort_rate=0.08):
 # Without aborts the backlog must still drain: nothing may wait forever on blocks that
 # loads hold (a request put back in front of a loaded one once needed exactly those).
 # inline 3: CPU-only loads of up to 3 blocks a step are loaded inline, the rest async.
+# Finished requests' blocks are written through to the tiers, or only evicted ones are.
+@pytest.mark.parametrize("write_through", [True, False], ids=["write-through", "evictions"])
 @pytest.mark.parametrize("inline", [0, 3], ids=["async", "inline"])
 @pytest.mark.parametrize("abort_rate", [0.08, 0.0], ids=["aborts", "no-aborts"])
 @pytest.mark.parametrize("seed", range(4, 10))  # seeds whose runs preempt in every variant
 def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale_kv(
-    seed, abort_rate, inline
+    seed, abort_rate, inline, write_through
 ):
     rng = random.Random(seed)
     num_blocks, cpu_slots = 14, 6
@@ -257,7 +259,11 @@ def test_random_workload_with_aborts_and_preemptions_never_leaks_or_serves_stale
         [TierIndex("cpu", cpu_slots, slotted=True), TierIndex("disk", 10, slotted=False)]
     )
     offload = KVOffloadManager(
-        manager, tiers, max_blocks_per_step=5, max_inline_blocks_per_step=inline
+        manager,
+        tiers,
+        max_blocks_per_step=5,
+        max_inline_blocks_per_step=inline,
+        write_through=write_through,
     )
     scheduler = Scheduler(
         manager, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=48, kv_offload=offload

@@ -1,7 +1,8 @@
 """KV offload tiers through the whole engine on CPU: outputs equal with offloading on and
 off (embedded SmolLM2, a pool small enough that blocks go down and come back), a disk
-tier that survives a restart and serves the first request, a corrupted block file
-rejected, the size cap keeping the most recent blocks, a plugin tier by module path."""
+tier that survives a restart and serves the first request (a finished request's blocks
+are written through to it), a corrupted block file rejected, the size cap keeping the
+most recent blocks, a plugin tier by module path."""
 
 import os
 import random
@@ -101,14 +102,42 @@ def block_hashes(tokens):
     return hashes
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_restart_finds_the_last_runs_prefixes_on_disk(tiny_llama, tmp_path, async_scheduling):
+    from pagoda.metrics.prometheus import ServerMetrics
+
+    prompt = [random.Random(4).randrange(3, 384) for _ in range(40)]  # two full blocks
+    first = tiny(tiny_llama, tmp_path, async_scheduling=async_scheduling)
+    try:
+        expected = one_by_one(first, [prompt])
+        disk = tier(first, "disk")  # written through: the GPU pool evicted nothing
+        assert disk["stored_blocks"] == 2 and tier(first, "cpu")["evicted_blocks"] == 0
+    finally:
+        first.shutdown()
+    files = {f for _, _, names in os.walk(tmp_path) for f in names if f.endswith(".kvb")}
+    assert files == {h.hex() + ".kvb" for h in block_hashes(prompt)}
+
+    warm = tiny(tiny_llama, tmp_path, async_scheduling=async_scheduling)
+    try:
+        out = warm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected[0]
+        assert out.num_cached_tokens == 32
+        disk = tier(warm, "disk")
+        assert disk["hits"] == 2 and disk["loaded_blocks"] == 2
+        assert disk["bytes_loaded"] == 2 * BLOCK_BYTES
+        text = ServerMetrics("m").render(warm.llm_engine.get_stats()).decode()
+        assert 'pagoda:kv_offload_hits_total{model_name="m",tier="disk"} 2.0' in text
+        warm.llm_engine.audit_kv_cache()
+    finally:
+        warm.shutdown()
+
+
 def test_disk_tier_restart_warm_hit_size_cap_and_corrupt_file(tiny_llama, tmp_path):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(5)]
-    flush = [rng.randrange(3, 384) for _ in range(120)]  # takes the whole pool
     first = tiny(tiny_llama, tmp_path)
     try:
-        expected = one_by_one(first, prompts)
-        one_by_one(first, [flush])  # every cached block goes down, prompts[4]'s last
+        expected = one_by_one(first, prompts)  # each one's blocks written through as it ends
         disk = tier(first, "disk")
         assert disk["stored_blocks"] == 10 and disk["evicted_blocks"] == 10 - DISK_BLOCKS
     finally:
@@ -151,8 +180,7 @@ def test_a_tier_slower_than_recompute_is_skipped_and_outputs_are_unchanged(tiny_
     prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(3)]
     first = tiny(tiny_llama, tmp_path)
     try:
-        expected = one_by_one(first, prompts)
-        one_by_one(first, [[rng.randrange(3, 384) for _ in range(120)]])  # all go down
+        expected = one_by_one(first, prompts)  # all written through to the disk
     finally:
         first.llm_engine.shutdown()
     # A restart whose disk tier is told to read at 1 byte/s: every hit (all on disk

@@ -1,6 +1,6 @@
 """KVOffloadManager: the scheduler's side of the KV offload tiers (no torch).
 
-It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
+It ties the GPU block pool to the tier bookkeeping (kv_offload/planning/tiers.py):
 - GPU evictions: the pool calls `_on_gpu_evict` when it takes a cached block for new
   use; the block is stored to a CPU slot (and written through to the lower tiers)
   unless the CPU tier has it already. The store is planned in the same schedule()
@@ -32,8 +32,22 @@ It ties the GPU block pool to the tier bookkeeping (core/kv_tiers.py):
   evicting a loaded block from the GPU never plans a store of it).
 - Aborts: a job in flight still writes its GPU blocks, so an aborted request's job is
   orphaned and its blocks are released only when the worker reports it done.
+- Write-through: when a request finishes (or is aborted), the scheduler calls
+  `request_finished` before freeing its blocks; its full blocks in the GPU prefix cache
+  are queued, last block first, so a prefix's head is the most recently stored (the
+  last a tier evicts, as when the GPU pool evicts a request's tail first). At the start
+  of each schedule() `write_through` stores queued blocks the CPU tier lacks, in at most
+  half the step's store budget (the other half stays free for the blocks that step
+  evicts, whose contents its forward overwrites); the rest wait for the next step. A
+  block already in the CPU tier costs no copy: it is made most recent there and written
+  down from its slot to a lower tier lacking it once no transfer uses the slot. Queuing
+  at finish rather than when a block fills: a block is registered in the cache when its
+  step is scheduled, before its KV is computed, while at the start of a schedule every
+  registered block was computed by a step already launched, whose forward precedes the
+  store's gather on the compute stream; and a request's blocks go in one batch. A queued
+  block that the GPU pool evicts meanwhile is stored by the eviction instead.
 
-Cost-aware loads (core/kv_cost.py): given a LoadCostModel, `start_load` loads only the
+Cost-aware loads (kv_offload/planning/cost.py): given a LoadCostModel, `start_load` loads only the
 leading blocks of the hit whose load is expected to beat recomputing them; the
 blocks dropped are counted per tier as `skipped` (the tier keeps them). The model
 learns from the worker's load timings (`apply_report`) and from the steps' timing:
@@ -115,11 +129,14 @@ class KVOffloadManager:
         cost: LoadCostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_inline_blocks_per_step: int = 0,
+        write_through: bool = True,
     ) -> None:
         """cost: decides which hits are worth loading (None: every hit is loaded).
         clock: the step timing's time source (tests pass their own).
         max_inline_blocks_per_step: blocks per step that CPU-only jobs may load inline
-        (0: every load is asynchronous)."""
+        (0: every load is asynchronous).
+        write_through: finished requests' blocks go to the tiers (False: only blocks
+        the GPU pool evicts do; benchmarks compare the two)."""
         if not kv_cache_manager.enable_caching:
             raise ValueError("KV offloading needs prefix caching (enable_prefix_caching=True)")
         if not isinstance(max_blocks_per_step, int) or max_blocks_per_step < 1:
@@ -143,6 +160,10 @@ class KVOffloadManager:
         self._ids = itertools.count()
         self._plan = KVTransferPlan()
         self._step_store_hashes: list[BlockHash] = []
+        self.write_through_enabled = write_through
+        # Finished requests' cached blocks not stored yet, in the order to store them.
+        self._write_queue: dict[BlockHash, KVCacheBlock] = {}
+        self.max_write_through_per_step = max(1, max_blocks_per_step // 2)
         self._step_loads = 0
         self._store_batches: dict[int, list[BlockHash]] = {}  # store_id -> CPU hashes pinned
         self._writes: dict[int, TierWrite] = {}
@@ -170,7 +191,10 @@ class KVOffloadManager:
     @property
     def has_in_flight(self) -> bool:
         return bool(
-            self._store_batches or self._writes or any(not job.done for job in self._jobs.values())
+            self._write_queue
+            or self._store_batches
+            or self._writes
+            or any(not job.done for job in self._jobs.values())
         )
 
     def start_load(self, request: Request, gpu_hits: list[KVCacheBlock]) -> LoadStart:
@@ -323,25 +347,82 @@ class KVOffloadManager:
         else:
             job.orphaned = True
 
-    # ------------------------------------------------------------ GPU evictions
+    # ------------------------------------------------------------ stores
 
     def _on_gpu_evict(self, block_hash: BlockHash, block_id: int) -> None:
+        self._write_queue.pop(block_hash, None)  # stored here, or dropped
+        if block_hash in self.tiers.cpu:
+            return
+        if len(self._step_store_hashes) >= self.max_blocks_per_step or not self._store(
+            block_hash, block_id
+        ):
+            self.tiers.cpu.counters.dropped += 1
+
+    def request_finished(self, request: Request) -> None:
+        """Queues the request's blocks in the GPU prefix cache for write-through, last
+        first; called before its blocks are freed."""
+        if not self.write_through_enabled:
+            return
+        blocks = self.pool.blocks
+        for block_id in reversed(self.manager.get_block_ids(request.request_id)):
+            block = blocks[block_id]
+            block_hash = block.block_hash
+            if block_hash is not None and self.pool.cached_blocks.get(block_hash) is block:
+                self._write_queue.pop(block_hash, None)  # queued again: stored in this order
+                self._write_queue[block_hash] = block
+
+    def write_through(self) -> None:
+        """Plans this step's share of the queued write-through (called at the start of
+        schedule(), when every block in the GPU prefix cache holds computed KV)."""
         cpu = self.tiers.cpu
-        if block_hash in cpu:
-            return
-        if len(self._step_store_hashes) >= self.max_blocks_per_step:
-            cpu.counters.dropped += 1
-            return
+        budget = self.max_write_through_per_step - len(self._step_store_hashes)
+        while self._write_queue:
+            block_hash, block = next(iter(self._write_queue.items()))
+            if self.pool.cached_blocks.get(block_hash) is not block:
+                del self._write_queue[block_hash]  # no longer cached (a prefix-cache reset)
+                continue
+            if block_hash in cpu:
+                del self._write_queue[block_hash]
+                self._refresh(block_hash)
+                continue
+            if budget < 1 or not self._store(block_hash, block.block_id):
+                return  # the rest waits for a later step (or for a pinned CPU slot to go)
+            del self._write_queue[block_hash]
+            budget -= 1
+
+    def _refresh(self, block_hash: BlockHash) -> None:
+        """A finished request used a block the CPU tier holds: most recent in every tier
+        holding it, and written down to the lower tiers lacking it once its slot is
+        settled (no store into it, or read of it, in flight)."""
+        cpu = self.tiers.cpu
+        entry = cpu.entry(block_hash)
+        cpu.touch(block_hash)
+        for tier in self.tiers.tiers[1:]:
+            if block_hash in tier:
+                tier.touch(block_hash)
+        if entry.ready and entry.pins == 0:
+            self._write_down(block_hash, entry.slot)
+
+    def _store(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Plans GPU block block_id -> a CPU slot, written through to every lower tier
+        lacking it; False, planning nothing, when the CPU tier has no unpinned room."""
+        cpu = self.tiers.cpu
         reserved = cpu.reserve(block_hash, ready=True)  # ready: loads queue behind the copy
         if reserved is None:
-            cpu.counters.dropped += 1
-            return
+            return False
         slot = reserved[0].slot
         self._plan.store_gpu_block_ids.append(block_id)
         self._plan.store_cpu_slots.append(slot)
         self._plan.store_hashes.append(bytes(block_hash))
         self._step_store_hashes.append(block_hash)
         cpu.counters.stored += 1
+        self._write_down(block_hash, slot)
+        return True
+
+    def _write_down(self, block_hash: BlockHash, slot: int) -> None:
+        """Plans CPU slot -> every lower tier lacking the block (after this step's
+        stores, on the writer thread); a tier with no unpinned room drops it."""
+        cpu = self.tiers.cpu
         for tier_index, tier in enumerate(self.tiers.tiers[1:], start=1):
             if block_hash in tier:
                 continue
