@@ -18,10 +18,7 @@ from pagoda import LLM, SamplingParams
 
 def make_llm(async_scheduling: bool) -> LLM:
     # 24 blocks of 16 tokens and a budget of 64 tokens: chunked prefill and preemption.
-    # Float weights: the embedded GGUF's default blocks multiply 8-bit activations at
-    # batch 1 only, so a request alone and in a batch may differ (docs/quantization.md).
     return LLM(
-        quantization="none",
         max_model_len=256,
         max_num_batched_tokens=64,
         max_num_seqs=32,

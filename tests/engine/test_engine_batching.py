@@ -12,10 +12,7 @@ from pagoda import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def small_pool_llm():
     # 24 blocks of 16 tokens: 16 requests of up to ~71 tokens cannot all fit -> preemption.
-    # Float weights: the embedded GGUF's default blocks multiply 8-bit activations at
-    # batch 1 only, so a request alone and in a batch may differ (docs/quantization.md).
     with LLM(
-        quantization="none",
         max_model_len=256,
         max_num_batched_tokens=64,
         max_num_seqs=32,

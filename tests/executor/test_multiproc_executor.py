@@ -305,7 +305,7 @@ def test_ray_is_chosen_at_any_size_and_its_absence_is_a_clear_error(tp, monkeypa
         LLMEngine(args.create_engine_config())
 
 
-def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys):
+def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys, smollm2_gguf):
     from pagoda.entrypoints.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)
@@ -317,6 +317,8 @@ def test_the_cli_reports_a_missing_ray_in_one_line(monkeypatch, capsys):
             "tiny-llama",
             "--load-format",
             "dummy",
+            "--tokenizer",
+            str(smollm2_gguf),
             "--device",
             "cpu",
             "--tensor-parallel-size",

@@ -133,8 +133,8 @@ def _close(got, want, loose: bool) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-# Batch 1 multiplies 8-bit activations by default (CpuBlocksConfig.quantize_activations),
-# in both paths. Their rounding is discontinuous: where a value sits at a rounding boundary,
+# Batch 1 can multiply 8-bit activations (CpuBlocksConfig.quantize_activations, off by
+# default), in both paths. Their rounding is discontinuous: where a value sits at a rounding boundary,
 # a one-ulp difference in a norm's output moves it a whole step, and on these models a
 # one-ulp change of the embedding alone moves the unfused output by up to 2e-2 (relative
 # L2, measured; most cases 4e-7). So batch 1 is compared twice: tightly with float
@@ -286,8 +286,8 @@ def test_fp8_cache_falls_back(monkeypatch):
 
 
 # The embedded SmolLM2 end to end: its greedy tokens with and without the fused step.
-# Batch 1 runs with float activations here (CpuBlocksConfig.quantize_activations off, which
-# both paths follow): the default 8-bit activation rounding is discontinuous, and on
+# Batch 1 runs with float activations here (CpuBlocksConfig.quantize_activations off, the
+# default, which both paths follow): 8-bit activation rounding is discontinuous, and on
 # this model a one-ulp change of the embedding table alone moves the unfused path's
 # greedy tokens (first difference after 4 to 26 of 32 tokens on 4 of 6 prompts,
 # measured), as much as the fused step's rounding does. Rows of a batch use the float

@@ -20,7 +20,7 @@ slower; ``native_status()`` says which runs.
 
 Numerics: the weights the kernel dequantizes are bit-identical to the reference's (and
 to gguf.quants.dequantize); only float32 rounding of the sums differs (cpu_kernels.c).
-The kernels' variant (8-bit activations at batch 1) is a field of ``CpuBlocksConfig``,
+The kernels' variant (8-bit activations at batch 1, off by default) is a field of ``CpuBlocksConfig``,
 which the caller passes.
 
 ``rows_linear`` is what the model's float layers call: for steps of 2 to SMALL_ROWS
@@ -70,9 +70,12 @@ class CpuBlocksConfig:
     instructions per weight than converting each weight to float). Results then equal
     reference_gemv_q8, not reference_mm, up to float32 rounding. More rows keep the
     float register tiles: an 8-bit version of those measured 2x slower at 32 rows
-    (docs/performance.md). Off: batch 1 multiplies the float activation too."""
+    (docs/performance.md). Off by default: one row then multiplies the float
+    activation as several rows do, so a request's tokens do not depend on what it is
+    batched with, nor on speculative decoding's verify rows; on, batch 1 decodes 1.5x
+    faster (docs/performance.md#measured-reasons)."""
 
-    quantize_activations: bool = True
+    quantize_activations: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device) -> CpuBlocksConfig:
