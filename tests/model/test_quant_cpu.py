@@ -40,14 +40,17 @@ def test_native_kernel_builds_here():
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, ck.LARGE_M + 1])
 def test_kernel_matches_dequantize_then_matmul(kind, m):
-    """Batch 1 multiplies the activation quantized to 8 bits per block (as llama.cpp);
-    more rows multiply it as it is."""
+    """By default every batch size multiplies the activation as it is; with
+    quantize_activations, batch 1 multiplies it quantized to 8 bits per block (as
+    llama.cpp) and more rows as it is."""
     n, k = 13, 96  # 13 rows: full tiles of 4 and a tail of 1
     blocks = KINDS[kind](_randn(n, k, seed=1))
+    weight = ck.dequantize(blocks, kind)
     x = _randn(m, k, seed=2)
+    _close(ck.blocks_mm(x, blocks, kind), linear(x, weight))
     x_used = ck.quantize_activation_q8(x) if m == 1 else x
-    want = linear(x_used, ck.dequantize(blocks, kind))
-    _close(ck.blocks_mm(x, blocks, kind), want)
+    eight_bit = ck.CpuBlocksConfig(quantize_activations=True)
+    _close(ck.blocks_mm(x, blocks, kind, eight_bit), linear(x_used, weight))
     assert torch.equal(ck.native_dequantize(blocks, kind), ck.dequantize(blocks, kind))
 
 
@@ -70,8 +73,9 @@ def test_activation_quantization(kind):
     _close(ck.blocks_mm(x, blocks, kind, float_rows), linear(x, ck.dequantize(blocks, kind)))
     eight_bit = ck.CpuBlocksConfig(quantize_activations=True)
     _close(ck.blocks_mm(x, blocks, kind, eight_bit), ck.reference_gemv_q8(x, blocks, kind))
+    assert torch.equal(ck.blocks_mm(x, blocks, kind), ck.blocks_mm(x, blocks, kind, float_rows))
     assert not torch.allclose(
-        ck.blocks_mm(x, blocks, kind, float_rows), ck.blocks_mm(x, blocks, kind)
+        ck.blocks_mm(x, blocks, kind, float_rows), ck.blocks_mm(x, blocks, kind, eight_bit)
     )
 
 

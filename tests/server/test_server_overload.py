@@ -18,7 +18,9 @@ import pytest
 from helpers.server_harness import launch_server
 
 BURST = 32
-STREAM_TOKENS = 24
+# Long enough that the streams are still under way while the test checks the draining
+# server (3 streams of 256 tokens take seconds on 2 cores; 64 blocks hold them).
+STREAM_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
