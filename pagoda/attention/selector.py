@@ -1,37 +1,19 @@
 """Choosing a rank's attention backend: `make_attention_backend(name, device, shape)`.
 
-`AttentionShape` is what a backend needs of the model (heads on this rank, head size,
-softmax scale, and MLA's latent sizes); the model builds it (`ArchConfig.attention_shape`),
-so attention never reads a model config.
+The backend is built for an `AttentionShape` (pagoda/attention/shape.py), which the
+model builds (`ArchConfig.attention_shape`), so attention never reads a model config.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.mla_backend import MLATorchBackend
+from pagoda.attention.shape import AttentionShape
 from pagoda.attention.torch_ref import TorchRefBackend
 from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
 from pagoda.kernels.attention.mla_config import MLAKernelConfig
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """One rank's attention heads. MLA (DeepSeek latent attention) when kv_lora_rank is set."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
 
 
 def make_attention_backend(

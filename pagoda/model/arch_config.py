@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.attention.selector import AttentionShape
+from pagoda.attention.shape import AttentionShape
 from pagoda.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_softmax_scale
 from pagoda.model.moe_config import MOE_ARCHITECTURES, MoEConfig
 
