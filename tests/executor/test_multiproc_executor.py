@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 from helpers.fake_worker import expected, run
-from helpers.mp_fake_worker import RankedFakeWorker, step_digest
+from helpers.mp_fake_worker import RankedFakeWorker, recording_executor
 
 from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_spec import KVCacheConfig
@@ -46,16 +46,7 @@ def engine_config(async_scheduling: bool = False):
     ).create_engine_config()
 
 
-class RecordingExecutor(MultiprocExecutor):
-    """Remembers the steps it sent, to compare with what each rank saw."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent: list[tuple] = []
-
-    def execute_model(self, scheduler_output) -> None:
-        self.sent.append(step_digest(scheduler_output))
-        super().execute_model(scheduler_output)
+RecordingExecutor = recording_executor(MultiprocExecutor)
 
 
 def make_engine(async_scheduling: bool = False, **worker_kwargs) -> LLMEngine:

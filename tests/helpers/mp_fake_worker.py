@@ -34,6 +34,22 @@ def step_digest(out: SchedulerOutput) -> tuple:
     )
 
 
+def recording_executor(base: type) -> type:
+    """`base` (an Executor class) that remembers the steps it sent (step_digest), to
+    compare with what each rank saw."""
+
+    class RecordingExecutor(base):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.sent: list[tuple] = []
+
+        def execute_model(self, scheduler_output) -> None:
+            self.sent.append(step_digest(scheduler_output))
+            super().execute_model(scheduler_output)
+
+    return RecordingExecutor
+
+
 class _Never:
     """A step output that never arrives (a device that hangs)."""
 

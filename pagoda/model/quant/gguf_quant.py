@@ -147,7 +147,7 @@ def _why_expanded(arch, device) -> str | None:
 def default_gguf_scheme(reader, arch, device) -> GGUFQuantConfig | None:
     """The scheme a GGUF file loads with when --quantization is not given: the gguf
     scheme where it runs (CPU, dense model, native kernel) and the file stores some
-    linear layer as Q4_0/Q4_1/Q8_0 blocks (the embedded SmolLM2's batch-1 decode: 6.4x
+    linear layer as Q4_0/Q4_1/Q8_0 blocks (the embedded SmolLM2's batch-1 decode: 4.4x
     the float32 weights', docs/performance.md#cpu); None (float weights) otherwise."""
     tensor_types = gguf_tensor_types(reader)
     block_types = _linear_block_types(tensor_types)
