@@ -1,7 +1,7 @@
 """ArchConfig: the shape and numerics of a model architecture, independent of its weights.
 
-Owns parsing a Hugging Face ``config.json`` dict, GGUF metadata and named presets into
-one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
+Owns parsing a Hugging Face ``config.json`` dict (GGUF metadata is turned into one by
+pagoda/model/loader/gguf_arch.py; presets are built directly) into one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
 model code does not implement: unknown architectures, rope scaling types other than
 default/llama3/yarn, activations other than silu, sliding-window attention. MoE
 fields are parsed by pagoda.model.moe_config into the ``moe`` field (None for dense
@@ -48,8 +48,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
-_GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM"}
 
 
 def check_architecture(name: str) -> None:
@@ -216,11 +216,6 @@ class ArchConfig:
             quantization_config=_hf_quantization_config(config),
         )
 
-    @classmethod
-    def from_gguf_metadata(cls, reader) -> ArchConfig:
-        """From a gguf.GGUFReader's metadata (llama.* keys) and its tensor list."""
-        return _from_gguf(cls, reader)
-
 
 def _hf_architecture(config: dict) -> str:
     archs = config.get("architectures") or []
@@ -312,64 +307,3 @@ def _hf_rope(config: dict) -> tuple[float, dict | None]:
 def _hf_dtype(config: dict) -> str:
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return str(dtype).removeprefix("torch.")
-
-
-def _gguf_field(reader, key: str, default: Any = dataclasses.MISSING) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        if default is dataclasses.MISSING:
-            raise ValueError(f"GGUF metadata lacks {key!r}")
-        return default
-    return f.contents()
-
-
-def _from_gguf(cls, reader) -> ArchConfig:
-    gguf_arch = _gguf_field(reader, "general.architecture")
-    if gguf_arch not in _GGUF_ARCH_TO_ARCH:
-        raise ValueError(
-            f"unsupported GGUF architecture {gguf_arch!r}; supported: "
-            f"{', '.join(_GGUF_ARCH_TO_ARCH)}"
-        )
-    p = gguf_arch + "."
-    tensor_names = {t.name for t in reader.tensors}
-    scaling = _gguf_field(reader, p + "rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise ValueError(
-            f"GGUF rope scaling ({scaling!r}, rope_freqs tensor: "
-            f"{'rope_freqs.weight' in tensor_names}) is not supported"
-        )
-    hidden = int(_gguf_field(reader, p + "embedding_length"))
-    heads = int(_gguf_field(reader, p + "attention.head_count"))
-    head_dim = int(_gguf_field(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = int(_gguf_field(reader, p + "rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"partial rotary (rope.dimension_count {rope_dim} != head_dim "
-            f"{head_dim}) is not supported"
-        )
-    return cls(
-        architecture=_GGUF_ARCH_TO_ARCH[gguf_arch],
-        hidden_size=hidden,
-        num_hidden_layers=int(_gguf_field(reader, p + "block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_gguf_field(reader, p + "attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        intermediate_size=int(_gguf_field(reader, p + "feed_forward_length")),
-        vocab_size=_gguf_vocab_size(reader, p),
-        rms_norm_eps=float(_gguf_field(reader, p + "attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_gguf_field(reader, p + "rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_gguf_field(reader, p + "context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        # Weights are dequantized to float32; callers pick another dtype explicitly.
-        torch_dtype="float32",
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
-    )
-
-
-def _gguf_vocab_size(reader, prefix: str) -> int:
-    """The token list's length (the spec'd source), else the vocab_size key."""
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        return len(tokens.data)
-    return int(_gguf_field(reader, prefix + "vocab_size"))

@@ -31,7 +31,16 @@ import struct
 import weakref
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
@@ -54,7 +63,17 @@ _BYTE_LEVEL_PRE_TOKENIZERS = {
     "refact": "digits_then_gpt2",
     "codeshell": "digits_then_gpt2",
     "gpt-2": "gpt2",
+    # Qwen2, Qwen2.5 and Qwen3 files: Qwen's own split (_QWEN2_SPLIT), as its
+    # tokenizer.json does, with its NFC normalizer.
+    "qwen2": "qwen2",
 }
+# Qwen's pre-tokenizer regex (tokenizer.json's Split; llama.cpp's "qwen2" is the same
+# pattern spelled without the case-insensitive group): contractions, letters with at most
+# one leading non-letter, one digit at a time, punctuation runs, newlines, spaces.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 # ----------------------------------------------------------------------------- embedded model
@@ -178,6 +197,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _byte_level_pre_tokenizer(pre_name: str) -> pre_tokenizers.PreTokenizer:
+    if pre_name == "qwen2":
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre_name == "digits_then_gpt2":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -193,6 +219,8 @@ def _build_byte_level_bpe(metadata: dict[str, Any], pre_name: str) -> Tokenizer:
         models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
     )
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre_name)
+    if pre_name == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 

@@ -27,11 +27,11 @@ def _blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def test_loader_hands_kept_tensors_over_as_raw_blocks(smollm2_gguf):
-    from pagoda.model.arch_config import ArchConfig
     from pagoda.model.loader.gguf import FastGGUFReader, gguf_tensor_types, iter_gguf_weights
+    from pagoda.model.loader.gguf_arch import gguf_arch_config
 
     reader = FastGGUFReader(str(smollm2_gguf))
-    arch = ArchConfig.from_gguf_metadata(reader)
+    arch = gguf_arch_config(reader)
     types = gguf_tensor_types(reader)
     assert types["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
     assert types["model.embed_tokens.weight"] == "Q8_0"
@@ -56,13 +56,13 @@ def test_loader_hands_kept_tensors_over_as_raw_blocks(smollm2_gguf):
 
 
 def test_a_gguf_file_keeps_its_blocks_by_default_where_they_run(smollm2_gguf):
-    from pagoda.model.arch_config import ArchConfig
     from pagoda.model.loader.gguf import FastGGUFReader
+    from pagoda.model.loader.gguf_arch import gguf_arch_config
     from pagoda.model.presets import get_preset
     from pagoda.model.quant.registry import resolve_quant_config
 
     reader = FastGGUFReader(str(smollm2_gguf))
-    arch = ArchConfig.from_gguf_metadata(reader)
+    arch = gguf_arch_config(reader)
 
     def scheme(requested, arch=arch, device="cpu"):
         return resolve_quant_config(requested, None, "gguf", reader, arch=arch, device=device)

@@ -1,20 +1,23 @@
 """GGUF loader (llama.cpp files): metadata -> ArchConfig, tensors -> HF-named weights.
 
-Every tensor, quantized (Q4_1, Q8_0, ...) or not, is dequantized to float32 with
-gguf.quants.dequantize and then cast to the model dtype by the parameter's loader --
-except the tensors named in ``keep_blocks`` (those of layers the ``gguf`` quantization
-scheme keeps quantized, pagoda.model.quant.gguf_quant: by default on the CPU, see
-``default_gguf_scheme``; ``--quantization none`` expands them all): they are handed over
-raw, as uint8 [rows, blocks per row, bytes per block], which shards in whole blocks.
-llama.cpp's converter permutes the rows of the Q and K projections (it reshapes
-them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes, turning HF's
-rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that (on rows of
-blocks too: a block never spans two rows).
+Architectures: llama, qwen2, qwen3 and qwen3moe (pagoda.model.loader.gguf_arch maps
+their metadata and tensor names). Every tensor, quantized (Q4_1, Q8_0, ...) or not, is
+dequantized to float32 with gguf.quants.dequantize and then cast to the model dtype by
+the parameter's loader -- except the tensors named in ``keep_blocks`` (those of layers
+the ``gguf`` quantization scheme keeps quantized, pagoda.model.quant.gguf_quant: by
+default on the CPU for dense models, see ``default_gguf_scheme``; ``--quantization none``
+expands them all): they are handed over raw, as uint8 [rows, blocks per row, bytes per
+block], which shards in whole blocks. A stacked expert tensor (qwen3moe's
+``ffn_*_exps``, [experts, rows, cols]) is always dequantized, then handed over one
+expert's slice at a time under HF's per-expert names: the experts run as float.
+llama.cpp's converter permutes the rows of the Q and K projections of ``llama`` files
+(it reshapes them to (n_head, 2, head_dim / 2, ...) and swaps the two middle axes,
+turning HF's rotate_half layout into interleaved pairs); ``unpermute_qk`` undoes that
+(on rows of blocks too: a block never spans two rows). Qwen files keep HF's rows.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,28 +30,16 @@ from torch import nn
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.dtypes import resolve_dtype
 from pagoda.model.loader.build import build_model, find_gguf_file
+from pagoda.model.loader.gguf_arch import (
+    gguf_arch_config,
+    gguf_architecture,
+    hf_name,
+    permutes_qk,
+    stacked_expert_name,
+)
 from pagoda.model.parallel import SINGLE_RANK, TensorParallel
 from pagoda.model.quant.registry import resolve_quant_config
 from pagoda.progress import progress
-
-# llama.cpp tensor name -> HF name; {i} is the block index.
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class FastGGUFReader(GGUFReader):
@@ -67,16 +58,6 @@ class FastGGUFReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain_data = np.asarray(value)
-
-
-def hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face counterpart")
-    layer, kind, suffix = m.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
 
 
 def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -103,24 +84,40 @@ def raw_blocks(tensor) -> np.ndarray:
     return data.reshape(data.shape[0], -1, type_size)
 
 
+def tensor_hf_names(tensor) -> list[str]:
+    """The HF names a GGUF tensor stands for: one, or one per expert of a stacked
+    expert tensor (ggml lists dims fastest first: the experts are the last)."""
+    stacked = stacked_expert_name(tensor.name)
+    if stacked is None:
+        return [hf_name(tensor.name)]
+    return [stacked.format(e) for e in range(int(tensor.shape[-1]))]
+
+
 def gguf_tensor_types(reader: GGUFReader) -> dict[str, str]:
     """HF tensor name -> GGML type name ('Q4_1', 'Q8_0', 'F32', ...) of every tensor."""
-    return {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
+    return {name: t.tensor_type.name for t in reader.tensors for name in tensor_hf_names(t)}
 
 
 def iter_gguf_weights(
     reader: GGUFReader, arch: ArchConfig, rank: int = 0, keep_blocks: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file, Q/K rows un-permuted
+    """(HF name, float32 tensor) for every tensor in the file (each expert's slice of a
+    stacked expert tensor apart), Q/K rows un-permuted where the converter permuted them
     (with a progress bar on a terminal, for rank 0); the tensors named in keep_blocks
     come as raw blocks (see raw_blocks) instead."""
+    permuted = permutes_qk(gguf_architecture(reader))
     tensors = progress(reader.tensors, "loading weights", len(reader.tensors), "tensor", rank)
     for tensor in tensors:
+        if stacked_expert_name(tensor.name) is not None:
+            experts = dequantized(tensor)
+            for name, data in zip(tensor_hf_names(tensor), experts):
+                yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+            continue
         name = hf_name(tensor.name)
         data = raw_blocks(tensor) if name in keep_blocks else dequantized(tensor)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_qk(data, arch.num_attention_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_qk(data, arch.num_key_value_heads)
         # Unquantized tensors come back as read-only views of the memory map: copy those.
         yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
@@ -132,7 +129,7 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
     file = find_gguf_file(path)
     if file is None:
         raise ValueError(f"no .gguf file at {path}")
-    return ArchConfig.from_gguf_metadata(FastGGUFReader(str(file)))
+    return gguf_arch_config(FastGGUFReader(str(file)))
 
 
 def load_gguf_model(
@@ -148,7 +145,7 @@ def load_gguf_model(
     if file is None:
         raise ValueError(f"no .gguf file at {path}")
     reader = FastGGUFReader(str(file))
-    arch = ArchConfig.from_gguf_metadata(reader)
+    arch = gguf_arch_config(reader)
     quant = resolve_quant_config(
         quantization, None, "gguf", reader, quantize_lm_head, arch=arch, device=device
     )
