@@ -23,7 +23,9 @@ is filtered by slot).
 
 MLA keeps [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent entry
 per token, written by the Triton kernel kernels/mla_store.py on CUDA (padding rows
-skipped on the device), by index_copy on CPU, under the same rules.
+skipped on the device), by index_copy on CPU, under the same rules. A sparse-attention
+indexer's keys ([num_blocks, block_size, head_dim], one row per token) are held and
+written the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.kv_quant import as_bits, check_scales, is_fp8, quantize_kv
 from pagoda.core.kv_cache_spec import (
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheConfig,
     KVCacheSpec,
     MLAAttentionSpec,
@@ -171,12 +174,27 @@ class MLALatentLayout(KVLayout):
         cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latent.to(cache.dtype))
 
 
+class IndexerKeyLayout(MLALatentLayout):
+    """Storage [num_blocks, block_size, head_dim]: one indexer key row per token, written
+    as MLA latent rows are."""
+
+    def allocate(self, spec: IndexerKeySpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(
+            num_blocks,
+            spec.block_size,
+            spec.head_dim,
+            dtype=getattr(torch, spec.dtype),
+            device=device,
+        )
+
+
 def default_kv_layouts(device: torch.device | str) -> dict[type[KVCacheSpec], KVLayout]:
     """The layouts of the spec kinds Pagoda implements, writing as suits the device."""
     use_triton = torch.device(device).type == "cuda"
     return {
         FullAttentionSpec: FullAttentionLayout(use_triton=use_triton),
         MLAAttentionSpec: MLALatentLayout(use_triton=use_triton),
+        IndexerKeySpec: IndexerKeyLayout(use_triton=use_triton),
     }
 
 

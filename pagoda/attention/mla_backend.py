@@ -22,6 +22,12 @@ every row through the latent path, which handles any query length (row j of a re
 of query length q and seq_len s sees s - q + j + 1 tokens). ``latent_rows="all"``
 forces that on eager steps too (tests compare the two paths with it).
 
+Sparse MLA (DeepSeek V3.2) plans every row latent (``latent_rows="all"``) and adds two
+calls: ``indexer_topk`` (each row's top-k cached tokens by the layer's indexer scores)
+and ``forward_sparse(q_lat, cache, positions, plan)`` (the latent path over those
+tokens only); here both are the torch references of
+pagoda/kernels/attention/dsa_indexer.py and sparse_mla.py.
+
 The layer calls ``forward(q_lat, cache, plan)`` for the latent rows and
 ``forward_prefill(out, q_nope, q_rope, k_nope, k_rope, v, plan)`` for the prefill rows:
 the pieces as the layer holds them (every row of the step's queries, kv_b_proj's output
@@ -41,6 +47,8 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.torch_decode import host_lengths
+from pagoda.kernels.attention.dsa_indexer import indexer_topk
+from pagoda.kernels.attention.sparse_mla import sparse_latent_attention_ref
 from pagoda.kernels.launch.host_copy import host_to_device
 
 LATENT_ROWS = ("decode", "all")
@@ -219,6 +227,7 @@ class MLATorchBackend(AttentionBackend):
     """The reference MLA backend, plain torch in float32; CPU and GPU."""
 
     name = "torch_ref"
+    uses_triton_kernels = False
 
     def __init__(
         self,
@@ -267,3 +276,43 @@ class MLATorchBackend(AttentionBackend):
         and k_rope [C, Dr] (shared by every head) the contexts, in metadata.prefill_slots
         order."""
         sdpa_prefill(out, q_nope, q_rope, k_nope, k_rope, v, metadata, self.scale, upcast=True)
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        key_cache: torch.Tensor,
+        metadata: MLAPlan,
+        topk: int,
+        row_chunk: int,
+    ) -> torch.Tensor:
+        """The plan's latent rows' top-k token positions (int32 [N, topk], -1 unused)
+        by the indexer scores sum_h weights[n, h] relu(q[n, h] . key[t])."""
+        return indexer_topk(
+            q,
+            weights,
+            key_cache,
+            metadata.common.block_tables,
+            metadata.row_req,
+            metadata.row_len,
+            topk,
+            max_len=metadata.max_row_len,
+            row_chunk=row_chunk,
+            use_kernel=self.uses_triton_kernels,
+        )
+
+    def forward_sparse(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, metadata: MLAPlan
+    ) -> torch.Tensor:
+        """q [N, H, E] of the plan's latent rows, each over its positions [N, topk] of
+        its request's tokens (-1 unused) -> [N, H, kv_lora_rank]."""
+        out = sparse_latent_attention_ref(
+            q,
+            kv_cache,
+            metadata.common.block_tables,
+            metadata.row_req,
+            positions,
+            self.scale,
+            self.kv_lora_rank,
+        )
+        return out.to(q.dtype)

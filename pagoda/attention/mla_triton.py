@@ -36,6 +36,7 @@ from pagoda.attention.graph_buffers import (
     copy_batch_into_graph,
 )
 from pagoda.attention.mla_backend import MLAPlan, MLATorchBackend, plan_eager, sdpa_prefill
+from pagoda.kernels.attention.dsa_config import DSAKernelConfig
 from pagoda.kernels.attention.mla_config import MLAKernelConfig
 from pagoda.kernels.launch.capability import sm_count
 from pagoda.kernels.launch.host_copy import host_to_device
@@ -78,6 +79,7 @@ class MLATritonPlan(MLAPlan):
 
 class MLATritonBackend(MLATorchBackend):
     name = "triton"
+    uses_triton_kernels = True
 
     def __init__(
         self,
@@ -88,16 +90,21 @@ class MLATritonBackend(MLATorchBackend):
         *,
         num_decode_splits: int | None = None,
         config: MLAKernelConfig | None = None,
+        latent_rows: str = "decode",
+        dsa_config: DSAKernelConfig | None = None,
     ) -> None:
         """num_decode_splits fixes the latent kernel's context slices (tests, tuning);
         None chooses them per batch. config: the kernels' tiles on this backend's
         device (the selector builds it; None: MLAKernelConfig.for_device of the CPU,
-        Hopper's tiles, as the interpreter tests run them)."""
-        super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
+        Hopper's tiles, as the interpreter tests run them). latent_rows: as the
+        reference's ("all" for sparse MLA). dsa_config: the sparse-attention kernels' tiles
+        (as config: default Hopper's)."""
+        super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale, latent_rows)
         if num_decode_splits is not None and not 1 <= num_decode_splits <= 1024:
             raise ValueError(f"num_decode_splits must be in [1, 1024], got {num_decode_splits}")
         self.num_decode_splits = num_decode_splits
         self.config = config or MLAKernelConfig.for_device(torch.device("cpu"))
+        self.dsa_config = dsa_config or DSAKernelConfig.for_device(torch.device("cpu"))
         # The same for every dtype (MLAKernelConfig): the plan tiles by it.
         self.prefill_tile_rows = self.config.prefill_tile_rows
         self._graph: _MLAGraphBuffers | None = None
@@ -177,6 +184,25 @@ class MLATritonBackend(MLATorchBackend):
         )
         return out
 
+    def forward_sparse(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, metadata: MLAPlan
+    ) -> torch.Tensor:
+        """As the reference's, with the Triton kernel (pagoda.kernels.attention.sparse_mla);
+        a row reads at most row_len positions (a short row's list ends in -1s)."""
+        from pagoda.kernels.attention.sparse_mla import sparse_latent_attention  # Triton
+
+        return sparse_latent_attention(
+            q,
+            kv_cache,
+            metadata.common.block_tables,
+            metadata.row_req,
+            positions,
+            self.scale,
+            self.kv_lora_rank,
+            count=metadata.row_len,
+            config=self.dsa_config,
+        )
+
     def forward_prefill(
         self,
         out: torch.Tensor,
@@ -218,7 +244,9 @@ class MLATritonBackend(MLATorchBackend):
     # ---- CUDA graphs -------------------------------------------------------------------
 
     def supports_cuda_graphs(self) -> bool:
-        return True
+        # Sparse MLA's top-k width follows each step's longest context, known on the
+        # host only on eager steps.
+        return self.latent_rows != "all"
 
     def init_cuda_graph_state(
         self,

@@ -19,6 +19,7 @@ class AttentionShape:
     scale: float
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    sparse: bool = False  # sparse MLA (an indexer picks each row's tokens): every row latent
 
     @property
     def is_mla(self) -> bool:

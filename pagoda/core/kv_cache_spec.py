@@ -4,7 +4,7 @@ Each attention layer declares a spec (``Attention.get_kv_cache_spec``). A spec i
 frozen dataclass that knows the bytes one block of that layer takes
 (``page_size_bytes``); the worker's KV pool allocates each layer's storage from it and
 the start-up code sizes the pool by summing the specs. A new kind of layer storage (a
-latent MLA entry, FP8 entries with their scales, a sliding window) is a new subclass
+latent MLA entry, a sparse-attention indexer key, a sliding window) is a new subclass
 here plus its storage layout in the worker's pool; nothing else sizes KV memory.
 
 Every layer shares the block size: one block id of the block manager names the same
@@ -103,6 +103,28 @@ class MLAAttentionSpec(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         return self.block_size * self.entry_size * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class IndexerKeySpec(KVCacheSpec):
+    """DeepSeek Sparse Attention's lightning-indexer keys: one head_dim vector per token,
+    the scores' keys (the latent cache beside it holds what is attended). Storage
+    [num_blocks, block_size, head_dim] in ``dtype``."""
+
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive(self, head_dim=self.head_dim)
+        if self.dtype not in DTYPE_BYTES or self.dtype == FP8_KV_DTYPE:
+            raise ValueError(
+                f"IndexerKeySpec.dtype must be one of float32, float16, bfloat16, got {self.dtype!r}"
+            )
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 def common_block_size(specs: Sequence[KVCacheSpec]) -> int:

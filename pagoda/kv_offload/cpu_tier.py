@@ -24,7 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.attention.kv_quant import as_bits
-from pagoda.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
+from pagoda.core.kv_cache_spec import (
+    FullAttentionSpec,
+    IndexerKeySpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+)
 from pagoda.kv_offload.tier_api import KVTier
 
 
@@ -50,8 +55,11 @@ def _page_of(spec: KVCacheSpec, index: int) -> tuple[str, int, tuple[int, ...]]:
     if type(spec) is MLAAttentionSpec:
         shape = (spec.block_size, spec.entry_size)
         return f"mla:{'x'.join(map(str, shape))}:{spec.dtype}", 0, shape
+    if type(spec) is IndexerKeySpec:
+        shape = (spec.block_size, spec.head_dim)
+        return f"indexer:{'x'.join(map(str, shape))}:{spec.dtype}", 0, shape
     raise ValueError(
-        f"KV offloading supports full-attention and MLA layers; layer {index} "
+        f"KV offloading supports full-attention, MLA and indexer-key layers; layer {index} "
         f"is {type(spec).__name__}"
     )
 

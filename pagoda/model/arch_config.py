@@ -1,8 +1,9 @@
 """ArchConfig: the shape and numerics of a model architecture, independent of its weights.
 
 Owns parsing a Hugging Face ``config.json`` dict (GGUF metadata is turned into one by
-pagoda/model/loader/gguf_arch.py; presets are built directly) into one frozen dataclass, and rejecting (with a ValueError naming the field) everything the
-model code does not implement: unknown architectures, rope scaling types other than
+pagoda/model/loader/gguf_arch.py; presets are built directly) into one frozen
+dataclass, and rejecting (with a ValueError naming the field) everything the model code
+does not implement: unknown architectures, rope scaling types other than
 default/llama3/yarn, activations other than silu, sliding-window attention. MoE
 fields are parsed by pagoda.model.moe_config into the ``moe`` field (None for dense
 architectures); DeepSeek architectures carry their attention's shape in ``mla``
@@ -29,6 +30,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True},
     "DeepseekV2ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "DeepseekV32ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_DEFAULTS)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn")
@@ -168,6 +170,7 @@ class ArchConfig:
                 mla_softmax_scale(self.mla, self.rope_scaling),
                 kv_lora_rank=self.mla.kv_lora_rank,
                 qk_rope_head_dim=self.mla.qk_rope_head_dim,
+                sparse=self.mla.indexer is not None,
             )
         return AttentionShape(
             heads, max(1, self.num_key_value_heads // tp_size), self.head_dim, self.head_dim**-0.5

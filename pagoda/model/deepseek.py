@@ -1,4 +1,4 @@
-"""DeepSeek V2 / V3 decoders: multi-head latent attention, dense or MoE MLPs.
+"""DeepSeek V2 / V3 / V3.2 decoders: multi-head latent attention, dense or MoE MLPs.
 
 ``DeepseekV2ForCausalLM`` serves both versions (``DeepseekV3ForCausalLM`` is the same
 code; where they differ, the config says how: V2's softmax greedy / group-limited
@@ -8,6 +8,9 @@ with MLAAttention (pagoda/model/layers/mla.py) instead of grouped-query attentio
 the feed-forward block is the dense gate/up/down MLP (LlamaMLP) on the first
 first_k_dense_replace layers and DeepseekMoE (routed + shared experts,
 pagoda/model/layers/moe/deepseek_moe.py) on the layers is_moe_layer names.
+``DeepseekV32ForCausalLM`` is V3 with DeepSeek Sparse Attention: every MLAAttention
+holds a lightning indexer (pagoda/model/layers/dsa.py), whose keys take pool layers
+num_hidden_layers .. 2 * num_hidden_layers - 1.
 
 Loading (``load_weights``) takes Hugging Face names, and:
 - skips the multi-token-prediction layers (index >= num_hidden_layers; V3 ships
@@ -219,6 +222,11 @@ class DeepseekV2ForCausalLM(nn.Module):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """The same decoder; V3's differences (sigmoid noaux_tc routing, rope_interleave
     flag) come from its config."""
+
+
+class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
+    """V3 with sparse attention; the indexer comes from the config's index_* fields
+    (arch.mla.indexer)."""
 
 
 def _map_hf_name(hf_name: str):

@@ -34,6 +34,7 @@ _ARCH_ROUTING: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
         (("softmax", "greedy"), ("softmax", "group_limited_greedy")),
     ),
     "DeepseekV3ForCausalLM": ("sigmoid", "noaux_tc", (("sigmoid", "noaux_tc"),)),
+    "DeepseekV32ForCausalLM": ("sigmoid", "noaux_tc", (("sigmoid", "noaux_tc"),)),
 }
 MOE_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_ROUTING)
 # The keys a config may name its routed-expert count with (DeepSeek, Qwen3-MoE as
@@ -182,3 +183,17 @@ def _reject_unimplemented(architecture: str, config: dict, moe: MoEConfig) -> No
             "shared experts (shared_expert_intermediate_size) are not part of "
             "Qwen3MoeForCausalLM; Qwen2-MoE style checkpoints are not supported"
         )
+    layer_types = config.get("mlp_layer_types")
+    if layer_types is not None:
+        # DeepSeek-V3.2 lists each layer's MLP kind; Pagoda derives it from
+        # first_k_dense_replace / moe_layer_freq, so the two must agree.
+        derived = [
+            "sparse" if moe.is_moe_layer_index(architecture, i) else "dense"
+            for i in range(config["num_hidden_layers"])
+        ]
+        if list(layer_types) != derived:
+            raise ValueError(
+                f"{architecture}: mlp_layer_types {list(layer_types)} differ from the "
+                f"dense-then-sparse schedule first_k_dense_replace implies ({derived}); "
+                "other schedules are not supported"
+            )

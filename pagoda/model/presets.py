@@ -5,8 +5,10 @@ A preset is only a shape (an ArchConfig); its weights come from the dummy loader
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagoda.model.arch_config import ArchConfig
-from pagoda.model.mla_config import MLAConfig
+from pagoda.model.mla_config import MLAConfig, SparseIndexerConfig
 from pagoda.model.moe_config import MoEConfig
 
 # What every Llama 3.1 size shares: vocabulary, rotary scaling, context, special ids.
@@ -26,6 +28,53 @@ _LLAMA_31_COMMON = dict(
     torch_dtype="bfloat16",
     bos_token_id=128000,
     eos_token_id=[128001, 128008, 128009],
+)
+
+_DEEPSEEK_V3 = ArchConfig(
+    architecture="DeepseekV3ForCausalLM",
+    hidden_size=7168,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    head_dim=64,
+    intermediate_size=18432,
+    vocab_size=129280,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    max_position_embeddings=163840,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=0,
+    eos_token_id=1,
+    mla=MLAConfig(
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+    moe=MoEConfig(
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        renormalize=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+    ),
 )
 
 _PRESETS: dict[str, ArchConfig] = {
@@ -145,6 +194,16 @@ _PRESETS: dict[str, ArchConfig] = {
             n_shared_experts=2,
             first_k_dense_replace=1,
         ),
+    ),
+    # DeepSeek-V3 as released (671B, 37B active): MLA with a query LoRA, 256 routed
+    # experts of 2048 (8 active, sigmoid noaux_tc routing in 8 groups) and 1 shared, the
+    # first 3 layers dense; for dummy-weight benchmarks of a few of its layers.
+    "deepseek-v3": _DEEPSEEK_V3,
+    # DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (an indexer of 64 heads of 128
+    # keeping 2048 tokens per query).
+    "deepseek-v3.2": _DEEPSEEK_V3.replace(
+        architecture="DeepseekV32ForCausalLM",
+        mla=dataclasses.replace(_DEEPSEEK_V3.mla, indexer=SparseIndexerConfig(64, 128, 2048)),
     ),
     # tests/helpers/tiny_models.py's DeepSeek-V2 shape (layer 0 dense, layer 1 MoE), for smoke runs.
     "tiny-deepseek-v2": ArchConfig(

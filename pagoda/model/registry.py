@@ -5,7 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from pagoda.model.arch_config import SUPPORTED_ARCHITECTURES
-from pagoda.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagoda.model.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    DeepseekV32ForCausalLM,
+)
 from pagoda.model.llama import LlamaForCausalLM
 from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -18,6 +22,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
 }
 if set(_MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):
     raise RuntimeError("the model registry and ArchConfig's supported architectures disagree")

@@ -101,7 +101,7 @@ def test_pool_rejects_unknown_kinds_and_layouts_that_disagree_with_their_spec():
     with pytest.raises(
         ValueError,
         match=r"layer 1: no KV storage layout for LatentSpec "
-        r"\(known: FullAttentionSpec, MLAAttentionSpec\)",
+        r"\(known: FullAttentionSpec, MLAAttentionSpec, IndexerKeySpec\)",
     ):
         KVCachePool(KVCacheConfig(NUM_BLOCKS, [FULL, LATENT]), "cpu")
 

@@ -45,7 +45,7 @@ def save_tiny_hf_model(path, arch: str, seed: int = 0, **overrides):
         moe.update({k: common.pop(k) for k in list(common) if k in moe})
         config = transformers.Qwen3MoeConfig(**common, **moe, head_dim=16, rope_theta=10000.0)
         cls = transformers.Qwen3MoeForCausalLM
-    elif arch in ("deepseek_v2", "deepseek_v3"):
+    elif arch in ("deepseek_v2", "deepseek_v3", "deepseek_v32"):
         config, cls = tiny_deepseek_config(arch, **overrides)
     else:
         raise ValueError(arch)
@@ -102,12 +102,17 @@ DEEPSEEK_TINY = dict(
 
 
 def tiny_deepseek_config(arch: str, **overrides):
-    """(transformers config, model class) of a tiny DeepSeek V2 or V3 (eager attention)."""
+    """(transformers config, model class) of a tiny DeepSeek V2, V3 or V3.2 (eager
+    attention; V3.2: a query LoRA and an indexer of 8 heads of 16 keeping 8 tokens)."""
     import transformers
 
     fields = dict(DEEPSEEK_TINY, **overrides)
     if arch == "deepseek_v2":
         config, cls = transformers.DeepseekV2Config(**fields), transformers.DeepseekV2ForCausalLM
+    elif arch == "deepseek_v32":
+        sparse = dict(q_lora_rank=24, index_n_heads=8, index_head_dim=16, index_topk=8)
+        config = transformers.DeepseekV32Config(**dict(DEEPSEEK_TINY, **sparse, **overrides))
+        cls = transformers.DeepseekV32ForCausalLM
     else:
         config, cls = transformers.DeepseekV3Config(**fields), transformers.DeepseekV3ForCausalLM
     config._attn_implementation = "eager"

@@ -38,7 +38,9 @@ def _ptxas_present() -> bool:
     not _ptxas_present(), reason="needs Triton with its CUDA backend (pip install 'pagoda[test]')"
 )
 @pytest.mark.slow
-@pytest.mark.parametrize("group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant", "defaults"])
+@pytest.mark.parametrize(
+    "group", ["moe", "mla_prefill", "pdl", "fp8_fused_quant", "defaults", "dsa"]
+)
 def test_kernels_compile_for_sm90(group, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     sass = ["--sass", str(tmp_path)] if group == "fp8_fused_quant" else []

@@ -1,7 +1,8 @@
 """DeepSeek (MLA + MoE) at tensor-parallel size 2, two CPU processes joined through gloo,
 against the same checkpoint at size 1: heads split across the ranks (q / kv_b
 column-parallel, o_proj row-parallel), the latent cache and its projections
-replicated, experts' intermediates split. Steps as tests/distributed/test_tp_forward.py drives
+replicated, experts' intermediates split; V3.2's sparse-attention indexer replicated,
+so every rank selects the same tokens. Steps as tests/distributed/test_tp_forward.py drives
 them (prefill, a chunk beside a decode, pure decode) through the MLA reference backend
 with each rank's heads.
 """
@@ -21,7 +22,7 @@ from pagoda.model.loader import load_model
 from pagoda.model.parallel import TensorParallel
 
 WORLD = 2
-MODELS = {"deepseek_v2": {}, "deepseek_v3": {"q_lora_rank": 24}}
+MODELS = {"deepseek_v2": {}, "deepseek_v3": {"q_lora_rank": 24}, "deepseek_v32": {}}
 
 
 def forward(path: str, tp: TensorParallel):

@@ -17,6 +17,7 @@ from .attention import (
     pdl_decode_cases,
     qk_rope_store_cases,
 )
+from .dsa import dsa_cases
 from .linear import default_w8a16_cases, fp8_fused_quant_cases, pdl_norm_gemv_cases, pdl_w8a16_cases
 from .moe import moe_cases, pdl_gate_up_cases, pdl_moe_down_cases, pdl_router_cases
 
@@ -46,4 +47,5 @@ CASES = {
     "pdl": pdl_cases,
     "fp8_fused_quant": fp8_fused_quant_cases,
     "defaults": default_cases,
+    "dsa": dsa_cases,
 }

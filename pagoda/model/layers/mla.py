@@ -22,6 +22,11 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
   pieces, k_rope once for every head (the Triton backend reads them in place with
   one kernel, pagoda.kernels.attention.mla_prefill; the reference backend concatenates them).
 
+Sparse MLA (DeepSeek V3.2): the layer also holds a lightning indexer
+(pagoda/model/layers/dsa.py), which picks each row's top-k cached tokens; every row then
+takes the latent path over its selected entries only (``backend.forward_sparse``), and
+the backend plans every row of the step as latent.
+
 Tensor parallelism: heads split across ranks (q_proj / q_b_proj and kv_b_proj
 column-parallel by head, o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the
 latent cache are replicated on every rank (the latent is shared by all heads).
@@ -37,6 +42,7 @@ from pagoda.attention.kv_pool import MLALatentLayout
 from pagoda.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from pagoda.model.arch_config import ArchConfig
 from pagoda.model.layers.attention import Attention
+from pagoda.model.layers.dsa import LightningIndexer
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import ColumnParallelLinear, RowParallelLinear, divide
 from pagoda.model.layers.rotary import apply_rotary
@@ -118,11 +124,13 @@ class MLALatentAttention(Attention):
         kv_b_proj: ColumnParallelLinear,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        topk_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q_nope [T, H, qk_nope], q_rope [T, H, qk_rope] (not yet rotated; cos / sin
         [T, qk_rope / 2]), kv_a [T, kv_lora_rank + qk_rope] (kv_a_proj_with_mqa's output:
         c, then the un-rotated k_rope) -> [T, H * v_head_dim]; stores this step's latent
-        entries [kv_a_layernorm(c), rope(k_rope)]."""
+        entries [kv_a_layernorm(c), rope(k_rope)]. topk_positions (sparse MLA): int32
+        [N, topk] of the plan's latent rows, the tokens each attends to."""
         ctx = get_forward_context()
         plan = ctx.metadata
         cache = ctx.kv_pool.cache(self.layer_idx)
@@ -131,6 +139,8 @@ class MLALatentAttention(Attention):
         w = kv_b_proj.weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
         rows = plan.latent_rows
+        if topk_positions is not None:
+            return self._sparse(q_nope, q_rope, cos, sin, cache, w_uk, w_uv, topk_positions, ctx)
         if rows is None and not plan.prefill_chunks:  # every row latent (decode, graphs)
             out = self._latent(q_nope, q_rope, cos, sin, cache, w_uk, w_uv, ctx)
             return out.reshape(num_tokens, heads * mla.v_head_dim)
@@ -179,6 +189,25 @@ class MLALatentAttention(Attention):
         o_lat = ctx.backend.forward(q, cache, ctx.metadata)  # [N, H, kv_lora_rank]
         return value_projection(o_lat, w_uv)
 
+    def _sparse(self, q_nope, q_rope, cos, sin, cache, w_uk, w_uv, positions, ctx):
+        """Every latent row over its selected entries -> [T, H * v_head_dim] (rows the
+        plan leaves out, padding, stay zero)."""
+        plan, mla = ctx.metadata, self.mla
+        if plan.prefill_chunks:
+            raise RuntimeError("sparse MLA needs a plan with every row latent")
+        num_tokens, width = q_nope.shape[0], self.num_heads * mla.v_head_dim
+        rows = plan.latent_rows
+        if rows is not None:
+            q_nope, q_rope, cos, sin = q_nope[rows], q_rope[rows], cos[rows], sin[rows]
+        q = absorbed_query(q_nope, q_rope, w_uk, cos, sin)
+        o_lat = ctx.backend.forward_sparse(q, cache, positions, plan)  # [N, H, kv_lora_rank]
+        out = value_projection(o_lat, w_uv).reshape(-1, width)
+        if rows is None:
+            return out
+        full = out.new_zeros(num_tokens, width)
+        full[rows] = out
+        return full
+
     def _prefill(self, out, q_nope, q_rope, cache, kv_b_proj, ctx) -> None:
         """The decompressed path: writes the plan's prefill rows of out [T, H, v_head_dim]
         from q_nope / q_rope (rotated) [T, H, *], every row of the step. The backend gets
@@ -222,6 +251,10 @@ class MLAAttention(nn.Module):
         self.attn = MLALatentAttention(
             layer_idx, self.num_heads, mla, mla_softmax_scale(mla, arch.rope_scaling)
         )
+        if mla.indexer is not None:  # its keys: a pool layer after every decoder layer's
+            self.indexer = LightningIndexer(
+                arch.hidden_size, mla, arch.num_hidden_layers + layer_idx, replicated_linear
+            )
 
     def forward(
         self,
@@ -233,10 +266,14 @@ class MLAAttention(nn.Module):
         """[T, hidden] -> [T, hidden], or [len(output_rows), hidden] for those rows only
         (attention still runs, and stores its latent, for every row)."""
         mla, num_tokens = self.mla, hidden.shape[0]
+        positions = None
         if mla.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
+            if mla.indexer is not None:
+                positions = self.indexer(hidden, q_resid, cos, sin)
         q_nope, q_rope = q.view(num_tokens, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1
         )
@@ -248,6 +285,7 @@ class MLAAttention(nn.Module):
             self.kv_b_proj,
             cos,
             sin,
+            positions,
         )
         if output_rows is not None:
             out = out.index_select(0, output_rows)

@@ -1,0 +1,170 @@
+"""DeepSeek V3.2 (MLA with DeepSeek Sparse Attention) against Hugging Face transformers.
+
+A tiny random DeepseekV32ForCausalLM (tests/helpers/tiny_models.py: an indexer of 8
+heads keeping the 8 best tokens, so a 70-token sequence attends sparsely from its 9th
+token on) is saved as safetensors and loaded by Pagoda; the reference is transformers'
+own model in float32 with eager attention, whose indexer masks everything but each
+query's top-k. Pagoda runs through the paged latent cache and the indexer keys' pool
+layers: logits step by step (chunked prefill with a cached prefix, decodes, a decode
+beside a prefill chunk), and greedy generation through the engine with prefix-cache hits
+and preemption. The indexer matters in these tests: a model that attended densely
+instead gives other logits (checked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.hf_compare import PagedRunner, hf_logits, randomize
+from helpers.tiny_models import tiny_deepseek_config
+
+from pagoda import LLM, SamplingParams
+from pagoda.attention.mla_backend import MLATorchBackend
+from pagoda.core.kv_cache_spec import IndexerKeySpec, MLAAttentionSpec
+from pagoda.model.arch_config import ArchConfig
+from pagoda.model.layers.attention import kv_cache_specs
+from pagoda.model.loader import load_model
+from pagoda.model.mla_config import SparseIndexerConfig, mla_softmax_scale
+
+torch.set_num_threads(1)
+
+TOKENS = torch.randint(3, 384, (70,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers model) of the tiny V3.2, saved once."""
+    config, cls = tiny_deepseek_config("deepseek_v32")
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    randomize(hf, 0)
+    gen = torch.Generator().manual_seed(1)
+    for name, param in hf.named_parameters():
+        # randomize() gives norms' biases 0.5..1.5: every indexer key would then share
+        # one large direction, each head's scores one sign for all tokens of a row, and
+        # rows would tie at zero where top-k has no single answer.
+        if name.endswith("indexer.k_norm.bias"):
+            param.data.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    for name, buf in hf.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(0)))
+    path = tmp_path_factory.mktemp("deepseek-v32")
+    hf.save_pretrained(path, safe_serialization=True)
+    return str(path), hf
+
+
+class SparseRunner(PagedRunner):
+    """PagedRunner with the MLA reference backend planning every row latent."""
+
+    def __init__(self, model, arch: ArchConfig):
+        super().__init__(model, arch)
+        self.backend = MLATorchBackend(
+            arch.num_attention_heads,
+            arch.mla.kv_lora_rank,
+            arch.mla.qk_rope_head_dim,
+            mla_softmax_scale(arch.mla, arch.rope_scaling),
+            "all",
+        )
+
+
+def test_config_and_pool_layers(checkpoint):
+    path, _ = checkpoint
+    model, arch = load_model(path, dtype="float32")
+    assert arch.architecture == "DeepseekV32ForCausalLM"
+    assert arch.mla.indexer == SparseIndexerConfig(num_heads=8, head_dim=16, topk=8)
+    assert arch.mla.rope_interleave
+    assert arch.attention_shape().sparse
+    specs = kv_cache_specs(model, 16, torch.float32)
+    # Two decoder layers: their latents, then their indexer keys.
+    assert [type(s) for s in specs] == [MLAAttentionSpec] * 2 + [IndexerKeySpec] * 2
+    assert specs[2].page_size_bytes == 16 * 16 * 4
+
+
+def run_steps(runner, steps):
+    outs = {"r": [], "o": []}
+    for chunks in steps:
+        for req, logits in runner.step(chunks).items():
+            outs[req].append(logits)
+    return torch.cat(outs["r"]), torch.cat(outs["o"])
+
+
+def test_logits_match_transformers_through_the_paged_caches(checkpoint):
+    path, hf = checkpoint
+    model, arch = load_model(path, dtype="float32")
+    expected = hf_logits(hf, TOKENS)
+    other = TOKENS[::-1][:12]
+    expected_other = hf_logits(hf, other)
+    # A chunk boundary inside the first 8 tokens and past them, a 2nd chunk scoring 40
+    # cached tokens, decodes, then a decode beside the other request's prefill chunk.
+    steps = [
+        {"r": TOKENS[:5]},
+        {"r": TOKENS[5:40]},
+        {"r": TOKENS[40:60]},
+        {"r": TOKENS[60:61]},
+        {"r": TOKENS[61:62]},
+        {"r": TOKENS[62:63], "o": other[:7]},
+        {"r": TOKENS[63:], "o": other[7:]},
+    ]
+    got, got_other = run_steps(SparseRunner(model, arch), steps)
+    assert (got - expected).abs().max().item() < 1e-4
+    assert (got_other - expected_other).abs().max().item() < 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_the_indexer_selects_what_is_attended(checkpoint, tmp_path):
+    """The same weights with every token kept (index_topk 128: dense) give the sparse
+    model's logits on the first 8 tokens and other logits past them."""
+    import json
+    import shutil
+
+    path, _ = checkpoint
+    dense_path = shutil.copytree(path, tmp_path / "dense")
+    config = json.loads((dense_path / "config.json").read_text())
+    (dense_path / "config.json").write_text(json.dumps({**config, "index_topk": 128}))
+    model, arch = load_model(path, dtype="float32")
+    dense_model, dense_arch = load_model(str(dense_path), dtype="float32")
+    assert dense_arch.mla.indexer.topk == 128
+    sparse = SparseRunner(model, arch).step({"r": TOKENS[:30]})["r"]
+    dense = SparseRunner(dense_model, dense_arch).step({"r": TOKENS[:30]})["r"]
+    assert (sparse[:8] - dense[:8]).abs().max().item() < 1e-5
+    assert (sparse[8:] - dense[8:]).abs().amax(-1).min().item() > 1e-3
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(checkpoint):
+    path, hf = checkpoint
+    # 14 blocks of 16 tokens for 6 requests of up to 60 tokens: preemption; a budget of
+    # 32 tokens: chunked prefill; a shared 32-token prefix: prefix-cache hits (the
+    # indexer keys of the cached blocks come back with the latents).
+    llm = LLM(
+        path,
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        block_size=16,
+        num_gpu_blocks_override=14,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+    )
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 384, (32,), generator=gen).tolist()
+    prompts = [
+        prefix + torch.randint(3, 384, (n,), generator=gen).tolist() for n in (4, 9, 1, 13, 6, 2)
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    llm.shutdown()
