@@ -30,7 +30,7 @@ from pagoda.engine_flags import (
     flag_default,
 )
 
-SPEC_METHODS = ("ngram", "layer_skip", "draft_model")
+SPEC_METHODS = ("ngram", "layer_skip", "draft_model", "mtp")
 # n-gram sizes tried when speculative_config gives neither bound.
 NGRAM_LOOKUP_MIN, NGRAM_LOOKUP_MAX = 2, 5
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
@@ -284,13 +284,16 @@ class SpeculativeConfig:
     method "ngram": prompt lookup over the request's prompt + output
     (prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest first);
     "layer_skip": the target's first num_layers layers + its final norm and LM head
-    draft greedily; "draft_model": a second model (`model`) with the target's vocabulary.
+    draft greedily; "draft_model": a second model (`model`) with the target's vocabulary;
+    "mtp": the target checkpoint's own multi-token prediction layer (DeepSeek V3 family,
+    num_nextn_predict_layers >= 1: checked when the worker loads it), applied again for
+    each further draft.
     num_speculative_tokens: drafts proposed per step at most (k).
     adaptive: pick each request's k per step from its acceptance and the step's load
     (pagoda.spec_decode.planning.budget); compute_bound_tokens: tokens per step from which the
     forward is compute-bound and drafts stop paying (None: per device, resolved at start).
-    draft_confidence_threshold: a model drafter (layer_skip, draft_model) stops once its
-    own probability of its next guess falls below this.
+    draft_confidence_threshold: a model drafter (layer_skip, draft_model, mtp) stops once
+    its own probability of its next guess falls below this.
     """
 
     method: str
@@ -308,6 +311,7 @@ class SpeculativeConfig:
         "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
         "layer_skip": ("num_layers", "draft_confidence_threshold"),
         "draft_model": ("model", "draft_confidence_threshold"),
+        "mtp": ("draft_confidence_threshold",),
     }
 
     def __post_init__(self) -> None:
@@ -353,6 +357,9 @@ class SpeculativeConfig:
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("draft_model speculation needs 'model' (a path or preset)")
+        self._check_confidence()
+
+    def _check_mtp(self) -> None:
         self._check_confidence()
 
     def _check_confidence(self) -> None:

@@ -332,7 +332,7 @@ class EngineFlags:
         None,
         'speculative decoding as JSON, vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\' '
-        "(methods: ngram, layer_skip, draft_model; default: off)",
+        "(methods: ngram, layer_skip, draft_model, mtp; default: off)",
         group=_RUN,
         parse=parse_json_object,
     )

@@ -42,11 +42,22 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Per-request block lists over one BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        recompute_last_hit_block: bool = False,
+    ) -> None:
+        """recompute_last_hit_block: a prefix hit gives back one block fewer, for layers
+        whose entry at a position also depends on the token after it (an MTP layer's
+        input is the next token's embedding): the last cached block's final entry was
+        written with the next token of whichever request wrote it."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -92,6 +103,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.recompute_last_hit_block and hits:
+            hits.pop()
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens

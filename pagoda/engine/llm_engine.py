@@ -145,6 +145,9 @@ class LLMEngine:
             kv_config.num_blocks,
             kv_config.block_size,
             enable_caching=config.cache.enable_prefix_caching,
+            recompute_last_hit_block=(
+                config.speculative is not None and config.speculative.method == "mtp"
+            ),
         )
         self.kv_offload = build_kv_offload(config, self.executor, self.kv_cache_manager)
         self.scheduler = build_scheduler(

@@ -69,6 +69,8 @@ def speculation_line(spec) -> str:
         source = f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
     elif spec.method == "layer_skip":
         source = f"the first {spec.num_layers} layers draft"
+    elif spec.method == "mtp":
+        source = "the checkpoint's multi-token prediction layer drafts"
     else:
         source = f"draft model {spec.model}"
     budget = "adaptive per step" if spec.adaptive else "fixed"

@@ -14,8 +14,9 @@ num_hidden_layers .. 2 * num_hidden_layers - 1.
 
 Loading (``load_weights``) takes Hugging Face names, and:
 - skips the multi-token-prediction layers (index >= num_hidden_layers; V3 ships
-  num_nextn_predict_layers of them for speculative decoding, which Pagoda does not
-  run), logging once how many tensors it skipped;
+  num_nextn_predict_layers of them for speculative decoding, loaded only by the mtp
+  speculative method: pagoda/model/deepseek_mtp.py), logging once how many tensors
+  it skipped;
 - when the checkpoint rotates interleaved pairs (mla.rope_interleave), permutes the
   rotary rows of q_proj / q_b_proj (per head) and of kv_a_proj_with_mqa into the
   half-split layout apply_rotary uses (rotary.interleaved_to_half);

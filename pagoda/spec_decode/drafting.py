@@ -1,7 +1,8 @@
 """The worker's side of model drafters (speculative decoding): loading a draft model
-(before the KV cache is sized: its layers share the pool), building the drafter a
-SpeculativeConfig names, and, after a step's sampling, where each asked request's
-drafting starts (its accepted tokens decide the position).
+or a checkpoint's MTP layer (before the KV cache is sized: its layers share the pool),
+building the drafter a SpeculativeConfig names, handing the step's target hidden
+states to a drafter that reads them (MTP), and, after a step's sampling, where each
+asked request's drafting starts (its accepted tokens decide the position).
 
 The scheduler asks for drafts through SchedulerOutput.num_drafts_to_propose; the
 drafts go back in ModelRunnerOutput.spec_token_ids. n-gram drafts are the host's
@@ -18,15 +19,25 @@ from __future__ import annotations
 import torch
 
 from pagoda.attention.selector import make_attention_backend
-from pagoda.spec_decode.proposers.draft_model import DraftModelProposer, load_draft_model
+from pagoda.model.deepseek_mtp import load_deepseek_mtp
+from pagoda.model.layers.attention import kv_cache_specs
+from pagoda.spec_decode.proposers.draft_model import (
+    DraftModelProposer,
+    LoadedDraft,
+    load_draft_model,
+)
 from pagoda.spec_decode.proposers.greedy_drafter import DraftStart, GreedyDrafter
 from pagoda.spec_decode.proposers.layer_skip import LayerSkipProposer
+from pagoda.spec_decode.proposers.mtp import MTPProposer
 from pagoda.spec_decode.verify import accept_draft_tokens
 
 
-def load_draft(runner):
-    """The draft model of a draft_model speculative config (None for other methods)."""
+def load_draft(runner) -> LoadedDraft | None:
+    """The draft model of a draft_model speculative config, the MTP layer of an mtp
+    one (None for other methods)."""
     spec = runner.config.speculative
+    if spec is not None and spec.method == "mtp":
+        return _load_mtp(runner)
     if spec is None or spec.method != "draft_model":
         return None
     return load_draft_model(
@@ -42,7 +53,38 @@ def load_draft(runner):
     )
 
 
-def make_drafter(runner, max_model_len: int) -> GreedyDrafter | None:
+def _load_mtp(runner) -> LoadedDraft:
+    """The target checkpoint's MTP layer, its attention in the pool layers after the
+    target's."""
+    first_layer = len(kv_cache_specs(runner.model, runner.block_size, runner.kv_dtype))
+    mtp = load_deepseek_mtp(
+        runner.model_path,
+        runner.arch,
+        runner.dtype,
+        runner.device,
+        first_layer,
+        runner.tp,
+        runner.config.model.load_format,
+    )
+    weight_bytes = sum(p.numel() * p.element_size() for p in mtp.parameters())
+    specs = mtp.kv_cache_specs(runner.block_size, runner.kv_dtype)
+    return LoadedDraft(mtp, runner.arch, weight_bytes, first_layer, specs)
+
+
+def reads_target_hidden(drafter) -> bool:
+    """Whether the drafter reads every row's target hidden state after each step (the
+    runner's forward then computes every row's last layer)."""
+    return isinstance(drafter, MTPProposer)
+
+
+def feed_target_hidden(drafter, hidden, inputs, sampled, states: dict) -> None:
+    """Hands a step's target hidden states and sampled ids to a drafter that reads them
+    (before draft_starts / propose)."""
+    if isinstance(drafter, MTPProposer):
+        drafter.observe_step(hidden, inputs, sampled, states)
+
+
+def make_drafter(runner, max_model_len: int) -> GreedyDrafter | MTPProposer | None:
     """The drafter for the runner's speculative config (None: none on the worker);
     called once the KV pool exists."""
     spec = runner.config.speculative
@@ -61,6 +103,17 @@ def make_drafter(runner, max_model_len: int) -> GreedyDrafter | None:
         )
     if spec.method == "draft_model":
         return _draft_model_proposer(runner, spec, max_model_len)
+    if spec.method == "mtp":
+        return MTPProposer(
+            runner.draft.model,
+            runner.model,
+            runner.backend,
+            runner.kv_pool,
+            runner.block_size,
+            runner.device,
+            max_model_len,
+            spec.draft_confidence_threshold,
+        )
     raise ValueError(f"speculative_config method {spec.method!r} is not available on the worker")
 
 

@@ -2,8 +2,9 @@
 SpeculativeConfig, and the KV lookahead its proposer needs.
 
 n-gram drafts are proposed on the host (the planner calls the proposer after each
-step); model drafters (layer_skip, draft_model) run on the worker, which writes their
-drafts' KV past the scheduled tokens: the scheduler reserves k lookahead slots for it.
+step); model drafters (layer_skip, draft_model, mtp) run on the worker, which writes
+their drafts' KV past the scheduled tokens: the scheduler reserves k lookahead slots
+for it.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def draft_cost(
 ) -> float:
     """One draft token's proposer work, in target forwards: a layer-skip draft runs
     num_layers of the target's layers (its LM head is left out: the estimate only has
-    to rank depths); a draft model reads its weights once per draft (a decode step is
-    memory-bound: its cost follows the bytes read), draft_weight_fraction of the
-    target's; n-gram lookups are free."""
+    to rank depths); a draft model or an MTP layer reads its weights once per draft
+    (a decode step is memory-bound: its cost follows the bytes read),
+    draft_weight_fraction of the target's; n-gram lookups are free."""
     if spec.method == "layer_skip":
         spec.check_target(num_target_layers)
         return spec.num_layers / num_target_layers
-    if spec.method == "draft_model":
+    if spec.method in ("draft_model", "mtp"):
         return draft_weight_fraction
     return 0.0
 

@@ -51,7 +51,14 @@ from pagoda.sample.metadata import (
 )
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.token_bitmask import apply_token_bitmask, stack_row_bitmasks
-from pagoda.spec_decode.drafting import draft_starts, load_draft, make_drafter, record_kept
+from pagoda.spec_decode.drafting import (
+    draft_starts,
+    feed_target_hidden,
+    load_draft,
+    make_drafter,
+    reads_target_hidden,
+    record_kept,
+)
 from pagoda.worker.block_table import DeviceBlockTable
 from pagoda.worker.input_batch import (
     CachedRequestState,
@@ -264,7 +271,8 @@ class ModelRunner:
         if model.load_format == "dummy":
             model_id += f"|seed={model.seed}"  # random weights: another seed, other KV
         if self.draft is not None:  # its layers are part of every stored block
-            model_id += f"|draft={self.config.speculative.model}"
+            spec = self.config.speculative
+            model_id += f"|draft={'mtp' if spec.method == 'mtp' else spec.model}"
         return f"{model_id}|tp={self.tp.rank}/{self.tp.size}"
 
     def kv_offload_inventory(self):
@@ -463,6 +471,8 @@ class ModelRunner:
             else PrevSampled(sampled, single_row_index(inputs.sample_req_ids))
         )
         proposals = None
+        if self.drafter is not None:  # an MTP layer reads every step's hidden states
+            feed_target_hidden(self.drafter, launched.hidden, inputs, sampled, self.states)
         if self.drafter is not None and launched.to_propose and sampled is not None:
             starts = draft_starts(self.states, inputs, sampled, launched.to_propose)
             proposals = self.drafter.propose(starts)
@@ -494,9 +504,11 @@ class ModelRunner:
     def _output_rows(self, inputs: StepInputs) -> torch.Tensor | None:
         """The rows an eager forward's last layer computes (the model's output_rows): the
         sampled rows, bucketed. None (every row) when every row samples, when none does,
-        or when prompt logprobs need the other rows too."""
+        or when prompt logprobs or the drafter (MTP) need the other rows too."""
         rows = inputs.sample_rows
         if not rows or inputs.prompt_logprob_rows or len(rows) == inputs.metadata.num_actual_tokens:
+            return None
+        if reads_target_hidden(self.drafter):
             return None
         return host_to_device(self._bucketed(rows), torch.long, self.device)
 

@@ -65,6 +65,20 @@ def test_repeated_prompt_hits_the_cache():
     assert (manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits) == (0, 0)
 
 
+def test_recompute_last_hit_block_gives_back_one_block_fewer():
+    """Under MTP speculation the last cached block's final entry depends on the token
+    after it: a hit of n blocks gives back n - 1 (and none of one block)."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, recompute_last_hit_block=True)
+    prompt = list(range(100, 114))  # three full blocks and two tokens
+    first = make_request("a", prompt)
+    schedule_prompt(manager, first)
+    manager.free(first)
+    hits, num_hit_tokens, _ = schedule_prompt(manager, make_request("b", prompt))
+    assert len(hits) == 2 and num_hit_tokens == 8
+    hits, num_hit_tokens, _ = schedule_prompt(manager, make_request("c", prompt[:6]))
+    assert (hits, num_hit_tokens) == ([], 0)
+
+
 def ids_of(blocks):
     return [block.block_id for block in blocks]
 

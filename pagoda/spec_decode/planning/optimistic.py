@@ -2,7 +2,7 @@
 
 With async scheduling the engine schedules step N+1 before step N's tokens reach the
 scheduler. A request whose step N verifies drafts or proposes them on the worker
-(layer_skip, draft_model) is scheduled for step N+1 anyway, optimistically, as if
+(layer_skip, draft_model, mtp) is scheduled for step N+1 anyway, optimistically, as if
 step N accepted every draft it verified:
 
 - schedule(N+1): its drafts are PLACEHOLDER_DRAFT ids, as many as step N asked the

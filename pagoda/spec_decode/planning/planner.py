@@ -9,7 +9,7 @@ or, for a host proposer (n-gram), its own call. Also the acceptance counters the
 metrics report.
 
 Async scheduling (step N+1 is scheduled before step N's tokens are known):
-- A proposer on the worker (layer_skip, draft_model): a request whose step in flight
+- A proposer on the worker (layer_skip, draft_model, mtp): a request whose step in flight
   verifies drafts or proposes some is scheduled for step N+1 optimistically, as if
   every draft of step N were accepted, with placeholder drafts that the worker fills
   in with its proposals (core/optimistic_drafts.py). Every such step is in
