@@ -1,10 +1,11 @@
-"""Speculative decoding, with speculation off and on in the same run, four ways.
+"""Speculative decoding, with speculation off and on in the same run, five ways.
 
     python -m benchmarks.spec_decode cpu                       # embedded SmolLM2, batch 1, CPU
     python -m benchmarks.spec_decode replay                    # GPU, controlled acceptance
     python -m benchmarks.spec_decode draft --draft matched     # GPU, a draft model
+    python -m benchmarks.spec_decode mtp                       # GPU, MTP at controlled acceptance
     python -m benchmarks.spec_decode serve                     # through `pagoda serve`
-    python -m benchmarks.spec_decode replay --smoke            # cpu/replay/draft: --smoke
+    python -m benchmarks.spec_decode replay --smoke            # cpu/replay/draft/mtp: --smoke
 
 cpu     The embedded SmolLM2-135M at batch 1, greedy, two workloads: grounded (edit or
         summarise a given text, so the answer copies the prompt: n-gram drafts, adaptive
@@ -35,6 +36,11 @@ draft   A draft model (`--draft`): `matched` is the target's width with `--draft
         (the ceiling of what drafting buys at this draft cost); a preset name (e.g.
         llama-3.2-1b) drafts with random weights, almost always wrong (what drafting costs).
         Batch-1 ms/token and tok/s at each concurrency for off, always and adaptive.
+mtp     DeepSeek-V3 shape cut to --layers layers (--experts routed experts) plus its MTP
+        layer, random weights written as a safetensors checkpoint, the target's residual
+        branches zeroed: the MTP layer runs every step, its drafts replaced by replayed
+        ones at target acceptance 0, 50, 80, 95 %. Batch-1 ms/token and speed-up over off
+        for each k (--k) always and adaptive, and the MTP layer alone (spec_bench/mtp.py).
 serve   Through a real `pagoda serve`, measured by `pagoda bench serve` on the grounded
         prompts (chat-templated, sent as a custom JSONL dataset): TTFT / TPOT percentiles,
         output throughput and the server's acceptance, for off and n-gram. Server flags
@@ -52,6 +58,7 @@ import argparse
 from benchmarks.harness.results import write_result
 from benchmarks.spec_bench.cpu import run_cpu
 from benchmarks.spec_bench.draft import run_draft
+from benchmarks.spec_bench.mtp import add_mtp_args, run_mtp
 from benchmarks.spec_bench.replay import run_replay
 from benchmarks.spec_bench.serve import run_serve
 
@@ -144,14 +151,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         ("draft", "a draft model: matched (always right) or a preset (random)", [1, 8, 32, 128]),
     ):
         _add_engine_args(mode(name, help_text), name, conc)
+    add_mtp_args(mode("mtp", "MTP speculation at controlled acceptance (DeepSeek-V3 cut)"))
     _add_serve_args(mode("serve", "through `pagoda serve`, measured by `pagoda bench serve`"))
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    run = {"cpu": run_cpu, "replay": run_replay, "draft": run_draft, "serve": run_serve}[args.mode]
-    result = run(args)
+    modes = {"cpu": run_cpu, "replay": run_replay, "draft": run_draft, "mtp": run_mtp}
+    result = {**modes, "serve": run_serve}[args.mode](args)
     write_result(args.out, {"benchmark": f"spec_decode {args.mode}", "args": vars(args), **result})
 
 

@@ -123,7 +123,7 @@ def interleaved_to_half(
             f"cannot permute rotary rows [{row_start}, {row_start + rotary_dim}) "
             f"in groups of {group} of a {rows}-row weight"
         )
-    order = torch.arange(rows).view(rows // group, group)
+    order = torch.arange(rows, device=weight.device).view(rows // group, group)
     seg = order[:, row_start : row_start + rotary_dim]
     order[:, row_start : row_start + rotary_dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
     return weight.index_select(0, order.flatten())
