@@ -20,7 +20,11 @@ Layout contract (all backends):
 - Request i has seq_lens[i] tokens of context after this step; its query rows are the
   last query_lens[i] of them (context_lens[i] = seq_lens[i] - query_lens[i] tokens are
   already in the cache: earlier chunks, earlier decodes or prefix-cache hits).
-- Attention is causal: query row for position p attends to positions 0..p.
+- Attention is causal: query row for position p attends to positions 0..p; with a
+  layer's sliding window W (``forward(..., sliding_window=W)``, a per-layer value the
+  Attention layer passes on every call; None: full attention) only to positions
+  p - W + 1..p (transformers' sliding_window: W keys, the query's own included). The
+  cache still holds every position; a windowed layer simply reads fewer of them.
 - An FP8 cache (float8_e4m3fn, kv_cache_dtype fp8) holds entries divided by the layer's
   scales: ``forward`` then gets ``kv_scales`` (float32 [k_scale, v_scale] on the
   device) and reads K as stored * k_scale, V as stored * v_scale (attention/kv_quant.py).
@@ -95,8 +99,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # this layer's cache, k/v of this step already stored
         metadata: BackendMetadata,  # from build_metadata / metadata_for_capture
         kv_scales: torch.Tensor | None = None,  # an FP8 cache's [k_scale, v_scale]
+        sliding_window: int | None = None,  # this layer's window (None: full attention)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Attends q to each request's whole context in kv_cache."""
+        """Attends q to each request's context in kv_cache (its whole context, or the
+        last sliding_window keys up to each row's position)."""
 
     # CUDA graph hooks. A backend that supports capture keeps its metadata tensors at
     # fixed addresses; capture/replay copy fresh values into them.

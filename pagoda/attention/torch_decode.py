@@ -14,7 +14,8 @@ since every layer of one forward sees the same metadata and caches of the same s
   viewed as [slots * kv_heads * capacity, head_dim]; once for a layer whose buffers
   carry the previous step (the new token of carried rows, whole contexts of the rest),
   once for a layer filled from scratch;
-- the mask of positions past each slot's context.
+- the mask of positions past each slot's context (and, per sliding window asked for,
+  of positions before the window: ``DecodePlan.window_mask``).
 
 Per layer, ``decode_attention`` then costs one small copy (K and V together), two
 batched matmuls over the workspace and a softmax. Same arithmetic as the reference
@@ -51,7 +52,11 @@ class DecodePlan:
     # context: the full copy is taken from them on first use (a layer whose buffers do
     # not carry), since in steady decoding every layer carries and none needs it.
     grids: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # int64 [slots]: each slot's context length (1 for a slot no row uses).
+    slot_lens: torch.Tensor | None = None
     _full_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+    # window -> bool [slots, 1, 1, L]: True where past the context or before its window.
+    _window_masks: dict = field(default_factory=dict)
 
     # (carry, cache K rows, workspace K rows) -> the K and V copy as one index pair.
     _kv_copies: dict = field(default_factory=dict)
@@ -62,6 +67,19 @@ class DecodePlan:
             src, dst, inside = self.grids
             self._full_copy = (src[inside], dst[inside])
         return self._full_copy
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """padding, plus the positions before each slot's last `window` (built once per
+        step and window); None where no slot has a masked position."""
+        if self.max_len <= window:
+            return self.padding
+        mask = self._window_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.max_len, device=self.slot_lens.device)[None, :]
+            lens = self.slot_lens[:, None]
+            mask = ((pos >= lens) | (pos < lens - window))[:, None, None, :]
+            self._window_masks[window] = mask
+        return mask
 
     def kv_copy(
         self, carry: bool, cache_rows: int, workspace_rows: int
@@ -143,10 +161,10 @@ def build_decode_plan(
     carried = torch.tensor(assignment.carried, device=device)[:, None, None]
     fresh = inside & (newest | ~carried)
     padding = None
+    # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
+    slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
+    slot_lens[slots] = lens
     if assignment.num_slots > len(rows) or min(lengths) < max_len:
-        # Unused slots get a context of 1 (never all -inf: no NaN even where nobody reads).
-        slot_lens = torch.ones(assignment.num_slots, dtype=torch.long, device=device)
-        slot_lens[slots] = lens
         padding = (pos[None, :] >= slot_lens[:, None])[:, None, None, :]
     token_rows = [qsl[i] for i in rows]
     all_rows = token_rows == list(range(len(rows))) and metadata.slot_mapping.shape[0] == len(rows)
@@ -161,11 +179,22 @@ def build_decode_plan(
         padding,
         max_len,
         (src, dst, inside),
+        slot_lens,
     )
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
+
+
+def check_window(sliding_window: int | None) -> None:
+    """A layer's window is None (full attention) or a positive number of keys."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def decode_attention(
@@ -175,10 +204,12 @@ def decode_attention(
     workspace: DecodeWorkspace,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
     in float32. When plan.all_rows, T == B and the result is the whole output.
-    kv_scales: an FP8 cache's [k_scale, v_scale]."""
+    kv_scales: an FP8 cache's [k_scale, v_scale]. sliding_window: each row sees its
+    context's last sliding_window keys (the workspace still holds whole contexts)."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     kv_ws, carry = workspace.buffers(kv_cache, plan.assignment)
     src, dst = plan.kv_copy(
@@ -201,8 +232,9 @@ def decode_attention(
     qs = _as_float32(qs).reshape(rows, group, head_dim)
     # [S*Hkv, G, L]; an FP8 cache's stored keys times k_scale are its keys.
     scores = torch.bmm(qs, kv[0].transpose(1, 2)).mul_(scale * kv_scales[0] if fp8 else scale)
-    if plan.padding is not None:
-        scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(plan.padding, float("-inf"))
+    mask = plan.padding if sliding_window is None else plan.window_mask(sliding_window)
+    if mask is not None:
+        scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, kv[1]).view(num_slots, num_kv_heads * group, head_dim)
     if fp8:

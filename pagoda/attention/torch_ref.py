@@ -21,6 +21,10 @@ pagoda/model/cpu_fused_decode.py, which reads the cache itself) costs nothing he
 workspace still sees every step: a step whose plan was never built counts as one
 without decode rows (``DecodeWorkspace.skip_step``), so nothing carries across it.
 
+A sliding-window layer passes its window to ``forward``: prefill rows mask keys left of
+their window (and skip gathering those left of the first row's), decode rows mask the
+keys before their last W.
+
 An FP8 cache (kv_cache_dtype fp8) is read as stored * scale with the layer's
 ``kv_scales``: dequantized explicitly here (attention/kv_quant.py), folded into the
 score scale and the output on the batched decode path.
@@ -36,7 +40,12 @@ import torch.nn.functional as F
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, BackendMetadata
 from pagoda.attention.decode_workspace import DecodeWorkspace
 from pagoda.attention.kv_quant import check_scales, dequantize_kv, is_fp8
-from pagoda.attention.torch_decode import StepPlan, build_step_plan, decode_attention
+from pagoda.attention.torch_decode import (
+    StepPlan,
+    build_step_plan,
+    check_window,
+    decode_attention,
+)
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -110,7 +119,12 @@ class TorchRefBackend(AttentionBackend):
         return self._last
 
     def forward(
-        self, q, kv_cache, metadata: StepPlan | LazyStepPlan, kv_scales=None
+        self,
+        q,
+        kv_cache,
+        metadata: StepPlan | LazyStepPlan,
+        kv_scales=None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if isinstance(metadata, LazyStepPlan):
             metadata = metadata.plan()
@@ -119,9 +133,13 @@ class TorchRefBackend(AttentionBackend):
             check_scales(kv_scales, kv_cache)
         else:
             kv_scales = None  # entries in the model's dtype are not scaled
+        check_window(sliding_window)
+        window = sliding_window
         decode = plan.decode
         if decode is not None:
-            o = decode_attention(q, kv_cache, decode, plan.workspace, self.scale, kv_scales)
+            o = decode_attention(
+                q, kv_cache, decode, plan.workspace, self.scale, kv_scales, sliding_window=window
+            )
             if decode.all_rows and q.shape[0] == len(plan.decode_rows):  # a pure decode step
                 return o if o.dtype == q.dtype else o.to(q.dtype)
         out = torch.zeros_like(q)
@@ -129,12 +147,19 @@ class TorchRefBackend(AttentionBackend):
             out[decode.token_rows] = o.to(q.dtype)
         elif plan.decode_rows:
             self._decode_reference(
-                q, kv_cache, common, plan.decode_rows, plan.qsl, plan.seq_lens, out, kv_scales
+                q,
+                kv_cache,
+                common,
+                plan.decode_rows,
+                (plan.qsl, plan.seq_lens),
+                out,
+                kv_scales,
+                window,
             )
         for i in plan.prefill_rows:
             start, end = plan.qsl[i], plan.qsl[i + 1]
             out[start:end] = self._prefill_one(
-                q[start:end], kv_cache, common.block_tables[i], plan.seq_lens[i], kv_scales
+                q[start:end], kv_cache, common.block_tables[i], plan.seq_lens[i], kv_scales, window
             )
         return out
 
@@ -147,9 +172,14 @@ class TorchRefBackend(AttentionBackend):
             self._workspace = DecodeWorkspace(block_size)
         return self._workspace
 
-    def _prefill_one(self, q, kv_cache, block_table, seq_len: int, kv_scales=None) -> torch.Tensor:
+    def _prefill_one(
+        self, q, kv_cache, block_table, seq_len: int, kv_scales=None, window: int | None = None
+    ) -> torch.Tensor:
         qlen = q.shape[0]
+        # With a window, keys before the first row's window are never seen: not gathered.
+        first = 0 if window is None else max(0, seq_len - qlen - window + 1)
         k, v = gather_context(kv_cache, block_table, seq_len)
+        k, v = k[first:], v[first:]
         k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         group = self.num_heads // self.num_kv_heads
         qh = q.float().transpose(0, 1)  # [H, qlen, D]
@@ -157,17 +187,22 @@ class TorchRefBackend(AttentionBackend):
             dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         )  # [H, seq, D]
         vh = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
-        # Query row j sits at position seq_len - qlen + j and sees keys 0..that position.
+        # Query row j sits at position seq_len - qlen + j and sees keys 0..that position
+        # (with a window W: that position - W + 1..that position).
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1).to(q.dtype)
 
     def _decode_reference(
-        self, q, kv_cache, metadata, rows, qsl_list, seq_list, out, kv_scales=None
+        self, q, kv_cache, metadata, rows, lengths, out, kv_scales=None, window=None
     ) -> None:
-        """All single-token rows at once: gather each context padded to the longest."""
+        """All single-token rows at once: gather each context padded to the longest.
+        lengths: (query_start_loc, seq_lens) on the host."""
+        qsl_list, seq_list = lengths
         device = q.device
         block_size = kv_cache.shape[2]
         row_idx = torch.tensor(rows, device=device)
@@ -182,7 +217,10 @@ class TorchRefBackend(AttentionBackend):
         qb = q[tok_idx].float().view(B, self.num_kv_heads, G, self.head_dim)
         k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         scores = torch.einsum("bhgd,blhd->bhgl", qb, dequantize_kv(k, k_scale)) * self.scale
-        valid = torch.arange(nblk * block_size, device=device)[None, :] < lens[:, None]
+        pos = torch.arange(nblk * block_size, device=device)[None, :]
+        valid = pos < lens[:, None]
+        if window is not None:
+            valid &= pos >= lens[:, None] - window
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("bhgl,blhd->bhgd", probs, dequantize_kv(v, v_scale))

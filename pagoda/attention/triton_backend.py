@@ -10,7 +10,9 @@ output are zeroed. Per layer, after the KV pool has stored the step's k/v:
 2. requests with one query row (decodes) go through the split-K decode kernel and its
    merge.
 An FP8 cache (kv_cache_dtype fp8) is read by the same kernels with the layer's
-kv_scales (attention/kv_quant.py); q and the output stay in the model's dtype.
+kv_scales (attention/kv_quant.py); q and the output stay in the model's dtype. A
+sliding-window layer passes its window, which both kernels take per launch (the plan
+is the same for every layer: decode slices split the window instead of the context).
 
 CUDA graphs: decode graphs (one query row per request) and mixed graphs (a fixed
 number of rows over up to a fixed number of requests of any query lengths: small
@@ -137,6 +139,7 @@ class TritonBackend(AttentionBackend):
         metadata: TritonMetadata,
         out: torch.Tensor | None = None,
         kv_scales: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
         from pagoda.kernels.attention.paged_attention import (
@@ -163,6 +166,7 @@ class TritonBackend(AttentionBackend):
                 self.scale,
                 skip_single_token=metadata.num_decodes > 0,
                 kv_scales=kv_scales,
+                sliding_window=sliding_window,
             )
         if metadata.num_decodes > 0:
             paged_attention_decode(
@@ -178,6 +182,7 @@ class TritonBackend(AttentionBackend):
                 min_split_tokens=metadata.min_split,
                 config=self.decode_config(q.device),
                 kv_scales=kv_scales,
+                sliding_window=sliding_window,
             )
         return out
 

@@ -4,7 +4,10 @@ Owns parsing a Hugging Face ``config.json`` dict (GGUF metadata is turned into o
 pagoda/model/loader/gguf_arch.py; presets are built directly) into one frozen
 dataclass, and rejecting (with a ValueError naming the field) everything the model code
 does not implement: unknown architectures, rope scaling types other than
-default/llama3/yarn, activations other than silu, sliding-window attention. MoE
+default/llama3/yarn (and Gemma 3's linear), activations other than silu (Gemma 3's
+tanh GELU), Qwen's sliding-window layers. Sliding windows are per layer
+(``layer_sliding_window``): Mistral's on every layer, Gemma 3's on the layers its
+layer_types call "sliding_attention". MoE
 fields are parsed by pagoda.model.moe_config into the ``moe`` field (None for dense
 architectures); DeepSeek architectures carry their attention's shape in ``mla``
 (pagoda/model/mla_config.py).
@@ -31,9 +34,23 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "DeepseekV2ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "DeepseekV32ForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True},
 }
+GEMMA3 = "Gemma3ForCausalLM"
+# Gemma3TextConfig's defaults for the fields a saved config.json may leave out.
+_GEMMA3_DEFAULTS = {
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+}
+# Layer kinds of a config's layer_types that the model code implements.
+SLIDING, FULL = "sliding_attention", "full_attention"
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_DEFAULTS)
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "yarn", "linear")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # Fields a llama3 rope_scaling dict must carry.
@@ -51,6 +68,7 @@ _MODEL_TYPE_TO_ARCH = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "gemma3_text": GEMMA3,
 }
 
 
@@ -74,6 +92,10 @@ def normalize_rope_scaling(rope_scaling: dict | None) -> dict | None:
         )
     if rope_type == "default":
         return None
+    if rope_type == "linear":  # Gemma 3's global layers: positions divided by factor
+        if scaling.get("factor") is None:
+            raise ValueError("rope_scaling of type linear lacks factor")
+        return {"rope_type": "linear", "factor": float(scaling["factor"])}
     missing = [k for k in _ROPE_KEYS[rope_type] if scaling.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type} lacks {', '.join(missing)}")
@@ -110,13 +132,26 @@ class ArchConfig:
     # The checkpoint's quantization_config (config.json), as is; None: float weights.
     # pagoda.model.quant.registry turns it into the layers' methods or refuses it.
     quantization_config: dict | None = field(default=None, hash=False, compare=False)
+    # Sliding-window attention: a query sees its last sliding_window keys (its own
+    # included) on the layers layer_types marks SLIDING; layer_types None: every layer
+    # is SLIDING when sliding_window is set (Mistral), else FULL.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3: softmax scale query_pre_attn_scalar^-0.5, the sliding layers' rotary base
+    # (rope_theta and rope_scaling are the full layers'), final logits soft-capped as
+    # cap * tanh(logits / cap) when final_logit_softcapping is set.
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+        activations = (
+            ("gelu_pytorch_tanh",) if self.architecture == GEMMA3 else SUPPORTED_ACTIVATIONS
+        )
+        if self.hidden_act not in activations:
             raise ValueError(
-                f"unsupported hidden_act {self.hidden_act!r}; supported: "
-                f"{', '.join(SUPPORTED_ACTIVATIONS)}"
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(activations)}"
             )
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise ValueError(
@@ -140,7 +175,16 @@ class ArchConfig:
                 )
             )
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
+        if (
+            self.rope_scaling is not None
+            and self.rope_scaling["rope_type"] == "linear"
+            and self.architecture != GEMMA3
+        ):
+            raise ValueError(
+                f"rope_scaling of type linear is not supported for {self.architecture}"
+            )
         _check_mla(self)
+        _check_sliding(self)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -150,6 +194,22 @@ class ArchConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """Layer layer_idx's window (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention scores' scale: query_pre_attn_scalar^-0.5 (Gemma 3), else
+        head_dim^-0.5."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -173,7 +233,7 @@ class ArchConfig:
                 sparse=self.mla.indexer is not None,
             )
         return AttentionShape(
-            heads, max(1, self.num_key_value_heads // tp_size), self.head_dim, self.head_dim**-0.5
+            heads, max(1, self.num_key_value_heads // tp_size), self.head_dim, self.softmax_scale
         )
 
     def replace(self, **changes: Any) -> ArchConfig:
@@ -183,10 +243,17 @@ class ArchConfig:
     def from_hf_config(cls, config: dict) -> ArchConfig:
         """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         arch = _hf_architecture(config)
-        _reject_sliding_window(arch, config)
+        if arch == GEMMA3:  # transformers leaves out fields equal to its defaults
+            config = {**_GEMMA3_DEFAULTS, **config}
+        sliding_window, layer_types = _hf_sliding_window(arch, config)
         _reject_unsupported_biases(arch, config)
         heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _hf_rope(config)
+        if arch == GEMMA3:
+            gemma = _hf_gemma3(config)
+            rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+        else:
+            gemma = {}
+            rope_theta, rope_scaling = _hf_rope(config)
         mla = _hf_mla(arch, config)
         return cls(
             architecture=arch,
@@ -210,13 +277,16 @@ class ArchConfig:
                 config.get("attention_bias", _ARCH_DEFAULTS[arch]["attention_bias"])
             ),
             qk_norm=_ARCH_DEFAULTS[arch]["qk_norm"],
-            hidden_act=config.get("hidden_act", "silu"),
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
             torch_dtype=_hf_dtype(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             moe=MoEConfig.from_hf_config(config, arch),
             mla=mla,
             quantization_config=_hf_quantization_config(config),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            **gemma,
         )
 
 
@@ -271,17 +341,96 @@ def _hf_quantization_config(config: dict) -> dict | None:
     return dict(quant)
 
 
-def _reject_sliding_window(arch: str, config: dict) -> None:
+def _hf_sliding_window(arch: str, config: dict) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of a config: Mistral's window applies to every
+    layer whenever it is set; Gemma 3's to the layers its layer_types (or the older
+    sliding_window_pattern, 6 by default: every 6th layer full) call sliding. Qwen2/3
+    configs carry a sliding_window value that only applies when use_sliding_window is
+    true: refused then (their per-layer split by max_window_layers is not implemented)."""
     window = config.get("sliding_window")
+    if arch == GEMMA3:
+        layers = config["num_hidden_layers"]
+        types = config.get("layer_types")
+        if types is None:
+            pattern = config.get("sliding_window_pattern") or 6
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        if len(types) != layers or set(types) - {SLIDING, FULL}:
+            raise ValueError(
+                f"layer_types must name {layers} layers, each {SLIDING!r} or {FULL!r}; got {types}"
+            )
+        if window is None and SLIDING in types:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        return window, tuple(types)
     if window is None:
-        return
-    # Qwen2/3 configs carry a sliding_window value that only applies when
-    # use_sliding_window is true; Mistral's applies whenever it is set.
-    uses_window = config.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window:
+        return None, None
+    if arch == "MistralForCausalLM":
+        return int(window), None
+    if config.get("use_sliding_window", False):
         raise ValueError(
-            f"sliding_window={window} is not supported (sliding-window attention "
-            f"is not implemented); only full attention models load"
+            f"sliding_window={window} with use_sliding_window is not supported for {arch} "
+            f"(its per-layer windows by max_window_layers are not implemented)"
+        )
+    return None, None
+
+
+def _hf_gemma3(config: dict) -> dict:
+    """Gemma 3's fields, refusing what the model code does not implement: the full
+    layers' rope (rope_theta, rope_scaling: default or linear), the sliding layers'
+    rotary base, the softmax scalar and the final logit soft-cap."""
+    if config.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"attn_logit_softcapping={config['attn_logit_softcapping']} is not supported "
+            f"(attention scores are not soft-capped)"
+        )
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (causal only)")
+    params = config.get("rope_parameters")
+    if params is not None and FULL in params:  # transformers 5: one dict per layer kind
+        full, local = dict(params[FULL]), dict(params.get(SLIDING) or {})
+        rope_theta = float(full.pop("rope_theta", 1_000_000.0))
+        local_theta = float(local.pop("rope_theta", 10_000.0))
+    else:  # the Hub's older fields
+        full = dict(config.get("rope_scaling") or {"rope_type": "default"})
+        local = {}
+        rope_theta = float(config.get("rope_theta", 1_000_000.0))
+        local_theta = float(config.get("rope_local_base_freq", 10_000.0))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ValueError(f"sliding layers' rope {local} is not supported (only default)")
+    if full.get("rope_type", full.get("type")) not in ("default", "linear"):
+        raise ValueError(
+            f"unsupported rope_scaling {full} for {GEMMA3}; supported: default, linear"
+        )
+    return dict(
+        rope_theta=rope_theta,
+        rope_scaling=full,
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+    )
+
+
+def _check_sliding(arch: ArchConfig) -> None:
+    window, types = arch.sliding_window, arch.layer_types
+    if window is not None and (isinstance(window, bool) or window < 1):
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    if types is not None:
+        if len(types) != arch.num_hidden_layers or set(types) - {SLIDING, FULL}:
+            raise ValueError(
+                f"layer_types must name {arch.num_hidden_layers} layers, each "
+                f"{SLIDING!r} or {FULL!r}"
+            )
+        object.__setattr__(arch, "layer_types", tuple(types))
+    if arch.architecture == GEMMA3:
+        if arch.query_pre_attn_scalar is None or arch.local_rope_theta is None:
+            raise ValueError(f"{GEMMA3} needs query_pre_attn_scalar and local_rope_theta")
+    elif (
+        arch.query_pre_attn_scalar is not None
+        or arch.local_rope_theta is not None
+        or arch.final_logit_softcapping is not None
+    ):
+        raise ValueError(
+            f"{arch.architecture} takes no query_pre_attn_scalar, local_rope_theta or "
+            f"final_logit_softcapping"
         )
 
 

@@ -1,15 +1,18 @@
-"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3).
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
 
 One model class; the variants differ only by ArchConfig flags: ``attention_bias``
 (Qwen2's q/k/v bias) and ``qk_norm`` (Qwen3's per-head RMSNorm on q and k before
-rotary). Inputs are a flattened batch (no batch dim): ``forward(input_ids [T],
-positions [T]) -> hidden [T, hidden_size]``; attention reads its metadata and KV
-caches from the forward context. ``output_rows`` names the only rows whose hidden
-states are wanted (the sampled ones): the last layer then runs its attention output
-projection and MLP on those rows alone, since no later layer reads the others (their
-keys and values are still computed and stored). In a 16k-token prefill step of an
-8B model that skips 1/32 of the step's GEMM work. Module names mirror Hugging Face's so that
-``load_weights`` only has to fold q/k/v and gate/up into merged parameters.
+rotary); Mistral's sliding window reaches every layer's Attention
+(``ArchConfig.layer_sliding_window``), and a windowed model skips the fused CPU decode
+step, whose C attention reads whole contexts. Inputs are a flattened batch (no batch
+dim): ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]``; attention
+reads its metadata and KV caches from the forward context. ``output_rows`` names the
+only rows whose hidden states are wanted (the sampled ones): the last layer then runs
+its attention output projection and MLP on those rows alone, since no later layer reads
+the others (their keys and values are still computed and stored). In a 16k-token prefill
+step of an 8B model that skips 1/32 of the step's GEMM work. Module names mirror Hugging
+Face's so that ``load_weights`` only has to fold q/k/v and gate/up into merged
+parameters.
 
 FP8 W8A8 linears that quantize their input per token (more rows than the W8A16 GEMV
 takes, on CUDA) ask for it already quantized (``takes_fp8_input``): the decoder layer
@@ -95,7 +98,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.attn = Attention(
-            layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, scale=arch.head_dim**-0.5
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            arch.head_dim,
+            scale=arch.softmax_scale,
+            sliding_window=arch.layer_sliding_window(layer_idx),
         )
 
     def takes_fp8_input(self, num_rows: int) -> bool:
@@ -239,6 +247,7 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.windowed = arch.sliding_window is not None
         # Shared by every layer: cos/sin are looked up once per forward.
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
@@ -260,7 +269,7 @@ class LlamaModel(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # A CPU decode step of a block-quantized model: every layer in one C call.
-        hidden = cpu_fused_decode.decode_step(self, input_ids, positions)
+        hidden = None if self.windowed else cpu_fused_decode.decode_step(self, input_ids, positions)
         if hidden is not None:
             return hidden if output_rows is None else hidden.index_select(0, output_rows)
         cos, sin = self.rotary(positions)
@@ -279,11 +288,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp
-        self.model = LlamaModel(arch, tp, self.make_mlp)
+        self.model = self.make_model(arch, tp)
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, tp_rank=tp.rank, tp_size=tp.size
         )
         self.tie_weights()
+
+    def make_model(self, arch: ArchConfig, tp: TensorParallel) -> nn.Module:
+        """Subclasses' hook: the decoder stack (embedding, layers, final norm)."""
+        return LlamaModel(arch, tp, self.make_mlp)
 
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """Subclasses' hook: layer layer_idx's feed-forward block (None: LlamaMLP)."""
@@ -300,7 +313,9 @@ class LlamaForCausalLM(nn.Module):
         """Gives a model built on the meta device uninitialised storage on device (weights
         in dtype), keeping weight loaders and tying, and computes the rotary cache."""
         materialize_module(self, device, dtype)
-        self.model.rotary_emb.reset_cache()
+        for module in self.modules():  # every rotary table the decoder stack holds
+            if isinstance(module, RotaryEmbedding):
+                module.reset_cache()
         return self
 
     def forward(

@@ -205,6 +205,34 @@ _PRESETS: dict[str, ArchConfig] = {
         architecture="DeepseekV32ForCausalLM",
         mla=dataclasses.replace(_DEEPSEEK_V3.mla, indexer=SparseIndexerConfig(64, 128, 2048)),
     ),
+    # Gemma 3 27B (text): 5 sliding-window layers (1,024 tokens, rope base 10k) to 1
+    # global (rope base 1M, linear x8), softmax scale query_pre_attn_scalar^-0.5,
+    # GELU-tanh MLP.
+    "gemma-3-27b": ArchConfig(
+        architecture="Gemma3ForCausalLM",
+        hidden_size=5376,
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        intermediate_size=21504,
+        vocab_size=262208,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        hidden_act="gelu_pytorch_tanh",
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        sliding_window=1024,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)
+        ),
+        query_pre_attn_scalar=168,
+        local_rope_theta=10_000.0,
+    ),
     # tests/helpers/tiny_models.py's DeepSeek-V2 shape (layer 0 dense, layer 1 MoE), for smoke runs.
     "tiny-deepseek-v2": ArchConfig(
         architecture="DeepseekV2ForCausalLM",

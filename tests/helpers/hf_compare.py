@@ -41,8 +41,9 @@ class PagedRunner:
 
     def __init__(self, model, arch: ArchConfig, num_blocks: int = 64, block_size: int = 4):
         self.model, self.block_size = model, block_size
+        shape = arch.attention_shape()
         self.backend = TorchRefBackend(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.head_dim**-0.5
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale
         )
         dtype = next(model.parameters()).dtype
         self.kv_pool = KVCachePool(

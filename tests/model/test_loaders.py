@@ -170,12 +170,8 @@ def test_other_unsupported_fields_rejected():
     with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
         ArchConfig.from_hf_config({**HF_LLAMA, "hidden_act": "gelu"})
     mistral = {**HF_LLAMA, "architectures": ["MistralForCausalLM"]}
-    with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
-        ArchConfig.from_hf_config({**mistral, "sliding_window": 4096})
-    assert (
-        ArchConfig.from_hf_config({**mistral, "sliding_window": None}).architecture
-        == "MistralForCausalLM"
-    )
+    assert ArchConfig.from_hf_config({**mistral, "sliding_window": 4096}).sliding_window == 4096
+    assert ArchConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
     qwen2 = {**HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
     assert ArchConfig.from_hf_config({**qwen2, "use_sliding_window": False}).attention_bias
     with pytest.raises(ValueError, match="sliding_window"):

@@ -16,6 +16,11 @@ requests do not overlap, and all of them fit in num_tokens // BLOCK_Q + num_reqs
 program binary-searches query_start_loc for its request and exits if its tile is past the
 request's last query token.
 
+Sliding window (SLIDING, a layer's window W passed per call): a query at position p sees
+keys p - W + 1 .. p. A tile of queries skips the key tiles wholly left of its first
+row's window, masks the tiles that straddle some row's window start (as it masks the
+causal edge) and runs the tiles inside every row's window unmasked.
+
 Scores are kept in base 2 (scale * log2(e) folded into one factor) so the softmax uses
 exp2; accumulation is float32 whatever the input dtype.
 
@@ -60,11 +65,14 @@ def attend_kv_tile(
     MASK_KV_END: tl.constexpr,
     CAUSAL: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    window=0,
+    SLIDING: tl.constexpr = False,
 ):
     """Folds keys start_n .. start_n + BLOCK_N - 1 into (acc, m_i, l_i).
 
     MASK_KV_END drops keys at or past kv_limit (never loaded: unused cache slots may hold
-    anything, NaN included); CAUSAL also drops keys after each row's position q_pos.
+    anything, NaN included); CAUSAL also drops keys after each row's position q_pos;
+    SLIDING (with MASK_KV_END) also drops keys at or before q_pos - window.
     Without MASK_KV_END every key of the tile must be visible to every row.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -94,6 +102,8 @@ def attend_kv_tile(
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            keep = keep & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -112,6 +122,58 @@ def attend_kv_tile(
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_masked(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    start_n,
+    kv_end,
+    q_pos,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    window,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    """attend_kv_tile with every mask: the key end, causality and (SLIDING) the window."""
+    return attend_kv_tile(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        kv_head,
+        start_n,
+        kv_end,
+        q_pos,
+        qk_scale,
+        stride_cache_block,
+        stride_cache_tok,
+        stride_cache_head,
+        PAGE_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        True,
+        True,
+        IEEE_DOT,
+        window,
+        SLIDING,
+    )
 
 
 @triton.jit
@@ -149,6 +211,7 @@ def _chunk_kernel(
     stride_cache_block,
     stride_cache_tok,
     stride_cache_head,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -158,6 +221,7 @@ def _chunk_kernel(
     SKIP_SINGLE_TOKEN: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # Last tiles first: under the causal mask they see the most keys (shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -195,10 +259,45 @@ def _chunk_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    first_pos = context_len + first_tok
     # Keys up to the tile's first query position are visible to every row: no masks there.
-    all_visible_end = ((context_len + first_tok + 1) // BLOCK_N) * BLOCK_N
-    kv_end = tl.minimum(seq_len, context_len + first_tok + BLOCK_Q)
-    for start_n in range(0, all_visible_end, BLOCK_N):
+    all_visible_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    unmasked_start = 0
+    masked_start = all_visible_end
+    if SLIDING:
+        # Keys left of the first row's window are skipped; from the first tile start at
+        # or after the last row's window start, every key is inside every row's window.
+        last_pos = context_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+        window_lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        unmasked_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        unmasked_start = tl.maximum(unmasked_start, window_lo)
+        masked_start = tl.maximum(all_visible_end, unmasked_start)
+        for start_n in range(window_lo, tl.minimum(unmasked_start, kv_end), BLOCK_N):
+            acc, m_i, l_i = _attend_masked(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_table_ptr,
+                kv_head,
+                start_n,
+                kv_end,
+                q_pos,
+                qk_scale,
+                stride_cache_block,
+                stride_cache_tok,
+                stride_cache_head,
+                window,
+                PAGE_SIZE,
+                BLOCK_N,
+                HEAD_DIM,
+                IEEE_DOT,
+                SLIDING,
+            )
+    for start_n in range(unmasked_start, all_visible_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             q,
             acc,
@@ -222,8 +321,8 @@ def _chunk_kernel(
             False,
             IEEE_DOT,
         )
-    for start_n in range(all_visible_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = attend_kv_tile(
+    for start_n in range(masked_start, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_masked(
             q,
             acc,
             m_i,
@@ -239,12 +338,12 @@ def _chunk_kernel(
             stride_cache_block,
             stride_cache_tok,
             stride_cache_head,
+            window,
             PAGE_SIZE,
             BLOCK_N,
             HEAD_DIM,
-            True,
-            True,
             IEEE_DOT,
+            SLIDING,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the chunk's end, never stored
@@ -256,6 +355,16 @@ def _chunk_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
     )
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """A window is None (full attention) or a positive number of keys."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def chunk_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
@@ -291,15 +400,19 @@ def paged_attention_chunks(
     skip_single_token: bool,
     config: dict | None = None,
     kv_scales: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Causal paged attention of the first num_tokens rows of q into out ([T, H, D] each).
 
     head_dim must be a power of two >= 16 (checked by the backend). skip_single_token
     leaves requests with one query row to the decode kernel. config overrides
     chunk_tile_config (benchmarks sweep it). An FP8 kv_cache needs kv_scales.
+    sliding_window W: a query at position p sees keys p - W + 1 .. p only (None: all
+    keys up to p).
     """
     if num_reqs == 0 or num_tokens == 0:
         return
+    check_sliding_window(sliding_window)
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -326,11 +439,13 @@ def paged_attention_chunks(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        sliding_window or 0,
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
         SKIP_SINGLE_TOKEN=skip_single_token,
         IEEE_DOT=q.dtype == torch.float32,
         KV_FP8=kv_fp8,
+        SLIDING=sliding_window is not None,
         **cfg,
     )

@@ -27,7 +27,11 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
-from pagoda.kernels.attention.paged_attention import LOG2_E, attend_kv_tile
+from pagoda.kernels.attention.paged_attention import (
+    LOG2_E,
+    attend_kv_tile,
+    check_sliding_window,
+)
 from pagoda.kernels.attention.paged_decode_slices import (
     _merge_kernel,
     _slice_bounds,
@@ -51,7 +55,7 @@ PROGRAMS_PER_SM = 4
 
 
 # Step-varying ints are not specialised: each new value class would recompile mid-run.
-@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt", "window"])
 def _decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -84,6 +88,8 @@ def _decode_kernel(
     IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
+    window=0,
+    SLIDING: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +97,9 @@ def _decode_kernel(
     q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req, USE_PDL)
     if q_len != 1:
         return
-    kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
+    kv_start, kv_end = _slice_bounds(
+        seq_len, split, num_splits, min_split, BLOCK_N, window, SLIDING
+    )
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h
@@ -110,8 +118,9 @@ def _decode_kernel(
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
         if not IEEE_DOT:  # e4m3 -> float16 is one instruction per pair; -> bfloat16 is not
             q = q.to(tl.float16)
-    # The one query sits at the last position: every key before kv_end is visible, so
-    # no causal mask (q_pos is unused; kv_end stands in for it).
+    # The one query sits at the last position: every key before kv_end is visible (and,
+    # with a window, every key from kv_start on), so no causal or window mask (q_pos is
+    # unused; kv_end stands in for it).
     for start_n in range(kv_start, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             q,
@@ -255,8 +264,10 @@ def paged_attention_decode(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     config: DecodeAttentionConfig | None = None,
     kv_scales: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Attention of every single-query-row request into out; other requests untouched.
+    sliding_window W: the query (at position seq_len - 1) sees its last W keys only.
 
     num_splits is a runtime argument (no recompilation when it changes); slices hold at
     least min_split_tokens tokens (rounded up to the key tile). config: the tiles
@@ -265,6 +276,7 @@ def paged_attention_decode(
     """
     if num_reqs == 0:
         return
+    check_sliding_window(sliding_window)
     check_kv_scales(kv_scales, kv_cache)
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if not 1 <= num_splits <= 1024:
@@ -315,6 +327,8 @@ def paged_attention_decode(
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
     )
+    if sliding_window is not None:
+        consts.update(window=sliding_window, SLIDING=True)
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = launch_options(q.device)
     if words:

@@ -7,8 +7,9 @@ Grid (requests, kv heads, splits). A program takes the one query row of its requ
 all query heads of one KV head (padded to a power of two, DecodeTiles.block_h), and
 one slice of the context: tokens split * per_split .. (split + 1) * per_split - 1, where
 per_split = max(cdiv(seq_len, num_splits), min_split_tokens) rounded up to BLOCK_N is
-computed on the device from seq_lens. So the launch depends on host values only
-through num_splits: a CUDA graph captured with a fixed num_splits stays correct for any
+computed on the device from seq_lens (a sliding-window layer's slices split only the
+window's keys the same way, from seq_len - window on). So the launch depends on host
+values only through num_splits: a CUDA graph captured with a fixed num_splits stays correct for any
 context length, and slices past a short request's end simply hold no tokens.
 
 With num_splits == 1 the kernel writes the output directly. Otherwise each program
@@ -53,11 +54,27 @@ def _query_rows(query_start_loc_ptr, req):
 
 
 @triton.jit
-def _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N: tl.constexpr):
-    """[kv_start, kv_end) of this program's context slice (see the module docstring)."""
-    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
-    per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
-    kv_start = split * per_split
+def _slice_bounds(
+    seq_len,
+    split,
+    num_splits,
+    min_split,
+    BLOCK_N: tl.constexpr,
+    window=0,
+    SLIDING: tl.constexpr = False,
+):
+    """[kv_start, kv_end) of this program's context slice (see the module docstring).
+    SLIDING: the slices split the window's keys seq_len - window .. seq_len - 1 instead
+    of the whole context (every key of a slice is then visible: no window mask)."""
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+        per_split = tl.maximum(tl.cdiv(seq_len - first, num_splits), min_split)
+        per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+        kv_start = first + split * per_split
+    else:
+        per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
+        per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+        kv_start = split * per_split
     return kv_start, tl.minimum(kv_start + per_split, seq_len)
 
 

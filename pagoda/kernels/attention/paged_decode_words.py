@@ -168,7 +168,7 @@ def _write_word_planes(
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt", "window"])
 def _decode_words_kernel(
     out_ptr,
     partial_out_ptr,
@@ -201,20 +201,25 @@ def _decode_words_kernel(
     OFFSETS_32: tl.constexpr = False,
     PTX_PAIRS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
+    window=0,
+    SLIDING: tl.constexpr = False,
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
     (the byte planes of fp8_decode_words); same grid, slices, workspace and merge. The
     queries are rounded to e4m3 (a power-of-two scale per head) and q.K is one FP8 dot
     on the key tile as stored; P.V reads V as words. OFFSETS_32: cache offsets in int32
     (the host found every offset within 2 GiB); PTX_PAIRS: V converted two entries per
-    instruction (fp8_decode_words.word_planes)."""
+    instruction (fp8_decode_words.word_planes). SLIDING: the slices cover the last
+    window keys only (paged_decode_slices._slice_bounds)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row, q_len, seq_len = _wait_then_decode_row(query_start_loc_ptr, seq_lens_ptr, req, USE_PDL)
     if q_len != 1:
         return
-    kv_start, kv_end = _slice_bounds(seq_len, split, num_splits, min_split, BLOCK_N)
+    kv_start, kv_end = _slice_bounds(
+        seq_len, split, num_splits, min_split, BLOCK_N, window, SLIDING
+    )
 
     h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + h

@@ -2,9 +2,12 @@
 hands q to the backend of the current forward context.
 
 The layer owns no weights; it only knows its index (which layer of the KV pool is its
-own) and its head geometry. Backends take [T, heads, head_dim]; the model works in
-[T, heads * head_dim]. ``kv_cache_specs(model, ...)`` collects every layer's spec,
-ordered by layer index, for sizing and allocating the pool.
+own), its head geometry and its sliding window (None: full attention), which it passes
+to the backend on every call. A windowed layer's cache still holds every token (its
+spec is a FullAttentionSpec): the block table is shared by all layers. Backends take
+[T, heads, head_dim]; the model works in [T, heads * head_dim].
+``kv_cache_specs(model, ...)`` collects every layer's spec, ordered by layer index, for
+sizing and allocating the pool.
 
 FP8 KV cache: each layer holds ``kv_scales`` (a float32 buffer [k_scale, v_scale],
 1.0 unless the checkpoint carries ``...self_attn.k_scale`` / ``v_scale``; see
@@ -46,8 +49,16 @@ class KVStoreTarget(NamedTuple):
 
 class Attention(nn.Module):
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window W: each query sees its last W keys, its own included (None:
+        full causal attention); passed to the backend on every call."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -56,6 +67,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         # [k_scale, v_scale] of an FP8 cache; a buffer, not a parameter: never a weight
         # to fill (dummy weights) and never required of a checkpoint. Not persistent:
         # checkpoints name the scales their own way (load_kv_scale).
@@ -104,7 +118,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        if scales is None:  # an unscaled cache: the backends' plain signature
+        window = self.sliding_window
+        if window is not None:
+            out = ctx.backend.forward(
+                q, cache, ctx.metadata, kv_scales=scales, sliding_window=window
+            )
+        elif scales is None:  # an unscaled cache: the backends' plain signature
             out = ctx.backend.forward(q, cache, ctx.metadata)
         else:
             out = ctx.backend.forward(q, cache, ctx.metadata, kv_scales=scales)
