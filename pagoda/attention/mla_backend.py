@@ -81,7 +81,9 @@ class MLAPlan(BackendMetadata):
     prefill_rows: torch.Tensor | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     prefill_slots: torch.Tensor | None = None
-    max_row_len: int = 0  # host: the longest latent context (0 when unknown)
+    # Host: a bound on the latent rows' contexts, exact on eager steps; a graph's plan
+    # gives the longest context its block table holds (0: unknown).
+    max_row_len: int = 0
 
 
 def plan_eager(common: AttentionMetadata, latent_rows: str) -> MLAPlan:

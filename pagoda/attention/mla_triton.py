@@ -18,7 +18,10 @@ metadata lives in buffers at fixed addresses: `init_cuda_graph_state` allocates 
 `metadata_for_capture` plans over views of them (slices chosen for the longest
 context the block table holds), `prepare_replay` copies a real batch in and computes
 each row's request and context length on the device. Padding rows get length 0:
-the kernel writes zeros for them and the KV pool skips their slot -1.
+the kernel writes zeros for them and the KV pool skips their slot -1. Sparse MLA's
+graphs score each row's context up to its own length (read on the device) into a
+buffer as wide as the longest context the block table holds, then select and attend
+as eager steps do.
 """
 
 from __future__ import annotations
@@ -120,8 +123,10 @@ class MLATritonBackend(MLATorchBackend):
                 common.num_reqs,
                 common.slot_mapping.shape[0],
             )
-            plan = MLAPlan(common, None, common.slot_mapping.shape[0], req, length)
             longest = common.block_tables.shape[1] * common.block_size
+            plan = MLAPlan(
+                common, None, common.slot_mapping.shape[0], req, length, max_row_len=longest
+            )
         return MLATritonPlan(
             **vars(plan), **self._split_plan(plan, longest), **self._prefill_plan(plan)
         )
@@ -244,9 +249,7 @@ class MLATritonBackend(MLATorchBackend):
     # ---- CUDA graphs -------------------------------------------------------------------
 
     def supports_cuda_graphs(self) -> bool:
-        # Sparse MLA's top-k width follows each step's longest context, known on the
-        # host only on eager steps.
-        return self.latent_rows != "all"
+        return True
 
     def init_cuda_graph_state(
         self,
@@ -273,14 +276,15 @@ class MLATritonBackend(MLATorchBackend):
             raise ValueError("the MLA backend plans one decode graph for any context")
         g = checked_graph_buffers(self._graph, batch_size, num_tokens)
         rows = batch_size if num_tokens is None else num_tokens
+        longest = g.block_tables.shape[1] * g.block_size
         plan = MLAPlan(
             capture_metadata(g, batch_size, num_tokens),
             None,
             rows,
             g.row_req[:rows],
             g.row_len[:rows],
+            max_row_len=longest,
         )
-        longest = g.block_tables.shape[1] * g.block_size
         return MLATritonPlan(**vars(plan), **self._split_plan(plan, longest))
 
     def prepare_replay(

@@ -313,3 +313,43 @@ def test_triton_backend_runs_sparse_mla_as_the_reference_does(tmp_path):
     expected = _run(model, MLATorchBackend(*args, "all"), pool(), steps)
     got = _run(model, MLATritonBackend(*args, latent_rows="all"), pool(), steps)
     assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_sparse_mla_graph_plans_give_the_eager_logits(tmp_path):
+    """Sparse MLA through graph-mode plans (metadata_for_capture + prepare_replay:
+    every row's context bounded by the block table, padded rows and requests) gives the
+    eager reference's logits."""
+    from helpers.tiny_models import save_tiny_hf_model
+
+    from pagoda.attention.kv_pool import KVCachePool
+    from pagoda.attention.mla_backend import MLATorchBackend
+    from pagoda.core.kv_cache_spec import KVCacheConfig
+    from pagoda.model.layers.attention import kv_cache_specs
+    from pagoda.model.loader import load_model
+    from pagoda.model.mla_config import mla_softmax_scale
+
+    kernel_modules("attention.dsa_indexer_kernel", "attention.sparse_mla_kernel")
+    save_tiny_hf_model(tmp_path, "deepseek_v32", seed=6)
+    model, arch = load_model(str(tmp_path), dtype="float32", device=DEVICE)
+    mla = arch.mla
+    args = (
+        arch.num_attention_heads,
+        mla.kv_lora_rank,
+        mla.qk_rope_head_dim,
+        mla_softmax_scale(mla, arch.rope_scaling),
+    )
+
+    def pool():
+        specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
+        return KVCachePool(KVCacheConfig(32, specs), DEVICE)
+
+    steps = [
+        {"a": list(range(3, 15)), "b": list(range(20, 26))},
+        {"a": [9], "b": [8]},
+        {"a": [10], "b": [11]},
+    ]
+    expected = _run(model, MLATorchBackend(*args, "all"), pool(), steps)
+    graphs = MLATritonBackend(*args, latent_rows="all", num_decode_splits=1)
+    graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, DEVICE, max_num_tokens=24)
+    replayed = _run(model, graphs, pool(), steps, graphs=[(3, 24), (3, None), (2, None)])
+    assert (replayed - expected).abs().max().item() < 1e-4

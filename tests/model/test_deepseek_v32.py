@@ -171,10 +171,11 @@ def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(chec
 
 
 @pytest.mark.gpu
-def test_gpu_engine_greedy_matches_transformers(checkpoint):
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gpu_engine_greedy_matches_transformers(checkpoint, enforce_eager):
     """On CUDA in float32: the Triton MLA backend with the indexer's scoring kernel and
     the sparse latent kernel gives transformers' greedy tokens (chunked prefill past
-    the 8 selected tokens, decodes beside prefills)."""
+    the 8 selected tokens, decodes beside prefills), eagerly and on CUDA graphs."""
     path, hf = checkpoint
     llm = LLM(
         path,
@@ -185,9 +186,11 @@ def test_gpu_engine_greedy_matches_transformers(checkpoint):
         max_num_seqs=8,
         max_num_batched_tokens=32,
         kv_cache_memory=64 << 20,
+        enforce_eager=enforce_eager,
     )
     runner = llm.llm_engine.executor.runner
     assert runner.backend.name == "triton"
+    assert (runner.graph_runner is not None) == (not enforce_eager)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (3, 17, 40, 9)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
