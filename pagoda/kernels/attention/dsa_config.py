@@ -1,7 +1,7 @@
 """DSAKernelConfig: the DeepSeek Sparse Attention kernels' tiles on one device.
 
-Two kernels: the lightning indexer's scores (dsa_indexer.py) and sparse latent attention
-over the selected entries (sparse_mla.py). The layer or backend that calls them builds
+Three kernels: the lightning indexer's scores and their top-k (dsa_indexer.py) and
+sparse latent attention over the selected entries (sparse_mla.py). The layer or backend that calls them builds
 one config (`DSAKernelConfig.for_device`) and passes it in; tests and benchmarks pass
 variants (`dataclasses.replace`). The tiles are data keyed by device capability
 (DSA_CONFIGS); a device not listed takes Hopper's. Importing this module imports no
@@ -42,6 +42,35 @@ class IndexerTiles:
 
 
 @dataclass(frozen=True)
+class TopkTiles:
+    """The indexer's top-k kernel: a program reads scores block tokens at a time (each
+    radix pass and the final write). One program per row, or, when rows are fewer than
+    the SMs' programs_per_sm programs, each row cut into at most max_segments segments
+    of at least min_segment tokens (six launches instead of one)."""
+
+    block: int
+    num_warps: int
+    min_segment: int = 16384
+    max_segments: int = 32
+
+    def __post_init__(self):
+        # The kernel packs two per-tile counts into one int32 (16 bits each).
+        if self.block & (self.block - 1) or not 16 <= self.block <= 32768:
+            raise ValueError(f"block must be a power of two in [16, 32768], got {self.block}")
+        if self.max_segments & (self.max_segments - 1):
+            raise ValueError(f"max_segments must be a power of two, got {self.max_segments}")
+
+    def segments(self, num_rows: int, width: int, num_sms: int, programs_per_sm: int) -> int:
+        """Segments per row: 1 when the rows alone fill the GPU or are short."""
+        by_length = -(-width // max(self.min_segment, self.block))
+        by_occupancy = -(-programs_per_sm * num_sms // max(1, num_rows))
+        return max(1, min(by_length, by_occupancy, self.max_segments))
+
+    def launch(self) -> dict:
+        return dict(BLOCK=self.block, num_warps=self.num_warps)
+
+
+@dataclass(frozen=True)
 class SparseMLATiles:
     """The sparse latent kernel: block_h query heads and block_n selected entries a step.
     Its accumulator is block_h x kv_lora_rank float32, its entry tile block_n x
@@ -66,6 +95,7 @@ class DSAKernelConfig:
     indexer_fp32: IndexerTiles
     sparse_16bit: SparseMLATiles
     sparse_fp32: SparseMLATiles
+    topk: TopkTiles = TopkTiles(block=2048, num_warps=8)
     min_split: int = 256
     programs_per_sm: int = 2
     max_splits: int = 64
@@ -111,5 +141,6 @@ DSA_CONFIGS: dict[tuple[int, int], DSAKernelConfig] = {
         indexer_fp32=IndexerTiles(block_n=32, tiles_per_program=8, num_warps=4, num_stages=1),
         sparse_16bit=SparseMLATiles(block_h=16, block_n=32, num_warps=4, num_stages=2),
         sparse_fp32=SparseMLATiles(block_h=16, block_n=16, num_warps=4, num_stages=1),
+        topk=TopkTiles(block=2048, num_warps=8),
     ),
 }

@@ -1,8 +1,10 @@
 """DeepSeek Sparse Attention's lightning indexer: scores and top-k token selection.
 
 Owns `indexer_scores_ref` (plain torch), `indexer_scores` (the Triton kernel of
-dsa_indexer_kernel.py, imported only when launched: importing this module imports no
-triton), `select_topk` and `indexer_topk`, which runs both in chunks of rows.
+dsa_indexer_kernel.py), `select_topk` (plain torch) and `topk_positions` (the Triton
+kernel of dsa_topk_kernel.py), and `indexer_topk`, which scores and selects in chunks of
+rows. The kernels' modules are imported only when launched: importing this module
+imports no triton.
 
 Query row n (request row_req[n], which sees the first row_len[n] tokens of its context;
 0 = a padding row) scores every token t < row_len[n] of the indexer key cache
@@ -13,7 +15,9 @@ block_size], offset t % block_size):
 
 with the softmax scale and n_heads**-0.5 folded into weights by the caller; positions
 t >= row_len[n] score -inf. The row then attends only to its k best tokens
-(sparse_mla.py): a row that sees at most k tokens takes them all.
+(sparse_mla.py): a row that sees at most k tokens takes them all. Ties at the k-th
+largest score go to the lowest positions, so the selection is one exact answer that
+the reference and the kernel both give.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels.attention.dsa_config import DSAKernelConfig
+from pagoda.kernels.launch.capability import sm_count
 
 
 def indexer_scores_ref(
@@ -62,11 +67,13 @@ def indexer_scores(
     row_req: torch.Tensor,
     row_len: torch.Tensor,
     config: DSAKernelConfig | None = None,
+    fill: bool = True,
 ) -> None:
     """indexer_scores_ref's result written into out, float32 [N, width] (its rows may be
     strided), by the Triton kernel: no host sync, so it can be captured in a CUDA graph.
     q and key_cache share one dtype; weights are float32 [N, Hi]; config: the tiles
-    (default: DSAKernelConfig.for_device(q.device))."""
+    (default: DSAKernelConfig.for_device(q.device)). fill=False leaves out[n, t] for t >=
+    row_len[n] as it was (for topk_positions, which never reads it)."""
     num_rows, num_heads, head_dim = q.shape
     if key_cache.dim() != 3 or key_cache.shape[2] != head_dim:
         raise ValueError(
@@ -87,7 +94,7 @@ def indexer_scores(
     from pagoda.kernels.attention.dsa_indexer_kernel import launch_indexer_scores
 
     tiles = (config or DSAKernelConfig.for_device(q.device)).indexer_tiles(q.dtype)
-    launch_indexer_scores(out, q, weights, key_cache, block_tables, row_req, row_len, tiles)
+    launch_indexer_scores(out, q, weights, key_cache, block_tables, row_req, row_len, tiles, fill)
 
 
 def leading_positions(row_len: torch.Tensor, k: int) -> torch.Tensor:
@@ -99,7 +106,10 @@ def leading_positions(row_len: torch.Tensor, k: int) -> torch.Tensor:
 def select_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """Token positions int32 [N, k] each row attends to, -1 where unused: a row with
     row_len <= k gets 0..row_len-1 then -1s, whatever its scores; a longer row the
-    positions of its k largest scores, in ascending order. No host sync."""
+    positions of its k largest scores among scores[n, :row_len[n]] (the rest of the row
+    is ignored), in ascending order, ties at the k-th largest going to the lowest
+    positions (-0 equals +0; -inf is lowest). No host sync: the torch reference of
+    topk_positions."""
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
     num_rows, width = scores.shape
@@ -107,9 +117,61 @@ def select_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     chosen = leading_positions(row_len, k)
     if width <= k:  # no row may see more than width tokens: every row is short
         return chosen
-    best = torch.topk(scores, k, dim=-1, sorted=False).indices
-    best = torch.sort(best, dim=-1).values.to(torch.int32)
-    return torch.where((row_len > k)[:, None], best, chosen)
+    pos = torch.arange(width, device=scores.device)
+    inside = pos[None, :] < row_len[:, None]
+    masked = scores.float().masked_fill(~inside, float("-inf"))
+    kth = torch.topk(masked, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = masked > kth
+    tie = inside & (masked == kth)
+    wanted = k - above.sum(-1, keepdim=True)
+    take = above | (tie & (tie.cumsum(-1) <= wanted))
+    # Taken tokens go to slots 0..k-1 in position order; the rest to a dropped slot k.
+    slot = torch.where(take, take.cumsum(-1) - 1, k).clamp(max=k)
+    best = torch.full((num_rows, k + 1), -1, dtype=torch.int32, device=scores.device)
+    best.scatter_(1, slot, pos.to(torch.int32).expand(num_rows, width).contiguous())
+    return torch.where((row_len > k)[:, None], best[:, :k], chosen)
+
+
+def topk_positions(
+    scores: torch.Tensor,
+    row_len: torch.Tensor,
+    k: int,
+    out: torch.Tensor | None = None,
+    config: DSAKernelConfig | None = None,
+    segments: int | None = None,
+) -> torch.Tensor:
+    """select_topk by the Triton kernel, into out (int32 [N, k], rows may be strided; a
+    new tensor when None), returned. scores: float32 [N, W] with a contiguous last
+    dimension; row_len: [N] int32 (or int64), each at most W; only scores[n, t] for t <
+    row_len[n] are read, so the rest may hold anything. No host sync, no shape that
+    depends on the data: it can be captured in a CUDA graph. config: the tiles
+    (default: DSAKernelConfig.for_device(scores.device)); segments: the parts each row
+    is cut into (default: config.topk.segments for N, W and the device: 1, one program
+    a row, unless the rows are too few to fill the GPU)."""
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"scores must be float32 [N, W], contiguous rows, got {scores.shape}")
+    num_rows, width = scores.shape
+    if row_len.shape[0] < num_rows or row_len.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_len must be int32 or int64 with {num_rows} entries")
+    if out is None:
+        out = torch.empty(num_rows, k, dtype=torch.int32, device=scores.device)
+    elif out.shape != (num_rows, k) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"out must be int32 [{num_rows}, {k}], got {tuple(out.shape)}")
+    if num_rows == 0:
+        return out
+    if width == 0:  # no score to read: every row is short
+        out.copy_(leading_positions(row_len[:num_rows], k))
+        return out
+    from pagoda.kernels.attention.dsa_topk_kernel import launch_topk_positions
+
+    config = config or DSAKernelConfig.for_device(scores.device)
+    if segments is None:
+        num_sms = sm_count(scores.device)
+        segments = config.topk.segments(num_rows, width, num_sms, config.programs_per_sm)
+    launch_topk_positions(out, scores, row_len, k, config.topk, segments)
+    return out
 
 
 def indexer_topk(
@@ -126,10 +188,12 @@ def indexer_topk(
     config: DSAKernelConfig | None = None,
 ) -> torch.Tensor:
     """The k positions each row attends to (select_topk), int32 [N, k]. max_len: the
-    longest row_len (or any bound on it, as a CUDA graph's; 0 = unknown: read from
-    row_len, a host sync that a graph cannot capture); the scores of at most row_chunk
-    rows x max_len tokens exist at once. use_kernel: the Triton kernel (default: on
-    CUDA) or indexer_scores_ref. Nothing is scored when max_len <= k."""
+    longest row_len or any bound on it, as a CUDA graph's max_model_len (0 = unknown:
+    read from row_len, a host sync that a graph cannot capture); the scores of at most
+    row_chunk rows x max_len tokens exist at once. use_kernel: the Triton kernels
+    (indexer_scores then topk_positions; default: on CUDA), which read and write no
+    score past a row's length, so a loose bound costs memory and idle programs, not
+    reads; else indexer_scores_ref and select_topk. Nothing is scored when max_len <= k."""
     if row_chunk <= 0:
         raise ValueError(f"row_chunk must be positive, got {row_chunk}")
     num_rows = q.shape[0]
@@ -147,8 +211,9 @@ def indexer_topk(
         lens = (row_req[start:end], row_len[start:end])
         if buffer is not None:
             scores = buffer[: end - start]
-            indexer_scores(scores, *rows, *lens, config=config)
+            indexer_scores(scores, *rows, *lens, config=config, fill=False)
+            topk_positions(scores, lens[1], k, out=out[start:end], config=config)
         else:
             scores = indexer_scores_ref(*rows, *lens, max_len)
-        out[start:end] = select_topk(scores, lens[1], k)
+            out[start:end] = select_topk(scores, lens[1], k)
     return out

@@ -10,9 +10,10 @@ M dimension: the sum over heads then stays within a thread and its quad instead 
 crossing warps (at 64 heads x 128 dims in bf16 the loop compiles for sm_90 to 338
 instructions against 543, and float32 does not spill). The loop stops at the row's
 length, read on the device, so a CUDA graph captured for one width serves any lengths;
-the chunk's positions past it are written -inf. Rows are the grid's first axis: programs
-that run together score the same tokens of different rows, which then share the key
-tiles in L2.
+with FILL the chunk's positions past it are written -inf, without it (for the top-k,
+which reads no score past a row's length) nothing past it is written and a chunk that
+starts past it loads nothing. Rows are the grid's first axis: programs that run
+together score the same tokens of different rows, which then share the key tiles in L2.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _indexer_scores_kernel(
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk_start = tl.program_id(1) * (BLOCK_N * TILES)
@@ -66,9 +68,11 @@ def _indexer_scores_kernel(
     head = tl.arange(0, BLOCK_HI)
     dim = tl.arange(0, BLOCK_D)
     head_ok, dim_ok = head < NUM_HEADS, dim < HEAD_DIM
+    # A chunk past the row's end loads no query (its loop below does not run).
+    live_heads = tl.where(chunk_start < seen_end, NUM_HEADS, 0)
     q = tl.load(
         q_ptr + row * stride_qn + head[:, None] * stride_qh + dim[None, :],
-        mask=head_ok[:, None] & dim_ok[None, :],
+        mask=(head < live_heads)[:, None] & dim_ok[None, :],
         other=0.0,
     )
     # Padded heads have weight 0 and query 0: they add nothing to the sum.
@@ -89,12 +93,17 @@ def _indexer_scores_kernel(
         )
         logits = _dot(k, tl.trans(q), IEEE_DOT)  # [BLOCK_N, BLOCK_HI] float32
         score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1)
-        tl.store(out_row + pos, tl.where(seen, score, float("-inf")), mask=pos < chunk_end)
-    # The loop's last tile wrote -inf up to its end; the tiles after it get -inf only.
-    scored = tl.cdiv(tl.maximum(seen_end - chunk_start, 0), BLOCK_N) * BLOCK_N
-    for start in range(chunk_start + scored, chunk_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        tl.store(out_row + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < chunk_end)
+        if FILL:
+            tl.store(out_row + pos, tl.where(seen, score, float("-inf")), mask=pos < chunk_end)
+        else:
+            tl.store(out_row + pos, score, mask=seen)
+    if FILL:
+        # The loop's last tile wrote -inf up to its end; the tiles after it get -inf only.
+        scored = tl.cdiv(tl.maximum(seen_end - chunk_start, 0), BLOCK_N) * BLOCK_N
+        for start in range(chunk_start + scored, chunk_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            neg_inf = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            tl.store(out_row + pos, neg_inf, mask=pos < chunk_end)
 
 
 def indexer_launch(
@@ -106,9 +115,11 @@ def indexer_launch(
     row_req: torch.Tensor,
     row_len: torch.Tensor,
     tiles: IndexerTiles,
+    fill: bool = True,
 ) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, args, kwargs) of the score kernel's launch over out [N, width]: what
-    launch_indexer_scores runs and tools/compile_sm90.py compiles."""
+    launch_indexer_scores runs and tools/compile_sm90.py compiles. fill: -inf past each
+    row's length (else nothing is written there)."""
     num_rows, num_heads, head_dim = q.shape
     width = out.shape[1]
     grid = (num_rows, triton.cdiv(width, tiles.tokens_per_program))
@@ -136,6 +147,7 @@ def indexer_launch(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=key_cache.shape[1],
         IEEE_DOT=q.dtype == torch.float32,
+        FILL=fill,
         **tiles.launch(),
     )
     return grid, args, kwargs
@@ -150,10 +162,11 @@ def launch_indexer_scores(
     row_req: torch.Tensor,
     row_len: torch.Tensor,
     tiles: IndexerTiles,
+    fill: bool = True,
 ) -> None:
     """One launch of the score kernel over out [N, width] (arguments checked by
     dsa_indexer.indexer_scores)."""
     grid, args, kwargs = indexer_launch(
-        out, q, weights, key_cache, block_tables, row_req, row_len, tiles
+        out, q, weights, key_cache, block_tables, row_req, row_len, tiles, fill
     )
     _indexer_scores_kernel[grid](*args, **kwargs)

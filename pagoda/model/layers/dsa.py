@@ -37,8 +37,10 @@ from pagoda.model.mla_config import MLAConfig
 
 # The indexer's k_norm is a LayerNorm with DeepSeek's default epsilon.
 _K_NORM_EPS = 1e-6
-# Query rows scored at once: bounds the float32 score buffer to this many rows times the
-# longest context of the step (a 64k-token prefill never holds 64k x 64k scores).
+# The float32 score buffer of rows scored at once: at most this many bytes (rows times
+# the step's longest context, or a CUDA graph's bound on it: a 64k-token prefill never
+# holds 64k x 64k scores), and at most _SCORE_ROW_CHUNK rows.
+_SCORE_BUFFER_BYTES = 512 << 20
 _SCORE_ROW_CHUNK = 1024
 
 
@@ -108,4 +110,5 @@ class LightningIndexer(nn.Module):
         weights = self.weights_proj(hidden).float() * scale
         if plan.latent_rows is not None:  # a padded step: its real rows only
             q, weights = q[plan.latent_rows], weights[plan.latent_rows]
-        return ctx.backend.indexer_topk(q, weights, key_cache, plan, self.topk, _SCORE_ROW_CHUNK)
+        row_chunk = min(_SCORE_ROW_CHUNK, max(1, _SCORE_BUFFER_BYTES // (4 * max(longest, 1))))
+        return ctx.backend.indexer_topk(q, weights, key_cache, plan, self.topk, row_chunk)
