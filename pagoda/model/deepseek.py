@@ -195,12 +195,12 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             if mla.rope_interleave:
                 if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-                    tensor = interleaved_to_half(
-                        tensor, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.qk_head_dim
+                    tensor = _rotary_rows_to_half(
+                        name, tensor, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.qk_head_dim
                     )
                 elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-                    tensor = interleaved_to_half(
-                        tensor, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.latent_dim
+                    tensor = _rotary_rows_to_half(
+                        name, tensor, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.latent_dim
                     )
             yield name, tensor
         if skipped:
@@ -228,6 +228,24 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
     """V3 with sparse attention; the indexer comes from the config's index_* fields
     (arch.mla.indexer)."""
+
+
+# Rows of an FP8 checkpoint's weight that share one scale (its 128 x 128 blocks).
+_FP8_SCALE_BLOCK = 128
+
+
+def _rotary_rows_to_half(name, tensor, rotary_dim: int, row_start: int, group: int):
+    """interleaved_to_half, refusing an FP8 weight whose rotary rows of a group straddle
+    two scale blocks: permuted rows must keep the scale they were quantized with."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        for first in range(row_start, tensor.shape[0], group):
+            last = first + rotary_dim - 1
+            if first // _FP8_SCALE_BLOCK != last // _FP8_SCALE_BLOCK:
+                raise ValueError(
+                    f"{name}: FP8 rotary rows {first}..{last} cross a "
+                    f"{_FP8_SCALE_BLOCK}-row scale block; they cannot be permuted"
+                )
+    return interleaved_to_half(tensor, rotary_dim, row_start, group)
 
 
 def _map_hf_name(hf_name: str):

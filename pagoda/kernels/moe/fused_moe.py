@@ -28,6 +28,14 @@ zeroed fp32 [T, H] buffer and a cast kernel after it (no fewer launches than the
 and its result would depend on the order the atomics land (greedy runs could differ
 from run to run). Where the fold pays, at decode, the GEMV path does it in registers.
 
+FP8 experts (W8A16): with ``scales`` (an ExpertScales, pagoda.kernels.moe.reference)
+the weights are float8_e4m3fn and both paths run the same kernels with W_SCALED set (a
+constexpr, so the float build is unchanged): each weight tile is dequantized in
+registers, times its block's (or row's) scale, before its products: in the grouped GEMM
+rounded to the activation's dtype for tl.dot (a BLOCK_K tile lies inside one 128-wide
+scale block, so a column's scale is one value), in the GEMVs in float32. Activations
+stay in the model's dtype.
+
 No host sync: the sorted buffer has a fixed upper bound (T*k + (E+1)*(BLOCK_M-1), rounded
 up to BLOCK_M) and the number of used rows stays on the device, read by the kernels (the
 programs past it return at once). So the whole call is CUDA-graph capturable; its
@@ -45,9 +53,15 @@ from pagoda.kernels.launch.capability import cuda_capability
 from pagoda.kernels.moe.align import moe_align_block_size
 from pagoda.kernels.moe.config import HOPPER, MOE_CONFIGS, MoEKernelConfig
 from pagoda.kernels.moe.fused_moe_decode import fused_moe_gemv, silu_mul_rounded
-from pagoda.kernels.moe.reference import check_moe_shapes, fused_moe_reference
+from pagoda.kernels.moe.reference import ExpertScales, check_moe_shapes, fused_moe_reference
 
-__all__ = ["fused_moe", "fused_moe_reference", "moe_align_block_size", "pick_config"]
+__all__ = [
+    "ExpertScales",
+    "fused_moe",
+    "fused_moe_reference",
+    "moe_align_block_size",
+    "pick_config",
+]
 
 PATHS = ("gemv", "fused")
 # Tokens per program of the sum over the k choices (sum_choices).
@@ -99,10 +113,19 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    scale_ptr=None,  # with W_SCALED: b's float32 scales [E, scale rows, scale cols]
+    stride_se=0,
+    stride_sn=0,
+    stride_sk=0,
+    scale_up_off=0,  # the up half's first scale row (GATE_UP_ACT)
+    W_SCALED: tl.constexpr = False,  # b is FP8: scale row n // SCALE_BN, col k // SCALE_BK
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     # C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert(pair), n, k] (* weight[pair]).
     # With GATE_UP_ACT the program also accumulates the up rows (B rows N + n) of the
     # same columns and stores silu(gate) * up: the [pairs, 2N] intermediate never exists.
+    scale_ptr = scale_ptr if W_SCALED else b_ptr  # (unread without W_SCALED)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -132,19 +155,19 @@ def _moe_gemm_kernel(
     # last column block) read the next rows of b or the descriptor's zero fill: they
     # only reach columns the store masks off. Columns past K are zero-filled.
     b_row = (expert * b_rows + pid_n * BLOCK_N).to(tl.int32)
+    # Per column of the tile: its scale row (gate, and up below), at k-block 0.
+    s_ptrs = scale_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
+        s_col = ((k0 * BLOCK_K) // SCALE_BK) * stride_sk
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:
             b = b_desc.load([b_row, k0 * BLOCK_K]).T
         else:
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE_FP32:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc = _mma(acc, a, b, s_ptrs + s_col, col_ok, W_SCALED, IEEE_FP32)
         if GATE_UP_ACT:
             if B_TMA:
                 b_up = b_desc.load([b_row + N, k0 * BLOCK_K]).T
@@ -152,10 +175,8 @@ def _moe_gemm_kernel(
                 b_up = tl.load(
                     b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
                 )
-            if IEEE_FP32:
-                acc_up += tl.dot(a, b_up, input_precision="ieee")
-            else:
-                acc_up += tl.dot(a, b_up)
+            up_scales = s_ptrs + scale_up_off * stride_sn + s_col
+            acc_up = _mma(acc_up, a, b_up, up_scales, col_ok, W_SCALED, IEEE_FP32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATE_UP_ACT:
@@ -164,6 +185,21 @@ def _moe_gemm_kernel(
         weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _mma(acc, a, b, scale_ptrs, col_ok, W_SCALED: tl.constexpr, IEEE_FP32: tl.constexpr):
+    """acc + a @ b; with W_SCALED, b is an FP8 tile [BLOCK_K, BLOCK_N] dequantized first
+    (times each column's scale, rounded to a's dtype, as the reference's dequantized
+    weight), so the product still accumulates in place."""
+    if W_SCALED:
+        scale = tl.load(scale_ptrs, mask=col_ok, other=0.0)
+        b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
+    if IEEE_FP32:
+        acc += tl.dot(a, b, input_precision="ieee")
+    else:
+        acc += tl.dot(a, b)
+    return acc
 
 
 def has_tma(device: torch.device) -> bool:
@@ -191,11 +227,19 @@ def _grouped_gemm(
     mul_weight: bool,
     config: dict[str, int],
     gate_up_act: bool = False,
+    b_scale: torch.Tensor | None = None,
+    scales: ExpertScales | None = None,
 ) -> None:
+    """b_scale: b's scales (w13_scale or w2_scale of scales) when b is FP8."""
     num_experts, b_rows, k = b.shape
     n = b_rows // 2 if gate_up_act else b_rows
     max_padded = sorted_ids.shape[0]
     config = dict(config)
+    scaled = b_scale is not None
+    s = b_scale if scaled else b  # unread without W_SCALED
+    bn, bk = (scales.row_block(), scales.col_block()) if scaled else (1, config["BLOCK_K"])
+    if scaled and bk % config["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K {config['BLOCK_K']} does not divide the scale block {bk}")
     b_tma = config.pop("B_TMA", False) and tma_takes(b) and has_tma(b.device)
     b_desc = b  # unused without B_TMA
     if b_tma:
@@ -224,11 +268,19 @@ def _grouped_gemm(
         b.stride(2),
         out.stride(0),
         out.stride(1),
+        scale_ptr=s,
+        stride_se=s.stride(0),
+        stride_sn=s.stride(1),
+        stride_sk=s.stride(2) if scaled and scales.block is not None else 0,
+        scale_up_off=scales.up_offset(n) if scaled else 0,
         A_ROW_DIV=a_row_div,
         MUL_WEIGHT=mul_weight,
         GATE_UP_ACT=gate_up_act,
         IEEE_FP32=a.dtype == torch.float32,
         B_TMA=b_tma,
+        W_SCALED=scaled,
+        SCALE_BN=bn,
+        SCALE_BK=bk,
         **config,
     )
 
@@ -297,10 +349,12 @@ def fused_moe(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     prefetch_after: torch.Tensor | None = None,
     config: MoEKernelConfig | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Same contract as fused_moe_reference: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int (-1: another rank's expert)
-    -> [T, H] in hidden's dtype. path: one of PATHS (None: the default choice).
+    -> [T, H] in hidden's dtype; scales: FP8 weights' scales (W8A16; no shared MLP
+    then). path: one of PATHS (None: the default choice).
     shared: a shared MLP's (gate_up, down) weights added in the same launches, on the
     gemv path only (fused_moe_decode.fused_moe_gemv). prefetch_after: the weight of the
     layer that runs next, which the gemv path's down kernel prefetches into L2. config:
@@ -315,14 +369,19 @@ def fused_moe(
         raise ValueError(f"unknown fused_moe path {path!r}; one of {', '.join(PATHS)}")
     if shared is not None and (path != "gemv" or num_pairs == 0):
         raise ValueError("a shared MLP rides along the gemv path only (gemv_path_takes)")
+    if scales is not None:
+        scales.check(w13, w2)
+        if shared is not None:
+            raise ValueError("a shared MLP does not ride along FP8 experts' kernels")
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()
     if path == "gemv":
         return fused_moe_gemv(
-            hidden, w13, w2, topk_weights, topk_ids, shared, prefetch_after, config
+            hidden, w13, w2, topk_weights, topk_ids, shared, prefetch_after, config, scales
         )
-    size = w13.element_size()
+    # FP8 weights are widened to the activation's dtype: they take its tiles.
+    size = hidden.element_size() if scales is not None else w13.element_size()
     gate_up = config.grouped_tiles(num_pairs, w13.shape[0], size, "gate_up").launch()
     down = config.grouped_tiles(num_pairs, w13.shape[0], size, "down").launch()
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
@@ -342,7 +401,22 @@ def fused_moe(
         False,
         gate_up,
         gate_up_act=True,
+        b_scale=None if scales is None else scales.w13_scale,
+        scales=scales,
     )
     rows = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, rows, weights, sorted_ids, expert_ids, num_post_padded, 1, True, down)
+    _grouped_gemm(
+        act,
+        w2,
+        rows,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        1,
+        True,
+        down,
+        b_scale=None if scales is None else scales.w2_scale,
+        scales=scales,
+    )
     return sum_choices(rows, top_k)

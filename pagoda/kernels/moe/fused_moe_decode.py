@@ -28,6 +28,11 @@ adds nothing (gate/up skip it; down zeroes its activation row, or reads nothing 
 row is chunked). Outputs are allocated from shapes alone: CUDA-graph
 capturable.
 
+FP8 experts (W_SCALED, a constexpr: the float build is unchanged): each weight tile is
+widened to float32 and multiplied by its elements' scales (rows n // SCALE_BN, columns
+k // SCALE_BK of the expert's scale tensor, gathered per element: the down kernel reads
+a whole intermediate row of several 128-wide blocks at once) before the products.
+
 Shared experts (DeepSeek): a shared MLP whose intermediate size Is is a whole number of
 expert intermediates I rides along in the same two launches: its Is / I chunks are
 extra pairs of every token in the gate/up kernel (weight rows of the shared gate_up
@@ -46,6 +51,7 @@ import triton.language as tl
 from pagoda.kernels.launch import l2_prefetch
 from pagoda.kernels.launch.pdl import launch_options, pdl_wait_and_release
 from pagoda.kernels.moe.config import DownTiles, GateUpTiles, MoEKernelConfig
+from pagoda.kernels.moe.reference import ExpertScales
 
 
 @triton.jit
@@ -56,6 +62,17 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
     u = up.to(dtype).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return silu * u
+
+
+@triton.jit
+def scaled_tile(w, s_rows, cols, mask, stride_sk, W_SCALED: tl.constexpr, SCALE_BK: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] in float32; with W_SCALED, times its scales:
+    s_rows [BLOCK_N] pointers to each row's scale row, cols [BLOCK_K] the columns."""
+    w = w.to(tl.float32)
+    if W_SCALED:
+        s = tl.load(s_rows[:, None] + (cols // SCALE_BK)[None, :] * stride_sk, mask=mask, other=0.0)
+        w = w * s
+    return w
 
 
 @triton.jit
@@ -78,8 +95,17 @@ def _gemv_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
+    s13_ptr=None,  # with W_SCALED: w13's scales [E, scale rows, scale cols]
+    stride_se=0,
+    stride_sn=0,
+    stride_sk=0,
+    scale_up_off=0,
+    W_SCALED: tl.constexpr = False,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
+    s13_ptr = s13_ptr if W_SCALED else w13_ptr  # (unread without W_SCALED)
     # Pairs [0, num_routed_pairs): (token, choice), expert ids[pair] of w13. Pairs past
     # them (SHARED_CHUNKS > 0): (token, chunk c) of the shared MLP ws13 [2 * Is, H],
     # whose gate rows [c * I, (c + 1) * I) and up rows Is + the same are an expert's.
@@ -97,6 +123,7 @@ def _gemv_gate_up_kernel(
         )
         w_up = w_gate + shared_inter * stride_swn
         length = H
+        s_gate = s13_ptr + offs_n * 0  # (never read: shared chunks are float)
     else:
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
@@ -109,6 +136,8 @@ def _gemv_gate_up_kernel(
         w_up = w_gate + I * stride_wn
         # -1 (another rank's expert): nothing read, and down reads nothing of this row.
         length = tl.where(expert >= 0, H, 0)
+        s_gate = s13_ptr + tl.maximum(expert, 0) * stride_se + (offs_n // SCALE_BN) * stride_sn
+    s_up = s_gate + scale_up_off * stride_sn
     n_ok = offs_n < I
     x_row = x_ptr + token * stride_xm
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -117,8 +146,11 @@ def _gemv_gate_up_kernel(
         k_ok = offs_k < length - k0
         x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(w_gate + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
-        acc_u += tl.load(w_up + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        cols = k0 + offs_k
+        w_g = tl.load(w_gate + k0, mask=mask, other=0.0)
+        w_u = tl.load(w_up + k0, mask=mask, other=0.0)
+        acc_g += scaled_tile(w_g, s_gate, cols, mask, stride_sk, W_SCALED, SCALE_BK) * x[None, :]
+        acc_u += scaled_tile(w_u, s_up, cols, mask, stride_sk, W_SCALED, SCALE_BK) * x[None, :]
     act = silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), act_ptr.dtype.element_ty)
     # A row of another rank's expert is not stored (a vector mask from a scalar bound:
     # the interpreter refuses a scalar bool combined with a vector).
@@ -154,8 +186,16 @@ def _gemv_down_sum_kernel(
     LOOP_STAGES: tl.constexpr,
     PREFETCH_NEXT: tl.constexpr = False,  # pagoda.kernels.launch.l2_prefetch
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
+    s2_ptr=None,  # with W_SCALED: w2's scales [E, scale rows, scale cols]
+    stride_se=0,
+    stride_sn=0,
+    stride_sk=0,
+    W_SCALED: tl.constexpr = False,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     pdl_wait_and_release(USE_PDL)  # before any load or store
+    s2_ptr = s2_ptr if W_SCALED else w2_ptr  # (unread without W_SCALED)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -181,6 +221,7 @@ def _gemv_down_sum_kernel(
             + offs_k[None, :]
         )
         act_row = act_ptr + pair * I
+        s_rows = s2_ptr + tl.maximum(expert, 0) * stride_se + (offs_n // SCALE_BN) * stride_sn
         if SHARED_CHUNKS > 0:
             # Chunk c of the shared MLP's down weight ws2 [H, SHARED_CHUNKS * I] and the
             # act row its gate/up pair wrote (past the routed pairs).
@@ -192,7 +233,21 @@ def _gemv_down_sum_kernel(
                 routed, act_row, act_ptr + (num_routed_pairs + token * SHARED_CHUNKS + c) * I
             )
             length = tl.where(routed, length, I)
-        y = _down_rows(act_row, w_rows, length, I, n_ok, offs_k, BLOCK_N, BLOCK_K, ONE_CHUNK)
+        y = _down_rows(
+            act_row,
+            w_rows,
+            length,
+            I,
+            n_ok,
+            offs_k,
+            s_rows,
+            stride_sk,
+            BLOCK_N,
+            BLOCK_K,
+            ONE_CHUNK,
+            W_SCALED,
+            SCALE_BK,
+        )
         weight = tl.load(weights_ptr + pair, mask=routed, other=0.0)
         # Adding 0.0 leaves a float32 sum unchanged: each sum sees its own terms only.
         total += tl.where(routed, y.to(out_ptr.dtype.element_ty).to(tl.float32) * weight, 0.0)
@@ -217,25 +272,34 @@ def _down_rows(
     I,
     n_ok,
     offs_k,
+    s_rows,
+    stride_sk,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     """float32 [BLOCK_N]: the w_rows block times act_row over its first length (<= I)
-    columns (w_rows: [BLOCK_N, BLOCK_K] pointers of the first chunk)."""
+    columns (w_rows: [BLOCK_N, BLOCK_K] pointers of the first chunk; s_rows: the rows'
+    scale rows, read with W_SCALED)."""
     if ONE_CHUNK:
         # Masks along K only (uniform, so the loads stay vectorized).
         k_ok = offs_k < length
         a = tl.load(act_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows, mask=mask, other=0.0)
+        w = scaled_tile(w, s_rows, offs_k, mask, stride_sk, W_SCALED, SCALE_BK)
+        y = tl.sum(w * a[None, :], axis=1)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             chunk_ok = offs_k < length - k0
             a_chunk = tl.load(act_row + k0 + offs_k, mask=chunk_ok, other=0.0)
-            w_chunk = tl.load(w_rows + k0, mask=n_ok[:, None] & chunk_ok[None, :], other=0.0)
-            acc += w_chunk.to(tl.float32) * a_chunk.to(tl.float32)[None, :]
+            mask = n_ok[:, None] & chunk_ok[None, :]
+            w_chunk = tl.load(w_rows + k0, mask=mask, other=0.0)
+            w_chunk = scaled_tile(w_chunk, s_rows, k0 + offs_k, mask, stride_sk, W_SCALED, SCALE_BK)
+            acc += w_chunk * a_chunk.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
     return y
 
@@ -249,9 +313,11 @@ def fused_moe_gemv(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     prefetch_after: torch.Tensor | None = None,
     config: MoEKernelConfig | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """fused_moe's contract (shapes already checked by it, hidden contiguous, at least
-    one pair) -> [T, H] in hidden's dtype. shared: a shared MLP's (gate_up [2 * Is, H],
+    one pair) -> [T, H] in hidden's dtype. scales: FP8 weights' scales (checked by
+    fused_moe; no shared MLP with them). shared: a shared MLP's (gate_up [2 * Is, H],
     down [H, Is]) with Is a multiple of the experts' I (shared_chunks_of); its output is
     added to every token's (see the module docstring). prefetch_after: a weight the down
     kernel prefetches into L2 at its end (l2_prefetch). config: the tiles (default:
@@ -268,7 +334,7 @@ def fused_moe_gemv(
     act = torch.empty(routed + num_tokens * chunks, inter, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     config = config or MoEKernelConfig.for_device(hidden.device)
-    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, config.gate_up)
+    launch_gate_up(hidden, w13, ids, act, ws13, top_k, chunks, config.gate_up, scales)
     launch_down(
         act,
         w2,
@@ -280,8 +346,26 @@ def fused_moe_gemv(
         chunks,
         config.down_tiles(inter),
         prefetch=prefetch_after,
+        scales=scales,
     )
     return out
+
+
+def scale_args(scale: torch.Tensor | None, scales: ExpertScales | None, ptr: str) -> dict:
+    """A GEMV kernel's scale arguments (its pointer named ptr) for a weight with scale
+    (w13_scale or w2_scale of scales); none (W_SCALED off) for float weights."""
+    if scale is None:
+        return {}
+    return {
+        ptr: scale,
+        "stride_se": scale.stride(0),
+        "stride_sn": scale.stride(1),
+        # Per channel: the one scale column, whatever k is.
+        "stride_sk": scale.stride(2) if scales.block is not None else 0,
+        "W_SCALED": True,
+        "SCALE_BN": scales.row_block(),
+        "SCALE_BK": scales.col_block(),
+    }
 
 
 def launch_gate_up(
@@ -293,10 +377,14 @@ def launch_gate_up(
     top_k: int,
     chunks: int,
     tiles: GateUpTiles,
+    scales: ExpertScales | None = None,
 ) -> None:
     """The gate/up kernel: hidden [T, H], ids int32 [T * top_k] -> act [T * top_k + T *
     chunks, I]; ws13 is the shared MLP's gate_up (unread without chunks)."""
     inter = w13.shape[1] // 2
+    scaling = scale_args(None if scales is None else scales.w13_scale, scales, "s13_ptr")
+    if scaling:
+        scaling["scale_up_off"] = scales.up_offset(inter)
     _gemv_gate_up_kernel[(act.shape[0], triton.cdiv(inter, tiles.block_n))](
         hidden,
         w13,
@@ -315,6 +403,7 @@ def launch_gate_up(
         SHARED_CHUNKS=chunks,
         **tiles.launch(),
         **launch_options(hidden.device),
+        **scaling,
     )
 
 
@@ -329,6 +418,7 @@ def launch_down(
     chunks: int,
     tiles: DownTiles,
     prefetch: torch.Tensor | None = None,
+    scales: ExpertScales | None = None,
 ) -> None:
     """The down kernel: act (launch_gate_up's) -> out [T, H], the k choices (and the
     shared chunks) summed. prefetch: a weight asked into L2 at the kernel's end, where
@@ -336,6 +426,7 @@ def launch_down(
     hidden_size, inter = w2.shape[1], w2.shape[2]
     next_bytes = l2_prefetch.prefetch_bytes(prefetch, out.shape[0], out.device)
     config = tiles.launch(inter)
+    scaling = scale_args(None if scales is None else scales.w2_scale, scales, "s2_ptr")
     _gemv_down_sum_kernel[(out.shape[0], triton.cdiv(hidden_size, tiles.block_n))](
         act,
         w2,
@@ -357,6 +448,7 @@ def launch_down(
         PREFETCH_NEXT=next_bytes > 0,
         **config,
         **launch_options(act.device),
+        **scaling,
     )
 
 

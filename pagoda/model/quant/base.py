@@ -8,6 +8,9 @@ quantization of a float checkpoint, repacking of file blocks), and multiplies
 (``apply``). Layers keep what is the same for every method: which slice of a
 checkpoint tensor belongs to this tensor-parallel rank, the all-reduce, the bias.
 
+A FusedMoE layer (stacked experts) takes a ``MoEMethod`` from ``moe_method`` instead:
+its weights are not linear layers of their own, and its kernels apply the scales.
+
 Sharding is generic: every parameter a method creates says, in its ``ShardDims``,
 which of its dims follow the layer's output rows and input columns, and how many
 logical rows/columns one stored index covers (a 128x128 block scale covers 128 of
@@ -266,6 +269,15 @@ class QuantConfig(ABC):
         """The method for the linear layer named prefix (e.g.
         'model.layers.0.self_attn.qkv_proj'); None keeps it unquantized."""
 
+    def moe_method(self, prefix: str, layer: nn.Module) -> MoEMethod | None:
+        """The method for the FusedMoE layer named prefix ('model.layers.3.mlp.experts');
+        None keeps its experts in float. The default refuses: a scheme that quantizes
+        no experts cannot serve an MoE model's checkpoint as it means to."""
+        raise ValueError(
+            f"{self.name} quantization of MoE experts is not supported; serve the "
+            f"model unquantized or with fp8"
+        )
+
     def lm_head_method(self) -> LinearMethod | None:
         """The method for the LM head, or None (unquantized). It must quantize from the
         float weight after loading (the head may share its weight with the embedding)."""
@@ -286,4 +298,34 @@ class QuantConfig(ABC):
         """Raises ValueError when the activations' dtype does not suit this scheme."""
 
     def describe(self) -> str:
+        return self.name
+
+
+class MoEMethod(ABC):
+    """How a FusedMoE layer's stacked experts (w13_weight [E, 2I, H], w2_weight [E, H, I])
+    are stored: what replaces the float parameters before materialising
+    (``create_weights``), what loading leaves to do (``process_weights_after_loading``)
+    and the scales the kernels apply (``scales``).
+
+    block: the rows and columns one scale covers (None: one scale per output row);
+    scale_name: the checkpoint's name of a weight's scale ("weight_scale_inv",
+    "weight_scale"), or None where the checkpoint holds float weights."""
+
+    name: str = "?"
+    block: tuple[int, int] | None = None
+    scale_name: str | None = None
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module) -> None:
+        """Registers or replaces the layer's expert parameters (on the meta device)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turns the loaded weights into what scales() describes (default: as is)."""
+
+    @abstractmethod
+    def scales(self, layer: nn.Module):
+        """The layer's ExpertScales (pagoda.kernels.moe.reference) for the kernels."""
+
+    def weight_format(self, layer: nn.Module) -> str:
+        """How the experts are stored, for the start-up log."""
         return self.name

@@ -19,7 +19,9 @@ W8A16_MAX_M rows, on CUDA), it asks for it already quantized (``takes_fp8_input`
 the RMSNorm or SiLU-and-mul producing it then writes the FP8 rows and scales directly
 (pagoda.kernels.fp8.fused_quant, the same bytes), and ``apply_fp8`` runs the W8A8 GEMM
 on them. Block-scaled and static-input methods quantize differently and never ask.
-The matmuls themselves live in pagoda.kernels.fp8.linear. On the CPU the engine
+The matmuls themselves live in pagoda.kernels.fp8.linear. MoE experts and MLA's
+kv_b_proj take the methods of pagoda.model.quant.fp8_moe (``moe_method``,
+``linear_method``). On the CPU the engine
 refuses FP8 (``check_device``); the methods' apply still runs there through the
 kernels' torch references, which is how CI checks the layers.
 """
@@ -39,13 +41,21 @@ from pagoda.model.quant.base import (
     WEIGHT_DIMS,
     Fp8Activation,
     LinearMethod,
+    MoEMethod,
     QuantConfig,
     ShardDims,
     checkpoint_layers,
     replace_parameter,
 )
+from pagoda.model.quant.fp8_moe import (
+    Fp8DequantLinearMethod,
+    Fp8OnlineMoEMethod,
+    checkpoint_moe_method,
+)
 
 FP8_MAX = 448.0
+# Linear layers whose weight a model reads directly (MLA's kv_b_proj: W_UK / W_UV).
+MLA_FLOAT_PROJECTIONS = ("self_attn.kv_b_proj",)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
 # Devices where the per-token methods ask for their input pre-quantized (the fused
 # producers run there). Tests add "cpu": the references (or the interpreter) then take
@@ -278,13 +288,33 @@ class Fp8Config(QuantConfig):
         its float weight; a checkpoint's FP8 scheme leaves it in float)."""
         self.method, self.ignored, self.name = method, tuple(ignored), name
         self.fp8_lm_head = fp8_lm_head
+        # The model's dtype (check_model_dtype records it): what a weight that must stay
+        # float (MLA's kv_b_proj) is dequantized to.
+        self.model_dtype = torch.bfloat16
 
     @classmethod
     def online(cls) -> Fp8Config:
         return cls(Fp8OnlineLinearMethod())
 
     def linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
-        return None if is_ignored(prefix, self.ignored) else self.method
+        if is_ignored(prefix, self.ignored):
+            return None
+        if prefix.endswith(MLA_FLOAT_PROJECTIONS):
+            # MLA reads this weight directly (its W_UK / W_UV views): a checkpoint's FP8
+            # weight is dequantized at load, a float one stays float.
+            if not isinstance(self.method, Fp8CheckpointLinearMethod):
+                return None
+            return Fp8DequantLinearMethod(self.method, self.model_dtype)
+        return self.method
+
+    def moe_method(self, prefix: str, layer: nn.Module) -> MoEMethod | None:
+        """FusedMoE experts: FP8 W8A16 (pagoda.model.quant.fp8_moe), or float where the
+        checkpoint keeps the layer's experts unquantized."""
+        if all(_matches(f"{prefix}.0.{proj}", self.ignored) for proj in ("gate_proj", "down_proj")):
+            return None
+        if isinstance(self.method, Fp8CheckpointLinearMethod):
+            return checkpoint_moe_method(self.method)
+        return Fp8OnlineMoEMethod()
 
     def lm_head_method(self) -> LinearMethod | None:
         return Fp8OnlineLinearMethod() if self.fp8_lm_head else None
@@ -297,6 +327,7 @@ class Fp8Config(QuantConfig):
 
     def check_model_dtype(self, dtype: torch.dtype) -> None:
         check_fp8_activation_dtype(dtype)
+        self.model_dtype = dtype
 
     def describe(self) -> str:
         head = ", FP8 LM head" if self.fp8_lm_head else ""

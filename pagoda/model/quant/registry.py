@@ -23,6 +23,7 @@ from torch import nn
 from pagoda.config import QUANTIZATION_METHODS
 from pagoda.model.layers.embedding import ParallelLMHead
 from pagoda.model.layers.linear import LinearBase
+from pagoda.model.layers.moe.fused_moe import FusedMoE
 from pagoda.model.quant.base import QuantConfig
 from pagoda.model.quant.unquantized import UNQUANTIZED
 
@@ -37,6 +38,15 @@ ONLINE_METHODS = {
     "int8": "pagoda.model.quant.cpu_int:Int8QuantConfig",
     "int4": "pagoda.model.quant.cpu_int:Int4QuantConfig",
 }
+# Architectures with MoE experts or MLA whose quantized loading is implemented and tested
+# (FusedMoE experts and MLA projections under the FP8 schemes, tests/model/test_fp8_moe.py).
+QUANTIZED_MOE_MLA_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+# Schemes with MoE and MLA methods (QuantConfig.moe_method; kv_b_proj kept float).
+QUANTIZED_MOE_MLA_SCHEMES = ("fp8", "compressed-tensors")
 # How the start-up log names each scheme (describe_weights).
 SCHEME_LABELS = {
     "gguf": "gguf blocks",
@@ -155,15 +165,11 @@ def attach_quant_methods(
     device: torch.device,
     dtype: torch.dtype,
 ) -> None:
-    """Gives each linear layer of a model built on meta its method (before materialising)."""
+    """Gives each linear layer and each FusedMoE of a model built on meta its method
+    (before materialising)."""
     if quant_config is None:
         return
-    if arch.moe is not None or arch.mla is not None:
-        raise ValueError(
-            f"{quant_config.name} quantization of {arch.architecture} is not "
-            f"supported yet (its MoE experts and MLA layers have no quantized "
-            f"path); serve it unquantized"
-        )
+    check_moe_mla_support(arch, quant_config)
     quant_config.check_device(torch.device(device))
     quant_config.check_model_dtype(dtype)
 
@@ -172,9 +178,34 @@ def attach_quant_methods(
             method = quant_config.linear_method(name, module)
             if method is not None:
                 module.set_quant_method(method)
+        elif isinstance(module, FusedMoE):
+            moe_method = quant_config.moe_method(name, module)
+            if moe_method is not None:
+                module.set_quant_method(moe_method)
     head_method = quant_config.lm_head_method()
     if head_method is not None:
         model.lm_head.set_quant_method(head_method)
+
+
+def check_moe_mla_support(arch, quant_config: QuantConfig) -> None:
+    """Raises for a model with MoE experts or MLA that the scheme has no tested path for."""
+    if arch.moe is None and arch.mla is None:
+        return
+    parts = " and ".join(
+        what for what, has in (("MoE experts", arch.moe), ("MLA layers", arch.mla)) if has
+    )
+    if quant_config.name not in QUANTIZED_MOE_MLA_SCHEMES:
+        raise ValueError(
+            f"{quant_config.name} quantization of {arch.architecture} is not supported "
+            f"(its {parts} have no {quant_config.name} path); serve it unquantized, or "
+            f"with fp8 on the GPU"
+        )
+    if arch.architecture not in QUANTIZED_MOE_MLA_ARCHITECTURES:
+        raise ValueError(
+            f"{quant_config.name} quantization of {arch.architecture} is not supported "
+            f"yet (FP8 {parts} are implemented for "
+            f"{', '.join(QUANTIZED_MOE_MLA_ARCHITECTURES)}); serve it unquantized"
+        )
 
 
 def process_loaded_weights(model: nn.Module) -> None:
@@ -190,6 +221,9 @@ def process_loaded_weights(model: nn.Module) -> None:
             changed = True
         elif isinstance(module, ParallelLMHead) and module.quant_method is not None:
             module.process_weights_after_loading()
+            changed = True
+        elif isinstance(module, FusedMoE) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
             changed = True
     if changed and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -207,12 +241,19 @@ def describe_weights(model: nn.Module) -> str:
     if scheme is None:
         return float_dtype
     formats: Counter[str] = Counter()
+    experts: Counter[str] = Counter()
     for name, module in model.named_modules():
         # The LM head's private quantized layer is reported as the head.
         if isinstance(module, LinearBase) and not name.startswith("lm_head."):
             formats[module.quant_method.weight_format(module)] += 1
+        elif isinstance(module, FusedMoE):
+            method = module.quant_method
+            experts[float_dtype if method is None else method.weight_format(module)] += 1
     layers = ", ".join(f"{fmt} ×{count}" for fmt, count in formats.most_common())
     parts = [f"{layers} linear layers"] if layers else []
+    if experts:
+        moe = ", ".join(f"{fmt} ×{count}" for fmt, count in experts.most_common())
+        parts.append(f"experts {moe}")
     quantized = getattr(head, "quantized", None)
     if quantized is not None:
         parts.append(f"LM head {quantized.quant_method.weight_format(quantized)}")

@@ -14,6 +14,12 @@ Sharding, chosen at construction:
 Either way each rank's output is a partial sum over its shards: with reduce_results
 the layer all-reduces it; without, the caller does (one all-reduce for several sums).
 
+Quantized experts: a ``MoEMethod`` (pagoda.model.quant, ``set_quant_method`` before
+materialising) replaces the weights by FP8 ones with scale buffers (``w13_<scale>``,
+``w2_<scale>``), sliced with the weights (tensor parallel: the blocks of this rank's
+rows / columns; expert parallel: whole experts), and the kernels apply them
+(``MoEMethod.scales``). A shared MLP then runs apart from the experts' kernels.
+
 Loading: ``map_expert_weight_name`` turns ``...mlp.experts.{e}.{gate,up,down}_proj.weight``
 into (``...mlp.experts.w13_weight`` or ``w2_weight``, shard id ``(e, "gate"|"up"|"down")``)
 and the parameter's ``weight_loader(param, full_tensor, shard_id)`` copies this rank's
@@ -33,7 +39,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import tp_all_reduce
 from pagoda.kernels.moe.config import MoEKernelConfig
-from pagoda.kernels.moe.reference import fused_moe_reference
+from pagoda.kernels.moe.reference import ExpertScales, fused_moe_reference
 from pagoda.model.layers.linear import (
     LayerWeightLoader,
     check_tp_group,
@@ -44,23 +50,32 @@ from pagoda.model.layers.matmul import linear
 from pagoda.model.layers.moe.routing import select_experts
 from pagoda.model.moe_config import MoEConfig
 from pagoda.model.parallel import TensorParallel
+from pagoda.model.quant.base import MoEMethod
 
 _EXPERT_RE = re.compile(
     r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\."
-    r"(?P<proj>gate|up|down)_proj\.weight$"
+    r"(?P<proj>gate|up|down)_proj\.(?P<kind>weight|weight_scale_inv|weight_scale)$"
 )
+# FP8 checkpoints' scale tensors beside an expert's weight (pagoda.model.quant.fp8_moe).
+SCALE_KINDS = ("weight_scale_inv", "weight_scale")
 
-ExpertShardId = tuple[int, str]
+# (expert, "gate"|"up"|"down"), or (expert, proj, scale kind) for an FP8 weight's scale.
+ExpertShardId = tuple[int, str] | tuple[int, str, str]
 
 
 def map_expert_weight_name(hf_name: str) -> tuple[str, ExpertShardId] | None:
     """'model.layers.3.mlp.experts.7.up_proj.weight' ->
-    ('model.layers.3.mlp.experts.w13_weight', (7, 'up')); None for other names."""
+    ('model.layers.3.mlp.experts.w13_weight', (7, 'up')); an FP8 scale
+    ('...experts.7.up_proj.weight_scale_inv') goes to the same parameter's loader with
+    shard id (7, 'up', 'weight_scale_inv'); None for other names."""
     m = _EXPERT_RE.match(hf_name)
     if m is None:
         return None
     param = "w2_weight" if m["proj"] == "down" else "w13_weight"
-    return f"{m['prefix']}.{param}", (int(m["expert"]), m["proj"])
+    shard = (int(m["expert"]), m["proj"])
+    if m["kind"] != "weight":
+        shard = (*shard, m["kind"])
+    return f"{m['prefix']}.{param}", shard
 
 
 class FusedMoE(nn.Module):
@@ -129,6 +144,19 @@ class FusedMoE(nn.Module):
         # The kernels' tiles on this layer's device (the model runner's KernelConfigs;
         # None: MoEKernelConfig.for_device at each call).
         self.kernel_config: MoEKernelConfig | None = None
+        # How the experts are stored (None: float weights of the model's dtype).
+        self.quant_method: MoEMethod | None = None
+
+    def set_quant_method(self, method: MoEMethod) -> None:
+        """Quantized experts (before materialising): method registers their parameters."""
+        if self.quant_method is not None:
+            raise ValueError("FusedMoE already has a quantization method")
+        method.create_weights(self)
+        self.quant_method = method
+
+    def scales(self) -> ExpertScales | None:
+        """The FP8 weights' scales the kernels apply, None for float experts."""
+        return None if self.quant_method is None else self.quant_method.scales(self)
 
     def set_next_linear(self, layer: nn.Module) -> None:
         """The linear layer the model runs next (the next decoder layer's qkv projection):
@@ -141,24 +169,38 @@ class FusedMoE(nn.Module):
         """Every shard id a complete checkpoint gives param_name ("w13_weight" or
         "w2_weight"): all experts', including the ones another rank keeps."""
         projs = ("down",) if param_name.endswith("w2_weight") else ("gate", "up")
-        return [(e, p) for e in range(self.num_experts) for p in projs]
+        ids: list[ExpertShardId] = [(e, p) for e in range(self.num_experts) for p in projs]
+        scale = None if self.quant_method is None else self.quant_method.scale_name
+        if scale is not None:  # an FP8 checkpoint's scale beside every weight
+            ids += [(e, p, scale) for e, p in list(ids)]
+        return ids
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId
     ) -> None:
         if (
             not isinstance(shard_id, tuple)
-            or len(shard_id) != 2
+            or len(shard_id) not in (2, 3)
             or shard_id[1] not in ("gate", "up", "down")
+            or shard_id[2:] not in ((), *((k,) for k in SCALE_KINDS))
         ):
             raise ValueError(
-                f"FusedMoE needs shard_id (expert, 'gate'|'up'|'down'), got {shard_id!r}"
+                f"FusedMoE needs shard_id (expert, 'gate'|'up'|'down'[, scale kind]), "
+                f"got {shard_id!r}"
             )
-        expert, proj = shard_id
+        expert, proj = shard_id[:2]
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (the layer has {self.num_experts})")
         if (proj == "down") != (param is self.w2_weight):
             raise ValueError(f"{proj}_proj does not belong in this parameter")
+        if len(shard_id) == 3:
+            self._load_scale(expert, proj, shard_id[2], loaded_weight)
+            return
+        if (param.dtype == torch.float8_e4m3fn) != (loaded_weight.dtype == torch.float8_e4m3fn):
+            raise ValueError(
+                f"expert {expert} {proj}_proj: a {loaded_weight.dtype} checkpoint tensor "
+                f"for {param.dtype} experts (the quantization_config and the weights disagree)"
+            )
         full = (
             (self.hidden_size, self.intermediate_size)
             if proj == "down"
@@ -185,6 +227,36 @@ class FusedMoE(nn.Module):
                 loaded_weight.narrow(0, start, i),
                 f"expert {expert} {proj}_proj",
             )
+
+    def _load_scale(self, expert: int, proj: str, kind: str, scale: torch.Tensor) -> None:
+        """An FP8 weight's scale ([ceil(N/bn), ceil(K/bk)] blocks, or [N, 1] per row)
+        into this rank's w13 / w2 scale buffer, sliced as the weight is."""
+        method = self.quant_method
+        what = f"expert {expert} {proj}_proj.{kind}"
+        if method is None or method.scale_name != kind:
+            raise ValueError(f"{what}: these experts keep no {kind} (float or another scheme)")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        bn, bk = method.block or (1, None)
+        i, h = self.local_intermediate, self.hidden_size
+        start = 0 if self.expert_parallel else self.tp.rank * i
+        if proj == "down":  # [H, I]: this rank's column blocks (every row)
+            full_rows = -(-h // bn)
+        else:  # [I, H]: this rank's row blocks
+            full_rows = -(-self.intermediate_size // bn)
+        if scale.dim() != 2 or scale.shape[0] != full_rows:
+            raise ValueError(
+                f"{what}: checkpoint shape {tuple(scale.shape)}, expected {full_rows} rows"
+            )
+        if proj == "down":
+            dst = getattr(self, f"w2_{kind}")[local]
+            src = scale if bk is None else scale.narrow(1, start // bk, -(-i // bk))
+        else:  # into the gate or the up half of the w13 scale
+            half = -(-i // bn)
+            dst = getattr(self, f"w13_{kind}")[local].narrow(0, 0 if proj == "gate" else half, half)
+            src = scale.narrow(0, start // bn, half)
+        copy_checked(dst, src.float(), what)
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's indices, -1 for another rank's experts
@@ -216,7 +288,10 @@ class FusedMoE(nn.Module):
         )
         if self.expert_parallel and self.tp.size > 1:
             topk_ids = self._local_ids(topk_ids)
-        shared_weights = self._shared_weights(shared, hidden_states, topk_ids.numel())
+        scales = self.scales()
+        shared_weights = None
+        if scales is None:  # a shared MLP rides along float experts' kernels only
+            shared_weights = self._shared_weights(shared, hidden_states, topk_ids.numel())
         if hidden_states.is_cuda:
             from pagoda.kernels.launch import l2_prefetch  # imports triton: CUDA only
             from pagoda.kernels.moe.fused_moe import fused_moe
@@ -231,6 +306,7 @@ class FusedMoE(nn.Module):
                 shared=shared_weights,
                 prefetch_after=following,
                 config=self.kernel_config,
+                scales=scales,
             )
         else:
             out = fused_moe_reference(
@@ -240,6 +316,7 @@ class FusedMoE(nn.Module):
                 topk_weights,
                 topk_ids,
                 linear=linear,
+                scales=scales,
             )
         if shared is not None and shared_weights is None:
             out = out + shared(hidden_states)
