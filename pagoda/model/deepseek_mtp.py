@@ -165,6 +165,12 @@ def check_mtp_target(model_path: str, arch: ArchConfig, load_format: str) -> Non
         raise ValueError(
             f"{what}; {model_path}/config.json has num_nextn_predict_layers missing or 0"
         )
+    if arch.quantization_config is not None:
+        method = arch.quantization_config.get("quant_method", "?")
+        raise ValueError(
+            f"speculative_config method 'mtp' does not load quantized MTP layers yet "
+            f"(this checkpoint is {method!r}); use another method or a bf16 checkpoint"
+        )
 
 
 def _mtp_tensors(model_dir: Path, layer_idx: int) -> Iterator[tuple[str, torch.Tensor]]:
