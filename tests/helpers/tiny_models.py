@@ -111,7 +111,7 @@ def tiny_deepseek_config(arch: str, **overrides):
         config, cls = transformers.DeepseekV2Config(**fields), transformers.DeepseekV2ForCausalLM
     elif arch == "deepseek_v32":
         sparse = dict(q_lora_rank=24, index_n_heads=8, index_head_dim=16, index_topk=8)
-        config = transformers.DeepseekV32Config(**dict(DEEPSEEK_TINY, **sparse, **overrides))
+        config = transformers.DeepseekV32Config(**{**DEEPSEEK_TINY, **sparse, **overrides})
         cls = transformers.DeepseekV32ForCausalLM
     else:
         config, cls = transformers.DeepseekV3Config(**fields), transformers.DeepseekV3ForCausalLM

@@ -67,10 +67,10 @@ def _random(model, seed: int, quiet: bool) -> None:
                     param.mul_(0.01)
 
 
-def save_donor(path, seed: int, quiet: bool = False) -> None:
+def save_donor(path, seed: int, quiet: bool = False, arch: str = "deepseek_v3") -> None:
     """A random 3-layer model whose layer 2 (an MoE block: index >= first_k_dense_replace)
     becomes the MTP layer's block, saved in the checkpoint's tensor layout."""
-    config, cls = tiny_deepseek_config("deepseek_v3", num_hidden_layers=3, **OVERRIDES)
+    config, cls = tiny_deepseek_config(arch, num_hidden_layers=3, **OVERRIDES)
     torch.manual_seed(seed)
     donor = cls(config).eval()
     _random(donor, seed, quiet)
@@ -101,11 +101,13 @@ def _mtp_tensors(donor_path, seed: int, hf, echo: bool) -> dict[str, torch.Tenso
     return tensors
 
 
-def save_mtp_checkpoint(path, donor_path=None, seed: int = 0, echo: bool = False):
-    """A tiny DeepseekV3 directory, with an MTP layer from the donor's layer 2 (none
-    without a donor); returns the transformers target model."""
+def save_mtp_checkpoint(
+    path, donor_path=None, seed: int = 0, echo: bool = False, arch: str = "deepseek_v3"
+):
+    """A tiny DeepseekV3 (or arch) directory, with an MTP layer from the donor's layer 2
+    (none without a donor); returns the transformers target model."""
     nextn = 0 if donor_path is None else 1
-    config, cls = tiny_deepseek_config("deepseek_v3", num_nextn_predict_layers=nextn, **OVERRIDES)
+    config, cls = tiny_deepseek_config(arch, num_nextn_predict_layers=nextn, **OVERRIDES)
     torch.manual_seed(seed)
     hf = cls(config).eval()
     _random(hf, seed, quiet=echo)
@@ -336,6 +338,23 @@ def test_drafts_an_echo_layer_gets_right_are_accepted(echo_checkpoint, k, async_
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     spec_stats = stats.spec_decode
+    assert spec_stats.num_accepted_tokens > 0.8 * spec_stats.num_draft_tokens > 40
+    assert_all_blocks_free(llm)
+
+
+def test_mtp_on_a_sparse_attention_model_keeps_outputs(tmp_path_factory):
+    """DeepSeek-V3.2: the MTP layer's block holds its own indexer (its keys in a pool
+    layer after the target's); with the echo layer most drafts are accepted and the
+    outputs equal speculation off's."""
+    donor = tmp_path_factory.mktemp("mtp-v32-donor")
+    save_donor(donor, seed=8, quiet=True, arch="deepseek_v32")
+    path = tmp_path_factory.mktemp("deepseek-v32-mtp")
+    save_mtp_checkpoint(path, donor, seed=3, echo=True, arch="deepseek_v32")
+    off = run(make_llm(path), GREEDY)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    llm = make_llm(path, spec)
+    assert run(llm, GREEDY) == off
+    spec_stats = llm.llm_engine.get_stats().spec_decode
     assert spec_stats.num_accepted_tokens > 0.8 * spec_stats.num_draft_tokens > 40
     assert_all_blocks_free(llm)
 
