@@ -25,6 +25,10 @@ Layout contract (all backends):
   Attention layer passes on every call; None: full attention) only to positions
   p - W + 1..p (transformers' sliding_window: W keys, the query's own included). The
   cache still holds every position; a windowed layer simply reads fewer of them.
+- Attention sinks (``forward(..., sinks=s)``, float32 [num_heads] on the device, a
+  per-layer value passed like the window; None: none): head h's softmax denominator
+  gets one more term exp(s[h]) with no value (gpt-oss), so a row's weights over its
+  keys sum to less than 1.
 - An FP8 cache (float8_e4m3fn, kv_cache_dtype fp8) holds entries divided by the layer's
   scales: ``forward`` then gets ``kv_scales`` (float32 [k_scale, v_scale] on the
   device) and reads K as stored * k_scale, V as stored * v_scale (attention/kv_quant.py).
@@ -100,9 +104,11 @@ class AttentionBackend(ABC):
         metadata: BackendMetadata,  # from build_metadata / metadata_for_capture
         kv_scales: torch.Tensor | None = None,  # an FP8 cache's [k_scale, v_scale]
         sliding_window: int | None = None,  # this layer's window (None: full attention)
+        sinks: torch.Tensor | None = None,  # float32 [num_heads] sink logits (None: none)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attends q to each request's context in kv_cache (its whole context, or the
-        last sliding_window keys up to each row's position)."""
+        last sliding_window keys up to each row's position), with each head's sink logit
+        in the softmax denominator when sinks is given."""
 
     # CUDA graph hooks. A backend that supports capture keeps its metadata tensors at
     # fixed addresses; capture/replay copy fresh values into them.

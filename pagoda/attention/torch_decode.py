@@ -197,6 +197,22 @@ def check_window(sliding_window: int | None) -> None:
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """A layer's sinks are None or one float32 logit per query head."""
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+        raise ValueError(
+            f"sinks must be float32 [{num_heads}] (one logit per head), "
+            f"got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of scores with one more logit (sinks, broadcast to
+    scores[..., :1]) in the denominator and no probability returned for it."""
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -205,11 +221,13 @@ def decode_attention(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (all of the step's rows) -> [B, H, D] for the plan's decode rows,
     in float32. When plan.all_rows, T == B and the result is the whole output.
     kv_scales: an FP8 cache's [k_scale, v_scale]. sliding_window: each row sees its
-    context's last sliding_window keys (the workspace still holds whole contexts)."""
+    context's last sliding_window keys (the workspace still holds whole contexts).
+    sinks: float32 [H], one extra softmax logit per head (no value)."""
     head_dim, num_kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     kv_ws, carry = workspace.buffers(kv_cache, plan.assignment)
     src, dst = plan.kv_copy(
@@ -235,7 +253,11 @@ def decode_attention(
     mask = plan.padding if sliding_window is None else plan.window_mask(sliding_window)
     if mask is not None:
         scores.view(num_slots, num_kv_heads, group, -1).masked_fill_(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # scores rows are (slot, kv head) pairs of G query heads each
+        head_sinks = sinks.view(1, num_kv_heads, group, 1).expand(num_slots, -1, -1, -1)
+        probs = softmax_with_sinks(scores, head_sinks.reshape(rows, group, 1))
     out = torch.bmm(probs, kv[1]).view(num_slots, num_kv_heads * group, head_dim)
     if fp8:
         out = out * kv_scales[1]

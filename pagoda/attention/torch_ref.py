@@ -25,6 +25,10 @@ A sliding-window layer passes its window to ``forward``: prefill rows mask keys 
 their window (and skip gathering those left of the first row's), decode rows mask the
 keys before their last W.
 
+Attention sinks (``forward(..., sinks=s)``, float32 [num_heads], gpt-oss): head h's
+softmax gets one more logit s[h] with no value, so its probabilities over the keys sum
+to less than 1 (``softmax_with_sinks``).
+
 An FP8 cache (kv_cache_dtype fp8) is read as stored * scale with the layer's
 ``kv_scales``: dequantized explicitly here (attention/kv_quant.py), folded into the
 score scale and the output on the batched decode path.
@@ -43,8 +47,10 @@ from pagoda.attention.kv_quant import check_scales, dequantize_kv, is_fp8
 from pagoda.attention.torch_decode import (
     StepPlan,
     build_step_plan,
+    check_sinks,
     check_window,
     decode_attention,
+    softmax_with_sinks,
 )
 
 
@@ -125,6 +131,7 @@ class TorchRefBackend(AttentionBackend):
         metadata: StepPlan | LazyStepPlan,
         kv_scales=None,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(metadata, LazyStepPlan):
             metadata = metadata.plan()
@@ -134,11 +141,19 @@ class TorchRefBackend(AttentionBackend):
         else:
             kv_scales = None  # entries in the model's dtype are not scaled
         check_window(sliding_window)
+        check_sinks(sinks, self.num_heads)
         window = sliding_window
         decode = plan.decode
         if decode is not None:
             o = decode_attention(
-                q, kv_cache, decode, plan.workspace, self.scale, kv_scales, sliding_window=window
+                q,
+                kv_cache,
+                decode,
+                plan.workspace,
+                self.scale,
+                kv_scales,
+                sliding_window=window,
+                sinks=sinks,
             )
             if decode.all_rows and q.shape[0] == len(plan.decode_rows):  # a pure decode step
                 return o if o.dtype == q.dtype else o.to(q.dtype)
@@ -155,11 +170,18 @@ class TorchRefBackend(AttentionBackend):
                 out,
                 kv_scales,
                 window,
+                sinks,
             )
         for i in plan.prefill_rows:
             start, end = plan.qsl[i], plan.qsl[i + 1]
             out[start:end] = self._prefill_one(
-                q[start:end], kv_cache, common.block_tables[i], plan.seq_lens[i], kv_scales, window
+                q[start:end],
+                kv_cache,
+                common.block_tables[i],
+                plan.seq_lens[i],
+                kv_scales,
+                window,
+                sinks,
             )
         return out
 
@@ -173,7 +195,14 @@ class TorchRefBackend(AttentionBackend):
         return self._workspace
 
     def _prefill_one(
-        self, q, kv_cache, block_table, seq_len: int, kv_scales=None, window: int | None = None
+        self,
+        q,
+        kv_cache,
+        block_table,
+        seq_len: int,
+        kv_scales=None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qlen = q.shape[0]
         # With a window, keys before the first row's window are never seen: not gathered.
@@ -194,11 +223,16 @@ class TorchRefBackend(AttentionBackend):
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        else:
+            scores = torch.matmul(qh, kh.transpose(1, 2)) * self.scale  # [H, qlen, seq]
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(softmax_with_sinks(scores, sinks.view(-1, 1, 1)), vh)
         return o.transpose(0, 1).to(q.dtype)
 
     def _decode_reference(
-        self, q, kv_cache, metadata, rows, lengths, out, kv_scales=None, window=None
+        self, q, kv_cache, metadata, rows, lengths, out, kv_scales=None, window=None, sinks=None
     ) -> None:
         """All single-token rows at once: gather each context padded to the longest.
         lengths: (query_start_loc, seq_lens) on the host."""
@@ -222,6 +256,9 @@ class TorchRefBackend(AttentionBackend):
         if window is not None:
             valid &= pos >= lens[:, None] - window
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = softmax_with_sinks(scores, sinks.view(1, self.num_kv_heads, G, 1))
         o = torch.einsum("bhgl,blhd->bhgd", probs, dequantize_kv(v, v_scale))
         out[tok_idx] = o.reshape(B, self.num_heads, self.head_dim).to(q.dtype)

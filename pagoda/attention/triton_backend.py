@@ -13,6 +13,8 @@ An FP8 cache (kv_cache_dtype fp8) is read by the same kernels with the layer's
 kv_scales (attention/kv_quant.py); q and the output stay in the model's dtype. A
 sliding-window layer passes its window, which both kernels take per launch (the plan
 is the same for every layer: decode slices split the window instead of the context).
+A layer with attention sinks passes them the same way (float32 [num_heads]); the
+decode merge counts each head's sink once whatever the number of slices.
 
 CUDA graphs: decode graphs (one query row per request) and mixed graphs (a fixed
 number of rows over up to a fixed number of requests of any query lengths: small
@@ -140,6 +142,7 @@ class TritonBackend(AttentionBackend):
         out: torch.Tensor | None = None,
         kv_scales: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As AttentionBackend.forward; `out` ([T, H, D] like q) receives the result if given."""
         from pagoda.kernels.attention.paged_attention import (
@@ -167,6 +170,7 @@ class TritonBackend(AttentionBackend):
                 skip_single_token=metadata.num_decodes > 0,
                 kv_scales=kv_scales,
                 sliding_window=sliding_window,
+                sinks=sinks,
             )
         if metadata.num_decodes > 0:
             paged_attention_decode(
@@ -183,6 +187,7 @@ class TritonBackend(AttentionBackend):
                 config=self.decode_config(q.device),
                 kv_scales=kv_scales,
                 sliding_window=sliding_window,
+                sinks=sinks,
             )
         return out
 

@@ -10,7 +10,10 @@ tanh GELU), Qwen's sliding-window layers. Sliding windows are per layer
 layer_types call "sliding_attention". MoE
 fields are parsed by pagoda.model.moe_config into the ``moe`` field (None for dense
 architectures); DeepSeek architectures carry their attention's shape in ``mla``
-(pagoda/model/mla_config.py).
+(pagoda/model/mla_config.py). gpt-oss (GptOssForCausalLM) carries its experts in
+``gpt_oss`` (a GptOssExperts: count, top-k, the clamped SwiGLU's alpha and limit, and
+whether the checkpoint stores them as MXFP4 blocks); its q/k/v/o biases, attention
+sinks and alternating sliding / full layers follow from the architecture.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, bool]] = {
     "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "DeepseekV32ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "GptOssForCausalLM": {"attention_bias": True, "qk_norm": False},
 }
 GEMMA3 = "Gemma3ForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
 # Gemma3TextConfig's defaults for the fields a saved config.json may leave out.
 _GEMMA3_DEFAULTS = {
     "sliding_window": 4096,
@@ -69,7 +74,31 @@ _MODEL_TYPE_TO_ARCH = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "gemma3_text": GEMMA3,
+    "gpt_oss": GPT_OSS,
 }
+
+
+@dataclass(frozen=True)
+class GptOssExperts:
+    """gpt-oss's routed experts: num_experts of width ArchConfig.intermediate_size, the
+    top num_experts_per_tok of a biased router softmaxed over the chosen ones, each
+    expert down((clamp(up) + 1) * g * sigmoid(alpha * g)), g = gate clamped to limit.
+    mxfp4: the checkpoint holds the expert weights as MXFP4 blocks and scales."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"[1, num_local_experts ({self.num_experts})]"
+            )
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
 
 
 def check_architecture(name: str) -> None:
@@ -143,6 +172,8 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss: its experts (set exactly for GptOssForCausalLM).
+    gpt_oss: GptOssExperts | None = None
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -185,6 +216,11 @@ class ArchConfig:
             )
         _check_mla(self)
         _check_sliding(self)
+        if (self.gpt_oss is not None) != (self.architecture == GPT_OSS):
+            raise ValueError(
+                f"{self.architecture} {'needs' if self.gpt_oss is None else 'takes no'} "
+                f"gpt_oss experts (gpt_oss=GptOssExperts(...))"
+            )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -255,6 +291,9 @@ class ArchConfig:
             gemma = {}
             rope_theta, rope_scaling = _hf_rope(config)
         mla = _hf_mla(arch, config)
+        gpt_oss, quantization = None, _hf_quantization_config(config)
+        if arch == GPT_OSS:
+            gpt_oss, quantization = _hf_gpt_oss(config, quantization)
         return cls(
             architecture=arch,
             hidden_size=config["hidden_size"],
@@ -283,9 +322,10 @@ class ArchConfig:
             eos_token_id=config.get("eos_token_id"),
             moe=MoEConfig.from_hf_config(config, arch),
             mla=mla,
-            quantization_config=_hf_quantization_config(config),
+            quantization_config=quantization,
             sliding_window=sliding_window,
             layer_types=layer_types,
+            gpt_oss=gpt_oss,
             **gemma,
         )
 
@@ -348,11 +388,11 @@ def _hf_sliding_window(arch: str, config: dict) -> tuple[int | None, tuple[str, 
     configs carry a sliding_window value that only applies when use_sliding_window is
     true: refused then (their per-layer split by max_window_layers is not implemented)."""
     window = config.get("sliding_window")
-    if arch == GEMMA3:
+    if arch in (GEMMA3, GPT_OSS):
         layers = config["num_hidden_layers"]
         types = config.get("layer_types")
-        if types is None:
-            pattern = config.get("sliding_window_pattern") or 6
+        if types is None:  # gpt-oss alternates sliding and full layers, sliding first
+            pattern = config.get("sliding_window_pattern") or (6 if arch == GEMMA3 else 2)
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
         if len(types) != layers or set(types) - {SLIDING, FULL}:
             raise ValueError(
@@ -437,13 +477,35 @@ def _check_sliding(arch: ArchConfig) -> None:
 def _reject_unsupported_biases(arch: str, config: dict) -> None:
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (MLP projections have no bias)")
-    # Only Qwen2's layout (bias on q/k/v, none on o_proj) is implemented; Llama's and
-    # Qwen3's attention_bias would also put a bias on o_proj.
-    if config.get("attention_bias") and arch != "Qwen2ForCausalLM":
+    # Qwen2's layout (bias on q/k/v, none on o_proj) and gpt-oss's (on all four) are
+    # implemented; Llama's and Qwen3's attention_bias would also put a bias on o_proj.
+    if config.get("attention_bias") and arch not in ("Qwen2ForCausalLM", GPT_OSS):
         raise ValueError(
             f"attention_bias=true is not supported for {arch} (it would add an "
             f"o_proj bias); only Qwen2ForCausalLM's q/k/v bias is"
         )
+
+
+def _hf_gpt_oss(config: dict, quantization: dict | None) -> tuple[GptOssExperts, dict | None]:
+    """gpt-oss's experts, and the quantization_config left for the other layers: an
+    MXFP4 one covers the experts only (the model dequantizes them while loading), so
+    the rest of the checkpoint is float and no other method applies."""
+    if config.get("attention_bias") is False:
+        raise ValueError("attention_bias=false is not supported for gpt-oss (q/k/v/o carry biases)")
+    mxfp4 = quantization is not None and quantization["quant_method"] == "mxfp4"
+    if quantization is not None and not mxfp4:
+        raise ValueError(
+            f"quantization_config {quantization['quant_method']!r} is not supported for "
+            f"gpt-oss; supported: mxfp4 (experts)"
+        )
+    experts = GptOssExperts(
+        num_experts=config.get("num_local_experts") or config.get("num_experts", 128),
+        num_experts_per_tok=config.get("num_experts_per_tok", 4),
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        mxfp4=mxfp4,
+    )
+    return experts, None
 
 
 def _hf_rope(config: dict) -> tuple[float, dict | None]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagoda.model.arch_config import ArchConfig
+from pagoda.model.arch_config import ArchConfig, GptOssExperts
 from pagoda.model.mla_config import MLAConfig, SparseIndexerConfig
 from pagoda.model.moe_config import MoEConfig
 
@@ -232,6 +232,40 @@ _PRESETS: dict[str, ArchConfig] = {
         ),
         query_pre_attn_scalar=168,
         local_rope_theta=10_000.0,
+    ),
+    # gpt-oss-20b (openai/gpt-oss-20b's config.json): 24 layers alternating sliding
+    # (128 tokens) and full attention, sinks, 32 experts top-4 of width 2880, YaRN x32
+    # over a 4k original context. Dummy weights are bf16 experts (the release's are
+    # MXFP4, dequantized while loading).
+    "gpt-oss-20b": ArchConfig(
+        architecture="GptOssForCausalLM",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        vocab_size=201088,
+        rms_norm_eps=1e-5,
+        rope_theta=150_000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        torch_dtype="bfloat16",
+        eos_token_id=200002,
+        sliding_window=128,
+        layer_types=tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)
+        ),
+        gpt_oss=GptOssExperts(num_experts=32, num_experts_per_tok=4),
     ),
     # tests/helpers/tiny_models.py's DeepSeek-V2 shape (layer 0 dense, layer 1 MoE), for smoke runs.
     "tiny-deepseek-v2": ArchConfig(

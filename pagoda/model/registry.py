@@ -11,6 +11,7 @@ from pagoda.model.deepseek import (
     DeepseekV32ForCausalLM,
 )
 from pagoda.model.gemma3 import Gemma3ForCausalLM
+from pagoda.model.gpt_oss import GptOssForCausalLM
 from pagoda.model.llama import LlamaForCausalLM
 from pagoda.model.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -25,6 +26,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 if set(_MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):
     raise RuntimeError("the model registry and ArchConfig's supported architectures disagree")

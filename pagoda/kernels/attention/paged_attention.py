@@ -21,6 +21,11 @@ keys p - W + 1 .. p. A tile of queries skips the key tiles wholly left of its fi
 row's window, masks the tiles that straddle some row's window start (as it masks the
 causal edge) and runs the tiles inside every row's window unmasked.
 
+Attention sinks (HAS_SINKS, float32 [num_heads] logits, gpt-oss): after the last key
+tile each row's sum gains exp2(sink * log2(e) - m), the sink's share of the softmax
+denominator at the row's running max; the sink has no value, so acc is unchanged
+(``add_sink``, which the decode kernels share).
+
 Scores are kept in base 2 (scale * log2(e) folded into one factor) so the softmax uses
 exp2; accumulation is float32 whatever the input dtype.
 
@@ -125,6 +130,14 @@ def attend_kv_tile(
 
 
 @triton.jit
+def add_sink(l_i, m_i, sinks_ptr, head, head_ok):
+    """l_i plus each row's sink term exp2(sink2 - m_i), sink2 = the head's sink logit in
+    base 2. A row with no key (m_i = -inf) gets an infinite sum: an output of 0."""
+    sink = tl.load(sinks_ptr + head, mask=head_ok, other=0.0) * 1.4426950408889634
+    return l_i + tl.math.exp2(sink - m_i)
+
+
+@triton.jit
 def _attend_masked(
     q,
     acc,
@@ -212,6 +225,7 @@ def _chunk_kernel(
     stride_cache_tok,
     stride_cache_head,
     window,
+    sinks_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -222,6 +236,7 @@ def _chunk_kernel(
     IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Last tiles first: under the causal mask they see the most keys (shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -346,6 +361,8 @@ def _chunk_kernel(
             SLIDING,
         )
 
+    if HAS_SINKS:
+        l_i = add_sink(l_i, m_i, sinks_ptr, head, row_ok)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the chunk's end, never stored
     out = acc / l_safe[:, None]
     if KV_FP8:
@@ -355,6 +372,23 @@ def _chunk_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
     )
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Sinks are None or float32 [num_heads] on q's device, contiguous."""
+    if sinks is None:
+        return
+    num_heads = q.shape[1]
+    if (
+        sinks.shape != (num_heads,)
+        or sinks.dtype != torch.float32
+        or sinks.device != q.device
+        or sinks.stride(0) != 1
+    ):
+        raise ValueError(
+            f"sinks must be contiguous float32 [{num_heads}] on {q.device}, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def check_sliding_window(sliding_window: int | None) -> None:
@@ -401,6 +435,7 @@ def paged_attention_chunks(
     config: dict | None = None,
     kv_scales: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal paged attention of the first num_tokens rows of q into out ([T, H, D] each).
 
@@ -408,11 +443,13 @@ def paged_attention_chunks(
     leaves requests with one query row to the decode kernel. config overrides
     chunk_tile_config (benchmarks sweep it). An FP8 kv_cache needs kv_scales.
     sliding_window W: a query at position p sees keys p - W + 1 .. p only (None: all
-    keys up to p).
+    keys up to p). sinks (float32 [H]): each head's sink logit joins its softmax
+    denominator.
     """
     if num_reqs == 0 or num_tokens == 0:
         return
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     _, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -440,6 +477,7 @@ def paged_attention_chunks(
         kv_cache.stride(2),
         kv_cache.stride(3),
         sliding_window or 0,
+        sinks if sinks is not None else seq_lens,
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
@@ -447,5 +485,6 @@ def paged_attention_chunks(
         IEEE_DOT=q.dtype == torch.float32,
         KV_FP8=kv_fp8,
         SLIDING=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         **cfg,
     )

@@ -9,6 +9,11 @@ writes it and how the merge kernel combines the slices is paged_decode_slices.py
 the launch depends on host values only through num_splits. The word kernel is
 paged_decode_words.py's.
 
+Attention sinks (HAS_SINKS): each head's sink logit joins its softmax denominator once.
+With one slice the kernel that writes the output adds it (paged_attention.add_sink);
+with several, the slices stay sink-free and the merge kernel adds it to the sum of the
+slices' weights (paged_decode_slices).
+
 FP8 cache (KV_FP8): in the tile kernel, as in the chunk kernel (paged_attention.py),
 K / V tiles converted to q's dtype, the K scale folded into the score factor and the V
 scale applied to each slice's output (the merge is linear in them), both read from
@@ -29,7 +34,9 @@ import triton.language as tl
 from pagoda.kernels.attention.decode_config import DecodeAttentionConfig
 from pagoda.kernels.attention.paged_attention import (
     LOG2_E,
+    add_sink,
     attend_kv_tile,
+    check_sinks,
     check_sliding_window,
 )
 from pagoda.kernels.attention.paged_decode_slices import (
@@ -90,6 +97,8 @@ def _decode_kernel(
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
     window=0,
     SLIDING: tl.constexpr = False,
+    sinks_ptr=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,6 +157,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice: acc is 0, lse is -inf
     out = acc / l_safe[:, None]
+    if HAS_SINKS and DIRECT_OUT:  # one slice: the sink joins here (else in the merge)
+        out = out * (l_i / add_sink(l_i, m_i, sinks_ptr, head, head_ok))[:, None]
     if KV_FP8:
         out = out * tl.load(kv_scales_ptr + 1)
     _write_slice(
@@ -265,9 +276,11 @@ def paged_attention_decode(
     config: DecodeAttentionConfig | None = None,
     kv_scales: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of every single-query-row request into out; other requests untouched.
     sliding_window W: the query (at position seq_len - 1) sees its last W keys only.
+    sinks (float32 [H]): each head's sink logit joins its softmax denominator.
 
     num_splits is a runtime argument (no recompilation when it changes); slices hold at
     least min_split_tokens tokens (rounded up to the key tile). config: the tiles
@@ -277,6 +290,7 @@ def paged_attention_decode(
     if num_reqs == 0:
         return
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     check_kv_scales(kv_scales, kv_cache)
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if not 1 <= num_splits <= 1024:
@@ -329,6 +343,9 @@ def paged_attention_decode(
     )
     if sliding_window is not None:
         consts.update(window=sliding_window, SLIDING=True)
+    sink_consts = {} if sinks is None else dict(sinks_ptr=sinks, HAS_SINKS=True)
+    if num_splits == 1:
+        consts.update(sink_consts)
     grid = (num_reqs, num_kv_heads, num_splits)
     pdl = launch_options(q.device)
     if words:
@@ -361,5 +378,6 @@ def paged_attention_decode(
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            **sink_consts,
             **pdl,
         )

@@ -16,6 +16,8 @@ With num_splits == 1 the kernel writes the output directly. Otherwise each progr
 writes its slice's output (normalised by the slice's own softmax sum) and the slice's
 log-sum-exp (base 2) to a float32 workspace, and a merge kernel with grid (requests, heads)
 combines the slices: weights 2^(lse_s - max lse); empty slices (lse = -inf) weigh 0.
+With attention sinks (HAS_SINKS) the merge adds each head's sink term, 2^(sink2 -
+max lse) with sink2 its logit in base 2, to the sum of the weights, once per row.
 A separate merge kernel, not the last slice's program behind an arrival counter: the
 counter form measures slower on the H200 (docs/performance.md, "Rejected designs").
 num_splits is a runtime argument, so a changing split count does not recompile.
@@ -133,6 +135,8 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
+    sinks_ptr=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -144,7 +148,8 @@ def _merge_kernel(
     base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
     lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     filled = lse > float("-inf")  # slice 0 always holds a token, so the max is finite
-    weight = tl.where(filled, tl.math.exp2(lse - tl.max(lse, 0)), 0.0)
+    top = tl.max(lse, 0)
+    weight = tl.where(filled, tl.math.exp2(lse - top), 0.0)
     dims = tl.arange(0, HEAD_DIM)
     # Empty slices were never written: do not read them (0 * garbage may be NaN).
     partial = tl.load(
@@ -152,7 +157,10 @@ def _merge_kernel(
         mask=filled[:, None],
         other=0.0,
     )
-    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:  # the sink's share of the denominator, once for the whole row
+        total += tl.math.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - top)
+    out = tl.sum(partial * weight[:, None], 0) / total
     tl.store(
         out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),

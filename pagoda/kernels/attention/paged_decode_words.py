@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.attention.fp8_decode_words import attend_word_tile
+from pagoda.kernels.attention.paged_attention import add_sink
 from pagoda.kernels.attention.paged_decode_slices import (
     _slice_bounds,
     _wait_then_decode_row,
@@ -203,6 +204,8 @@ def _decode_words_kernel(
     USE_PDL: tl.constexpr = False,  # pagoda.kernels.launch.pdl
     window=0,
     SLIDING: tl.constexpr = False,
+    sinks_ptr=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """_decode_kernel for an FP8 cache and 16-bit queries, the cache read as int32 words
     (the byte planes of fp8_decode_words); same grid, slices, workspace and merge. The
@@ -210,7 +213,8 @@ def _decode_words_kernel(
     on the key tile as stored; P.V reads V as words. OFFSETS_32: cache offsets in int32
     (the host found every offset within 2 GiB); PTX_PAIRS: V converted two entries per
     instruction (fp8_decode_words.word_planes). SLIDING: the slices cover the last
-    window keys only (paged_decode_slices._slice_bounds)."""
+    window keys only (paged_decode_slices._slice_bounds). HAS_SINKS (one slice only: the
+    merge adds the sinks otherwise): the sink joins each head's sum here."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,6 +267,8 @@ def _decode_words_kernel(
             PTX_PAIRS,
         )
 
+    if HAS_SINKS and DIRECT_OUT:  # out * l / (l + sink term), folded into the V scale
+        v_scale = v_scale * (l_i / add_sink(l_i, m_i, sinks_ptr, head, head_ok))
     _write_word_planes(
         a0,
         a1,

@@ -6,6 +6,10 @@ own), its head geometry and its sliding window (None: full attention), which it 
 to the backend on every call. A windowed layer's cache still holds every token (its
 spec is a FullAttentionSpec): the block table is shared by all layers. Backends take
 [T, heads, head_dim]; the model works in [T, heads * head_dim].
+A layer may carry attention sinks (``sinks=True``, gpt-oss): a float32 parameter
+[num_heads of this rank] of per-head logits that join the softmax denominator, passed
+to the backend on every call like the window. It keeps float32 whatever the model's
+dtype, and its loader takes this rank's heads of the checkpoint's [num_heads] tensor.
 ``kv_cache_specs(model, ...)`` collects every layer's spec, ordered by layer index, for
 sizing and allocating the pool.
 
@@ -56,9 +60,13 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        sinks: bool = False,
+        tp_rank: int = 0,
     ) -> None:
         """sliding_window W: each query sees its last W keys, its own included (None:
-        full causal attention); passed to the backend on every call."""
+        full causal attention); passed to the backend on every call. sinks: the layer
+        holds a float32 ``sinks`` parameter for its num_heads heads (heads tp_rank *
+        num_heads .. of the checkpoint's)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -74,6 +82,25 @@ class Attention(nn.Module):
         # to fill (dummy weights) and never required of a checkpoint. Not persistent:
         # checkpoints name the scales their own way (load_kv_scale).
         self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
+            self.sinks.keep_dtype = True  # a logit per head: float32 in any model dtype
+            self.sinks.weight_loader = self._load_sinks
+            self._sink_offset = tp_rank * num_heads
+
+    def _load_sinks(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """This rank's heads of the checkpoint's [total heads] sink logits."""
+        if shard_id is not None:
+            raise ValueError(f"sinks take no shard_id, got {shard_id!r}")
+        start, count = self._sink_offset, param.shape[0]
+        if tensor.dim() != 1 or tensor.shape[0] < start + count:
+            raise ValueError(
+                f"sinks must be [num_heads] covering heads {start}..{start + count - 1}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor[start : start + count].float())
 
     def reset_kv_scales(self) -> None:
         """Scales 1.0 (vLLM's default without checkpoint scales); after materializing."""
@@ -119,7 +146,11 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         window = self.sliding_window
-        if window is not None:
+        if self.sinks is not None:
+            out = ctx.backend.forward(
+                q, cache, ctx.metadata, kv_scales=scales, sliding_window=window, sinks=self.sinks
+            )
+        elif window is not None:
             out = ctx.backend.forward(
                 q, cache, ctx.metadata, kv_scales=scales, sliding_window=window
             )
