@@ -198,3 +198,37 @@ def test_gpu_engine_greedy_matches_transformers(checkpoint, enforce_eager):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
     llm.shutdown()
+
+
+def test_offload_tiers_carry_the_indexer_keys(checkpoint):
+    """A GPU pool too small for the working set: revisited prompts come back from the CPU
+    tier (latents and indexer keys, one block format) and give the outputs of a pool
+    that holds everything."""
+    path, _ = checkpoint
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 384, (40,), generator=gen).tolist() for _ in range(5)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    common = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=64)
+
+    def one_by_one(llm):
+        return [
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            for p in prompts + prompts
+        ]
+
+    roomy = LLM(path, **common)
+    try:
+        expected = [out.outputs[0].token_ids for out in one_by_one(roomy)]
+    finally:
+        roomy.shutdown()
+    # 6 blocks of 16 tokens: each prompt takes 3, so every revisit finds its blocks gone
+    # from the GPU pool and in the CPU tier.
+    tiered = LLM(path, block_size=16, num_gpu_blocks_override=6, kv_offloading_size=0.01, **common)
+    try:
+        outs = one_by_one(tiered)
+        assert [out.outputs[0].token_ids for out in outs] == expected
+        cpu = next(t for t in tiered.llm_engine.get_stats().kv_offload if t["tier"] == "cpu")
+        assert cpu["hits"] >= 5 * 2
+        assert sum(out.num_cached_tokens for out in outs[5:]) == 5 * 32
+    finally:
+        tiered.shutdown()
