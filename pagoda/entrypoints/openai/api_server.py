@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: `build_app(engine_client, args)` and `run_server(args)`.
 
-Owns the route table and the process lifecycle. Middlewares, outermost first:
-rejection count (4xx and 503 answers to /v1/ requests) -> API key (every route but
+Owns the route table and the process lifecycle; Anthropic's /v1/messages
+(entrypoints/anthropic/) is served beside the OpenAI routes. Middlewares, outermost
+first: rejection count (4xx and 503 answers to /v1/ requests) -> Anthropic-shaped
+errors on /v1/messages -> API key (every route but
 /health, the web UI's static pages and files, and /metrics with --metrics-public) ->
 server state (503 while draining, in-flight count) ->
 request-body size limit -> routes. The web UI (/ and /dashboard, see web_ui.py) and
@@ -40,6 +42,9 @@ from starlette.responses import StreamingResponse
 import pagoda
 from pagoda.engine import trace
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.entrypoints.anthropic import protocol as messages_protocol
+from pagoda.entrypoints.anthropic.errors import AnthropicErrorMiddleware
+from pagoda.entrypoints.anthropic.serving import create_message
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.auth import APIKeyMiddleware
 from pagoda.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
@@ -170,6 +175,7 @@ def build_app(
     if settings.enable_web_ui:
         public |= public_paths()  # static files only: they hold no data and no secret
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public)
+    app.add_middleware(AnthropicErrorMiddleware)  # /v1/messages errors, the 401 included
     app.add_middleware(RejectionMetricsMiddleware, observe=metrics.observe_rejection)
     if trace.ENABLED:  # outermost, so the arrival is stamped before any other work
         app.add_middleware(TTFTTraceMiddleware)
@@ -201,6 +207,16 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
         headers = note_ignored(body.ignored_fields())
         result, warnings = await create_chat_completion(ctx, body, request.receive)
         return _respond(result, {**headers, **warnings})
+
+    @app.post(
+        "/v1/messages",
+        response_model=messages_protocol.MessageResponse,
+        responses={s: {"model": messages_protocol.ErrorResponse} for s in _ERROR_RESPONSES},
+    )
+    async def messages(body: messages_protocol.MessagesRequest, request: Request):
+        trace.mark("parsed")
+        result, headers = await create_message(ctx, body, request.receive)
+        return _respond(result, headers)
 
     @app.get("/v1/models", response_model=protocol.ModelList, responses=_ERROR_RESPONSES)
     async def models():

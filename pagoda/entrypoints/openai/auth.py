@@ -3,9 +3,10 @@
 The guard sits outside the router: it sees every HTTP request before any route
 (including FastAPI's /docs and /openapi.json, unknown paths and wrong methods), so
 a new route cannot forget it. Only the paths in `public_paths` pass without the
-key (/health always; /metrics when --metrics-public). The key is compared with
-`hmac.compare_digest` (constant time). A missing or wrong key -> 401 with an
-OpenAI-style body and `WWW-Authenticate: Bearer`.
+key (/health always; /metrics when --metrics-public). The key comes as
+`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)
+and is compared with `hmac.compare_digest` (constant time). A missing or wrong key ->
+401 with an OpenAI-style body and `WWW-Authenticate: Bearer`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class APIKeyMiddleware:
             return
         body = error_bytes(
             401,
-            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             code="invalid_api_key",
         )
         await send(
@@ -58,11 +59,14 @@ class APIKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope) -> bool:
-        supplied = b""
+        bearer = api_key = b""
         for name, value in scope.get("headers", ()):
-            if name == b"authorization":
+            if name == b"authorization" and not bearer:
                 if value[: len(_BEARER)].lower() == _BEARER:
-                    supplied = value[len(_BEARER) :].strip()
-                break
-        # Compare even when nothing was supplied, so timing does not tell the two apart.
-        return hmac.compare_digest(supplied, self.api_key) and bool(supplied)
+                    bearer = value[len(_BEARER) :].strip()
+            elif name == b"x-api-key" and not api_key:
+                api_key = value.strip()
+        # Both compared whatever was supplied, so timing does not tell the cases apart.
+        by_bearer = hmac.compare_digest(bearer, self.api_key) and bool(bearer)
+        by_header = hmac.compare_digest(api_key, self.api_key) and bool(api_key)
+        return by_bearer or by_header

@@ -72,6 +72,7 @@ class ChoiceResult:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None
     finish_reason: str | None = None
+    stop_reason: object | None = None  # the stop string or stop token id that matched
 
     @property
     def text(self) -> str:
@@ -90,6 +91,7 @@ class ChoiceResult:
             self.logprobs.extend(completion.logprobs)
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
 
 
 async def collect(engine: AsyncEngine, job: GenerationJob) -> list[ChoiceResult]:

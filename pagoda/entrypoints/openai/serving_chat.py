@@ -185,7 +185,7 @@ async def prepare_chat(
     return job, plan
 
 
-def _choice_outputs(
+def choice_outputs(
     ctx: ServingContext, job: GenerationJob, plan: ToolPlan
 ) -> Callable[[int], ChatChoiceOutput]:
     """choice index -> its ChatChoiceOutput (made on first use)."""
@@ -226,7 +226,7 @@ async def create_chat_completion(
     finally:
         job.ticket.release()
     num_top = req.top_logprobs or 0
-    choice_output = _choice_outputs(ctx, job, plan)
+    choice_output = choice_outputs(ctx, job, plan)
     result = []
     for c in choices:
         out = choice_output(c.index)
@@ -280,7 +280,7 @@ def _stream(
         "model": job.model,
     }
     num_top = req.top_logprobs or 0
-    choice_output = _choice_outputs(ctx, job, plan)
+    choice_output = choice_outputs(ctx, job, plan)
 
     def choices_of(prompt_index: int, output: RequestOutput) -> list[dict]:
         choices = []
