@@ -15,9 +15,10 @@ latents), then scores, for each query row n and each token t it may see,
 
     score[n, t] = sum_h w[n, h] * relu(q[n, h] . k[t]),   w = weights_proj(x) / sqrt(H * D)
 
-and keeps the topk best positions (``select_topk``; -1 pads). A row that sees at most
-topk tokens keeps all of them without scoring, so a step whose rows are all that short
-skips the scoring (what a short prompt costs stays that of dense MLA).
+and keeps the topk best positions (-1 pads). A row that sees at most topk tokens keeps
+all of them; a step whose rows are all that short skips the scoring and attends with
+the dense latent kernel (the same tokens: what a short prompt costs stays that of dense
+MLA plus the indexer's key projection).
 
 Tensor parallelism: the indexer is replicated (its inputs, q_resid and the hidden
 state, are replicated too), so every rank selects the same tokens.
@@ -30,7 +31,6 @@ from torch import nn
 
 from pagoda.attention.forward_context import get_forward_context
 from pagoda.core.kv_cache_spec import IndexerKeySpec, KVCacheSpec
-from pagoda.kernels.attention.dsa_indexer import leading_positions
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.rotary import apply_rotary
 from pagoda.model.mla_config import MLAConfig
@@ -91,19 +91,21 @@ class LightningIndexer(nn.Module):
         q_resid: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """hidden [T, hidden], q_resid [T, q_lora_rank] -> int32 [N, topk] positions
         (token indices within each row's request, -1 unused) for the plan's N latent
-        rows (a sparse backend plans every real row of the step as latent)."""
+        rows (a sparse backend plans every real row of the step as latent); None when
+        every row sees at most topk tokens, so keeps all of them: the layer then attends
+        over them with the dense latent kernel, the same tokens by a faster path."""
         ctx = get_forward_context()
         plan = ctx.metadata
         num_tokens = hidden.shape[0]
         k = self.k_norm(self.wk(hidden))
         k = self._rotate(k.unsqueeze(1), cos, sin).squeeze(1)
         key_cache = self.keys.store(k)
-        row_len, longest = plan.row_len, plan.max_row_len
+        longest = plan.max_row_len
         if 0 < longest <= self.topk:  # every row keeps all it sees
-            return leading_positions(row_len, self.topk)
+            return None
         q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)
         q = self._rotate(q, cos, sin)
         scale = (self.num_heads * self.head_dim) ** -0.5

@@ -25,7 +25,8 @@ rows of the step as the backend's plan says (pagoda/attention/mla_backend.py):
 Sparse MLA (DeepSeek V3.2): the layer also holds a lightning indexer
 (pagoda/model/layers/dsa.py), which picks each row's top-k cached tokens; every row then
 takes the latent path over its selected entries only (``backend.forward_sparse``), and
-the backend plans every row of the step as latent.
+the backend plans every row of the step as latent. A step whose rows all see at most
+top-k tokens attends over all of them with the dense latent kernel instead.
 
 Tensor parallelism: heads split across ranks (q_proj / q_b_proj and kv_b_proj
 column-parallel by head, o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the
