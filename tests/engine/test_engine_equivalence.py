@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_compare import hf_greedy
 
 from pagoda import LLM, SamplingParams
 
@@ -21,16 +22,6 @@ PROMPTS = [
     "Les trois mousquetaires sont",
 ]
 NEW_TOKENS = 64
-
-
-def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    # EOS ignored by having none (min_new_tokens would ban EOS and change the argmax).
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")

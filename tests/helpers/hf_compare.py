@@ -95,6 +95,27 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
+def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation through generate (its KV cache); EOS ignored by
+    having none (min_new_tokens would ban EOS and change the argmax)."""
+    hf_model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy_recomputed(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, recomputed over the whole sequence each step
+    (no cache: its attention masks are the only definition used)."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
 def randomize(hf_model, seed: int) -> None:
     """Random weights everywhere, norms and biases included, so a mis-mapped tensor shows."""
     gen = torch.Generator().manual_seed(seed)

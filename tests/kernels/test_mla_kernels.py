@@ -143,13 +143,36 @@ def test_triton_backend_graph_buffers_replay_a_batch():
     assert plan.common.slot_mapping[4:].tolist() == [-1] * 12
 
 
-def _tiny_deepseek(tmp_path):
+def _tiny_deepseek(tmp_path, kind: str = "deepseek_v2", seed: int = 4, **overrides):
     from helpers.tiny_models import save_tiny_hf_model
 
     from pagoda.model.loader import load_model
 
-    save_tiny_hf_model(tmp_path, "deepseek_v2", seed=4, q_lora_rank=24)
+    save_tiny_hf_model(tmp_path, kind, seed=seed, **overrides)
     return load_model(str(tmp_path), dtype="float32", device=DEVICE)
+
+
+def _backend_args(arch) -> tuple:
+    """The MLA backends' (heads, kv_lora_rank, qk_rope_head_dim, scale) for arch."""
+    from pagoda.model.mla_config import mla_softmax_scale
+
+    mla = arch.mla
+    return (
+        arch.num_attention_heads,
+        mla.kv_lora_rank,
+        mla.qk_rope_head_dim,
+        mla_softmax_scale(mla, arch.rope_scaling),
+    )
+
+
+def _fresh_pool(model):
+    """A new 32-block float32 KV pool for model's layers."""
+    from pagoda.attention.kv_pool import KVCachePool
+    from pagoda.core.kv_cache_spec import KVCacheConfig
+    from pagoda.model.layers.attention import kv_cache_specs
+
+    specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
+    return KVCachePool(KVCacheConfig(32, specs), DEVICE)
 
 
 def _run(model, backend, pool, steps, graphs=None):
@@ -203,31 +226,18 @@ def test_triton_backend_runs_a_model_eagerly_and_as_graphs_replay(tmp_path):
     (prefills on the decompressed kernel, decodes on the latent one) and graph-mode
     steps (every row on the latent kernel, buffers filled by prepare_replay, padded rows
     and requests) give the reference backend's logits."""
-    from pagoda.attention.kv_pool import KVCachePool
     from pagoda.attention.mla_backend import MLATorchBackend
-    from pagoda.core.kv_cache_spec import KVCacheConfig
-    from pagoda.model.layers.attention import kv_cache_specs
-    from pagoda.model.mla_config import mla_softmax_scale
 
-    model, arch = _tiny_deepseek(tmp_path)
-    mla = arch.mla
-    args = (
-        arch.num_attention_heads,
-        mla.kv_lora_rank,
-        mla.qk_rope_head_dim,
-        mla_softmax_scale(mla, arch.rope_scaling),
-    )
-
-    def pool():
-        specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
-        return KVCachePool(KVCacheConfig(32, specs), DEVICE)
-
-    expected = _run(model, MLATorchBackend(*args), pool(), STEPS)
-    eager = _run(model, MLATritonBackend(*args, num_decode_splits=2), pool(), STEPS)
+    model, arch = _tiny_deepseek(tmp_path, q_lora_rank=24)
+    args = _backend_args(arch)
+    expected = _run(model, MLATorchBackend(*args), _fresh_pool(model), STEPS)
+    eager = _run(model, MLATritonBackend(*args, num_decode_splits=2), _fresh_pool(model), STEPS)
     assert (eager - expected).abs().max().item() < 1e-4
     graphs = MLATritonBackend(*args, num_decode_splits=1)
     graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, DEVICE, max_num_tokens=12)
-    replayed = _run(model, graphs, pool(), STEPS, graphs=[(3, 12), (2, 6), (3, None), (2, None)])
+    replayed = _run(
+        model, graphs, _fresh_pool(model), STEPS, graphs=[(3, 12), (2, 6), (3, None), (2, None)]
+    )
     assert (replayed - expected).abs().max().item() < 1e-4
 
 
@@ -281,37 +291,19 @@ def test_triton_backend_runs_sparse_mla_as_the_reference_does(tmp_path):
     sparsely) through the Triton MLA backend (interpreter on CPU): the indexer's scoring
     kernel and the sparse latent kernel give the reference backend's logits, chunked
     prefill with a cached prefix and decodes beside it included."""
-    from helpers.tiny_models import save_tiny_hf_model
-
-    from pagoda.attention.kv_pool import KVCachePool
     from pagoda.attention.mla_backend import MLATorchBackend
-    from pagoda.core.kv_cache_spec import KVCacheConfig
-    from pagoda.model.layers.attention import kv_cache_specs
-    from pagoda.model.loader import load_model
-    from pagoda.model.mla_config import mla_softmax_scale
 
     kernel_modules("attention.dsa_indexer_kernel", "attention.sparse_mla_kernel")
-    save_tiny_hf_model(tmp_path, "deepseek_v32", seed=5)
-    model, arch = load_model(str(tmp_path), dtype="float32", device=DEVICE)
-    mla = arch.mla
-    args = (
-        arch.num_attention_heads,
-        mla.kv_lora_rank,
-        mla.qk_rope_head_dim,
-        mla_softmax_scale(mla, arch.rope_scaling),
-    )
-
-    def pool():
-        specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
-        return KVCachePool(KVCacheConfig(32, specs), DEVICE)
+    model, arch = _tiny_deepseek(tmp_path, "deepseek_v32", seed=5)
+    args = _backend_args(arch)
 
     steps = [
         {"a": list(range(3, 15)), "b": list(range(20, 26))},
         {"a": list(range(40, 52)), "b": [7]},
         {"a": [9], "b": [8]},
     ]
-    expected = _run(model, MLATorchBackend(*args, "all"), pool(), steps)
-    got = _run(model, MLATritonBackend(*args, latent_rows="all"), pool(), steps)
+    expected = _run(model, MLATorchBackend(*args, "all"), _fresh_pool(model), steps)
+    got = _run(model, MLATritonBackend(*args, latent_rows="all"), _fresh_pool(model), steps)
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -319,37 +311,21 @@ def test_sparse_mla_graph_plans_give_the_eager_logits(tmp_path):
     """Sparse MLA through graph-mode plans (metadata_for_capture + prepare_replay:
     every row's context bounded by the block table, padded rows and requests) gives the
     eager reference's logits."""
-    from helpers.tiny_models import save_tiny_hf_model
-
-    from pagoda.attention.kv_pool import KVCachePool
     from pagoda.attention.mla_backend import MLATorchBackend
-    from pagoda.core.kv_cache_spec import KVCacheConfig
-    from pagoda.model.layers.attention import kv_cache_specs
-    from pagoda.model.loader import load_model
-    from pagoda.model.mla_config import mla_softmax_scale
 
     kernel_modules("attention.dsa_indexer_kernel", "attention.sparse_mla_kernel")
-    save_tiny_hf_model(tmp_path, "deepseek_v32", seed=6)
-    model, arch = load_model(str(tmp_path), dtype="float32", device=DEVICE)
-    mla = arch.mla
-    args = (
-        arch.num_attention_heads,
-        mla.kv_lora_rank,
-        mla.qk_rope_head_dim,
-        mla_softmax_scale(mla, arch.rope_scaling),
-    )
-
-    def pool():
-        specs = kv_cache_specs(model, BLOCK_SIZE, torch.float32)
-        return KVCachePool(KVCacheConfig(32, specs), DEVICE)
+    model, arch = _tiny_deepseek(tmp_path, "deepseek_v32", seed=6)
+    args = _backend_args(arch)
 
     steps = [
         {"a": list(range(3, 15)), "b": list(range(20, 26))},
         {"a": [9], "b": [8]},
         {"a": [10], "b": [11]},
     ]
-    expected = _run(model, MLATorchBackend(*args, "all"), pool(), steps)
+    expected = _run(model, MLATorchBackend(*args, "all"), _fresh_pool(model), steps)
     graphs = MLATritonBackend(*args, latent_rows="all", num_decode_splits=1)
     graphs.init_cuda_graph_state(3, 8, BLOCK_SIZE, DEVICE, max_num_tokens=24)
-    replayed = _run(model, graphs, pool(), steps, graphs=[(3, 24), (3, None), (2, None)])
+    replayed = _run(
+        model, graphs, _fresh_pool(model), steps, graphs=[(3, 24), (3, None), (2, None)]
+    )
     assert (replayed - expected).abs().max().item() < 1e-4

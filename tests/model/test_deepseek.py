@@ -18,7 +18,7 @@ import logging
 
 import pytest
 import torch
-from helpers.hf_compare import PagedRunner, hf_logits, randomize
+from helpers.hf_compare import PagedRunner, hf_greedy, hf_logits, randomize
 from helpers.tiny_models import tiny_deepseek_config
 
 from pagoda import LLM, SamplingParams
@@ -122,15 +122,6 @@ def test_latent_and_decompressed_paths_agree_on_the_reference(checkpoints):
             )
         )
     assert (results[0] - results[1]).abs().max().item() < 1e-4
-
-
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("kind", ["v2", "v3"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hf_compare import PagedRunner, hf_logits, randomize
+from helpers.hf_compare import PagedRunner, hf_greedy, hf_logits, randomize
 from helpers.tiny_models import tiny_deepseek_config
 
 from pagoda import LLM, SamplingParams
@@ -128,15 +128,6 @@ def test_the_indexer_selects_what_is_attended(checkpoint, tmp_path):
     dense = SparseRunner(dense_model, dense_arch).step({"r": TOKENS[:30]})["r"]
     assert (sparse[:8] - dense[:8]).abs().max().item() < 1e-5
     assert (sparse[8:] - dense[8:]).abs().amax(-1).min().item() > 1e-3
-
-
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(checkpoint):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hf_compare import PagedRunner, hf_logits, randomize
+from helpers.hf_compare import PagedRunner, hf_greedy_recomputed, hf_logits, randomize
 from transformers import GptOssConfig
 from transformers import GptOssForCausalLM as HFGptOss
 
@@ -152,15 +152,6 @@ def test_batch_of_chunk_and_decodes_matches_hf(checkpoint):
     assert (torch.cat(got_b) - hf_logits(hf, b)).abs().max().item() < 1e-4
 
 
-def greedy_reference(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, recomputed over the whole sequence each step."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new_tokens):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def test_engine_greedy_matches_hf(checkpoint):
     path, hf = checkpoint
     llm = LLM(
@@ -181,7 +172,7 @@ def test_engine_greedy_matches_hf(checkpoint):
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            assert out.outputs[0].token_ids == greedy_reference(hf, prompt, 10)
+            assert out.outputs[0].token_ids == hf_greedy_recomputed(hf, prompt, 10)
     finally:
         llm.shutdown()
 

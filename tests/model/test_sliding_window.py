@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hf_compare import TINY, PagedRunner, hf_logits, randomize
+from helpers.hf_compare import TINY, PagedRunner, hf_greedy_recomputed, hf_logits, randomize
 from transformers import MistralConfig, MistralForCausalLM
 
 from pagoda import LLM, SamplingParams
@@ -97,16 +97,6 @@ def test_batch_of_chunk_and_decodes_matches_hf(checkpoint):
     assert (torch.cat(got_b) - hf_logits(hf, b)).abs().max().item() < 1e-4
 
 
-def greedy_reference(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, recomputed over the whole sequence each step
-    (no cache: the sliding mask is the only definition used)."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new_tokens):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def test_engine_greedy_matches_hf(checkpoint):
     path, hf = checkpoint
     # 7 blocks of 8 tokens for 3 requests of up to 33 tokens: preemption; a budget of
@@ -131,6 +121,6 @@ def test_engine_greedy_matches_hf(checkpoint):
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         for prompt, out in zip(prompts, outs):
-            assert out.outputs[0].token_ids == greedy_reference(hf, prompt, 16)
+            assert out.outputs[0].token_ids == hf_greedy_recomputed(hf, prompt, 16)
     finally:
         llm.shutdown()
