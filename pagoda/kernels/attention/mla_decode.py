@@ -110,7 +110,21 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE_DOT)
         m_i = m_new
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice or row: acc is 0
+    _store_slice(
+        out_ptr, partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, row, head, head_ok, dc,
+        c_ok, split, num_splits, stride_on, stride_oh, NUM_HEADS, KV_RANK, DIRECT_OUT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_slice(
+    out_ptr, partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, row, head, head_ok, dc,
+    c_ok, split, num_splits, stride_on, stride_oh,
+    NUM_HEADS: tl.constexpr, KV_RANK: tl.constexpr, DIRECT_OUT: tl.constexpr,
+):  # fmt: skip
+    """The slice's normalised output: into out (one split), or with its log-sum-exp
+    into the merge's workspace (the dense and the sparse latent kernels)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty slice or row (nothing selected): acc is 0
     out = acc / l_safe[:, None]
     out_mask = head_ok[:, None] & c_ok[None, :]
     if DIRECT_OUT:

@@ -24,15 +24,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.attention.dsa_config import SparseMLATiles
-from pagoda.kernels.attention.mla_decode import _mla_merge_kernel
+from pagoda.kernels.attention.mla_decode import _dot, _mla_merge_kernel, _store_slice
 from pagoda.kernels.attention.paged_attention import LOG2_E
-
-
-@triton.jit
-def _dot(a, b, IEEE_DOT: tl.constexpr):
-    if IEEE_DOT:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -132,30 +125,6 @@ def _sparse_mla_kernel(
         out_ptr, partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, row, head, head_ok, dc,
         c_ok, split, num_splits, stride_on, stride_oh, NUM_HEADS, KV_RANK, DIRECT_OUT,
     )  # fmt: skip
-
-
-@triton.jit
-def _store_slice(
-    out_ptr, partial_out_ptr, partial_lse_ptr, acc, m_i, l_i, row, head, head_ok, dc,
-    c_ok, split, num_splits, stride_on, stride_oh,
-    NUM_HEADS: tl.constexpr, KV_RANK: tl.constexpr, DIRECT_OUT: tl.constexpr,
-):  # fmt: skip
-    """The slice's normalised output: into out (one split), or with its log-sum-exp
-    into the merge's workspace."""
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # nothing selected in the slice: acc is 0
-    out = acc / l_safe[:, None]
-    out_mask = head_ok[:, None] & c_ok[None, :]
-    if DIRECT_OUT:
-        tl.store(
-            out_ptr + row * stride_on + head[:, None] * stride_oh + dc[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
-    else:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        slot = (row * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
-        tl.store(partial_lse_ptr + slot, lse, mask=head_ok)
-        tl.store(partial_out_ptr + slot[:, None] * KV_RANK + dc[None, :], out, mask=out_mask)
 
 
 def sparse_launch(
