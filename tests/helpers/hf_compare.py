@@ -144,3 +144,38 @@ def make_hf(kind: str, seed: int = 0, **overrides):
 
 
 PROMPT = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def assert_engine_greedy_with_hits_and_preemption(path: str, hf_model, vocab: int = 384) -> None:
+    """Greedy tokens through LLM equal transformers' for six requests sharing a 32-token
+    prefix (prefix-cache hits) in 14 blocks of 16 tokens (preemption) with a 32-token
+    budget (chunked prefill); CPU, float32."""
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        block_size=16,
+        num_gpu_blocks_override=14,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+    )
+    try:
+        gen = torch.Generator().manual_seed(3)
+        prefix = torch.randint(3, vocab, (32,), generator=gen).tolist()
+        prompts = [
+            prefix + torch.randint(3, vocab, (n,), generator=gen).tolist()
+            for n in (4, 9, 1, 13, 6, 2)
+        ]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
+    finally:
+        llm.shutdown()

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hf_compare import PagedRunner, hf_greedy, hf_logits, randomize
+from helpers.hf_compare import (
+    PagedRunner,
+    assert_engine_greedy_with_hits_and_preemption,
+    hf_greedy,
+    hf_logits,
+    randomize,
+)
 from helpers.tiny_models import tiny_deepseek_config
 
 from pagoda import LLM, SamplingParams
@@ -132,33 +138,9 @@ def test_the_indexer_selects_what_is_attended(checkpoint, tmp_path):
 
 def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(checkpoint):
     path, hf = checkpoint
-    # 14 blocks of 16 tokens for 6 requests of up to 60 tokens: preemption; a budget of
-    # 32 tokens: chunked prefill; a shared 32-token prefix: prefix-cache hits (the
-    # indexer keys of the cached blocks come back with the latents).
-    llm = LLM(
-        path,
-        skip_tokenizer_init=True,
-        device="cpu",
-        dtype="float32",
-        max_model_len=128,
-        block_size=16,
-        num_gpu_blocks_override=14,
-        max_num_batched_tokens=32,
-        max_num_seqs=6,
-    )
-    gen = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 384, (32,), generator=gen).tolist()
-    prompts = [
-        prefix + torch.randint(3, 384, (n,), generator=gen).tolist() for n in (4, 9, 1, 13, 6, 2)
-    ]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
-    llm.shutdown()
+    # The prefix-cache hits bring back the indexer keys of the cached blocks with the
+    # latents.
+    assert_engine_greedy_with_hits_and_preemption(path, hf)
 
 
 @pytest.mark.gpu
