@@ -79,6 +79,14 @@ class PagedRunner:
         assert logits.dtype == torch.float32
         return dict(zip(chunks, logits.split(query_lens)))
 
+    def run(self, steps: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        """Runs the steps in order; each request's logits over all its steps."""
+        outs: dict[str, list[torch.Tensor]] = {}
+        for chunks in steps:
+            for req, logits in self.step(chunks).items():
+                outs.setdefault(req, []).append(logits)
+        return {req: torch.cat(parts) for req, parts in outs.items()}
+
 
 def pagoda_logits(model, arch, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
     runner = PagedRunner(model, arch)

@@ -86,14 +86,6 @@ def test_config_and_pool_layers(checkpoint):
     assert specs[2].page_size_bytes == 16 * 16 * 4
 
 
-def run_steps(runner, steps):
-    outs = {"r": [], "o": []}
-    for chunks in steps:
-        for req, logits in runner.step(chunks).items():
-            outs[req].append(logits)
-    return torch.cat(outs["r"]), torch.cat(outs["o"])
-
-
 def test_logits_match_transformers_through_the_paged_caches(checkpoint):
     path, hf = checkpoint
     model, arch = load_model(path, dtype="float32")
@@ -111,7 +103,8 @@ def test_logits_match_transformers_through_the_paged_caches(checkpoint):
         {"r": TOKENS[62:63], "o": other[:7]},
         {"r": TOKENS[63:], "o": other[7:]},
     ]
-    got, got_other = run_steps(SparseRunner(model, arch), steps)
+    logits = SparseRunner(model, arch).run(steps)
+    got, got_other = logits["r"], logits["o"]
     assert (got - expected).abs().max().item() < 1e-4
     assert (got_other - expected_other).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

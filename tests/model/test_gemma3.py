@@ -145,14 +145,10 @@ def test_batch_of_chunk_and_decodes_matches_hf(checkpoint):
     model, arch = load_model(path, dtype="float32")
     a, b = TOKENS, TOKENS[::-1][:14]
     runner = runner_for(model, arch)
-    got_a, got_b = [], []
     steps = [(a[:9], b[:8])] + [(a[9 + 3 * i : 12 + 3 * i], b[8 + i : 9 + i]) for i in range(6)]
-    for chunk_a, chunk_b in steps:
-        out = runner.step({"a": chunk_a, "b": chunk_b})
-        got_a.append(out["a"])
-        got_b.append(out["b"])
-    assert (torch.cat(got_a) - hf_logits(hf, a[:27])).abs().max().item() < 1e-4
-    assert (torch.cat(got_b) - hf_logits(hf, b)).abs().max().item() < 1e-4
+    got = runner.run([{"a": chunk_a, "b": chunk_b} for chunk_a, chunk_b in steps])
+    assert (got["a"] - hf_logits(hf, a[:27])).abs().max().item() < 1e-4
+    assert (got["b"] - hf_logits(hf, b)).abs().max().item() < 1e-4
 
 
 def test_engine_greedy_matches_hf(checkpoint):

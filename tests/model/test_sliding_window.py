@@ -87,14 +87,10 @@ def test_batch_of_chunk_and_decodes_matches_hf(checkpoint):
     model, arch = load_model(path, dtype="float32")
     a, b = TOKENS, TOKENS[::-1][:15]
     runner = PagedRunner(model, arch)
-    got_a, got_b = [], []
     steps = [(a[:12], b[:9])] + [(a[12 + 4 * i : 16 + 4 * i], b[9 + i : 10 + i]) for i in range(6)]
-    for chunk_a, chunk_b in steps:
-        out = runner.step({"a": chunk_a, "b": chunk_b})
-        got_a.append(out["a"])
-        got_b.append(out["b"])
-    assert (torch.cat(got_a) - hf_logits(hf, a[:36])).abs().max().item() < 1e-4
-    assert (torch.cat(got_b) - hf_logits(hf, b)).abs().max().item() < 1e-4
+    got = runner.run([{"a": chunk_a, "b": chunk_b} for chunk_a, chunk_b in steps])
+    assert (got["a"] - hf_logits(hf, a[:36])).abs().max().item() < 1e-4
+    assert (got["b"] - hf_logits(hf, b)).abs().max().item() < 1e-4
 
 
 def test_engine_greedy_matches_hf(checkpoint):
